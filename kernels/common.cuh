@@ -1,0 +1,116 @@
+// common.cuh: plumbing shared by the kernels, and nothing else.
+// Warp reductions, tensor-core mma / ldmatrix wrappers (inline PTX), cp.async, fp16/bf16 packing.
+// Every algorithm (its loops, tiles and masking) lives in its own kernels/*.cu file.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// NVRTC has no <stdint.h>: name the 32-bit register type ourselves.
+typedef unsigned int u32;
+
+// ---------------------------------------------------------------- warp reductions
+// Reduce over the `width` lanes of each group (width a power of two <= 32, groups aligned).
+template <int width = 32>
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = width / 2; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+template <int width = 32>
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = width / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+// ---------------------------------------------------------------- 16-bit element types
+// The tensor-core kernels are templates over T = __half or __nv_bfloat16.
+template <typename T> struct Half2;
+template <> struct Half2<__half> {
+    // two floats -> one 32-bit register holding (lo, hi) as fp16
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<u32*>(&h);
+    }
+    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+template <> struct Half2<__nv_bfloat16> {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<u32*>(&h);
+    }
+    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+// ---------------------------------------------------------------- mma.sync m16n8k16
+// D (16x8, fp32) += A (16x16, row-major fragment) * B (16x8, column-major fragment).
+// Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4 * group + tid_in_group:
+//   A: a[0] = (row g,   cols 2t..2t+1), a[1] = (row g+8, cols 2t..2t+1),
+//      a[2] = (row g,   cols 2t+8..),   a[3] = (row g+8, cols 2t+8..)
+//   B: b[0] = (rows 2t..2t+1, col g),   b[1] = (rows 2t+8..2t+9, col g)
+//   C/D: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g+8, cols 2t, 2t+1)
+template <typename T>
+__device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], const u32 b[2]);
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float c[4], const u32 a[4], const u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float c[4], const u32 a[4], const u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ---------------------------------------------------------------- ldmatrix
+// Each lane passes the shared-memory address of one 16-byte row (8 x 16-bit) of an 8x8 tile:
+// lanes 0-7 address tile 0, 8-15 tile 1, 16-23 tile 2, 24-31 tile 3. Register r[i] gets tile i
+// in the mma fragment layout; .trans transposes each 8x8 tile on the way.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x2(u32 r[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(u32 r[2], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(smem_row)));
+}
+
+// ---------------------------------------------------------------- cp.async (sm_80+)
+// Copy 16 bytes global -> shared without passing through registers. When `valid` is false the
+// 16 shared bytes are zero-filled (src-size 0): rows past the end of the sequence read as zeros.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most `n` committed groups are still in flight.
+template <int n>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(n)); }
+
+// ---------------------------------------------------------------- fast exp2
+// ex2.approx: 2^x in one SFU instruction (the kernels fold log2(e) into the softmax scale).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}

@@ -1,0 +1,20 @@
+"""Plumbing every stage shares: input checks, the tolerance rule, FLOP counts,
+timing, peak memory and the CUDA kernel loader. No attention algorithm lives here.
+"""
+from .checks import (
+    array_module, check_attention_inputs, check_backward_inputs, resolve_scale, SUPPORTED_FLOAT_DTYPES,
+)
+from .tolerance import max_error, tolerance_report, assert_within_tolerance
+from .measure import attention_flops, time_ms, PeakMemory, gpu_name, has_gpu
+from .inputs import make_inputs, bfloat16, to_numpy, cast
+from .kernels import load_module, compile_only, KERNELS_DIR
+from . import verify
+from .verify import check_forward, check_backward, empty
+
+__all__ = [
+    "array_module", "check_attention_inputs", "check_backward_inputs", "resolve_scale",
+    "SUPPORTED_FLOAT_DTYPES", "max_error", "tolerance_report", "assert_within_tolerance",
+    "attention_flops", "time_ms", "PeakMemory", "gpu_name", "has_gpu", "make_inputs", "bfloat16",
+    "to_numpy", "cast", "load_module", "compile_only", "KERNELS_DIR", "verify",
+    "check_forward", "check_backward", "empty",
+]

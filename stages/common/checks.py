@@ -1,0 +1,105 @@
+"""Input validation shared by every stage: errors that say what is supported."""
+import math
+
+import numpy as np
+
+try:  # bfloat16 for numpy and CuPy (CuPy >= 14 understands ml_dtypes.bfloat16)
+    import ml_dtypes
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is in requirements.txt
+    _BF16 = None
+
+SUPPORTED_FLOAT_DTYPES = tuple(
+    d for d in (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), _BF16) if d is not None
+)
+
+
+def array_module(*arrays):
+    """numpy for numpy arrays, cupy for CuPy arrays; a clear error for anything else or a mix."""
+    kinds = set()
+    for a in arrays:
+        mod = type(a).__module__.split(".")[0]
+        if isinstance(a, np.ndarray):
+            kinds.add("numpy")
+        elif mod == "cupy":
+            kinds.add("cupy")
+        else:
+            raise TypeError(
+                f"expected numpy or CuPy arrays, got {type(a).__module__}.{type(a).__name__}; "
+                "convert with numpy.asarray(x) (CPU) or cupy.asarray(x) (GPU)"
+            )
+    if len(kinds) > 1:
+        raise TypeError(
+            "mixed numpy and CuPy arrays: put every input on one device "
+            "(cupy.asarray(x) to move to the GPU, cupy.asnumpy(x) to move to the CPU)"
+        )
+    if kinds == {"cupy"}:
+        import cupy
+
+        return cupy
+    return np
+
+
+def _dtype_names(dtypes):
+    return ", ".join(np.dtype(d).name for d in dtypes)
+
+
+def check_attention_inputs(q, k, v, *, dtypes=SUPPORTED_FLOAT_DTYPES, head_dims=None, where="attention"):
+    """Check q, k, v of shape (B, H, N, D); return (xp, B, H, Nq, Nk, D).
+
+    dtypes: the dtypes this implementation supports; head_dims: the supported head dims (None: any).
+    """
+    xp = array_module(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4:
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(t.shape)} (rank {t.ndim}); expected rank 4, "
+                "(batch, heads, seq, head_dim) as in torch scaled_dot_product_attention"
+            )
+    B, H, Nq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
+        raise ValueError(
+            f"{where}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim "
+            "(only the sequence length may differ)"
+        )
+    Nk = k.shape[2]
+    if min(B, H, D) == 0 or Nq == 0 or Nk == 0:
+        raise ValueError(f"{where}: empty input (q {tuple(q.shape)}, k {tuple(k.shape)}); every dim must be >= 1")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{where}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if np.dtype(q.dtype) not in [np.dtype(d) for d in dtypes]:
+        raise TypeError(f"{where}: dtype {q.dtype} is not supported; use one of: {_dtype_names(dtypes)}")
+    if head_dims is not None and D not in head_dims:
+        raise ValueError(
+            f"{where}: head_dim {D} is not supported; use one of {sorted(head_dims)}"
+        )
+    return xp, B, H, Nq, Nk, D
+
+
+def check_backward_inputs(q, k, v, o, lse, do, *, where="attention backward", **kw):
+    """check_attention_inputs, plus o and do shaped like q and lse shaped (B, H, Nq) float32."""
+    xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, where=where, **kw)
+    if array_module(q, o, lse, do) is not xp:  # pragma: no cover - array_module raises first
+        raise TypeError(f"{where}: all arrays must be on one device")
+    for name, t in (("o", o), ("do", do)):
+        if tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}; expected q's shape {tuple(q.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{where}: {name} has dtype {t.dtype}; expected q's dtype {q.dtype}")
+    if tuple(lse.shape) != (B, H, Nq):
+        raise ValueError(f"{where}: lse has shape {tuple(lse.shape)}; expected (B, H, Nq) = {(B, H, Nq)}")
+    if lse.dtype != np.float32 and lse.dtype != np.float64:
+        raise TypeError(f"{where}: lse has dtype {lse.dtype}; expected float32 (as forward returns it)")
+    return xp, B, H, Nq, Nk, D
+
+
+def resolve_scale(scale, D):
+    """The softmax scale: 1/sqrt(head_dim) unless given; must be a finite positive number."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return scale

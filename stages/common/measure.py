@@ -1,0 +1,114 @@
+"""FLOP counts, timing (CUDA events on the GPU), peak memory, device facts."""
+import statistics
+import time
+import tracemalloc
+
+
+def has_gpu():
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU"
+        return False
+
+
+def gpu_name():
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def attention_flops(B, H, Nq, Nk, D, *, causal=False, backward=False):
+    """FLOPs by the convention of the FlashAttention papers.
+
+    Forward: two matmuls (S = QK^T, O = PV) of 2*Nq*Nk*D each -> 4*B*H*Nq*Nk*D, halved when causal.
+    Backward: 2.5x the forward (five matmuls instead of two).
+    """
+    f = 4.0 * B * H * Nq * Nk * D
+    if causal:
+        f *= 0.5
+    if backward:
+        f *= 2.5
+    return f
+
+
+def time_ms(fn, *, gpu, warmup=3, repeat=10):
+    """Median time of fn() in milliseconds after warm-up; CUDA events around each call on the GPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if gpu:
+        import cupy
+
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        cupy.cuda.get_current_stream().synchronize()
+        for _ in range(repeat):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+    else:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class PeakMemory:
+    """Peak bytes allocated inside the `with` block, above what was live when it started.
+
+    CPU: numpy reports its buffers to tracemalloc. GPU: a CuPy memory hook counts the
+    memory pool's mallocs and frees (the pool's rounded sizes, which is what the GPU holds).
+    """
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+        self.peak = 0
+
+    def __enter__(self):
+        if self.gpu:
+            import cupy
+
+            outer = self
+
+            class _Hook(cupy.cuda.MemoryHook):
+                name = "PeakMemory"
+
+                def __init__(self):
+                    self.live = 0
+
+                def malloc_postprocess(self, **kw):
+                    self.live += kw["mem_size"]
+                    outer.peak = max(outer.peak, self.live)
+
+                def free_postprocess(self, **kw):
+                    self.live -= kw["mem_size"]
+
+            cupy.cuda.Device().synchronize()
+            self._hook = _Hook()
+            self._hook.__enter__()
+        else:
+            self._was_tracing = tracemalloc.is_tracing()
+            if not self._was_tracing:
+                tracemalloc.start()
+            tracemalloc.reset_peak()
+            self._base = tracemalloc.get_traced_memory()[0]
+        return self
+
+    def __exit__(self, *exc):
+        if self.gpu:
+            import cupy
+
+            cupy.cuda.Device().synchronize()
+            self._hook.__exit__(*exc)
+        else:
+            self.peak = max(0, tracemalloc.get_traced_memory()[1] - self._base)
+            if not self._was_tracing:
+                tracemalloc.stop()
+        return False
