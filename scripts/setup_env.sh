@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sourced by tutorial.sh and test.sh: make .venv (once) and install requirements.txt into it
+# (again only when requirements.txt changes). Needs nothing but python3 >= 3.10.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${ATTN_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.requirements.sha"
+WANT="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "[setup] installing requirements.txt into $VENV (first run: a few minutes)"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt"
+  echo "$WANT" > "$STAMP"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+cd "$ROOT"
