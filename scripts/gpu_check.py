@@ -14,6 +14,8 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from stages.common.launch import mpi_env, mpirun_command  # noqa: E402
 
 
 def run(name, cmd, out_dir, env, timeout):
@@ -41,7 +43,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = mpi_env()
     py = sys.executable
     steps = []
     if "tests" not in args.skip:
@@ -51,7 +53,7 @@ def main(argv=None):
             if (ROOT / "stages" / folder / "run.py").exists():
                 steps.append((f"run_{folder}", [py, f"stages/{folder}/run.py"]))
     if "ring" not in args.skip and (ROOT / "stages/04_ring/run.py").exists():
-        steps.append(("ring_mpi_4ranks_1gpu", ["mpirun", "-n", "4", py, "stages/04_ring/run.py", "--backend", "mpi"]))
+        steps.append(("ring_mpi_4ranks_1gpu", mpirun_command(4) + [py, "stages/04_ring/run.py", "--backend", "mpi"]))
     if "bench" not in args.skip and (ROOT / "scripts/bench.py").exists():
         steps.append(("bench", [py, "scripts/bench.py", "--out", str(out_dir)] + shlex.split(args.bench_args)))
     results = [run(name, cmd, out_dir, env, args.timeout) for name, cmd in steps]

@@ -8,14 +8,14 @@ Each stage's run.py checks itself against the stage before it and ends with a li
     python scripts/run_all.py --gpu-mpi  # the ring as 4 ranks on one GPU (mpi backend) when there is a GPU
 """
 import argparse
-import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from stages.common.launch import mpi_env, mpirun_command  # noqa: E402
 
 # (stage folder, needs mpirun with this many ranks or None)
 STAGES = [
@@ -27,22 +27,13 @@ STAGES = [
 ]
 
 
-def mpirun_command(n):
-    exe = shutil.which("mpirun") or shutil.which("mpiexec")
-    if exe is None:
-        raise SystemExit("mpirun not found: install an MPI runtime (pip install mpich) or run scripts/tutorial.sh")
-    return [exe, "-n", str(n)]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="default sizes instead of --quick")
     ap.add_argument("--only", nargs="+", default=None, help="stage folders to run (default: all that exist)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds allowed per stage")
     args = ap.parse_args(argv)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if os.geteuid() == 0:  # OpenMPI refuses root unless told; harmless for MPICH
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = mpi_env()
     rows = []
     for folder, ranks in STAGES:
         script = ROOT / "stages" / folder / "run.py"
@@ -51,7 +42,11 @@ def main(argv=None):
         if not script.exists():
             rows.append((folder, "ABSENT", 0.0, "stage not written yet"))
             continue
-        cmd = (mpirun_command(ranks) if ranks else []) + [sys.executable, str(script)]
+        try:
+            launcher = mpirun_command(ranks) if ranks else []
+        except RuntimeError as e:
+            raise SystemExit(str(e))
+        cmd = launcher + [sys.executable, str(script)]
         cmd += [] if args.full else ["--quick"]
         print(f"\n######## {' '.join(cmd[-3:] if not ranks else cmd)}", flush=True)
         t0 = time.time()

@@ -140,6 +140,23 @@ def test_tolerance_rule():
     assert ok and err == 0 and bound == pytest.approx(1e-5)
 
 
+def test_infinite_yardstick_is_refused_and_replaced():
+    """float16 naive attention on inputs x100 rounds S past 65504 to inf: a yardstick with infinite error
+    would pass anything, so the rule refuses it, and the shared checks fall back to S kept in float32."""
+    from stages.common import verify
+
+    q, k, v = make_inputs(1, 2, 64, 64, 64, dtype=np.float16, scale=100.0)
+    refs = naive.forward(*(x.astype(np.float64) for x in (q, k, v)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        low16 = naive.forward(q, k, v)
+    assert not np.isfinite(max_error(low16[0], refs[0]))
+    with pytest.raises(ValueError, match="would pass anything"):
+        tolerance_report(refs[0], refs[0], low16[0])
+    lows = verify.naive_forward_yardstick(q, k, v, refs)
+    errs = [max_error(low, ref) for low, ref in zip(lows, refs)]
+    assert all(np.isfinite(e) for e in errs) and errs[0] > 0  # finite, and still rounded (P, O in float16)
+
+
 def test_flop_count():
     assert attention_flops(4, 16, 4096, 4096, 64) == 4 * 4 * 16 * 4096 * 4096 * 64
     assert attention_flops(1, 1, 10, 10, 8, causal=True) == 4 * 10 * 10 * 8 / 2

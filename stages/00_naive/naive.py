@@ -39,22 +39,25 @@ def _round(x, dtype):
     return cast(cast(x, dtype), x.dtype)
 
 
-def _scores(q, k, scale, causal, xp):
+def _scores(q, k, scale, causal, xp, round_scores=True):
     """S = scale * Q K^T, masked to -inf above the causal diagonal."""
     cd = _compute_dtype(q.dtype)
     s = xp.matmul(cast(q, cd), cast(k, cd).swapaxes(-1, -2))  # (B, H, Nq, Nk)
-    s = _round(s, q.dtype) * scale
+    s = (_round(s, q.dtype) if round_scores else s) * scale
     if causal:
         s = xp.where(causal_mask(q.shape[2], k.shape[2], xp), s, -xp.inf)
     return s
 
 
-def forward(q, k, v, *, causal=False, scale=None):
-    """Naive attention. Returns o (like q) and lse (B, H, Nq): float32, float64 for float64 inputs."""
+def forward(q, k, v, *, causal=False, scale=None, round_scores=True):
+    """Naive attention. Returns o (like q) and lse (B, H, Nq): float32, float64 for float64 inputs.
+
+    round_scores=False keeps S in float32 for 16-bit inputs (P, O still rounded), as FlashAttention
+    kernels keep it: float16 S overflows (inf) once |S| > 65504, e.g. on inputs scaled x100."""
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, where="naive.forward")
     scale = resolve_scale(scale, D)
     cd = _compute_dtype(q.dtype)
-    s = _scores(q, k, scale, causal, xp)  # (B, H, Nq, Nk)
+    s = _scores(q, k, scale, causal, xp, round_scores)  # (B, H, Nq, Nk)
     m = s.max(axis=-1, keepdims=True)  # (B, H, Nq, 1) row max
     m = xp.where(xp.isinf(m), 0.0, m)  # a fully masked row has m = -inf: use 0, its p is 0 anyway
     p = xp.exp(s - m)  # (B, H, Nq, Nk) in (0, 1]: exp never overflows
@@ -66,7 +69,7 @@ def forward(q, k, v, *, causal=False, scale=None):
     return cast(o, q.dtype), lse.astype(np.float64 if cd == np.float64 else np.float32)
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None):
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, round_scores=True):
     """Gradients of sum(O * dO) with respect to q, k, v, from the saved lse (P is recomputed).
 
         P  = exp(S - L)               recomputed from the saved lse
@@ -75,11 +78,13 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None):
         D  = rowsum(dO * O)           (B, H, Nq, 1)   = rowsum(P * dP)
         dS = P * (dP - D)             the softmax Jacobian applied to dP
         dQ = scale * dS K,  dK = scale * dS^T Q
+
+    round_scores: as in forward (S kept in float32 when False; P, dP, dS still rounded).
     """
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where="naive.backward")
     scale = resolve_scale(scale, D)
     cd = _compute_dtype(q.dtype)
-    s = _scores(q, k, scale, causal, xp)  # (B, H, Nq, Nk)
+    s = _scores(q, k, scale, causal, xp, round_scores)  # (B, H, Nq, Nk)
     lse = cast(lse, cd)[..., None]  # (B, H, Nq, 1)
     lse = xp.where(xp.isneginf(lse), xp.inf, lse)  # fully masked row: exp(-inf - inf) = 0, not NaN
     p = xp.exp(s - lse)  # (B, H, Nq, Nk)
