@@ -1,0 +1,359 @@
+// flash_v2_forward_fp32.cu: FlashAttention-2 forward, version 1 "fp32" (CUDA cores, float32 throughout).
+//
+// Paper: Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning"
+// (arXiv 2307.08691), Algorithm 1 (forward) and Section 3 (what changed from FlashAttention v1):
+//
+//   block (x, y) owns Q tile i and head bh = y:              (grid = Tr x B*H: parallel over sequence tiles)
+//   load Q_i into shared memory                                             (Alg.1 L4)
+//   O_i = 0, l_i = 0, m_i = -inf, on chip for the whole loop                (L5)
+//   for j in 0..Tc-1 (causal: only tiles left of / on the diagonal):        (L6)
+//       load K_j, V_j into shared memory                                    (L7)
+//       S_ij = scale * Q_i K_j^T                                            (L8)
+//       m_new = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_new)           (L9)
+//       l_i = e^(m_i - m_new) l_i + rowsum(P~_ij)
+//       O_i = diag(e^(m_i - m_new)) O_i + P~_ij V_j                         (L10: NOT normalised yet)
+//   O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)  -> HBM                    (L12-L15: once, at the end)
+//
+// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined):
+//   1 fp32       THIS FILE. What changed from stage 01 (FlashAttention v1, 87 GFLOP/s on an H100):
+//      * loops swapped: i (Q tiles) outside, one block per (Q tile, head), so O_i, l_i, m_i stay in registers
+//        and the Tr * B * H blocks fill every SM (v1 had B * H blocks, one per head);
+//      * warps split the rows of Q_i (FA2 Sec. 3.3): each warp owns 4*TM rows of S_ij, P~_ij and O_i, so
+//        softmax and P V need no block-wide barrier, only __syncwarp;
+//      * the division by l_i is deferred to the end (FA2 Sec. 3.1): one divide per row, not one per tile;
+//      * register tiling (as in an SGEMM): a lane computes a TM x 8 block of S_ij and a TM x (HEAD_DIM/8)
+//        block of O_i from float4 shared-memory reads; exp2 with log2(e) folded into the scale;
+//      * causal: tiles right of the diagonal are never visited, masking runs only on the diagonal tile(s)
+//        (and the ragged last K tile); the Q tiles with the most work are launched first;
+//      * loads overlap compute: V_j comes by cp.async while S_ij is computed (ASYNC_V), K_{j+1} is read into
+//        registers while P~_ij V_j is computed and stored transposed after it (PREFETCH_K).
+//      MEASURED (H100 80GB HBM3, B=4 H=16 N=4096, run.py, in one run with torch SDPA fp32 EFFICIENT_ATTENTION):
+//        d = 64:  37.0 TFLOP/s non-causal (torch 34.6: 1.07x), 33.2 causal (torch 31.2: 1.07x)
+//        d = 128: 33.7 TFLOP/s non-causal (torch 45.1: 0.75x), 31.5 causal (torch 43.4: 0.73x)
+//        steps at d = 64 non-causal (run.py --sweep): synchronous loads 34.5, + V_j by cp.async 35.3,
+//        + K_{j+1} prefetch 37.5. At d = 128, Br = 64 with 4 warps gave 30.0; Br = 128 with 8 warps 33.0-33.7.
+//        Torch's "fp32" backend runs 3xTF32 on TENSOR cores (README); this is plain FFMA, ~67 TFLOP/s peak at
+//        1980 MHz: 55% of it at d = 64. Measured with P~ = exp2(fma(s, scale log2e, -m)); the code now scales
+//        first and subtracts after (one more FMUL per S element, not re-timed) so one-hot rows are exact.
+//   2 tc         flash_v2_forward_tc.cu: fp16/bf16 mma.sync m16n8k16 tensor cores.
+//   3 pipelined  flash_v2_forward_pipelined.cu: cp.async double buffering, padded smem, tuned tiles.
+//
+// Thread layout (NWARPS warps; Br = NWARPS * 4 * TM rows of Q_i; Bc = 64 keys of K_j):
+//   lane = 8 * rg + cg (rg = 0..3 row group, cg = 0..7 column group).
+//   rows of a lane:    wr0 + 0..TM-1, wr0 = warp * 4*TM + rg * TM          (S_ij, P~_ij, O_i, m_i, l_i)
+//   S_ij columns:      4*cg + 32*t + e, t = 0, 1, e = 0..3                  (8 keys of K_j)
+//   O_i columns:       4*cg + 32*t + e, t = 0..DP/32-1                      (DP = HEAD_DIM rounded up to 32)
+//   The 8 lanes of a row group hold one row: row max / row sum are 8-lane shuffles.
+// Shared memory (floats): Q_i^T [DP][Br], K_j^T [DP][Bc], V_j [Bc][DP], P~_ij^T [Bc][Br+4].
+//   Transposed Q and K make "4 rows of Q_i" and "4 keys of K_j" one aligned float4 each; every float4 read of
+//   the inner loops is either a broadcast (Q, P: 4 addresses per warp) or 8 consecutive float4 (K, V): no bank
+//   conflicts. P~^T rows are padded by 4 floats so the float4 stores of a warp spread over all 32 banks.
+// Head dims 1..128: columns DP > HEAD_DIM are zero in shared memory and never stored; float4 global loads
+// when HEAD_DIM % 4 == 0, scalar loads otherwise.
+// One step j (PREFETCH_K, ASYNC_V), three barriers:
+//   S_ij from Q_i, K_j | softmax | P~_ij -> smem | fetch K_{j+1} -> regs | wait V_j, BARRIER | O_i += P~_ij V_j
+//   | BARRIER (K_j, V_j free) | cp.async V_{j+1}, K_{j+1} regs -> smem | BARRIER
+//
+// Run: python stages/02_flash_v2/run.py --version fp32        (tests: pytest tests/test_02_flash_v2.py)
+#include "common.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)  // -infinity (NVRTC has no <math.h> INFINITY)
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 64  // one module per head dim (-DHEAD_DIM=d), any 1 <= d <= 128
+#endif
+#ifndef TM
+#define TM 4  // rows of Q_i per lane (4 or 8)
+#endif
+#ifndef NWARPS
+#define NWARPS 4  // warps per block
+#endif
+#define NTHREADS (32 * NWARPS)
+#define BR (NWARPS * 4 * TM)               // Br: rows of Q_i
+#define BC 64                              // Bc: keys of K_j (8 column groups x 8 keys)
+#define DP (((HEAD_DIM + 31) / 32) * 32)   // head dim padded to a multiple of 32
+#define DT (DP / 32)                       // float4 column groups of O_i per lane
+#define LDP (BR + 4)                       // padded row of P~_ij^T
+#define VEC (HEAD_DIM % 4 == 0)            // rows of q, k, v, o are float4-aligned
+#ifndef ASYNC_V
+#define ASYNC_V VEC  // 1: V_j comes in by cp.async while S_ij is computed (needs 16-byte aligned rows)
+#endif
+#if ASYNC_V && !VEC
+#error "ASYNC_V needs HEAD_DIM % 4 == 0 (16-byte cp.async of whole float4)"
+#endif
+#ifndef PREFETCH_K
+#define PREFETCH_K 1  // 1: K_{j+1} is read from HBM into registers while P~_ij V_j is computed
+#endif
+#define KN (BC * (DP / 4) / NTHREADS)     // float4 of K_j each thread carries from HBM to shared memory
+static_assert((BC * (DP / 4)) % NTHREADS == 0, "K_j splits evenly over the threads");
+static_assert(HEAD_DIM >= 1 && HEAD_DIM <= 128, "head dim 1..128");
+static_assert(TM % 4 == 0, "a lane's rows are read as float4");
+
+// 4 consecutive elements d0..d0+3 of one row of a (n, HEAD_DIM) matrix; zeros past the row's end or when
+// the row does not exist (rows past the sequence: they are masked or never stored).
+__device__ __forceinline__ float4 load4(const float* __restrict__ row, int d0, bool valid) {
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (!valid || d0 >= HEAD_DIM) return x;
+    if (VEC) return *reinterpret_cast<const float4*>(row + d0);
+    x.x = row[d0];
+    if (d0 + 1 < HEAD_DIM) x.y = row[d0 + 1];
+    if (d0 + 2 < HEAD_DIM) x.z = row[d0 + 2];
+    if (d0 + 3 < HEAD_DIM) x.w = row[d0 + 3];
+    return x;
+}
+
+// dst[d][r] = src[row0 + r][d] for a ROWS x DP tile (transposed into shared memory). Consecutive threads take
+// consecutive rows r, so the four scalar stores of a warp hit 32 consecutive banks.
+template <int ROWS>
+__device__ __forceinline__ void load_transposed(float* dst, const float* __restrict__ src, int row0, int n) {
+    for (int e = threadIdx.x; e < ROWS * (DP / 4); e += NTHREADS) {
+        const int r = e % ROWS, dq = e / ROWS;
+        const float4 x = load4(src + (size_t)(row0 + r) * HEAD_DIM, 4 * dq, row0 + r < n);
+        dst[(4 * dq + 0) * ROWS + r] = x.x;
+        dst[(4 * dq + 1) * ROWS + r] = x.y;
+        dst[(4 * dq + 2) * ROWS + r] = x.z;
+        dst[(4 * dq + 3) * ROWS + r] = x.w;
+    }
+}
+
+// This thread's part of K_j (rows row0.., KN float4): element e = tid + NTHREADS * it is row e % BC, columns
+// 4 * (e / BC) .. +3. Only loads: the values stay in registers until store_kt.
+__device__ __forceinline__ void fetch_k(float4 (&x)[KN], const float* __restrict__ k, int row0, int n) {
+#pragma unroll
+    for (int it = 0; it < KN; ++it) {
+        const int e = threadIdx.x + NTHREADS * it, r = e % BC, dq = e / BC;
+        x[it] = load4(k + (size_t)(row0 + r) * HEAD_DIM, 4 * dq, row0 + r < n);
+    }
+}
+// K_j^T [DP][BC] in shared memory from fetch_k's registers (consecutive threads: consecutive keys, 32 banks).
+__device__ __forceinline__ void store_kt(float* Kt, const float4 (&x)[KN]) {
+#pragma unroll
+    for (int it = 0; it < KN; ++it) {
+        const int e = threadIdx.x + NTHREADS * it, r = e % BC, dq = e / BC;
+        Kt[(4 * dq + 0) * BC + r] = x[it].x;
+        Kt[(4 * dq + 1) * BC + r] = x[it].y;
+        Kt[(4 * dq + 2) * BC + r] = x[it].z;
+        Kt[(4 * dq + 3) * BC + r] = x[it].w;
+    }
+}
+// V_j [BC][DP] in shared memory, as stored in HBM (consecutive threads: consecutive float4 of a row). With
+// ASYNC_V by cp.async (rows past n and columns past HEAD_DIM zero-filled): it lands while the block computes.
+__device__ __forceinline__ void load_v(float* Vs, const float* __restrict__ v, int row0, int n) {
+    for (int e = threadIdx.x; e < BC * (DP / 4); e += NTHREADS) {
+        const int c = e / (DP / 4), dq = e % (DP / 4);
+        const bool ok = row0 + c < n && 4 * dq < HEAD_DIM;
+#if ASYNC_V
+        cp_async_16(&Vs[c * DP + 4 * dq], ok ? v + (size_t)(row0 + c) * HEAD_DIM + 4 * dq : v, ok);
+#else
+        *reinterpret_cast<float4*>(&Vs[c * DP + 4 * dq]) = load4(v + (size_t)(row0 + c) * HEAD_DIM, 4 * dq, ok);
+#endif
+    }
+#if ASYNC_V
+    cp_async_commit();
+#endif
+}
+
+// q (B,H,Nq,D), k, v (B,H,Nk,D), o (B,H,Nq,D), lse (B,H,Nq); float32, contiguous. Grid (Tr, B*H).
+// scale_log2 = scale * log2(e): S_ij is kept in base-2 units, so exp(scale s - m) = exp2(s scale_log2 - m').
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                      float* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
+                      int causal) {
+    extern __shared__ __align__(16) float smem[];
+    float* Qt = smem;            // Q_i^T   [DP][BR]
+    float* Kt = Qt + DP * BR;    // K_j^T   [DP][BC]
+    float* Vs = Kt + DP * BC;    // V_j     [BC][DP]
+    float* Pt = Vs + BC * DP;    // P~_ij^T [BC][LDP]
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int rg = lane / 8, cg = lane % 8;
+    const int wr0 = warp * 4 * TM + rg * TM;  // this lane's first row inside Q_i
+    const int i = gridDim.x - 1 - blockIdx.x;  // the last Q tiles have the most causal work: launch them first
+    const size_t bh = blockIdx.y;
+    q += bh * Nq * HEAD_DIM; o += bh * Nq * HEAD_DIM;
+    k += bh * Nk * HEAD_DIM; v += bh * Nk * HEAD_DIM;
+    lse += bh * Nq;
+    const int row0 = i * BR;       // first row of Q_i
+    const int shift = Nk - Nq;     // causal, bottom-right: query R sees key C iff C <= R + shift
+
+    // Alg.1 L6: which K/V tiles to visit. Causal: the last key row0 + BR - 1 + shift of Q_i's last row bounds
+    // them; tiles after it are fully masked and skipped (a Q tile with no visible key visits none).
+    int Tc = (Nk + BC - 1) / BC;
+    if (causal) {
+        const int last_key = min(row0 + BR, Nq) - 1 + shift;
+        Tc = last_key < 0 ? 0 : min(Tc, last_key / BC + 1);
+    }
+
+    load_transposed<BR>(Qt, q, row0, Nq);  // Alg.1 L4
+    float4 kx[KN];                         // K_j on its way from HBM to shared memory
+#if PREFETCH_K
+    if (Tc > 0) {  // Alg.1 L7 for j = 0; later tiles are fetched one step ahead, below
+        load_v(Vs, v, 0, Nk);
+        fetch_k(kx, k, 0, Nk);
+        store_kt(Kt, kx);
+    }
+    __syncthreads();  // Q_i and K_0 (and V_0 without ASYNC_V) are in shared memory before any warp reads them
+#endif
+
+    // Alg.1 L5: O_i, l_i, m_i on chip. l_i is this lane's partial row sum over its 8 keys of every tile (all
+    // lanes of a row rescale by the same e^(m_i - m_new)): the 8-lane reduction waits until the end.
+    float acc[TM][4 * DT];
+    float m_i[TM], l_i[TM];
+#pragma unroll
+    for (int r = 0; r < TM; ++r) {
+        m_i[r] = NEG_INF; l_i[r] = 0.f;
+#pragma unroll
+        for (int c = 0; c < 4 * DT; ++c) acc[r][c] = 0.f;
+    }
+
+    for (int j = 0; j < Tc; ++j) {  // Alg.1 L6: inner loop over K_j, V_j
+#if !PREFETCH_K
+        __syncthreads();  // every warp is done reading K_{j-1}, V_{j-1} before they are overwritten
+        load_v(Vs, v, j * BC, Nk);  // Alg.1 L7 (V_j is only needed by P~_ij V_j: with ASYNC_V it lands meanwhile)
+        fetch_k(kx, k, j * BC, Nk);
+        store_kt(Kt, kx);
+        __syncthreads();  // all of K_j (and Q_i, at j = 0) is in shared memory before any warp reads it
+#endif
+
+        // Alg.1 L8: S_ij = Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
+        float s[TM][8];
+#pragma unroll
+        for (int r = 0; r < TM; ++r)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) s[r][c] = 0.f;
+#pragma unroll 4
+        for (int d = 0; d < DP; ++d) {
+            float a[TM], b[8];
+#pragma unroll
+            for (int r4 = 0; r4 < TM / 4; ++r4) {
+                const float4 x = *reinterpret_cast<const float4*>(&Qt[d * BR + wr0 + 4 * r4]);  // broadcast
+                a[4 * r4] = x.x; a[4 * r4 + 1] = x.y; a[4 * r4 + 2] = x.z; a[4 * r4 + 3] = x.w;
+            }
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const float4 x = *reinterpret_cast<const float4*>(&Kt[d * BC + 32 * t + 4 * cg]);
+                b[4 * t] = x.x; b[4 * t + 1] = x.y; b[4 * t + 2] = x.z; b[4 * t + 3] = x.w;
+            }
+#pragma unroll
+            for (int r = 0; r < TM; ++r)
+#pragma unroll
+                for (int c = 0; c < 8; ++c) s[r][c] = fmaf(a[r], b[c], s[r][c]);
+        }
+
+        // Scale to base 2 (S_ij * scale * log2 e, rounded once); mask only where needed: the diagonal tile(s)
+        // (some key > row0 + shift) and the ragged last tile (keys >= Nk). The condition is the same for the
+        // whole block: no divergence.
+        const bool need_mask = (causal && (j + 1) * BC - 1 > row0 + shift) || (j + 1) * BC > Nk;
+#pragma unroll
+        for (int r = 0; r < TM; ++r)
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                s[r][c] *= scale_log2;
+                if (need_mask) {
+                    const int R = row0 + wr0 + r, C = j * BC + 32 * (c / 4) + 4 * cg + c % 4;
+                    if (C >= Nk || (causal && C > R + shift)) s[r][c] = NEG_INF;
+                }
+            }
+
+        // Alg.1 L9-L10: online softmax, normalisation deferred. A row with no visible key so far has
+        // m_new = -inf: subtracting 0 instead gives P~ = exp2(-inf) = 0 and alpha = 0, never NaN.
+        // Why scale first and subtract after (not one FMA, s * scale_log2 - m): m is then one of the rounded
+        // values, so the row max gets P~ = 2^0 = 1 exactly. With the FMA the row max gets 2^(rounding residue),
+        // ~1 +- 0.005 for logits ~1e4, and a one-hot row (huge logits) comes out 1 ulp off (measured: 3e-5).
+#pragma unroll
+        for (int r = 0; r < TM; ++r) {
+            float mx = s[r][0];
+#pragma unroll
+            for (int c = 1; c < 8; ++c) mx = fmaxf(mx, s[r][c]);
+            mx = warp_max<8>(mx);  // the 8 lanes of the row group agree on rowmax(S_ij)
+            const float m_new = fmaxf(m_i[r], mx);
+            const float m_use = m_new == NEG_INF ? 0.f : m_new;
+            const float alpha = fast_exp2(m_i[r] - m_use);  // e^(m_i - m_new): rescales the old l_i and O_i
+            float rowsum = 0.f;
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                s[r][c] = fast_exp2(s[r][c] - m_use);  // P~_ij (ex2.approx: 2^-inf = 0)
+                rowsum += s[r][c];
+            }
+            l_i[r] = alpha * l_i[r] + rowsum;
+            m_i[r] = m_new;
+#pragma unroll
+            for (int c = 0; c < 4 * DT; ++c) acc[r][c] *= alpha;
+        }
+
+        // P~_ij to shared memory, transposed, so P V can read 4 rows of one key as one float4. The rows are this
+        // warp's own: only the warp's lanes write and read them.
+        __syncwarp();  // this warp's lanes are done reading P~_{i,j-1} (the P V below) before it is overwritten
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+#pragma unroll
+            for (int r4 = 0; r4 < TM / 4; ++r4)
+                *reinterpret_cast<float4*>(&Pt[(32 * (c / 4) + 4 * cg + c % 4) * LDP + wr0 + 4 * r4]) =
+                    make_float4(s[4 * r4][c], s[4 * r4 + 1][c], s[4 * r4 + 2][c], s[4 * r4 + 3][c]);
+        __syncwarp();  // all of this warp's P~_ij rows are written before its lanes read them
+#if PREFETCH_K
+        if (j + 1 < Tc) fetch_k(kx, k, (j + 1) * BC, Nk);  // Alg.1 L7 for j + 1: in flight during P~_ij V_j
+#endif
+#if ASYNC_V
+        cp_async_wait<0>();  // this thread's part of V_j has landed ...
+        __syncthreads();     // ... and so has every other thread's: all of V_j is there for every warp
+#endif
+
+        // Alg.1 L10: O_i += P~_ij V_j for this lane's TM x 4*DT block: per key, TM/4 + DT float4 reads.
+#pragma unroll 2
+        for (int c = 0; c < BC; ++c) {
+            float a[TM];
+#pragma unroll
+            for (int r4 = 0; r4 < TM / 4; ++r4) {
+                const float4 x = *reinterpret_cast<const float4*>(&Pt[c * LDP + wr0 + 4 * r4]);  // broadcast
+                a[4 * r4] = x.x; a[4 * r4 + 1] = x.y; a[4 * r4 + 2] = x.z; a[4 * r4 + 3] = x.w;
+            }
+#pragma unroll
+            for (int t = 0; t < DT; ++t) {
+                const float4 x = *reinterpret_cast<const float4*>(&Vs[c * DP + 32 * t + 4 * cg]);
+#pragma unroll
+                for (int r = 0; r < TM; ++r) {
+                    acc[r][4 * t + 0] = fmaf(a[r], x.x, acc[r][4 * t + 0]);
+                    acc[r][4 * t + 1] = fmaf(a[r], x.y, acc[r][4 * t + 1]);
+                    acc[r][4 * t + 2] = fmaf(a[r], x.z, acc[r][4 * t + 2]);
+                    acc[r][4 * t + 3] = fmaf(a[r], x.w, acc[r][4 * t + 3]);
+                }
+            }
+        }
+#if PREFETCH_K
+        if (j + 1 < Tc) {  // the same for the whole block: the barriers are reached by every thread
+            __syncthreads();  // every warp is done reading K_j (S_ij) and V_j (P~_ij V_j): they may be overwritten
+            load_v(Vs, v, (j + 1) * BC, Nk);  // with ASYNC_V it lands while S_{i,j+1} is computed
+            store_kt(Kt, kx);
+            __syncthreads();  // K_{j+1} (and V_{j+1} without ASYNC_V) is in shared memory before any warp reads it
+        }
+#endif
+    }
+
+    // Alg.1 L12-L15: O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i), written once. m_i is in base-2 units:
+    // L_i = ln2 * (m_i + log2 l_i). A row that saw no key (l_i = 0) gets O_i = 0, L_i = -inf.
+#pragma unroll
+    for (int r = 0; r < TM; ++r) {
+        const float l = warp_sum<8>(l_i[r]);  // the 8 lanes' partial row sums
+        const int R = row0 + wr0 + r;
+        if (R >= Nq) continue;  // rows past the end of the sequence (the last Q tile)
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float* orow = o + (size_t)R * HEAD_DIM;
+#pragma unroll
+        for (int t = 0; t < DT; ++t) {
+            const int d0 = 32 * t + 4 * cg;
+            if (d0 >= HEAD_DIM) continue;
+            const float4 x = make_float4(acc[r][4 * t] * inv, acc[r][4 * t + 1] * inv, acc[r][4 * t + 2] * inv,
+                                         acc[r][4 * t + 3] * inv);
+            if (VEC) {
+                *reinterpret_cast<float4*>(orow + d0) = x;  // 8 lanes: 128 consecutive bytes of the row
+            } else {
+                orow[d0] = x.x;
+                if (d0 + 1 < HEAD_DIM) orow[d0 + 1] = x.y;
+                if (d0 + 2 < HEAD_DIM) orow[d0 + 2] = x.z;
+                if (d0 + 3 < HEAD_DIM) orow[d0 + 3] = x.w;
+            }
+        }
+        if (cg == 0) lse[R] = l > 0.f ? m_i[r] * 0.6931471805599453f + logf(l) : NEG_INF;
+    }
+}

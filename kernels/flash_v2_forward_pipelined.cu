@@ -1,0 +1,293 @@
+// flash_v2_forward_pipelined.cu: FlashAttention-2 forward, version 3 "pipelined" (fp16 / bf16 in, fp32 accumulate).
+//
+// Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1 (forward), Section 3.3 (work partitioning).
+// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined):
+//   1 fp32       flash_v2_forward_fp32.cu: CUDA cores, one block per Q tile, warps split Q_i's rows.
+//   2 tc         flash_v2_forward_tc.cu: mma.sync m16n8k16 + ldmatrix, K_j/V_j loaded synchronously.
+//                MEASURED (H100 80GB HBM3, B=4 H=16 N=4096, bf16): 50-55 TFLOP/s, 0.15-0.19x torch SDPA flash.
+//   3 pipelined  THIS FILE. What changed from version 2:
+//      * K_j, V_j double-buffered with cp.async: tile j+1 is in flight while tile j is computed, and one
+//        __syncthreads per K/V tile instead of two;
+//      * every shared row padded by 16 bytes, so the 8 rows of one ldmatrix phase hit 8 different bank
+//        groups (no bank conflicts, any head dim);
+//      * softmax in base 2: exp(scale * s - m) = exp2(s * scale*log2(e) - m'): FMUL, FADD, one MUFU.EX2 (no
+//        natural-exp range reduction); the FMUL is not fused with the FADD so the row max gives exactly 1;
+//      * each warp owns MT = 2 m-tiles (32 rows of Q_i; Br = 128 with 4 warps, FA2's own layout): every K/V
+//        fragment read from shared memory feeds two mma instead of one, halving shared-memory traffic per FLOP;
+//      * tiles per head dim (stages/02_flash_v2/tc.py CONFIG); S (32 x Bc) and O_i (32 x d) of a warp share
+//        255 registers per thread, which is what bounds Bc at d = 128 (nvcc -Xptxas -v, sm_90: 163 / 218 / 252
+//        registers at d = 32 / 64 / 96; d = 128 uses 255 and spills 24 bytes, yet beat the spill-free SUB = 32);
+//      * 32-bit shared addresses: each lane computes one base per operand, fragments are base + constant;
+//      * causal: masking only on tiles crossing the diagonal (and per warp: a warp skips key slices none of its
+//        rows sees), longest Q tiles launched first inside groups of heads.
+//      MEASURED (H100 80GB HBM3, TFLOP/s and ratio to torch 2.11 SDPA flash backend in the same run, H = 16,
+//      CUDA events, median; scratch bench of 2026-11-22, before the unfused FMUL of the exp2 line above):
+//                          d=64 full      d=64 causal    d=128 full     d=128 causal
+//        N=4096 B=4 bf16   317 (1.08x)    295 (1.14x)    326 (0.94x)    284 (0.92x)
+//        N=4096 B=4 fp16   318 (1.06x)    290 (1.14x)    300 (0.83x)*   295 (0.98x)
+//        N=8192 B=4 bf16   319 (1.04x)    273 (0.95x)    327 (0.93x)    296 (0.91x)
+//        N=8192 B=4 fp16   321 (1.05x)    313 (1.12x)    321 (0.97x)    311 (0.98x)
+//        N=4096 B=16 bf16  302 (0.98x)    299 (1.09x)    323 (0.94x)    296 (0.97x)
+//        d=32: 238 (1.11x), d=96: 333 (0.96x) (N=4096 B=4 bf16 full). * 346 (0.95x) in the run before: the
+//        spread between runs reached 12% on that point.
+//
+// Work split (FA2 Sec. 3.3): one block per (Q tile i, head), looping over K/V tiles j.
+// Warp w owns rows 16*MT*w .. 16*MT*(w+1)-1 of Q_i: a warp's softmax is its own, no block-wide reduction.
+// mma.sync fragment layout (lane = 4 g + t): see kernels/common.cuh.
+//
+// Run: python stages/02_flash_v2/run.py --version pipelined      (bench: python scripts/bench.py)
+#include "common.cuh"
+
+#define INF __int_as_float(0x7f800000)  // +infinity (NVRTC has no <math.h> INFINITY)
+
+// ldmatrix / cp.async on 32-bit shared-memory addresses: each lane computes its base address once and every
+// fragment is that base plus a compile-time offset (64-bit generic pointers would cost registers we lack).
+__device__ __forceinline__ void ldsm_x4(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16. D: head dim (multiple of 16);
+// BC: keys per K/V tile (Bc); NWARPS warps, each owning MT m-tiles of 16 rows, so Br = 16 * MT * NWARPS;
+// SUB: keys per compute slice of a K/V tile; MINB: blocks per SM the registers must allow (64K / (MINB * threads)
+// per thread). HG: heads per group of the causal block order. Shared memory: (Br + 4 Bc) (D + 8) elements.
+template <typename T, int D, int BC, int NWARPS, int MT, int SUB, int MINB>
+__global__ void __launch_bounds__(NWARPS * 32, MINB)
+flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                           T* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
+                           int causal, int HG) {
+    constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
+    constexpr int NT = NWARPS * 32;       // threads
+    constexpr int LD = D + 8;             // padded row (elements): +16 B puts consecutive rows in new banks
+    constexpr int CH = D / 8;             // 16-byte chunks per row
+    static_assert(BC % SUB == 0 && SUB % 16 == 0, "slices of SUB keys must tile Bc");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* Qs = reinterpret_cast<T*>(smem_raw);  // [BR][LD]
+    T* Ks = Qs + BR * LD;                    // [2][BC][LD]  double buffer
+    T* Vs = Ks + 2 * BC * LD;                // [2][BC][LD]  double buffer
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group g, thread-in-group t
+    // Non-causal: grid (Tr, B*H), the Q tiles of one head side by side, sharing K_j, V_j in L2.
+    // Causal: a 1-D grid of B*H*Tr blocks; heads in groups of HG, and inside a group the Q tiles with the most
+    // keys (the last ones) go first, so short tiles fill the tail (longest job first) while the blocks running
+    // at once still share the K/V of a few heads in L2.
+    int i;
+    long bh;
+    if (causal) {
+        const int Tr = (Nq + BR - 1) / BR, BH = gridDim.x / Tr;
+        const int grp = blockIdx.x / (HG * Tr), r = blockIdx.x % (HG * Tr);
+        const int gsz = min(HG, BH - grp * HG);  // heads in this group (the last group may be short)
+        i = Tr - 1 - r / gsz;
+        bh = (long)grp * HG + r % gsz;
+    } else {
+        i = blockIdx.x;
+        bh = blockIdx.y;
+    }
+    // This head's K and V (pointers the loop needs); q, o, lse are offset where they are used, so no register
+    // holds them across the loop.
+    const T* kh = k + bh * Nk * D;
+    const T* vh = v + bh * Nk * D;
+    const int row0 = i * BR;  // first row of Q_i
+    const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
+    int n_tiles = (Nk + BC - 1) / BC;  // Tc
+    if (causal) {  // tiles right of the last visible key of Q_i's last row are skipped entirely
+        const int last_key = min(row0 + BR, Nq) - 1 + shift;
+        n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BC + 1);
+    }
+
+    // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
+    // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
+    // copies chunk tid % CHP of rows tid / CHP + RS * it: its addresses are one base plus constant offsets.
+    constexpr int CHP = CH <= 4 ? 4 : CH <= 8 ? 8 : 16;  // chunks per row rounded up to a power of 2 (D = 96: 16)
+    constexpr int RS = NT / CHP;                           // rows covered by one pass of all threads
+    static_assert(D % 16 == 0 && D <= 128 && BR % RS == 0 && BC % RS == 0, "a pass must cover whole rows");
+    const int lr = tid / CHP, lc = (tid % CHP) * 8;
+    auto load_tile = [&](T* dst, const T* src, int r0, int rows, int n) {
+        const T* s0 = src + (long)(r0 + lr) * D + lc;
+        const u32 d0 = smem_u32(dst + lr * LD + lc);
+        if (CHP != CH && lc >= D) return;  // D = 96: the last quarter of the threads idles
+#pragma unroll
+        for (int it = 0; it < rows / RS; ++it) {  // rows is a constant here: unrolled
+            const bool ok = r0 + lr + it * RS < n;
+            cp_async_16_u32(d0 + it * RS * LD * 2, ok ? s0 + it * RS * D : src, ok);
+        }
+    };
+
+    // Alg.1 L4: load Q_i; Alg.1 L6 (j = 0): load K_0, V_0. One cp.async group.
+    load_tile(Qs, q + bh * Nq * D, row0, BR, Nq);
+    if (n_tiles > 0) {
+        load_tile(Ks, kh, 0, BC, Nk);
+        load_tile(Vs, vh, 0, BC, Nk);
+    }
+    cp_async_commit();
+
+    // Alg.1 L5: O_i = 0, l_i = 0, m_i = -inf. m-tile m of a thread holds rows g (h = 0) and g + 8 (h = 1).
+    float acc_o[MT][D / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) acc_o[m][d][0] = acc_o[m][d][1] = acc_o[m][d][2] = acc_o[m][d][3] = 0.f;
+    float m_i[MT][2], l_i[MT][2];  // running max of S*scale*log2(e); this thread's part of the running row sum
+#pragma unroll
+    for (int m = 0; m < MT; ++m) m_i[m][0] = m_i[m][1] = -INF, l_i[m][0] = l_i[m][1] = 0.f;
+
+    const int wrow = warp * 16 * MT;  // this warp's first row inside Q_i
+    // Each lane's ldmatrix row address (shared space, bytes) inside a 16 x 16 block; lanes 8q..8q+7 address
+    // 8x8 tile q, which lands in register q of the fragment (common.cuh):
+    //   Q (A operand):          tiles (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (0-7, 8-15), (8-15, 8-15)
+    //   K (B operand of S):     tiles (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (8-15, 8-15):
+    //                           b[0..1] of the n-tile of keys 0-7, b[2..3] of keys 8-15
+    //   V (B of P V, .trans):   tiles (keys 0-7, d 0-7), (keys 8-15, d 0-7), (0-7, d 8-15), (8-15, d 8-15):
+    //                           b[0..1] of the n-tile of d 0-7, b[2..3] of d 8-15
+    const u32 q_base = smem_u32(Qs + (wrow + lane % 16) * LD + (lane / 16) * 8);  // only this warp reads its rows
+    const u32 k_base = smem_u32(Ks + (lane % 8 + (lane / 16) * 8) * LD + ((lane / 8) % 2) * 8);
+    const u32 v_base = smem_u32(Vs + (lane % 16) * LD + (lane / 16) * 8);
+    for (int j = 0; j < n_tiles; ++j) {  // Alg.1 L6: loop over K/V tiles
+        const int buf = j & 1;
+        cp_async_wait<0>();  // this thread's copies of K_j, V_j (and Q_i) have landed ...
+        __syncthreads();     // ... everyone's too; and every warp has finished tile j-1, so buffer buf^1 is free
+        if (j + 1 < n_tiles) {  // prefetch K_{j+1}, V_{j+1} into the other buffer while tile j is computed
+            load_tile(Ks + (buf ^ 1) * BC * LD, kh, (j + 1) * BC, BC, Nk);
+            load_tile(Vs + (buf ^ 1) * BC * LD, vh, (j + 1) * BC, BC, Nk);
+            cp_async_commit();
+        }
+        // The tile is computed in slices of SUB keys (SUB = Bc unless registers ask for less): S of one slice,
+        // 16*MT x SUB fp32 per warp, lives in registers beside O_i's 16*MT x D accumulators.
+#pragma unroll
+        for (int sb = 0; sb < BC / SUB; ++sb) {
+            const u32 kj = k_base + (buf * BC + sb * SUB) * LD * 2;  // K_j rows sb*SUB.., in buffer buf
+            const u32 vj = v_base + (buf * BC + sb * SUB) * LD * 2;
+            const int col0 = j * BC + sb * SUB;  // first key of this slice
+            if (causal && col0 > row0 + wrow + 16 * MT - 1 + shift) continue;  // no row of this warp sees it
+            // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x SUB per warp), fp32 accumulators in the C fragment layout.
+            float s[MT][SUB / 8][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < SUB / 8; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 qa[MT][4];  // A fragments of Q_i: rows 16m.., cols 16kk..16kk+15 (re-read: registers go to O, S)
+#pragma unroll
+                for (int m = 0; m < MT; ++m) ldsm_x4(qa[m], q_base + ((m * 16) * LD + kk * 16) * 2);
+#pragma unroll
+                for (int n = 0; n < SUB / 16; ++n) {  // K rows 16n..16n+15: two n-tiles of 8 keys, for MT m-tiles
+                    u32 b[4];
+                    ldsm_x4(b, kj + ((n * 16) * LD + kk * 16) * 2);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma_16816<T>(s[m][2 * n], qa[m], b);
+                        mma_16816<T>(s[m][2 * n + 1], qa[m], b + 2);
+                    }
+                }
+            }
+            // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
+            if (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift)) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = row0 + wrow + m * 16 + g + 8 * h;
+                        // keys col0 + 2t + x are visible for x < lim (x = 8n + (e & 1), the column inside the tile)
+                        const int lim = (causal ? min(Nk, r + shift + 1) : Nk) - col0 - 2 * t;
+#pragma unroll
+                        for (int n = 0; n < SUB / 8; ++n) {
+                            if (n * 8 >= lim) s[m][n][2 * h] = -INF;
+                            if (n * 8 + 1 >= lim) s[m][n][2 * h + 1] = -INF;
+                        }
+                    }
+            }
+            // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij),
+            //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
+            // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the scaled
+            // scores. The product is rounded before the subtraction (__fmul_rn is never fused into an FFMA), so the
+            // largest score gives exactly exp2(0) = 1: fused, its rounding residual made P_max = 1.003 with huge
+            // logits (inputs x100), rounded one way in P's 16 bits (P V) and kept in fp32 in l_i: 1-ulp errors in o.
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
+                    float mx = -INF;
+#pragma unroll
+                    for (int n = 0; n < SUB / 8; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
+                    mx = warp_max<4>(mx);  // the 4 lanes of a quad hold the same row: reduce across them
+                    const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
+                    const float m_use = m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
+                    const float alpha = fast_exp2(m_i[m][h] - m_use);  // e^{m_i - m_ij}: 0 when m_i = -inf
+                    m_i[m][h] = m_new;
+                    float rs = 0.f;
+#pragma unroll
+                    for (int n = 0; n < SUB / 8; ++n) {
+                        s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], scale_log2) - m_use);
+                        s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
+                        rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
+                    }
+                    l_i[m][h] = l_i[m][h] * alpha + rs;  // the quad's 4 partial sums add up at the end
+                    // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i (normalisation deferred to the end)
+#pragma unroll
+                    for (int d = 0; d < D / 8; ++d) acc_o[m][d][2 * h] *= alpha, acc_o[m][d][2 * h + 1] *= alpha;
+                }
+            // Alg.1 L10 (second half): O_i += P_ij V_j.
+#pragma unroll
+            for (int kk = 0; kk < SUB / 16; ++kk) {  // keys 16kk..16kk+15
+                // The C fragments of n-tiles 2kk, 2kk+1 ARE the A fragment of P for k-step kk (rounded to T).
+                u32 pa[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    pa[m][0] = Half2<T>::pack(s[m][2 * kk][0], s[m][2 * kk][1]);
+                    pa[m][1] = Half2<T>::pack(s[m][2 * kk][2], s[m][2 * kk][3]);
+                    pa[m][2] = Half2<T>::pack(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+                    pa[m][3] = Half2<T>::pack(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int d = 0; d < D / 16; ++d) {  // V rows 16kk.., cols 16d..16d+15, transposed into B fragments
+                    u32 b[4];
+                    ldsm_x4_trans(b, vj + ((kk * 16) * LD + d * 16) * 2);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma_16816<T>(acc_o[m][2 * d], pa[m], b);
+                        mma_16816<T>(acc_o[m][2 * d + 1], pa[m], b + 2);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();  // with no K/V tile at all (causal, fully masked Q_i) the Q_i copy may still be landing:
+    __syncthreads();     // ... every thread's copy is done before this warp's Q rows are reused for O below
+
+    // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
+    // Stage O through this warp's own rows of Qs, then 16-byte coalesced stores.
+    T* Ow = Qs + wrow * LD;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l = warp_sum<4>(l_i[m][h]);
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;  // fully masked row: O = 0
+            const int rl = m * 16 + g + 8 * h;            // row inside the warp's rows
+            // Alg.1 L13, natural log: m_i is in base 2. The product in fp64: with huge logits m_i is ~1e4 and an
+            // fp32 product would add its own rounding (~1e-3) to the lse.
+            if (t == 0 && row0 + wrow + rl < Nq)
+                lse[bh * Nq + row0 + wrow + rl] =
+                    l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+#pragma unroll
+            for (int d = 0; d < D / 8; ++d)
+                *reinterpret_cast<u32*>(Ow + rl * LD + d * 8 + 2 * t) =
+                    Half2<T>::pack(acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
+        }
+    __syncwarp();  // the warp's rows of O are in shared memory before its lanes read other lanes' parts
+    for (int c = lane; c < 16 * MT * CH; c += 32) {
+        const int r = c / CH, ch = c % CH;
+        if (row0 + wrow + r < Nq)
+            *reinterpret_cast<uint4*>(o + (bh * Nq + row0 + wrow + r) * D + ch * 8) =
+                *reinterpret_cast<const uint4*>(Ow + r * LD + ch * 8);
+    }
+}

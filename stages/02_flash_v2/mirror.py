@@ -1,0 +1,87 @@
+"""The numpy tile mirror of the stage 02 kernels (FlashAttention-2 forward, arXiv 2307.08691, Algorithm 1).
+
+Same algorithm, same Br x Bc tiles, same loop order as the kernels: i over Q tiles OUTSIDE (each Q tile is
+one thread block on the GPU), j over K/V tiles inside; O_i, l_i, m_i live only inside the i loop (the
+kernel's registers) and are never written back until the end; the division by l_i is deferred to the end;
+causal tiles right of the diagonal are never visited and the mask is applied only on the tiles that need
+it (the diagonal ones and the ragged last K tile); softmax in base 2 (log2(e) folded into the scale).
+What the kernel gives to blocks and threads, the mirror vectorises: all (batch, head) pairs at once and
+the whole tile at once.
+
+Precision follows the kernel the mirror stands for:
+  float32 (version "fp32"): everything in float32.
+  float16 / bfloat16 (versions "tc", "pipelined"): what a tensor core does. Inputs stay in their 16-bit
+  values (widened exactly to float32), S_ij = Q_i K_j^T accumulates in float32, P~_ij is rounded to the
+  input dtype before P~_ij V_j (the A operand of the second mma), l_i sums the unrounded float32 P~_ij,
+  O_i accumulates in float32 and is rounded to the input dtype once, at the end.
+Inputs are assumed checked (flash_v2.py checks them and picks the tiles).
+"""
+import numpy as np
+
+from stages.common import cast, empty
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def visited_tiles(i, Nq, Nk, br, bc, causal):
+    """Tc for Q tile i: the K/V tiles the kernel visits (causal: up to the last key Q_i's last row sees)."""
+    Tc = -(-Nk // bc)
+    if not causal:
+        return Tc
+    last_key = min((i + 1) * br, Nq) - 1 + (Nk - Nq)  # bottom-right alignment: query R sees key C <= R + Nk - Nq
+    return 0 if last_key < 0 else min(Tc, last_key // bc + 1)
+
+
+def needs_mask(i, j, Nq, Nk, br, bc, causal):
+    """True for the tiles the kernel masks: some key right of Q_i's first row's diagonal, or keys >= Nk."""
+    return (causal and (j + 1) * bc - 1 > i * br + (Nk - Nq)) or (j + 1) * bc > Nk
+
+
+def forward(q, k, v, *, causal, scale, br, bc, trace=None):
+    """Algorithm 1 of FlashAttention-2 on numpy arrays (B, H, N, D). Returns o (q's dtype) and lse (float32).
+
+    br, bc: the kernel's tiles. trace: a list to append (i, j, masked) to, for every tile visited.
+    """
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    f32 = np.float32
+    low = q.dtype != np.float32  # float16 / bfloat16: emulate the tensor core's rounding
+    qf, kf, vf = (x.astype(f32) for x in (q, k, v))  # exact: every 16-bit value is a float32
+    scale_log2 = f32(scale * LOG2E)
+    o = empty(np, (B, H, Nq, D), q.dtype)  # (B, H, Nq, D): every row is written below
+    lse = empty(np, (B, H, Nq), f32)  # (B, H, Nq)
+    Tr = -(-Nq // br)
+    for i in range(Tr):  # one thread block per Q tile (all of them at once on the GPU)
+        rows = slice(i * br, min((i + 1) * br, Nq))
+        Qi = qf[:, :, rows]  # Alg.1 L4: (B, H, br, D)
+        R = np.arange(rows.start, rows.stop)[:, None]  # (br, 1) global query rows
+        acc = np.zeros(Qi.shape, f32)  # Alg.1 L5: O_i (unnormalised), l_i, m_i "on chip"
+        l_i = np.zeros(Qi.shape[:3], f32)  # (B, H, br)
+        m_i = np.full(Qi.shape[:3], -np.inf, f32)
+        for j in range(visited_tiles(i, Nq, Nk, br, bc, causal)):  # Alg.1 L6
+            cols = slice(j * bc, min((j + 1) * bc, Nk))
+            Kj_T = np.ascontiguousarray(kf[:, :, cols].swapaxes(-1, -2))  # Alg.1 L7: (B, H, D, bc), as in smem
+            Vj = vf[:, :, cols]  # (B, H, bc, D)
+            S = (Qi @ Kj_T) * scale_log2  # Alg.1 L8, base 2: (B, H, br, bc)
+            masked = needs_mask(i, j, Nq, Nk, br, bc, causal)
+            if trace is not None:
+                trace.append((i, j, masked))
+            if masked:
+                C = np.arange(cols.start, cols.stop)[None, :]  # (1, bc) global keys
+                visible = (C <= R + (Nk - Nq)) if causal else np.ones((R.size, C.size), bool)
+                S = np.where(visible, S, f32(-np.inf))
+            m_new = np.maximum(m_i, S.max(-1))  # Alg.1 L9: (B, H, br)
+            m_use = np.where(np.isneginf(m_new), f32(0), m_new)  # nothing visible yet: P~ = 0, alpha = 0
+            alpha = np.exp2(m_i - m_use)  # e^(m_i - m_new)
+            P = np.exp2(S - m_use[..., None])  # P~_ij (B, H, br, bc), float32
+            l_i = alpha * l_i + P.sum(-1)
+            if low:
+                P = cast(cast(P, q.dtype), f32)  # the tensor core's A operand is 16-bit
+            acc = alpha[..., None] * acc + P @ Vj  # Alg.1 L10: (B, H, br, D), float32 accumulate
+            m_i = m_new
+        seen = l_i > 0  # (B, H, br); False for a row with no visible key: O_i = 0, L_i = -inf
+        o[:, :, rows] = cast(acc / np.where(seen, l_i, f32(1))[..., None], q.dtype)  # Alg.1 L12
+        with np.errstate(divide="ignore"):
+            lse[:, :, rows] = np.where(seen, m_i * f32(LN2) + np.log(l_i), f32(-np.inf))  # Alg.1 L13
+    return o, lse

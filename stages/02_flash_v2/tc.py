@@ -1,0 +1,110 @@
+"""Stage 02, tensor-core versions of the FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1): launcher.
+
+    o, lse = forward(q, k, v, causal=False, scale=scale, version="tc" | "pipelined")   # CuPy arrays only
+
+Called by flash_v2.forward (which validates the inputs); kernels:
+    kernels/flash_v2_forward_tc.cu         version "tc": mma.sync m16n8k16 + ldmatrix, synchronous tile loads,
+                                           Br = Bc = 64 (4 warps x 16 rows)
+    kernels/flash_v2_forward_pipelined.cu  version "pipelined": cp.async double buffering, padded shared rows,
+                                           exp2 with log2(e) folded into the scale, Br = 128 (4 warps x 32 rows),
+                                           Bc = 64, longest causal Q tiles first
+fp16 / bf16 in, fp32 accumulation, o in the inputs' dtype, lse float32 (B, H, Nq), natural log.
+Head dims 32, 64, 96, 128; any Nq, Nk; causal aligned bottom-right (query i sees key j iff j <= i + Nk - Nq).
+"""
+import numpy as np
+
+from stages.common import bfloat16, empty, load_module
+
+VERSIONS = ("tc", "pipelined")
+HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128)}
+DTYPES = (np.dtype(np.float16), bfloat16)
+LOG2E = 1.4426950408889634
+HEAD_GROUP = 8  # version 3, causal: heads per group in the block order (longest Q tiles first inside a group)
+
+_CTYPE = {np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
+_FILE = {"tc": "flash_v2_forward_tc.cu", "pipelined": "flash_v2_forward_pipelined.cu"}
+
+# Launch configuration per (version, head dim): (NWARPS warps, MT m-tiles of 16 rows per warp, Bc, SUB, MINB).
+# Br = 16 * MT * NWARPS rows of Q_i per block; every warp owns 16 * MT rows of Q_i. Version 3 computes each
+# K/V tile in slices of SUB keys and asks the compiler to fit MINB blocks per SM (registers per thread
+# <= 65536 / (MINB * 32 * NWARPS)). Version 3's tiles won a sweep on an H100 (bf16, N = 4096 and 8192):
+# Br = 128, Bc = 64 beat Bc = 128 (d = 64: 316 vs 298 TFLOP/s), Bc = 64 in one slice beat two slices of 32
+# at d = 128 (328 vs 325 at N = 4096, 346 vs 302 at N = 8192) although ptxas spills 24 bytes there (SUB = 32
+# is spill-free), and 16 rows per warp (8 warps, Br = 128) lost to 32 (d = 128: 213 vs 254 in a first sweep).
+CONFIG = {
+    "tc": {32: (4, 1, 64, 64, 1), 64: (4, 1, 64, 64, 1), 96: (4, 1, 64, 64, 1), 128: (4, 1, 64, 64, 1)},
+    "pipelined": {32: (4, 2, 64, 64, 2), 64: (4, 2, 64, 64, 2), 96: (4, 2, 64, 64, 2), 128: (4, 2, 64, 64, 2)},
+}
+
+
+def _config(version, D):
+    if version not in VERSIONS:
+        raise ValueError(f"flash_v2 tensor cores: unknown version {version!r}; choose one of {VERSIONS}")
+    if D not in HEAD_DIMS[version]:
+        raise ValueError(f"flash_v2 version {version!r}: head_dim {D} is not supported; use one of "
+                         f"{HEAD_DIMS[version]}, or version='fp32' with float32 inputs")
+    return CONFIG[version][D]
+
+
+def tiles(version, D, causal=False):
+    """(Br, Bc): the Q_i and K_j/V_j tile heights the launcher uses for this version and head dim."""
+    nwarps, mt, bc, _, _ = _config(version, D)
+    return 16 * mt * nwarps, bc
+
+
+def smem_bytes(version, D):
+    """Shared memory per block: version 2 holds Q_i, K_j, V_j unpadded (static); version 3 holds Q_i and two
+    buffers each of K_j and V_j, every row padded by 8 elements (16 bytes), 2 bytes per element."""
+    nwarps, mt, bc, _, _ = _config(version, D)
+    br = 16 * mt * nwarps
+    if version == "tc":
+        return 2 * (br + 2 * bc) * D
+    return 2 * (br + 4 * bc) * (D + 8)
+
+
+def _name(version, ctype, D):
+    """The template instantiation of one (version, dtype, head dim)."""
+    nwarps, mt, bc, sub, minb = _config(version, D)
+    if version == "tc":
+        return f"flash_v2_forward_tc<{ctype},{D},{bc},{nwarps}>"
+    return f"flash_v2_forward_pipelined<{ctype},{D},{bc},{nwarps},{mt},{sub},{minb}>"
+
+
+def kernel_sources():
+    """(file, name expressions) of every kernel this module launches: CI compiles each for sm_80 and sm_90."""
+    return [(_FILE[ver], [_name(ver, c, D) for c in _CTYPE.values() for D in HEAD_DIMS[ver]]) for ver in VERSIONS]
+
+
+def forward(q, k, v, *, causal=False, scale, version):
+    """o (B, H, Nq, D) in q's dtype and lse (B, H, Nq) float32 for CuPy q, k, v already validated by
+    flash_v2.forward (fp16 / bf16, a supported head dim); scale is a float."""
+    import cupy
+
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dtype = np.dtype(q.dtype)
+    if dtype not in _CTYPE:
+        raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
+    nwarps, mt, bc, _, _ = _config(version, D)
+    br = 16 * mt * nwarps
+    if B * H > 65535:
+        raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
+                         "split the batch into several calls")
+    name = _name(version, _CTYPE[dtype], D)
+    # one module per (version, head dim, dtype, tiles): compiled once, then cached by load_module
+    kern = load_module(_FILE[version], name_expressions=(name,)).get_function(name)
+    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
+    o = empty(cupy, (B, H, Nq, D), dtype)  # (B, H, Nq, D)
+    lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
+    Tr = -(-Nq // br)
+    args = (q, k, v, o, lse, np.int32(Nq), np.int32(Nk))
+    if version == "tc":  # one block per (Q tile i, head)
+        kern((Tr, B * H), (32 * nwarps,), args + (np.float32(scale), np.int32(causal)))
+    else:  # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel)
+        grid = (B * H * Tr,) if causal else (Tr, B * H)
+        smem = smem_bytes(version, D)
+        if smem > 48 * 1024:  # more than 48 KB of dynamic shared memory must be asked for
+            kern.max_dynamic_shared_size_bytes = smem
+        kern(grid, (32 * nwarps,), args + (np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(HEAD_GROUP)),
+             shared_mem=smem)
+    return o, lse
