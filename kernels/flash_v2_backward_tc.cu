@@ -1,0 +1,393 @@
+// flash_v2_backward_tc.cu: FlashAttention-2 backward on tensor cores (fp16 / bf16 in, fp32 accumulate).
+// Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2. mma.sync m16n8k16 + ldmatrix + cp.async
+// (the FA2 sm80 design, no Hopper-only instructions). Notation: Q_i, dO_i (Br rows), K_j, V_j (Bc rows).
+//
+// flash_bwd_tc<T, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ>: block per (K/V tile j, batch*head), Bc / 16 warps (default
+//   Br = 64, Bc = 128: 8 warps): warp w owns rows 16w..16w+15 of K_j, V_j, dK_j, dV_j. K_j, V_j are loaded once;
+//   the block loops over Q tiles i with Q_i, dO_i, L_i, D_i double-buffered by cp.async. Per tile, each warp
+//   computes S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T for its 16 key rows; P^T and dS^T then sit in registers
+//   exactly in the A-fragment layout of the next mma, so dV_j += P^T dO_i and dK_j += dS^T Q_i need no shared
+//   memory round trip. dQ_i += dS_ij K_j sums over all Bc key rows (all warps): dS^T goes to shared memory as
+//   16-bit, the warps split dQ_i (Br x HD) and add it to an fp32 buffer with red.global.add.v4.f32 (sm_90).
+//   DEFER_DQ: tile i's dQ runs after tile i+1's barrier (dS^T double-buffered): one barrier per tile, not two.
+// flash_bwd_dq_tc<T, HD>: deterministic mode's dQ pass: block per (Q tile i, batch*head), 4 warps x 16 rows,
+//   loops over K/V tiles j (double-buffered), recomputes dS_ij and keeps dQ_i in registers: no atomics,
+//   the same summation order every run, so dQ is bit-identical across runs.
+//
+// Measured on an H100 80GB HBM3 (B=4 H=16 N=4096, TFLOP/s = 2.5 x forward FLOPs / time, ratio to PyTorch 2.11's
+// flash backward (autograd) timed in the same run; run.py --bench):
+//   default, atomic dQ    bf16 d=64  193-204 (0.79-0.81x), causal 187-189 (0.89-0.90x);
+//                         bf16 d=128 231-233 (0.83-0.84x), causal 211-215 (0.90x);
+//                         fp16 d=64  198-202 (0.82x), causal 184-188 (0.93x); d=128 233-235 (0.84x), causal 214-219
+//                         (0.93-0.94x). N=8192 bf16: 204 / 194 (d=64), 238 / 228 (d=128): 0.79-0.92x.
+//   deterministic         177-197 TFLOP/s, 0.83-0.95x of the atomic mode (the dQ pass recomputes S and dP).
+//   tried and measured slower: DEFER_DQ = false (d=64: -3.5%, d=128: same); Br = 32 (-8 to -9%);
+//   Bc = 64, 4 warps, two blocks per SM at d=64 (-5%: twice the dQ atomics and Q_i reloads).
+//   Where d=64 loses: the main kernel without dQ runs its 4 matmuls at ~250 TFLOP/s; the dQ phase (dS^T through
+//   shared memory, its mma, 2 GB of fp32 atomics at B=4 H=16 N=4096) adds ~1 ms to 2.2 ms.
+//   python stages/03_flash_v2_backward/run.py --version tc --dtype bf16 [--bench]
+#include "common.cuh"
+
+// Copy a tile of `ROWS` rows x HD 16-bit values (rows row0.. of a (N, HD) matrix) to shared memory with row
+// stride LD, 16 bytes per cp.async; rows >= N are zero-filled (their source address is clamped to row 0).
+template <typename T, int ROWS, int HD, int LD, int NTHREADS>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* src, int row0, int N, int tid) {
+    constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int e = tid; e < ROWS * CHUNKS; e += NTHREADS) {
+        const int r = e / CHUNKS, c = e % CHUNKS, row = row0 + r;
+        const bool ok = row < N;
+        cp_async_16(dst + r * LD + c * 8, src + (long)(ok ? row : 0) * HD + c * 8, ok);
+    }
+}
+
+// dst[0..3] += v, atomically per element (dst 16-byte aligned). sm_90 has a vector reduction; older GPUs
+// take four scalar atomics.
+__device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w) : "memory");
+#else
+    atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
+#endif
+}
+
+// Alg.2 L15 for one Q tile: dQ_i += dS_ij K_j, summed over all Bc key rows (all warps), from dS_ij^T in
+// shared memory. The Bc / 16 warps split dQ_i (Br x HD); other K/V blocks add to the same rows at the same time, hence
+// fp32 atomic adds. Lanes t and t^1 swap a pair so that each holds 4 consecutive columns of one row: one 16-byte
+// red.global.add.v4.f32 (sm_90) instead of four 4-byte atomics.
+template <typename T, int HD, int Br, int Bc, int LDK, int LDS>
+__device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float* dQacc, int q_tile0, int Nq,
+                                               int warp, int lane) {
+    constexpr int NW = Bc / 16;  // warps in the block
+    constexpr int RG = Br / 16, NCOL = HD / (NW / RG), NQ = NCOL / 8;  // warp -> rows qr0.., columns dc0..
+    static_assert(NW % RG == 0 && NQ % 2 == 0, "dQ_i split: the warps must cover Br / 16 row groups evenly");
+    const int g = lane / 4, t = lane % 4, mi = lane / 8;
+    const int qr0 = 16 * (warp % RG), dc0 = (warp / RG) * NCOL;
+    float dq[NQ][4];
+#pragma unroll
+    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < Bc / 16; ++kk) {
+        u32 a[4];  // A[q][kv] = dS^T[kv][q]: stored transposed, so ldmatrix .trans
+        ldmatrix_x4_trans(a, dSt + (kk * 16 + (mi / 2) * 8 + lane % 8) * LDS + qr0 + (mi % 2) * 8);
+#pragma unroll
+        for (int np = 0; np < NQ / 2; ++np) {
+            u32 b[4];  // B[kv][d] = K_j[kv][d]
+            ldmatrix_x4_trans(b, Ks + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + dc0 + np * 16 + (mi / 2) * 8);
+            mma_16816<T>(dq[2 * np], a, b);
+            mma_16816<T>(dq[2 * np + 1], a, b + 2);
+        }
+    }
+    const bool odd = t & 1;
+    const int q = q_tile0 + qr0 + g + (odd ? 8 : 0);
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+        const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+        const float4 val = odd ? make_float4(r0, r1, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0, r1);
+        if (q < Nq) red_add_f32x4(dQacc + (long)q * HD + dc0 + n * 8 + 4 * (t / 2), val);
+    }
+}
+
+// Shared memory bytes of flash_bwd_tc (the launcher computes the same sum).
+template <int HD, int Br, int Bc>
+__host__ __device__ constexpr int smem_bytes_main() {
+    return 2 * (2 * Bc * (HD + 8) + 2 * 2 * Br * (HD + 8) + 2 * Bc * (Br + 8)) + 4 * 2 * 2 * Br;
+}
+
+// Q, dO: (BH, Nq, HD); K, V, dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i * log2 e,
+// +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed. grid = (BH, ceil(Nk / Bc)), 2 * Bc threads.
+template <typename T, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ>
+__global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
+    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
+    const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
+    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal) {
+    constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
+    constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
+    constexpr int LDS = Br + 8;  // row stride of dS^T
+    constexpr int NS = Br / 8;   // n-tiles (8 query columns) of this warp's S^T slice
+    constexpr int ND = HD / 8;   // n-tiles of dK_j, dV_j rows
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* Ks = reinterpret_cast<T*>(smem_raw);
+    T* Vs = Ks + Bc * LDK;
+    T* Qs = Vs + Bc * LDK;       // [2][Br][LDK]
+    T* dOs = Qs + 2 * Br * LDK;  // [2][Br][LDK]
+    T* dSs = dOs + 2 * Br * LDK; // [2][Bc][LDS]: dS_ij^T (double-buffered when DEFER_DQ)
+    float* Ls = reinterpret_cast<float*>(dSs + 2 * Bc * LDS);  // [2][Br]
+    float* Ds = Ls + 2 * Br;                               // [2][Br]
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, mi = lane / 8;
+    // grid = (BH, Tc): blocks start in order of the linear index, so every head's j = 0 block (under causal
+    // the one with the most Q tiles) starts first and the short ones fill the tail.
+    const int j = blockIdx.y;
+    const long bh = blockIdx.x;
+    const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
+    Q += bh * Nq * HD; dO += bh * Nq * HD; dQacc += bh * Nq * HD;
+    K += bh * Nk * HD; V += bh * Nk * HD; dK += bh * Nk * HD; dV += bh * Nk * HD;
+    L2g += bh * Nq_pad; Dg += bh * Nq_pad;
+
+    const int Tr = (Nq + Br - 1) / Br;
+    const int i_begin = causal ? max(0, j * Bc - off) / Br : 0;  // earlier Q tiles see none of K_j
+
+    // Q_i, dO_i (zero-filled past Nq) and L_i, D_i (padded to Nq_pad: always in range) into buffer b
+    auto load_q_tile = [&](int i, int b) {
+        load_tile_async<T, Br, HD, LDK, NT>(Qs + b * Br * LDK, Q, i * Br, Nq, tid);
+        load_tile_async<T, Br, HD, LDK, NT>(dOs + b * Br * LDK, dO, i * Br, Nq, tid);
+        if (tid < Br / 4) cp_async_16(Ls + b * Br + 4 * tid, L2g + i * Br + 4 * tid, true);
+        else if (tid < Br / 2) cp_async_16(Ds + b * Br + 4 * (tid - Br / 4), Dg + i * Br + 4 * (tid - Br / 4), true);
+    };
+
+    // Alg.2 L6: K_j, V_j to shared memory, once; the first Q tile with them
+    load_tile_async<T, Bc, HD, LDK, NT>(Ks, K, j * Bc, Nk, tid);
+    load_tile_async<T, Bc, HD, LDK, NT>(Vs, V, j * Bc, Nk, tid);
+    if (i_begin < Tr) load_q_tile(i_begin, 0);
+    cp_async_commit();
+
+    float dv[ND][4], dk[ND][4];  // Alg.2 L7: dV_j = dK_j = 0 (this warp's 16 rows, fp32 accumulators)
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.f;
+
+    for (int i = i_begin; i < Tr; ++i) {  // Alg.2 L8
+        const int buf = (i - i_begin) & 1;
+        cp_async_wait<0>();  // tile i (and K_j, V_j) have landed for this thread (issued one tile ago)
+        __syncthreads();     // ... for every thread; every warp is done with tile i-1's Q/dO buffer and has
+                             // written dS_{i-1}^T (read below when DEFER_DQ)
+        if (i + 1 < Tr) load_q_tile(i + 1, buf ^ 1);  // prefetch the next Q tile while this one is computed
+        cp_async_commit();
+        if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain while tile i is computed
+            dq_tile_atomic<T, HD, Br, Bc, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br, Nq, warp, lane);
+        const T* Qb = Qs + buf * Br * LDK;
+        const T* dOb = dOs + buf * Br * LDK;
+        const float* Lb = Ls + buf * Br;
+        const float* Db = Ds + buf * Br;
+
+        // Alg.2 L10: S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T, this warp's 16 key rows x Br queries
+        float s[NS][4], dp[NS][4];
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 ak[4], av[4];  // A = K_j, V_j rows 16w.., cols kk*16..: lanes 0-15 rows, 16-31 the +8 columns
+            ldmatrix_x4(ak, Ks + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+            ldmatrix_x4(av, Vs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+            for (int np = 0; np < Br / 16; ++np) {
+                u32 bq[4], bo[4];  // B[d][q] = Q_i[q][d]: rows of Q_i are the columns of B, no transpose
+                ldmatrix_x4(bq, Qb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                ldmatrix_x4(bo, dOb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                mma_16816<T>(s[2 * np], ak, bq);
+                mma_16816<T>(s[2 * np + 1], ak, bq + 2);
+                mma_16816<T>(dp[2 * np], av, bo);
+                mma_16816<T>(dp[2 * np + 1], av, bo + 2);
+            }
+        }
+
+        // Alg.2 L11-13: P_ij = exp2(S * scale * log2 e - L_i * log2 e); dS_ij = P_ij * (dP_ij - D_i).
+        // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
+        // pack to 16-bit in place (FA2's register reuse).
+        const bool need_mask = (j * Bc + Bc > Nk) || (causal && i * Br + off < j * Bc + Bc - 1);
+        u32 pa[Br / 16][4], dsa[Br / 16][4];
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            float p[4], ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ql = n * 8 + 2 * t + (e % 2);  // local query column
+                float x = fast_exp2(fmaf(s[n][e], scale_log2, -Lb[ql]));
+                if (need_mask) {  // only on the last K tile and on the causal diagonal
+                    const int kv = j * Bc + 16 * warp + g + (e / 2) * 8, q = i * Br + ql;
+                    if (kv >= Nk || (causal && kv > q + off)) x = 0.f;
+                }
+                p[e] = x;
+                ds[e] = x * (dp[n][e] - Db[ql]);
+            }
+            pa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(p[0], p[1]);  // row g
+            pa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(p[2], p[3]);  // row g + 8
+            dsa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(ds[0], ds[1]);
+            dsa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(ds[2], ds[3]);
+        }
+
+        // Alg.2 L12, L14: dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i (scale at the end).
+        // B[q][d] = dO_i[q][d]: the k index runs down the rows, so ldmatrix transposes each 8x8 tile.
+#pragma unroll
+        for (int kk = 0; kk < Br / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < HD / 16; ++np) {
+                u32 bo[4], bq[4];
+                ldmatrix_x4_trans(bo, dOb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
+                ldmatrix_x4_trans(bq, Qb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
+                mma_16816<T>(dv[2 * np], pa[kk], bo);
+                mma_16816<T>(dv[2 * np + 1], pa[kk], bo + 2);
+                mma_16816<T>(dk[2 * np], dsa[kk], bq);
+                mma_16816<T>(dk[2 * np + 1], dsa[kk], bq + 2);
+            }
+        }
+
+        if (DQ_ATOMIC) {
+            // Alg.2 L15: dQ_i += dS_ij K_j sums over all Bc key rows, i.e. over all warps: dS^T via shared memory
+            T* dSt = dSs + (DEFER_DQ ? buf : 0) * Bc * LDS;
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                T* row = dSt + (16 * warp + g) * LDS + n * 8 + 2 * t;
+                *reinterpret_cast<u32*>(row) = dsa[n / 2][(n % 2) * 2 + 0];
+                *reinterpret_cast<u32*>(row + 8 * LDS) = dsa[n / 2][(n % 2) * 2 + 1];
+            }
+            if (!DEFER_DQ) {
+                __syncthreads();  // all of dS_ij^T is in shared memory before any warp reads other warps' rows
+                dq_tile_atomic<T, HD, Br, Bc, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, warp, lane);
+            }
+        }
+    }
+    if (DQ_ATOMIC && DEFER_DQ && i_begin < Tr) {  // dQ of the last Q tile
+        __syncthreads();  // every warp has written its rows of the last dS^T
+        dq_tile_atomic<T, HD, Br, Bc, LDK, LDS>(dSs + ((Tr - 1 - i_begin) & 1) * Bc * LDS, Ks, dQacc, (Tr - 1) * Br,
+                                                Nq, warp, lane);
+    }
+
+    // Alg.2 L19: write dK_j = scale * (sum dS^T Q), dV_j as T, rows < Nk
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int kv = j * Bc + 16 * warp + g + 8 * h;
+        if (kv < Nk) {
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const long idx = (long)kv * HD + n * 8 + 2 * t;
+                *reinterpret_cast<u32*>(dV + idx) = Half2<T>::pack(dv[n][2 * h], dv[n][2 * h + 1]);
+                *reinterpret_cast<u32*>(dK + idx) = Half2<T>::pack(scale * dk[n][2 * h], scale * dk[n][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// Shared memory bytes of flash_bwd_dq_tc: Q_i, dO_i once, K_j and V_j double-buffered.
+template <int HD>
+__host__ __device__ constexpr int smem_bytes_dq() { return 2 * (2 * 64 * (HD + 8) + 2 * 2 * 64 * (HD + 8)); }
+
+// Deterministic dQ pass: grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i.
+// dQ: (BH, Nq, HD) of T, written once.
+template <typename T, int HD>
+__global__ void __launch_bounds__(128) flash_bwd_dq_tc(
+    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
+    const float* __restrict__ L2g, const float* __restrict__ Dg, T* __restrict__ dQ,
+    int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal) {
+    constexpr int Br = 64, Bc = 64, NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* Qs = reinterpret_cast<T*>(smem_raw);
+    T* dOs = Qs + Br * LDK;
+    T* Ks = dOs + Br * LDK;      // [2][Bc][LDK]
+    T* Vs = Ks + 2 * Bc * LDK;   // [2][Bc][LDK]
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, mi = lane / 8;
+    // grid = (BH, Tr); under causal the last Q tiles see the most keys: start them first
+    const int i = gridDim.y - 1 - blockIdx.y;
+    const long bh = blockIdx.x;
+    const int off = Nk - Nq;
+    Q += bh * Nq * HD; dO += bh * Nq * HD; dQ += bh * Nq * HD;
+    K += bh * Nk * HD; V += bh * Nk * HD;
+    L2g += bh * Nq_pad; Dg += bh * Nq_pad;
+
+    // this thread's two query rows (g, g+8 of the warp's 16): L_i * log2 e and D_i in registers
+    const int q_lo = i * Br + 16 * warp + g;
+    const float L_row[2] = {L2g[q_lo], L2g[q_lo + 8]}, D_row[2] = {Dg[q_lo], Dg[q_lo + 8]};
+
+    const int Tc = (Nk + Bc - 1) / Bc;
+    const int last_kv = min(Nq - 1, i * Br + Br - 1) + off;  // causal: no K tile past the last row's keys
+    const int j_end = !causal ? Tc : (last_kv < 0 ? 0 : min(Tc, last_kv / Bc + 1));
+
+    load_tile_async<T, Br, HD, LDK, NT>(Qs, Q, i * Br, Nq, tid);
+    load_tile_async<T, Br, HD, LDK, NT>(dOs, dO, i * Br, Nq, tid);
+    if (j_end > 0) {
+        load_tile_async<T, Bc, HD, LDK, NT>(Ks, K, 0, Nk, tid);
+        load_tile_async<T, Bc, HD, LDK, NT>(Vs, V, 0, Nk, tid);
+    }
+    cp_async_commit();
+
+    float dq[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+
+    for (int j = 0; j < j_end; ++j) {
+        const int buf = j & 1;
+        cp_async_wait<0>();  // K_j, V_j (and Q_i, dO_i) have landed for this thread
+        __syncthreads();     // ... for every thread; and every warp is done with K_{j-1}, V_{j-1}
+        if (j + 1 < j_end) {  // prefetch K_{j+1}, V_{j+1} into the buffer tile j-1 used
+            load_tile_async<T, Bc, HD, LDK, NT>(Ks + (buf ^ 1) * Bc * LDK, K, (j + 1) * Bc, Nk, tid);
+            load_tile_async<T, Bc, HD, LDK, NT>(Vs + (buf ^ 1) * Bc * LDK, V, (j + 1) * Bc, Nk, tid);
+        }
+        cp_async_commit();
+        const T* Kb = Ks + buf * Bc * LDK;
+        const T* Vb = Vs + buf * Bc * LDK;
+
+        // S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T for this warp's 16 query rows
+        float s[NS][4], dp[NS][4];
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 aq[4], ao[4];
+            ldmatrix_x4(aq, Qs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+            ldmatrix_x4(ao, dOs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+            for (int np = 0; np < Bc / 16; ++np) {
+                u32 bk[4], bv[4];
+                ldmatrix_x4(bk, Kb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                ldmatrix_x4(bv, Vb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                mma_16816<T>(s[2 * np], aq, bk);
+                mma_16816<T>(s[2 * np + 1], aq, bk + 2);
+                mma_16816<T>(dp[2 * np], ao, bv);
+                mma_16816<T>(dp[2 * np + 1], ao, bv + 2);
+            }
+        }
+        // P_ij = exp2(S scale log2 e - L_i log2 e), dS_ij = P_ij (dP_ij - D_i), packed as A fragments
+        const bool need_mask = (j * Bc + Bc > Nk) || (causal && i * Br + off < j * Bc + Bc - 1);
+        u32 dsa[Bc / 16][4];
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            float ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = fast_exp2(fmaf(s[n][e], scale_log2, -L_row[e / 2]));
+                if (need_mask) {
+                    const int kv = j * Bc + n * 8 + 2 * t + (e % 2), q = q_lo + (e / 2) * 8;
+                    if (kv >= Nk || (causal && kv > q + off)) x = 0.f;
+                }
+                ds[e] = x * (dp[n][e] - D_row[e / 2]);
+            }
+            dsa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(ds[0], ds[1]);
+            dsa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(ds[2], ds[3]);
+        }
+        // dQ_i += dS_ij K_j, B[kv][d] = K_j[kv][d] through ldmatrix .trans
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < HD / 16; ++np) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, Kb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
+                mma_16816<T>(dq[2 * np], dsa[kk], b);
+                mma_16816<T>(dq[2 * np + 1], dsa[kk], b + 2);
+            }
+        }
+    }
+    // dQ_i = scale * sum_j dS_ij K_j
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int q = q_lo + 8 * h;
+        if (q < Nq) {
+#pragma unroll
+            for (int n = 0; n < ND; ++n)
+                *reinterpret_cast<u32*>(dQ + (long)q * HD + n * 8 + 2 * t) =
+                    Half2<T>::pack(scale * dq[n][2 * h], scale * dq[n][2 * h + 1]);
+        }
+    }
+}

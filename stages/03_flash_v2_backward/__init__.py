@@ -1,0 +1,4 @@
+"""Stage 03: FlashAttention-2 backward, fp32 and tensor-core versions. See flash_v2_backward.py."""
+from .flash_v2_backward import HEAD_DIMS, VERSIONS, backward, forward, backward_flops, kernel_sources, resolve_version
+
+__all__ = ["forward", "backward", "VERSIONS", "HEAD_DIMS", "backward_flops", "kernel_sources", "resolve_version"]

@@ -1,0 +1,200 @@
+"""Stage 03: FlashAttention-2 backward (arXiv 2307.08691, Algorithm 2): launcher.
+
+    dq, dk, dv = backward(q, k, v, o, lse, do, causal=False, scale=None, version="auto", deterministic=False)
+    o, lse = forward(q, k, v, causal=False, scale=None)     # stage 02's forward (stage 01's if 02 is absent)
+
+numpy inputs run the tile mirror (mirror.py), CuPy inputs the CUDA kernels:
+    kernels/flash_v2_backward_pre.cu   D_i = rowsum(dO_i * O_i), L_i rescaled; dQ accumulator -> dQ
+    kernels/flash_v2_backward_fp32.cu  version "fp32": float32, CUDA cores, head_dim 32, 64, 128
+    kernels/flash_v2_backward_tc.cu    version "tc": float16 / bfloat16, mma.sync tensor cores, head_dim 64, 128
+
+deterministic: False (default) adds dQ_i += dS_ij K_j into an fp32 buffer with atomicAdd from the block of
+every K/V tile: fast, but the order of the additions (so the last bits of dq) changes from run to run.
+True: no atomics; a second kernel, parallel over Q tiles, recomputes dS_ij and sums dQ_i in a fixed
+order: dq, dk, dv are bit-identical across runs (dk, dv always are), at the cost of recomputing S and dP.
+"""
+import numpy as np
+
+from stages.common import bfloat16, check_backward_inputs, empty, load_module, resolve_scale
+
+from . import mirror
+
+VERSIONS = ("fp32", "tc")
+HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128)}
+DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16)}
+LOG2E = 1.4426950408889634
+PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so tile loads never run past them
+
+_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
+TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of flash_bwd_tc per head dim (Bc / 16 warps): the mirror's tiles
+# The tc kernel's atomic dQ for Q tile i runs one tile late, after the next tile's barrier (one barrier per tile
+# instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (run.py --bench compares).
+TC_DEFER_DQ = True
+PROFILE = None  # a list to time each launch into (run.py --bench sets it): [(name, cupy.cuda.Event), ...]
+
+
+def resolve_version(version, dtype):
+    """'auto' -> 'fp32' for float32, 'tc' for float16/bfloat16; otherwise check the name and dtype."""
+    dtype = np.dtype(dtype)
+    if version == "auto":
+        for name, dts in DTYPES.items():
+            if dtype in dts:
+                return name
+        raise TypeError(f"flash_v2_backward: dtype {dtype} is not supported; use float32 (version fp32) or "
+                        "float16/bfloat16 (version tc); stage 00 (naive) handles float64")
+    if version not in VERSIONS:
+        raise ValueError(f"flash_v2_backward: unknown version {version!r}; choose one of {VERSIONS} or 'auto'")
+    if dtype not in DTYPES[version]:
+        names = ", ".join(d.name for d in DTYPES[version])
+        raise TypeError(f"flash_v2_backward: version {version!r} takes {names}, got {dtype}; "
+                        "version='auto' picks fp32 for float32 and tc for float16/bfloat16")
+    return version
+
+
+def forward(q, k, v, *, causal=False, scale=None, **kw):
+    """The forward this backward pairs with, so the stage has the shared API: stage 02's forward (imported
+    lazily, on first call); if stage 02 does not import, stage 01's fp32 forward (float32 inputs only)."""
+    try:
+        from stages import flash_v2
+    except (ImportError, OSError) as e:  # OSError: the folder exists but has no __init__.py yet
+        if np.dtype(q.dtype) != np.float32:
+            raise NotImplementedError(
+                f"flash_v2_backward.forward: stage 02 (stages.flash_v2) does not import ({e}); stage 01's "
+                f"forward only takes float32, got {q.dtype}: pass float32 inputs or fix stage 02") from e
+        from stages import flash_v1
+
+        return flash_v1.forward(q, k, v, causal=causal, scale=scale)
+    return flash_v2.forward(q, k, v, causal=causal, scale=scale, **kw)
+
+
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False):
+    """Gradients (dq, dk, dv) of sum(O * dO), shaped and typed like q, k, v."""
+    xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where="flash_v2_backward")
+    version = resolve_version(version, q.dtype)
+    if D not in HEAD_DIMS[version]:
+        alt = " or version='fp32' with float32 inputs" if version == "tc" else ""
+        raise ValueError(f"flash_v2_backward: head_dim {D} is not supported by version {version!r}; "
+                         f"use one of {HEAD_DIMS[version]}{alt}")
+    scale = resolve_scale(scale, D)
+    if xp is np:
+        return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
+                               deterministic=deterministic)
+    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic)
+
+
+def _names(version, ctype, D, defer=None):
+    """Template instantiations of one (version, dtype, head dim): compiled together, once.
+    [atomic main kernel, deterministic main kernel, deterministic dQ pass]."""
+    if version == "fp32":
+        return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
+    br, bc, defer = TC_BR[D], TC_BC[D], "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
+    return [f"flash_bwd_tc<{ctype},{D},{br},{bc},true,{defer}>", f"flash_bwd_tc<{ctype},{D},{br},{bc},false,false>",
+            f"flash_bwd_dq_tc<{ctype},{D}>"]
+
+
+PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
+
+
+def smem_bytes(version, D):
+    """Dynamic shared memory of (main kernel, dQ kernel): the same sums as the kernels' layout comments."""
+    if version == "fp32":
+        br = bc = 32
+        main = 2 * bc * (D + 1) + 2 * br * (D + 1) + 2 * bc * (br + 1) + 2 * br
+        dq = 2 * bc * (D + 1) + 2 * br * (D + 1) + br * (bc + 1) + 2 * br
+        return 4 * main, 4 * dq
+    br, bc = TC_BR[D], TC_BC[D]
+    main = 2 * (2 * bc * (D + 8) + 2 * 2 * br * (D + 8) + 2 * bc * (br + 8)) + 4 * 2 * 2 * br
+    dq = 2 * (2 * 64 * (D + 8) + 2 * 2 * 64 * (D + 8))
+    return main, dq
+
+
+def _mark(name):
+    """Record an event after a launch when PROFILE is a list (per-kernel times for run.py --bench)."""
+    if PROFILE is not None:
+        import cupy
+
+        ev = cupy.cuda.Event()
+        ev.record()
+        PROFILE.append((name, ev))
+
+
+def _function(module, name, smem):
+    fn = module.get_function(name)
+    if smem > 48 * 1024:  # more than 48 KB of dynamic shared memory must be asked for
+        fn.max_dynamic_shared_size_bytes = smem
+    return fn
+
+
+def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic):
+    import cupy
+
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    BH = B * H
+    dtype = np.dtype(q.dtype)
+    ctype = _CTYPE[dtype]
+    q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
+    lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
+    i32, f32 = np.int32, np.float32
+
+    # preprocess: D_i = rowsum(dO_i * O_i), L_i (times log2 e for the exp2 kernel), padded to Nq_pad rows
+    Nq_pad = -(-Nq // PAD) * PAD
+    Dvec = cupy.empty((BH, Nq_pad), np.float32)
+    Lvec = cupy.empty((BH, Nq_pad), np.float32)
+    pre = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
+    _mark("start")
+    # the fp32 dQ accumulator the atomics add to, zeroed by the preprocess kernel (deterministic mode never
+    # touches it: 1 element)
+    dq_acc = cupy.empty((B, H, Nq, D) if not deterministic else (1,), np.float32)
+    pre.get_function(f"bwd_preprocess<{ctype}>")(
+        (Nq_pad // 8, BH), (256,), (o, do, lse, Dvec, Lvec, dq_acc, i32(Nq), i32(Nq_pad), i32(D),
+                                    f32(LOG2E if version == "tc" else 1.0), i32(not deterministic)))
+    _mark("preprocess+zero")
+
+    names = _names(version, ctype, D)
+    mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
+    smem_main, smem_dq = smem_bytes(version, D)
+    dk, dv = empty(cupy, k.shape, dtype), empty(cupy, v.shape, dtype)
+    main = _function(mod, names[0] if not deterministic else names[1], smem_main)
+    if version == "fp32":
+        main((-(-Nk // 32), BH), (256,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk),
+                                           i32(Nq_pad), f32(scale), i32(causal)), shared_mem=smem_main)
+    else:
+        bc = TC_BC[D]
+        main((BH, -(-Nk // bc)), (2 * bc,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk), i32(Nq_pad),
+                                           f32(scale), f32(scale * LOG2E), i32(causal)), shared_mem=smem_main)
+    _mark("main")
+    dq = empty(cupy, q.shape, dtype)
+    if deterministic:  # the separate dQ pass, no atomics
+        dq_fn = _function(mod, names[2], smem_dq)
+        if version == "fp32":
+            dq_fn((-(-Nq // 32), BH), (256,), (q, k, v, do, Lvec, Dvec, dq, i32(Nq), i32(Nk), i32(Nq_pad),
+                                               f32(scale), i32(causal)), shared_mem=smem_dq)
+        else:
+            dq_fn((BH, -(-Nq // 64)), (128,), (q, k, v, do, Lvec, Dvec, dq, i32(Nq), i32(Nk), i32(Nq_pad),
+                                               f32(scale), f32(scale * LOG2E), i32(causal)), shared_mem=smem_dq)
+    else:  # dQ = scale * dQ_accum, cast to the input dtype
+        n = dq.size  # a multiple of 4: the kernel converts 4 values per step
+        pre.get_function(f"bwd_convert_dq<{ctype}>")(
+            (min(-(-n // 1024), 65535),), (256,), (dq_acc, dq, f32(scale), np.int64(n)))
+    _mark("dq pass" if deterministic else "convert")
+    return dq, dk, dv
+
+
+def backward_flops(B, H, Nq, Nk, D, causal):
+    """The papers' convention: 2.5x the forward's 4 B H Nq Nk D (halved when causal)."""
+    return 2.5 * 4.0 * B * H * Nq * Nk * D * (0.5 if causal else 1.0)
+
+
+def kernel_sources():
+    """(file, name expressions) of every kernel this stage launches: CI compiles each for sm_80 and sm_90."""
+    out = [("flash_v2_backward_pre.cu", PRE_NAMES)]
+    for D in HEAD_DIMS["fp32"]:
+        out.append(("flash_v2_backward_fp32.cu", _names("fp32", "float", D)))
+    for D in HEAD_DIMS["tc"]:
+        for ctype in ("__half", "__nv_bfloat16"):
+            # both orders of the atomic dQ (TC_DEFER_DQ True / False), so either compiles
+            names = _names("tc", ctype, D, defer=True) + [_names("tc", ctype, D, defer=False)[0]]
+            out.append(("flash_v2_backward_tc.cu", names))
+    return out
+

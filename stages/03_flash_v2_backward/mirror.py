@@ -1,0 +1,128 @@
+"""numpy tile mirror of the FlashAttention-2 backward kernels (arXiv 2307.08691, Algorithm 2).
+
+Same tiles and loop order as the CUDA kernels, so a learner can step through it and CI can test
+the algorithm without a GPU. The batch and head axes are vectorised (numpy's batched matmul);
+everything else follows one thread block's loops:
+
+    preprocess:  D_i = rowsum(dO_i * O_i)                                   (bwd_preprocess)
+    for j in K/V tiles:             one thread block per (j, batch*head) on the GPU
+        dK_j = dV_j = 0             (registers)
+        for i in Q tiles:           causal: tiles that see none of K_j are skipped
+            S_ij = Q_i K_j^T;  P_ij = exp(scale S_ij - L_i)   (recomputed from the saved L_i)
+            dV_j += P_ij^T dO_i
+            dP_ij = dO_i V_j^T;  dS_ij = P_ij * (dP_ij - D_i)
+            dK_j += dS_ij^T Q_i
+            dQ_i += dS_ij K_j       fp32 accumulator, atomicAdd on the GPU
+        write dK_j = scale dK_j, dV_j
+    dQ = scale * dQ_accum           (bwd_convert_dq)
+
+deterministic=True drops the dQ line above and runs a separate dQ pass (flash_bwd_dq_*): for i in Q
+tiles, for j in K/V tiles, recompute dS_ij and sum dQ_i in a fixed order.
+
+The "tc" version computes as the tensor-core kernel does: fp32 accumulation, exp2 with log2(e)
+folded into the scale, and P_ij, dS_ij rounded to the input dtype before they enter a matmul.
+"""
+import numpy as np
+
+from stages.common import cast, empty
+
+LOG2E = 1.4426950408889634
+# (Br, Bc) of the main kernel and of the deterministic dQ pass, per version (as in kernels/*.cu).
+# The tc kernel's Br and Bc depend on the head dim: TC_BR[D], TC_BC[D].
+TC_BR = {64: 64, 128: 64}
+TC_BC = {64: 128, 128: 128}  # Bc of flash_bwd_tc per head dim: Bc / 16 warps, each owning 16 key rows
+DQ_TILES = {"fp32": (32, 32), "tc": (64, 64)}
+
+
+def tiles(version, D):
+    """(Br, Bc) of the main kernel of `version` at head dim D."""
+    return (32, 32) if version == "fp32" else (TC_BR[D], TC_BC[D])
+
+
+def _probabilities(S, L_i, scale, version, visible):
+    """P_ij from the saved logsumexp; 0 where the key is masked or the row is fully masked (L = +inf)."""
+    with np.errstate(over="ignore"):  # masked entries may overflow before np.where zeroes them
+        if version == "tc":
+            P = np.exp2(S * np.float32(scale * LOG2E) - L_i[..., None] * np.float32(LOG2E))
+        else:  # the fp32 kernel forms the exponent in float64 (with inputs x100 it reaches 1e5: see the kernel)
+            P = np.exp((S * scale - L_i[..., None].astype(np.float64)).astype(np.float32))
+    return np.where(visible, P, np.float32(0.0)) if visible is not None else P
+
+
+def _scores(Q_i, K_j, version):
+    """S_ij = Q_i K_j^T: fp32 accumulation in the tc kernel, float64 in the fp32 kernel."""
+    if version == "tc":
+        return Q_i @ K_j.swapaxes(-1, -2)
+    return Q_i.astype(np.float64) @ K_j.astype(np.float64).swapaxes(-1, -2)
+
+
+def _visible(q0, q1, k0, k1, off, causal):
+    """(br, bc) causal mask of tile rows q0:q1 against keys k0:k1 (bottom-right aligned), or None."""
+    if not causal:
+        return None
+    q = np.arange(q0, q1)[:, None]  # (br, 1)
+    kv = np.arange(k0, k1)[None, :]  # (1, bc)
+    return kv <= q + off
+
+
+def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic):
+    """(dq, dk, dv) for numpy inputs (B, H, N, D); computed in float32, returned in q's dtype."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dtype = q.dtype
+    Q, K, V, O, dO = (cast(x, np.float32) for x in (q, k, v, o, do))  # (B, H, N, D) each
+
+    def rnd(x):  # the tc kernel packs P and dS to 16-bit before the next mma
+        return cast(cast(x, dtype), np.float32) if version == "tc" else x
+
+    # preprocess (Alg.2 L4): D_i = rowsum(dO_i * O_i); a fully masked row has L = -inf: use +inf so P = 0
+    Dvec = (dO * O).sum(axis=-1)  # (B, H, Nq)
+    L = lse.astype(np.float32)
+    L = np.where(np.isneginf(L), np.float32(np.inf), L)  # (B, H, Nq)
+
+    Br, Bc = tiles(version, D)
+    Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
+    off = Nk - Nq  # query q sees key kv iff kv <= q + off
+    dq_acc = np.zeros((B, H, Nq, D), np.float32)  # the fp32 atomicAdd target
+    dk, dv = empty(np, k.shape, dtype), empty(np, v.shape, dtype)
+    for j in range(Tc):  # Alg.2 L5: one thread block per j
+        k0, k1 = j * Bc, min(Nk, (j + 1) * Bc)
+        K_j, V_j = K[:, :, k0:k1], V[:, :, k0:k1]  # (B, H, bc, D)
+        dK_j = np.zeros_like(K_j)
+        dV_j = np.zeros_like(V_j)
+        i_begin = max(0, j * Bc - off) // Br if causal else 0
+        for i in range(i_begin, Tr):  # Alg.2 L8
+            q0, q1 = i * Br, min(Nq, (i + 1) * Br)
+            Q_i, dO_i = Q[:, :, q0:q1], dO[:, :, q0:q1]  # (B, H, br, D)
+            S = _scores(Q_i, K_j, version)  # (B, H, br, bc) S_ij, unscaled
+            P = _probabilities(S, L[:, :, q0:q1], scale, version, _visible(q0, q1, k0, k1, off, causal))
+            dP = dO_i @ V_j.swapaxes(-1, -2)  # (B, H, br, bc)
+            dS = P * (dP - Dvec[:, :, q0:q1, None])  # (B, H, br, bc)
+            P, dS = rnd(P), rnd(dS)
+            dV_j += P.swapaxes(-1, -2) @ dO_i  # (B, H, bc, D)
+            dK_j += dS.swapaxes(-1, -2) @ Q_i  # (B, H, bc, D)
+            if not deterministic:
+                dq_acc[:, :, q0:q1] += dS @ K_j  # (B, H, br, D): atomicAdd on the GPU
+        dk[:, :, k0:k1] = cast(np.float32(scale) * dK_j, dtype)
+        dv[:, :, k0:k1] = cast(dV_j, dtype)
+
+    if deterministic:  # the separate dQ pass: parallel over Q tiles, fixed summation order
+        Br, Bc = DQ_TILES[version]
+        Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
+        for i in range(Tr):
+            q0, q1 = i * Br, min(Nq, (i + 1) * Br)
+            Q_i, dO_i = Q[:, :, q0:q1], dO[:, :, q0:q1]
+            dQ_i = np.zeros_like(Q_i)  # (B, H, br, D)
+            last_kv = q1 - 1 + off
+            j_end = Tc if not causal else (0 if last_kv < 0 else min(Tc, last_kv // Bc + 1))
+            for j in range(j_end):
+                k0, k1 = j * Bc, min(Nk, (j + 1) * Bc)
+                K_j, V_j = K[:, :, k0:k1], V[:, :, k0:k1]
+                S = _scores(Q_i, K_j, version)
+                P = _probabilities(S, L[:, :, q0:q1], scale, version, _visible(q0, q1, k0, k1, off, causal))
+                dS = rnd(P * (dO_i @ V_j.swapaxes(-1, -2) - Dvec[:, :, q0:q1, None]))
+                dQ_i += dS @ K_j
+            dq_acc[:, :, q0:q1] = dQ_i
+    dq = empty(np, q.shape, dtype)
+    dq[...] = cast(np.float32(scale) * dq_acc, dtype)
+    return dq, dk, dv

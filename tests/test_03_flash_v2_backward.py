@@ -1,0 +1,256 @@
+"""Stage 03: FlashAttention-2 backward. The numpy tile mirror (CPU) and the CUDA kernels (gpu) against the
+fp64 oracle by the tolerance rule, on the full case list, every version, dtype, head dim and dQ mode;
+the kernels compiled with NVRTC for sm_80 and sm_90; deterministic mode bit-identical across runs."""
+import numpy as np
+import pytest
+
+from stages import flash_v2_backward as fb
+from stages import naive
+from stages.common import (
+    assert_within_tolerance, bfloat16, cast, check_backward, check_forward, compile_only, make_inputs, max_error,
+    tolerance_report, to_numpy, verify,
+)
+from tests.conftest import CASE_IDS, CASES
+
+COMBOS = [("fp32", np.float32), ("tc", np.float16), ("tc", bfloat16)]
+COMBO_IDS = ["fp32", "tc-fp16", "tc-bf16"]
+MODES = [False, True]
+MODE_IDS = ["atomic", "deterministic"]
+
+
+def _inputs(case, dtype, xp=np):
+    """q, k, v at the case's input scale; dO at unit scale. (With dO x100 too, the true gradients of the x100
+    cases pass 65504, float16's largest value: any float16 kernel must return inf there.)"""
+    B, H, Nq, Nk, D, causal, s = case
+    q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=dtype, xp=xp, scale=s, grad=True)
+    return (q, k, v, cast(cast(do, np.float32) / s, dtype)), causal
+
+
+# ---------------------------------------------------------------- CPU: the tile mirror
+
+
+# Every case x (fp32, tc-fp16, tc-bf16), but for CI time (this file must run in ~90 s on 2 cores) the one
+# N = 4097 x 4097 case runs without tc-fp16: its mirror code is tc-bf16's with another rounding (float16 there
+# costs ~10 s of numpy), and the GPU tests run float16 on that case.
+MIRROR_PARAMS = [pytest.param(case, combo, id=f"{cid}-{comboid}")
+                 for case, cid in zip(CASES, CASE_IDS) for combo, comboid in zip(COMBOS, COMBO_IDS)
+                 if not (case[2] * case[3] > 4_000_000 and comboid == "tc-fp16")]
+
+
+@pytest.mark.parametrize("case,combo", MIRROR_PARAMS)
+def test_mirror_against_oracle(case, combo):
+    version, dtype = combo
+    (q, k, v, do), causal = _inputs(case, dtype)
+    # the atomic order and the separate dQ pass, both; at N = 4097 x 4097 one mode each (CI time)
+    modes = MODES if q.shape[2] * k.shape[2] < 4_000_000 else [version == "tc"]
+    for det in modes:
+        errs = check_backward(fb.backward, q, k, v, do, causal=causal, version=version, deterministic=det)
+        assert all(np.isfinite(e) for e in errs.values())
+
+
+@pytest.mark.parametrize("version,D", [(v, d) for v in fb.VERSIONS for d in fb.HEAD_DIMS[v]])
+@pytest.mark.parametrize("shape", [(2, 1, 100, 37, False), (1, 2, 100, 60, True), (1, 1, 200, 300, True)])
+def test_mirror_every_head_dim(version, D, shape):
+    B, H, Nq, Nk, causal = shape
+    for dtype in ([np.float32] if version == "fp32" else [np.float16, bfloat16]):
+        q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=dtype, grad=True)
+        for det in MODES:
+            check_backward(fb.backward, q, k, v, do, causal=causal, version=version, deterministic=det)
+
+
+def test_mirror_fully_masked_rows_are_zero_not_nan():
+    q, k, v, do = make_inputs(1, 2, 100, 60, 64, dtype=np.float32, grad=True)
+    o, lse = naive.forward(q, k, v, causal=True)
+    assert np.isneginf(lse[:, :, :40]).all()
+    for det in MODES:
+        dq, dk, dv = fb.backward(q, k, v, o, lse, do, causal=True, deterministic=det)
+        assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+        assert (dq[:, :, :40] == 0).all()
+
+
+def test_mirror_modes_agree():
+    """The atomic-order dQ and the separate dQ pass compute the same sum (up to fp32 reordering)."""
+    q, k, v, do = make_inputs(2, 2, 150, 170, 64, dtype=np.float32, grad=True)
+    o, lse = naive.forward(q, k, v, causal=True)
+    a = fb.backward(q, k, v, o, lse, do, causal=True, deterministic=False)
+    b = fb.backward(q, k, v, o, lse, do, causal=True, deterministic=True)
+    np.testing.assert_array_equal(a[1], b[1])  # dk, dv: the same code path
+    np.testing.assert_array_equal(a[2], b[2])
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
+
+
+def test_auto_version_and_errors():
+    assert fb.resolve_version("auto", np.float32) == "fp32"
+    assert fb.resolve_version("auto", np.float16) == "tc" and fb.resolve_version("auto", bfloat16) == "tc"
+    q, k, v, do = make_inputs(1, 1, 8, 8, 64, dtype=np.float32, grad=True)
+    o, lse = naive.forward(q, k, v)
+    with pytest.raises(TypeError, match="version 'tc' takes float16, bfloat16"):
+        fb.backward(q, k, v, o, lse, do, version="tc")
+    with pytest.raises(ValueError, match="unknown version"):
+        fb.backward(q, k, v, o, lse, do, version="pipelined")
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
+    with pytest.raises(TypeError, match="float64 is not supported"):
+        fb.backward(q64, k64, v64, o.astype(np.float64), lse, do64)
+    qh, kh, vh, doh = make_inputs(1, 1, 8, 8, 80, dtype=np.float16, grad=True)
+    oh, lseh = naive.forward(qh, kh, vh)
+    with pytest.raises(ValueError, match="head_dim 80 is not supported by version 'tc'"):
+        fb.backward(qh, kh, vh, oh, lseh, doh)
+    with pytest.raises(ValueError, match="lse"):
+        fb.backward(q, k, v, o, lse[..., :3], do)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mirror_fp32_against_stage01(causal):
+    """The fp32 version (its numpy mirror here) against stage 01's backward on the same inputs."""
+    from stages import flash_v1
+
+    q, k, v, do = make_inputs(2, 2, 150, 97, 64, dtype=np.float32, grad=True)
+    o, lse = naive.forward(q, k, v, causal=causal)
+    ours = fb.backward(q, k, v, o, lse, do, causal=causal, version="fp32")
+    theirs = flash_v1.backward(q, k, v, o, lse, do, causal=causal)
+    for a, b in zip(ours, theirs):
+        assert max_error(a, b) <= 1e-5 * float(np.abs(b).max()) + 1e-6
+
+
+def test_forward_is_the_shared_api():
+    """forward() delegates to stage 02 (or stage 01 for float32 while stage 02 is missing)."""
+    q, k, v = make_inputs(1, 2, 70, 50, 64, dtype=np.float32)
+    check_forward(fb.forward, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernels_compile_with_nvrtc(arch):
+    """Every instantiation the launcher can pick. Two NVRTC compiles at a time (CuPy releases the GIL while
+    NVRTC runs): ~2x faster on CI's 2 cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_one(source):
+        filename, names = source
+        return len(compile_only(filename, arch=arch, name_expressions=names))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        sizes = list(pool.map(compile_one, fb.kernel_sources()))
+    assert len(sizes) == len(fb.kernel_sources()) and min(sizes) > 0
+
+
+# ---------------------------------------------------------------- GPU: the kernels
+
+# every (version, dtype, head dim) the kernels take
+KERNEL_COMBOS = [(v, dt, D) for v, dts in (("fp32", [np.float32]), ("tc", [np.float16, bfloat16]))
+                 for dt in dts for D in fb.HEAD_DIMS[v]]
+KERNEL_IDS = [f"{v}-{np.dtype(dt).name}-d{D}" for v, dt, D in KERNEL_COMBOS]
+
+
+def _check_both_modes(q, k, v, do, causal, version):
+    """check_backward's rule for the atomic and the deterministic dQ modes, with the fp64 oracle and the
+    same-dtype naive attention computed once, on the inputs' device (the GPU's float64 for CuPy inputs)."""
+    dtype = q.dtype
+    q64, k64, v64, do64 = (cast(x, np.float32).astype(np.float64) for x in (q, k, v, do))  # (B, H, N, D)
+    o64, lse64 = naive.forward(q64, k64, v64, causal=causal)
+    refs = naive.backward(q64, k64, v64, o64, lse64, do64, causal=causal)
+    o, lse = cast(o64, dtype), lse64.astype(np.float32)  # the forward's outputs as a kernel would get them
+    lows = verify.naive_backward_yardstick(q, k, v, o, lse, do, refs, causal=causal)  # S in fp32 if fp16 S overflows
+    for det in MODES:
+        grads = fb.backward(q, k, v, o, lse, do, causal=causal, version=version, deterministic=det)
+        for name, g, ref, low, like in zip(("dq", "dk", "dv"), grads, refs, lows, (q, k, v)):
+            assert g.shape == like.shape and g.dtype == like.dtype, f"{name}: {g.shape} {g.dtype}"
+            assert_within_tolerance(f"{name} ({MODE_IDS[det]})", g, ref, low)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", KERNEL_COMBOS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_kernel_against_oracle(case, combo):
+    """The full case list, at every head dim of every version and dtype, both dQ modes, poisoned outputs."""
+    import cupy
+
+    version, dtype, D = combo
+    case = case[:4] + (D,) + case[5:]  # the case at this head dim
+    (q, k, v, do), causal = _inputs(case, dtype, xp=cupy)
+    _check_both_modes(q, k, v, do, causal, version)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
+def test_tc_other_dq_order(case, D, dtype, monkeypatch):
+    """The tc kernel with the non-default order of its atomic dQ (launcher.TC_DEFER_DQ flipped) still passes."""
+    import cupy
+
+    from stages.flash_v2_backward import flash_v2_backward as launcher
+
+    monkeypatch.setattr(launcher, "TC_DEFER_DQ", not launcher.TC_DEFER_DQ)
+    (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
+    check_backward(fb.backward, q, k, v, do, causal=causal, version="tc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_fp32_kernel_against_stage01(D, causal):
+    """The fp32 version against stage 01's backward (FlashAttention v1, fp32) on the same inputs."""
+    import cupy
+
+    from stages import flash_v1
+
+    q, k, v, do = make_inputs(2, 2, 300, 257, D, dtype=np.float32, xp=cupy, grad=True)
+    o, lse = naive.forward(q, k, v, causal=causal)
+    ours = fb.backward(q, k, v, o, lse, do, causal=causal, version="fp32")
+    theirs = flash_v1.backward(q, k, v, o, lse, do, causal=causal)
+    for a, b in zip(ours, theirs):
+        scale = float(cupy.abs(b).max())
+        assert max_error(a, b) <= 1e-5 * scale + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_tc_against_fp32_version(dtype, D, causal):
+    """The tensor-core kernel against the fp32 kernel run on the same (upcast) inputs, by the tolerance rule
+    with the fp32 kernel as the reference and naive attention in the same dtype as the yardstick."""
+    import cupy
+
+    q, k, v, do = make_inputs(2, 2, 700, 900, D, dtype=dtype, xp=cupy, grad=True)
+    o, lse = naive.forward(*(cast(x, np.float32).astype(np.float64) for x in (q, k, v)), causal=causal)
+    o, lse = cast(o, dtype), lse.astype(np.float32)
+    up = [cast(x, np.float32) for x in (q, k, v, o, do)]
+    ref = fb.backward(*up[:4], lse, up[4], causal=causal, version="fp32")
+    low = naive.backward(q, k, v, o, lse, do, causal=causal)
+    for det in MODES:
+        got = fb.backward(q, k, v, o, lse, do, causal=causal, version="tc", deterministic=det)
+        for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+            ok, err, bound = tolerance_report(g, r, lo)
+            assert ok, f"{name} ({MODE_IDS[det]}): tc vs fp32 kernel {err:.2e} > bound {bound:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_mode_is_bit_identical(combo, causal):
+    import cupy
+
+    version, dtype = combo
+    q, k, v, do = make_inputs(2, 4, 1000, 1500, 64, dtype=dtype, xp=cupy, grad=True)
+    o, lse = naive.forward(q, k, v, causal=causal)
+    runs = [fb.backward(q, k, v, o, lse, do, causal=causal, version=version, deterministic=True) for _ in range(5)]
+    for n, name in enumerate(("dq", "dk", "dv")):
+        first = to_numpy(runs[0][n]).view(np.uint8)
+        for r in runs[1:]:
+            assert np.array_equal(first, to_numpy(r[n]).view(np.uint8)), f"{name} differs between runs"
+    atomic = fb.backward(q, k, v, o, lse, do, causal=causal, version=version)
+    assert max_error(atomic[0], runs[0][0]) < 1e-2 * float(np.abs(to_numpy(runs[0][0]).astype(np.float32)).max())
+
+
+@pytest.mark.gpu
+def test_kernel_matches_mirror():
+    """The GPU kernel and the numpy mirror run the same algorithm: close to fp32 rounding."""
+    import cupy
+
+    q, k, v, do = make_inputs(1, 2, 333, 257, 64, dtype=np.float32, grad=True)
+    o, lse = naive.forward(q, k, v, causal=True)
+    cpu = fb.backward(q, k, v, o, lse, do, causal=True)
+    gpu = fb.backward(*(cupy.asarray(x) for x in (q, k, v, o, lse, do)), causal=True)
+    for a, b in zip(cpu, gpu):
+        np.testing.assert_allclose(to_numpy(b), a, rtol=1e-4, atol=1e-5)
