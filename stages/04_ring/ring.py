@@ -1,0 +1,488 @@
+"""Stage 04: ring attention (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889), the algorithm.
+
+The sequence is split across P ranks. Rank r keeps its query shard Q_r for the whole call and
+the key/value shards travel around the ring: at step s it holds the block K_j, V_j of rank
+j = (r - s) mod P, computes that block's partial attention with a single-device kernel
+(stage 02 forward, stage 03 backward), and passes the block on to rank r + 1.
+
+Forward (per rank, P steps):
+    O_r, L_r = 0, -inf
+    for s in 0..P-1:                           j = (r - s) mod P
+        send K_j, V_j to r+1, receive the next block from r-1   (in flight while we compute)
+        O_rj, L_rj = attention(Q_r, K_j, V_j)                  the block's own softmax
+        O_r, L_r = merge(O_r, L_r, O_rj, L_rj)                 log-sum-exp merge, fp32
+Backward: with the final O_r and the global L_r, P_rj = exp(S_rj - L_r) is already the exact
+softmax restricted to block j, so each block's backward gives exact partial dQ_r, dK_j, dV_j.
+dQ_r stays home; dK_j, dV_j are accumulators that travel WITH K_j, V_j (one step behind) and
+arrive back at rank j after P steps.
+
+Causal across shards: a block entirely before the query shard is unmasked, the block at the same
+positions uses the ordinary causal diagonal, a block after it is skipped. `plan` works this out
+from global positions, so one rule covers both layouts, Nq != Nk and padding:
+    contiguous: rank r holds rows [r*N/P, (r+1)*N/P)
+    zigzag:     the sequence is cut into 2P chunks and rank r holds chunks r and 2P-1-r, so every
+                rank gets the same amount of causal work (contiguous leaves rank 0 almost idle).
+Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; padded keys are
+never shown to a real query (non-causal: only the valid prefix of a block is passed; causal: they
+lie after every real query anyway), padded query rows are dropped when the result is gathered.
+
+The communication (comm.py) and the block kernels (BLOCKS) are pluggable; this file holds the
+schedule, the merge and the layouts. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
+"""
+import importlib
+import time
+
+import numpy as np
+
+from stages import naive
+from stages.common import cast, check_attention_inputs, check_backward_inputs, resolve_scale
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ----------------------------------------------------------------------------- block kernels
+_NOTICES = set()
+
+
+def _notice(msg):
+    """Print a fallback notice once per process (never fall back silently)."""
+    if msg not in _NOTICES:
+        _NOTICES.add(msg)
+        print(f"NOTICE (stage 04): {msg}", flush=True)
+
+
+_STAGES = {}
+
+
+def _stage(name, what):
+    """stages.<name>, imported late (stage 04 imports even while stages 02/03 are in flux); None if unusable."""
+    if name not in _STAGES:
+        try:
+            mod = importlib.import_module(f"stages.{name}")
+            getattr(mod, what)
+        except Exception as e:  # noqa: BLE001 - any import failure means "fall back, and say so"
+            _notice(f"stages.{name}.{what} is not usable here ({type(e).__name__}: {e}); the ring's blocks fall "
+                    "back to stage 00's naive formula (same maths, materialises each block's score matrix)")
+            mod = None
+        _STAGES[name] = mod
+    return _STAGES[name]
+
+
+def flash_version(dtype, version=None):
+    """The stage 02 version for a dtype: 'fp32' for float32, the fastest tensor-core one for fp16/bf16."""
+    if version:
+        return version
+    if np.dtype(dtype) == np.float32:
+        return "fp32"
+    mod = _stage("flash_v2", "forward")
+    return "pipelined" if mod is not None and "pipelined" in getattr(mod, "VERSIONS", ("pipelined",)) else "tc"
+
+
+def _flash_forward(q, k, v, *, causal, scale, version=None):
+    mod = _stage("flash_v2", "forward") if q.dtype != np.float64 else None  # stage 02 has no float64
+    if mod is None:
+        return _naive_forward(q, k, v, causal=causal, scale=scale)
+    return mod.forward(q, k, v, causal=causal, scale=scale, version=flash_version(q.dtype, version))
+
+
+def _flash_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
+    mod = _stage("flash_v2_backward", "backward") if q.dtype != np.float64 else None
+    if mod is None:
+        return _naive_backward(q, k, v, o, lse, do, causal=causal, scale=scale)
+    return mod.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale, version=version or "auto")
+
+
+def _up(*xs):
+    """float16/bfloat16 -> float32, so a block's partial result is not rounded before it is accumulated."""
+    return [cast(x, np.float32) if x.dtype not in (np.float32, np.float64) else x for x in xs]
+
+
+def _naive_forward(q, k, v, *, causal, scale, version=None):
+    return naive.forward(*_up(q, k, v), causal=causal, scale=scale)
+
+
+def _naive_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
+    return naive.backward(*_up(q, k, v, o), lse, *_up(do), causal=causal, scale=scale)
+
+
+def _naive_same_dtype_forward(q, k, v, *, causal, scale, version=None):
+    return naive.forward(q, k, v, causal=causal, scale=scale)
+
+
+def _naive_same_dtype_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
+    return naive.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale)
+
+
+# How one (query shard, key block) pair is computed. "flash" = the stage 02/03 kernels on a GPU
+# (their numpy tile mirrors on the CPU: exact but slow); they return each block's partial result in
+# the input dtype, as FlashAttention does. "naive" = stage 00 in float32 for half inputs (exact and fast
+# on the CPU, but it materialises the block's Nq x Nk score matrix): the CPU default. With no usable
+# stage 02/03, "flash" falls back to "naive" and prints a notice saying so.
+# "naive_same_dtype" = stage 00 in the inputs' own dtype, each block's O_rj, dK_j, dV_j rounded to it as a
+# kernel returns them: the ring's yardstick for the tolerance rule (see ring_yardstick).
+BLOCKS = {
+    "flash": (_flash_forward, _flash_backward),
+    "naive": (_naive_forward, _naive_backward),
+    "naive_same_dtype": (_naive_same_dtype_forward, _naive_same_dtype_backward),
+}
+
+
+# ----------------------------------------------------------------------------- layouts
+def shard_len(n, P, layout):
+    """Rows each rank holds for a global length n: ceil(n/P), or 2*ceil(n/2P) for zigzag."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not known; use one of {LAYOUTS}")
+    return -(-n // P) if layout == "contiguous" else 2 * -(-n // (2 * P))
+
+
+def positions(rank, P, n, layout):
+    """Global sequence positions of `rank`'s rows, in local order; a position >= n is padding."""
+    L = shard_len(n, P, layout)
+    if layout == "contiguous":
+        return np.arange(rank * L, (rank + 1) * L)
+    c = L // 2  # chunk length: the sequence is 2P chunks, rank r holds chunks r and 2P-1-r
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c), np.arange((2 * P - 1 - rank) * c, (2 * P - rank) * c)])
+
+
+def shard(x, rank, P, layout):
+    """Rank's shard of x (B, H, N, ...) along axis 2, zero-padded to shard_len rows."""
+    n = x.shape[2]
+    pos = positions(rank, P, n, layout)
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    out = x[:, :, xp.asarray(np.minimum(pos, n - 1))]  # (B, H, L, ...) gathered rows; padding repeats row n-1
+    out = xp.ascontiguousarray(out)
+    valid = int((pos < n).sum())  # padding rows are a suffix of the shard
+    out.view(f"u{out.itemsize}")[:, :, valid:] = 0  # zero padding rows (bits 0 = +0.0): finite everywhere
+    return out
+
+
+def unshard(shards, n, layout):
+    """The global (B, H, n, ...) array from the P shards (padding rows dropped)."""
+    P = len(shards)
+    xp = np if isinstance(shards[0], np.ndarray) else __import__("cupy")
+    full = xp.concatenate(shards, axis=2)  # (B, H, P*L, ...) in rank order
+    pos = np.concatenate([positions(r, P, n, layout) for r in range(P)])
+    order = np.argsort(pos)[:n]  # local row -> global position, padding (pos >= n) sorts last
+    return full[:, :, xp.asarray(order)]
+
+
+# ----------------------------------------------------------------------------- which keys each query sees
+def plan(qpos, kpos, nq, nk, causal):
+    """Split one (query shard, key block) pair into kernel calls [(a, b, m, causal)]:
+    rows a:b of the query shard attend keys 0:m of the block, with or without the causal diagonal.
+
+    n_i = how many keys of the block row i sees. Positions increase in local order in both layouts,
+    so row i sees a prefix of the block and n_i never decreases: a staircase. A flat run of the
+    staircase is a full (non-causal) call; a run rising by one key per row is a causal call, since
+    the kernels align the diagonal bottom-right (row b-1 sees all m keys); rows with n_i = 0 are skipped.
+    """
+    if causal:  # query i sees key j iff j <= i + (nk - nq)  (bottom-right, as every stage)
+        n = np.searchsorted(kpos, qpos + (nk - nq), side="right")  # padded keys lie after every real query
+    else:
+        n = np.full(len(qpos), int((kpos < nk).sum()))  # every valid key: a prefix, padding is a suffix
+    calls, i, L = [], 0, len(qpos)
+    while i < L:
+        if n[i] == 0:
+            i += 1
+            continue
+        j = i + 1
+        if j < L and n[j] == n[i] + 1:  # a diagonal run: one causal call
+            while j < L and n[j] == n[j - 1] + 1:
+                j += 1
+            calls.append((i, j, int(n[j - 1]), True))
+        else:  # a flat run: one full call
+            while j < L and n[j] == n[i]:
+                j += 1
+            calls.append((i, j, int(n[i]), False))
+        i = j
+    return calls
+
+
+# ----------------------------------------------------------------------------- the merge
+def merge(o_a, lse_a, o_b, lse_b):
+    """Combine two partial results over disjoint key sets, in their stable log-sum-exp form.
+
+        L = m + log(exp(L_a - m) + exp(L_b - m)),   m = max(L_a, L_b)
+        O = O_a exp(L_a - L) + O_b exp(L_b - L)
+    o_a, lse_a are the fp32 accumulators (updated in place and returned); o_b, lse_b the new block.
+    A row that saw no key in either part keeps L = -inf and O = 0 (never NaN).
+    """
+    xp = np if isinstance(o_a, np.ndarray) else __import__("cupy")
+    lse_b = lse_b.astype(lse_a.dtype, copy=False)
+    m = xp.maximum(lse_a, lse_b)  # (B, H, Nq)
+    m = xp.where(xp.isneginf(m), 0.0, m)  # both -inf: any finite m gives exp(-inf) = 0 below
+    e_a, e_b = xp.exp(lse_a - m), xp.exp(lse_b - m)  # in [0, 1]: no overflow however large the logits
+    total = e_a + e_b  # >= 1 unless the row is empty in both parts
+    with np.errstate(divide="ignore"):
+        lse_a[...] = m + xp.log(total)  # log(0) = -inf for an empty row
+    total = xp.where(total == 0, 1.0, total)
+    w_a, w_b = (e_a / total)[..., None], (e_b / total)[..., None]  # exp(L_a - L), exp(L_b - L): (B, H, Nq, 1)
+    o_b = cast(o_b, o_a.dtype)
+    if xp is np:
+        o_a *= w_a
+        o_a += o_b * w_b
+    else:  # the same two lines fused into one pass over O on the GPU
+        _merge_kernel()(w_a, o_b, w_b, o_a)
+    return o_a, lse_a
+
+
+_MERGE = []
+
+
+def _merge_kernel():
+    """O_a = O_a * w_a + O_b * w_b as one CuPy elementwise kernel (w broadcast over D)."""
+    if not _MERGE:
+        import cupy
+
+        _MERGE.append(cupy.ElementwiseKernel("T w_a, T o_b, T w_b", "T o_a", "o_a = o_a * w_a + o_b * w_b",
+                                             "ring_merge_o"))
+    return _MERGE[0]
+
+
+# ----------------------------------------------------------------------------- timing marks
+def _marker(xp):
+    """mark() -> a time stamp on the compute stream; ms(a, b) after the stream is done."""
+    if xp is np:
+        return time.perf_counter, lambda a, b: (b - a) * 1e3
+    import cupy
+
+    return (lambda: cupy.cuda.get_current_stream().record()), cupy.cuda.get_elapsed_time
+
+
+def _rows(x, a, b):
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    return xp.ascontiguousarray(x[:, :, a:b])  # (B, H, b-a, ...)
+
+
+class RingMismatch(ValueError):
+    """Ranks called the ring with different shapes/dtype/options, or one rank's inputs are invalid.
+    Raised on EVERY rank at once (never a hang in a receive that will not come)."""
+
+
+def check_same_everywhere(ring, **facts):
+    """Every rank must call the ring with the same shapes, dtype and options: a mismatch would make
+    the send/recv sizes disagree and hang. Raise on EVERY rank, naming the ranks that differ.
+    A rank whose own inputs are invalid sends {"problem": message} instead, and every rank raises that."""
+    every = ring.allgather(facts)
+    problems = [(r, f["problem"]) for r, f in enumerate(every) if "problem" in f]
+    if problems:
+        raise RingMismatch("ring attention: " + "; ".join(f"rank {r} cannot run: {msg}" for r, msg in problems))
+    bad = [r for r, f in enumerate(every) if f != every[0]]
+    if bad:
+        keys = sorted({key for r in bad for key in facts if every[r][key] != every[0][key]})
+        lines = "\n".join(f"  rank {r}: " + ", ".join(f"{key}={every[r][key]}" for key in keys)
+                          for r in range(len(every)))
+        raise RingMismatch(f"ring attention: ranks {bad} disagree with rank 0 on {', '.join(keys)} "
+                           f"(every rank must pass the same shapes, dtype and options):\n{lines}")
+
+
+def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, extra):
+    """Checks shared by forward and backward, agreed by every rank; returns P, r, xp, B, H, Lq, Lk, D, nq, nk, scale.
+
+    The local checks run first and their error (if any) is shared with the agreement check, so a bad input on
+    one rank is an error on every rank."""
+    P, r = ring.size, ring.rank
+    try:
+        xp, B, H, Lq, Lk, D = (check_backward_inputs(q, k, v, *extra, where="ring attention backward") if extra
+                               else check_attention_inputs(q, k, v, where="ring attention"))
+        if block not in BLOCKS:
+            raise ValueError(f"block {block!r} is not known; use one of {sorted(BLOCKS)}")
+        nq, nk = nq or P * Lq, nk or P * Lk
+        if Lq != shard_len(nq, P, layout) or Lk != shard_len(nk, P, layout):  # (shard_len checks the layout)
+            raise ValueError(f"shards have {Lq} query / {Lk} key rows; with {P} ranks, layout {layout}, nq={nq} "
+                             f"and nk={nk} they must have {shard_len(nq, P, layout)} / {shard_len(nk, P, layout)} "
+                             "(cut them with ring.shard)")
+        scale = resolve_scale(scale, D)
+        facts = _facts(q, k, v, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, extra=extra)
+    except (TypeError, ValueError) as e:
+        facts = {"problem": f"{type(e).__name__}: {e}"}
+    check_same_everywhere(ring, **facts)
+    return P, r, xp, B, H, Lq, Lk, D, nq, nk, scale
+
+
+def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=()):
+    return dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
+                device=type(q).__module__.split(".")[0], nq=nq, nk=nk, causal=bool(causal), scale=float(scale),
+                layout=layout, **{f"arg{i}": (tuple(t.shape), str(t.dtype)) for i, t in enumerate(extra)})
+
+
+# ----------------------------------------------------------------------------- forward
+def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, layout="contiguous",
+                 block="flash", version=None, timeline=None):
+    """This rank's part of ring attention: (o, lse) for its query shard.
+
+    q (B, H, Lq, D), k and v (B, H, Lk, D): this rank's shards in `layout` (see shard()); nq, nk: the
+    global unpadded lengths (default P*Lq, P*Lk). ring: a communicator from comm.py. timeline: a list
+    that receives one dict per step {compute_ms, exposed_ms} (exposed = time waiting on the ring).
+    """
+    P, r, xp, B, H, Lq, Lk, D, nq, nk, scale = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, ())
+    fwd, _ = BLOCKS[block]
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    o_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # O_r: normalised over the keys merged so far
+    lse_acc = xp.full((B, H, Lq), -np.inf, dtype=acc)  # L_r
+    qpos = positions(r, P, nq, layout)
+    mark, ms = _marker(xp)
+    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, H, Lk, D) row-major: transfers move raw bytes
+    k_cur, v_cur, spare = k, v, None  # double buffers: the block in use and the one arriving
+    seen = np.zeros(Lq, dtype=bool)  # rows that already hold a partial result
+    marks = []
+    for s in range(P):
+        src = (r - s) % P  # Alg.: at step s rank r holds the block of rank r - s
+        if s < P - 1:  # post the next block's transfer before computing on this one
+            if spare is None:
+                spare = (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
+            nxt = spare
+            handle = ring.start([k_cur, v_cur], list(nxt))
+        t0 = mark()
+        for a, b, m, c in plan(qpos, positions(src, P, nk, layout), nq, nk, causal):
+            o_b, lse_b = fwd(_rows(q, a, b), _rows(k_cur, 0, m), _rows(v_cur, 0, m), causal=c, scale=scale,
+                             version=version)  # O_rj, L_rj: (B, H, b-a, D), (B, H, b-a)
+            if seen[a:b].any():
+                merge(o_acc[:, :, a:b], lse_acc[:, :, a:b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
+            else:  # first block these rows see: nothing to merge with
+                o_acc[:, :, a:b], lse_acc[:, :, a:b] = cast(o_b, acc), lse_b
+                seen[a:b] = True
+        t1 = mark()
+        if s < P - 1:
+            ring.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
+            spare = (k_cur, v_cur) if s > 0 else None  # step 0's buffers are the caller's k, v: never reuse
+            k_cur, v_cur = nxt
+        marks.append((t0, t1, mark()))
+    o = cast(o_acc, q.dtype)
+    lse = lse_acc.astype(np.float64 if acc == np.float64 else np.float32)  # (B, H, Lq): float32 by the API
+    _record(timeline, marks, ms, xp)
+    return o, lse
+
+
+def _record(timeline, marks, ms, xp):
+    if timeline is None:
+        return
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    for t0, t1, t2 in marks:
+        timeline.append({"compute_ms": ms(t0, t1), "exposed_ms": ms(t1, t2)})
+
+
+# ----------------------------------------------------------------------------- backward
+def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, scale=None,
+                  layout="contiguous", block="flash", version=None, timeline=None):
+    """This rank's part of the ring backward: (dq, dk, dv) for its own shards.
+
+    o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in
+    the forward; the dK, dV accumulators of each block follow one step behind and come home at the end.
+    """
+    P, r, xp, B, H, Lq, Lk, D, nq, nk, scale = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block,
+                                                         (o, lse, do))
+    _, bwd = BLOCKS[block]
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    valid = int((positions(r, P, nq, layout) < nq).sum())  # padding rows are a suffix of the shard
+    if valid < Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
+        do = do.copy()
+        do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
+    dq_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # dQ_r stays home
+    dk_blk, dv_blk = xp.empty((B, H, Lk, D), dtype=acc), xp.empty((B, H, Lk, D), dtype=acc)  # this step's dK_j
+    travel = [(xp.zeros_like(dk_blk), xp.zeros_like(dv_blk)), None]  # dK_j, dV_j accumulators, two buffers
+    qpos = positions(r, P, nq, layout)
+    mark, ms = _marker(xp)
+    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, H, Lk, D) row-major: transfers move raw bytes
+    k_cur, v_cur, spare = k, v, None  # double buffers
+    marks, dkv_handle = [], None
+    for s in range(P):
+        src = (r - s) % P
+        if s < P - 1:  # K_j, V_j for the next step, in flight during this step's compute
+            if spare is None:
+                spare = (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
+            nxt = spare
+            kv_handle = ring.start([k_cur, v_cur], list(nxt), tag=0)
+        t0 = mark()
+        calls = plan(qpos, positions(src, P, nk, layout), nq, nk, causal)
+        whole = len(calls) == 1 and calls[0][2] == Lk  # one call gives all of this step's dK_j, dV_j
+        gk, gv = travel[0] if s == 0 else (dk_blk, dv_blk)  # step 0 starts the block's accumulator
+        if not whole:  # several calls (or none) add up into zeros
+            gk.fill(0)
+            gv.fill(0)
+        for a, b, m, c in calls:
+            dq_b, dk_b, dv_b = bwd(_rows(q, a, b), _rows(k_cur, 0, m), _rows(v_cur, 0, m), _rows(o, a, b),
+                                   _rows(lse, a, b), _rows(do, a, b), causal=c, scale=scale, version=version)
+            dq_acc[:, :, a:b] += cast(dq_b, acc)  # dQ_r += dS_rj K_j   (scale included)
+            if whole:
+                gk[...], gv[...] = cast(dk_b, acc), cast(dv_b, acc)  # dK_j, dV_j of this step
+            else:
+                gk[:, :, :m] += cast(dk_b, acc)  # dK_j += dS_rj^T Q_r
+                gv[:, :, :m] += cast(dv_b, acc)  # dV_j += P_rj^T dO_r
+        t1 = mark()
+        if s > 0:
+            ring.wait(dkv_handle)  # block j's accumulator from rank r-1 has arrived in travel[0]
+            if calls:  # (a causal block after all our queries adds nothing)
+                travel[0][0][...] += dk_blk
+                travel[0][1][...] += dv_blk
+        if P > 1:
+            if travel[1] is None:
+                travel[1] = (xp.empty_like(dk_blk), xp.empty_like(dv_blk))
+            dkv_handle = ring.start(list(travel[0]), list(travel[1]), tag=1)  # dK_j, dV_j follow K_j, V_j
+            travel.reverse()  # the buffer just received into is next step's accumulator
+        if s < P - 1:
+            ring.wait(kv_handle)
+            spare = (k_cur, v_cur) if s > 0 else None
+            k_cur, v_cur = nxt
+        marks.append((t0, t1, mark()))
+    if P > 1:
+        ring.wait(dkv_handle)  # after P hops our own dK_r, dV_r are home, in travel[0]
+    dk, dv = travel[0]
+    _record(timeline, marks, ms, xp)
+    return cast(dq_acc, q.dtype), cast(dk, k.dtype), cast(dv, v.dtype)
+
+
+# ----------------------------------------------------------------------------- P ranks in one process
+def forward(q, k, v, *, causal=False, scale=None, version="zigzag", ranks=4, block="naive", block_version=None):
+    """The one API: ring attention of full (B, H, N, D) arrays with `ranks` simulated ranks (threads).
+
+    version: the layout ("contiguous" or "zigzag"); block: "naive" (stage 00) or "flash" (stages 02/03).
+    Each thread runs ring_forward on its shard, exactly as an MPI rank would; the shards are gathered.
+    """
+    from .comm import simulate
+
+    nq, nk = q.shape[2], k.shape[2]
+
+    def rank_fn(ring):
+        r, P = ring.rank, ring.size
+        return ring_forward(shard(q, r, P, version), shard(k, r, P, version), shard(v, r, P, version), ring=ring,
+                            nq=nq, nk=nk, causal=causal, scale=scale, layout=version, block=block,
+                            version=block_version)
+
+    outs = simulate(rank_fn, ranks)
+    return unshard([o for o, _ in outs], nq, version), unshard([lse for _, lse in outs], nq, version)
+
+
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="zigzag", ranks=4, block="naive",
+             block_version=None):
+    """The one API's backward: ring_backward on `ranks` simulated ranks; returns full (dq, dk, dv)."""
+    from .comm import simulate
+
+    nq, nk = q.shape[2], k.shape[2]
+
+    def rank_fn(ring):
+        r, P = ring.rank, ring.size
+        cut = [shard(x, r, P, version) for x in (q, k, v, o, lse, do)]
+        return ring_backward(*cut, ring=ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=version,
+                             block=block, version=block_version)
+
+    outs = simulate(rank_fn, ranks)
+    return tuple(unshard([g[i] for g in outs], n, version) for i, n in enumerate((nq, nk, nk)))
+
+
+def ring_yardstick(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", ranks=4):
+    """(o, lse, dq, dk, dv) of the same ring with stage 00 blocks in the inputs' own dtype (host arrays).
+
+    The tolerance rule measures a kernel against naive attention in the same dtype. A ring's result is a
+    merge of P partial results that the block kernels return in the inputs' dtype (O_rj, and dK_j, dV_j
+    summed over P ranks): with fp16/bf16 each partial is rounded once more than naive attention's single
+    result is. This is that ring computed naively: its error is what the dtype alone costs the ring, and
+    the ring's bound is 2x the larger of this error and naive attention's, plus 1e-5. (For float32 the two
+    errors are the same size.) o, lse: what the backward starts from.
+    """
+    from stages.common import to_numpy
+
+    q, k, v, o, lse, do = (to_numpy(x) for x in (q, k, v, o, lse, do))
+    kw = dict(causal=causal, scale=scale, version=layout, ranks=ranks, block="naive_same_dtype")
+    return forward(q, k, v, **kw) + backward(q, k, v, o, lse, do, **kw)
