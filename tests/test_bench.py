@@ -1,0 +1,130 @@
+"""scripts/bench.py and scripts/bench_report.py on the CPU: the CSV -> table/markdown/plot path, and a clear
+exit when there is no GPU. The CSV here is SYNTHETIC (made-up TFLOP/s, GPU "synthetic-gpu"): it only
+exercises the report code and is never a measurement.
+"""
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from stages.common import has_gpu
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+report = _load("bench_report")
+
+# SYNTHETIC numbers, chosen so the ratios are easy to check by hand.
+SYNTHETIC_GPU = "synthetic-gpu (not a measurement)"
+
+
+def _synthetic_rows():
+    rows = []
+
+    def add(direction, impl, version, dtype, causal, d, n, tflops, status="ok"):
+        b = 16384 // n
+        rows.append(dict(gpu=SYNTHETIC_GPU, direction=direction, impl=impl, version=version, dtype=dtype,
+                         causal=causal, head_dim=d, seq_len=n, batch=b, heads=16,
+                         ms=None if status != "ok" else 1.0, tflops=None if status != "ok" else tflops,
+                         status=status))
+
+    for n in (1024, 4096, 8192):
+        add("fwd", "ours", "tc", "bf16", False, 64, n, 200.0)
+        add("fwd", "ours", "pipelined", "bf16", False, 64, n, 270.0)
+        add("fwd", "torch", "flash", "bf16", False, 64, n, 300.0)
+        add("fwd", "torch", "cudnn", "bf16", False, 64, n, 450.0)
+        add("bwd", "ours", "tc", "bf16", True, 128, n, 100.0)
+        add("bwd", "ours", "tc-det", "bf16", True, 128, n, 80.0, status="mismatch: dq max error 1e-1 > bound 1e-2")
+        add("bwd", "torch", "flash", "bf16", True, 128, n, 200.0)
+        add("bwd", "torch", "cudnn", "bf16", True, 128, n, 0.0, status="error: RuntimeError: No available kernel")
+    add("fwd", "ours", "fp32", "fp32", False, 64, 4096, 30.0)
+    add("fwd", "torch", "efficient", "fp32", False, 64, 4096, 25.0)
+    add("fwd", "ours", "pipelined", "fp16", True, 64, 4096, 0.0, status="missing: stages.flash_v2 does not import")
+    return rows
+
+
+@pytest.fixture
+def csv_path(tmp_path):
+    path = tmp_path / "bench.csv"
+    report.write_csv(path, _synthetic_rows())
+    return path
+
+
+def test_csv_round_trip(csv_path):
+    rows = report.read_csv(csv_path)
+    assert csv_path.read_text().splitlines()[0] == ",".join(report.COLUMNS)
+    assert len(rows) == len(_synthetic_rows())
+    r = rows[0]
+    assert r["causal"] is False and r["head_dim"] == 64 and r["seq_len"] == 1024 and r["batch"] == 16
+    assert r["tflops"] == 200.0
+    missing = [x for x in rows if x["status"].startswith("missing")]
+    assert missing and missing[0]["tflops"] is None and missing[0]["ms"] is None
+
+
+def test_csv_with_wrong_columns_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("gpu,impl,tflops\nx,ours,1\n")
+    with pytest.raises(ValueError, match="not the bench CSV"):
+        report.read_csv(bad)
+
+
+def test_markdown_ratios_and_exclusions(csv_path):
+    md = report.markdown(report.read_csv(csv_path), min_seq=4096)
+    lines = md.splitlines()
+    assert SYNTHETIC_GPU in md
+    fwd = [ln for ln in lines if ln.startswith("| bf16 | no | 64 |")]
+    assert [ln.split(" | ")[3] for ln in fwd] == ["4096", "8192"]  # N = 1024 is below --min-seq
+    cells = [c.strip() for c in fwd[0].strip("|").split("|")]
+    # ours tc, ours pipelined, torch flash, torch cudnn, tc/flash, pipelined/flash, tc/cudnn, pipelined/cudnn
+    assert cells[5:] == ["200.0", "270.0", "300.0", "450.0", "0.67", "0.90", "0.44", "0.60"]
+    bwd = [ln for ln in lines if ln.startswith("| bf16 | yes | 128 | 4096")][0]
+    cells = [c.strip() for c in bwd.strip("|").split("|")]
+    # the mismatch and the error show their status and never enter a ratio
+    assert cells[5:9] == ["100.0", "mismatch", "200.0", "error"]
+    assert cells[9:] == ["0.50", "-", "-", "-"]
+    assert "forward pipelined/flash at N >= 4096: min 0.90" in md
+    assert "backward tc-det/flash" not in md
+    fp32 = [ln for ln in lines if ln.startswith("| fp32 | no | 64 | 4096")][0]
+    assert fp32.rstrip(" |").endswith("1.20")  # ours fp32 / torch efficient = 30 / 25
+    assert "| fp16 | yes | 64 | 4096 | 4 x 16 | - | missing |" in md
+
+
+def test_text_table_names_the_gpu_and_keeps_small_n(csv_path):
+    txt = report.text(report.read_csv(csv_path))
+    assert txt.splitlines()[0].startswith(f"GPU: {SYNTHETIC_GPU}")
+    assert "1024" in txt and "forward, bf16/fp16" in txt and "backward, bf16/fp16" in txt
+
+
+def test_plots_are_pngs(csv_path, tmp_path):
+    paths = report.plots(report.read_csv(csv_path), tmp_path / "plots")
+    names = sorted(p.name for p in paths)
+    assert names == ["bench_backward.png", "bench_forward.png"]
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_bench_markdown_mode_needs_no_gpu(csv_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--markdown", str(csv_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| bf16 | no | 64 | 8192 |" in proc.stdout
+
+
+@pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
+def test_bench_without_gpu_exits_with_a_message(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "needs a CUDA GPU" in proc.stderr or "PyTorch" in proc.stderr
+    assert not (tmp_path / "bench.csv").exists()
