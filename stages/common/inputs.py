@@ -23,7 +23,7 @@ def cast(x, dtype):
     dtype = np.dtype(dtype)
     if x.dtype == dtype:
         return x
-    return x.astype(np.float32).astype(dtype) if dtype == bfloat16 else x.astype(dtype)
+    return x.astype(np.float32, copy=False).astype(dtype) if dtype == bfloat16 else x.astype(dtype)
 
 
 def make_inputs(B, H, Nq, Nk, D, *, dtype=np.float32, xp=np, seed=None, scale=1.0, grad=False):
