@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 from stages import naive  # noqa: E402
 from stages.common import (  # noqa: E402
-    PeakMemory, attention_flops, check_backward, check_forward, gpu_name, has_gpu, make_inputs, time_ms,
+    PeakMemory, attention_flops, check_backward, check_forward, gpu_name, run_devices, make_inputs, time_ms,
 )
 
 # ---- configuration (each overridable on the command line)
@@ -47,10 +47,7 @@ def main(argv=None):
     causal = not args.no_causal
     if args.quick:
         args.seq, args.heads = 200, 2
-    devices = ["cpu"] if args.device == "cpu" else ["gpu"] if args.device == "gpu" else (
-        ["cpu", "gpu"] if has_gpu() else ["cpu"])
-    if "gpu" in devices and not has_gpu():
-        sys.exit("--device gpu: no CUDA GPU found (CuPy sees no device); use --device cpu")
+    devices = run_devices(args.device)
 
     ok = True
     for dev in devices:

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 from stages import flash_v1, naive  # noqa: E402
 from stages.common import (  # noqa: E402
-    PeakMemory, attention_flops, check_backward, check_forward, gpu_name, has_gpu, make_inputs, max_error,
+    PeakMemory, attention_flops, check_backward, check_forward, gpu_name, run_devices, make_inputs, max_error,
     time_ms,
 )
 
@@ -70,10 +70,7 @@ def main(argv=None):
     causal = not args.no_causal
     if args.quick:
         args.seq, args.heads = 200, 2
-    devices = ["cpu"] if args.device == "cpu" else ["gpu"] if args.device == "gpu" else (
-        ["cpu", "gpu"] if has_gpu() else ["cpu"])
-    if "gpu" in devices and not has_gpu():
-        sys.exit("--device gpu: no CUDA GPU found (CuPy sees no device); use --device cpu")
+    devices = run_devices(args.device)
     fwd = functools.partial(flash_v1.forward, version=args.version)
     bwd = functools.partial(flash_v1.backward, version=args.version)
 

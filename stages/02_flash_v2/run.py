@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 from stages import flash_v1, flash_v2, naive  # noqa: E402
 from stages.common import (  # noqa: E402
-    attention_flops, bfloat16, cast, gpu_name, has_gpu, make_inputs, max_error, time_ms, to_numpy,
+    attention_flops, bfloat16, cast, gpu_name, run_devices, make_inputs, max_error, time_ms, to_numpy,
 )
 
 # ---- configuration (each overridable on the command line)
@@ -185,10 +185,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     causal = not args.no_causal
     versions = flash_v2.VERSIONS if args.version == "all" else (args.version,)
-    devices = ["cpu"] if args.device == "cpu" else ["gpu"] if args.device == "gpu" else (
-        ["cpu", "gpu"] if has_gpu() else ["cpu"])
-    if "gpu" in devices and not has_gpu():
-        sys.exit("--device gpu: no CUDA GPU found (CuPy sees no device); use --device cpu")
+    devices = run_devices(args.device)
 
     ok = True
     for dev in devices:

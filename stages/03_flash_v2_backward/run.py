@@ -34,7 +34,7 @@ from stages import flash_v2_backward as fb  # noqa: E402
 from stages.flash_v2_backward import flash_v2_backward as launcher  # noqa: E402
 from stages import naive  # noqa: E402
 from stages.common import (  # noqa: E402
-    assert_within_tolerance, bfloat16, cast, check_backward, gpu_name, has_gpu, make_inputs, max_error, time_ms,
+    assert_within_tolerance, bfloat16, cast, check_backward, gpu_name, run_devices, make_inputs, max_error, time_ms,
     to_numpy, tolerance_report,
 )
 
@@ -259,10 +259,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.tc_tile_variants = [tuple(int(x) for x in v.split(":")) for v in args.tc_tile_variants]
     causal = not args.no_causal
-    devices = ["cpu"] if args.device == "cpu" else ["gpu"] if args.device == "gpu" else (
-        ["cpu", "gpu"] if has_gpu() else ["cpu"])
-    if ("gpu" in devices or args.bench) and not has_gpu():
-        sys.exit("--device gpu / --bench: no CUDA GPU found (CuPy sees no device); use --device cpu")
+    devices = run_devices(args.device)
+    if args.bench and "gpu" not in devices:
+        sys.exit("--bench: no CUDA GPU found (CuPy sees no device); it times the kernels")
     versions = fb.VERSIONS if args.version == "all" else (args.version,)
     modes = (args.deterministic,) if args.deterministic else (False, True)
     forward, fwd_name = get_forward()

@@ -5,7 +5,7 @@ from .checks import (
     array_module, check_attention_inputs, check_backward_inputs, resolve_scale, SUPPORTED_FLOAT_DTYPES,
 )
 from .tolerance import max_error, tolerance_report, assert_within_tolerance
-from .measure import attention_flops, time_ms, PeakMemory, gpu_name, has_gpu
+from .measure import attention_flops, time_ms, PeakMemory, gpu_name, has_gpu, run_devices
 from .inputs import make_inputs, bfloat16, to_numpy, cast
 from .kernels import load_module, compile_only, KERNELS_DIR
 from . import verify
@@ -14,7 +14,7 @@ from .verify import check_forward, check_backward, empty
 __all__ = [
     "array_module", "check_attention_inputs", "check_backward_inputs", "resolve_scale",
     "SUPPORTED_FLOAT_DTYPES", "max_error", "tolerance_report", "assert_within_tolerance",
-    "attention_flops", "time_ms", "PeakMemory", "gpu_name", "has_gpu", "make_inputs", "bfloat16",
+    "attention_flops", "time_ms", "PeakMemory", "gpu_name", "has_gpu", "run_devices", "make_inputs", "bfloat16",
     "to_numpy", "cast", "load_module", "compile_only", "KERNELS_DIR", "verify",
     "check_forward", "check_backward", "empty",
 ]

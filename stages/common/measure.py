@@ -14,6 +14,14 @@ def has_gpu():
         return False
 
 
+def run_devices(choice):
+    """The devices a run.py runs on for --device auto|cpu|gpu: auto is the CPU, and the GPU too when there
+    is one. Exits with a clear message when the GPU is asked for and CuPy sees none."""
+    if choice == "gpu" and not has_gpu():
+        raise SystemExit("--device gpu: no CUDA GPU found (CuPy sees no device); use --device cpu")
+    return {"cpu": ["cpu"], "gpu": ["gpu"]}.get(choice) or (["cpu", "gpu"] if has_gpu() else ["cpu"])
+
+
 def gpu_name():
     import cupy
 
