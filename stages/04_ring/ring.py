@@ -236,6 +236,12 @@ def merge(o_a, lse_a, o_b, lse_b):
     return o_a, lse_a
 
 
+def _accumulate(acc, x):
+    """acc += x in place, x upcast element by element (no full-size temporary in acc's dtype)."""
+    xp = np if isinstance(acc, np.ndarray) else __import__("cupy")
+    xp.add(acc, x, out=acc)
+
+
 _MERGE = []
 
 
@@ -350,7 +356,8 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
             if seen[a:b].any():
                 merge(o_acc[:, :, a:b], lse_acc[:, :, a:b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
             else:  # first block these rows see: nothing to merge with
-                o_acc[:, :, a:b], lse_acc[:, :, a:b] = cast(o_b, acc), lse_b
+                xp.copyto(o_acc[:, :, a:b], o_b)  # upcast into the accumulator, no temporary
+                lse_acc[:, :, a:b] = lse_b
                 seen[a:b] = True
         t1 = mark()
         if s < P - 1:
@@ -390,8 +397,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
         do = do.copy()
         do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
     dq_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # dQ_r stays home
-    dk_blk, dv_blk = xp.empty((B, H, Lk, D), dtype=acc), xp.empty((B, H, Lk, D), dtype=acc)  # this step's dK_j
-    travel = [(xp.zeros_like(dk_blk), xp.zeros_like(dv_blk)), None]  # dK_j, dV_j accumulators, two buffers
+    travel = [(xp.zeros((B, H, Lk, D), dtype=acc), xp.zeros((B, H, Lk, D), dtype=acc)), None]  # dK_j, dV_j: 2 buffers
     qpos = positions(r, P, nq, layout)
     mark, ms = _marker(xp)
     k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, H, Lk, D) row-major: transfers move raw bytes
@@ -405,30 +411,21 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
             nxt = spare
             kv_handle = ring.start([k_cur, v_cur], list(nxt), tag=0)
         t0 = mark()
-        calls = plan(qpos, positions(src, P, nk, layout), nq, nk, causal)
-        whole = len(calls) == 1 and calls[0][2] == Lk  # one call gives all of this step's dK_j, dV_j
-        gk, gv = travel[0] if s == 0 else (dk_blk, dv_blk)  # step 0 starts the block's accumulator
-        if not whole:  # several calls (or none) add up into zeros
-            gk.fill(0)
-            gv.fill(0)
-        for a, b, m, c in calls:
+        block_grads = []  # this step's dK_j, dV_j parts, in the block's dtype, until block j's accumulator arrives
+        for a, b, m, c in plan(qpos, positions(src, P, nk, layout), nq, nk, causal):
             dq_b, dk_b, dv_b = bwd(_rows(q, a, b), _rows(k_cur, 0, m), _rows(v_cur, 0, m), _rows(o, a, b),
                                    _rows(lse, a, b), _rows(do, a, b), causal=c, scale=scale, version=version)
-            dq_acc[:, :, a:b] += cast(dq_b, acc)  # dQ_r += dS_rj K_j   (scale included)
-            if whole:
-                gk[...], gv[...] = cast(dk_b, acc), cast(dv_b, acc)  # dK_j, dV_j of this step
-            else:
-                gk[:, :, :m] += cast(dk_b, acc)  # dK_j += dS_rj^T Q_r
-                gv[:, :, :m] += cast(dv_b, acc)  # dV_j += P_rj^T dO_r
+            _accumulate(dq_acc[:, :, a:b], dq_b)  # dQ_r += dS_rj K_j   (scale included)
+            block_grads.append((m, dk_b, dv_b))
         t1 = mark()
         if s > 0:
             ring.wait(dkv_handle)  # block j's accumulator from rank r-1 has arrived in travel[0]
-            if calls:  # (a causal block after all our queries adds nothing)
-                travel[0][0][...] += dk_blk
-                travel[0][1][...] += dv_blk
+        for m, dk_b, dv_b in block_grads:  # (step 0: travel[0] starts at zero)
+            _accumulate(travel[0][0][:, :, :m], dk_b)  # dK_j += dS_rj^T Q_r
+            _accumulate(travel[0][1][:, :, :m], dv_b)  # dV_j += P_rj^T dO_r
         if P > 1:
             if travel[1] is None:
-                travel[1] = (xp.empty_like(dk_blk), xp.empty_like(dv_blk))
+                travel[1] = (xp.empty_like(travel[0][0]), xp.empty_like(travel[0][1]))
             dkv_handle = ring.start(list(travel[0]), list(travel[1]), tag=1)  # dK_j, dV_j follow K_j, V_j
             travel.reverse()  # the buffer just received into is next step's accumulator
         if s < P - 1:
