@@ -2,29 +2,38 @@
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2. mma.sync m16n8k16 + ldmatrix + cp.async
 // (the FA2 sm80 design, no Hopper-only instructions). Notation: Q_i, dO_i (Br rows), K_j, V_j (Bc rows).
 //
-// flash_bwd_tc<T, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ>: block per (K/V tile j, batch*head), Bc / 16 warps (default
-//   Br = 64, Bc = 128: 8 warps): warp w owns rows 16w..16w+15 of K_j, V_j, dK_j, dV_j. K_j, V_j are loaded once;
-//   the block loops over Q tiles i with Q_i, dO_i, L_i, D_i double-buffered by cp.async. Per tile, each warp
-//   computes S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T for its 16 key rows; P^T and dS^T then sit in registers
-//   exactly in the A-fragment layout of the next mma, so dV_j += P^T dO_i and dK_j += dS^T Q_i need no shared
-//   memory round trip. dQ_i += dS_ij K_j sums over all Bc key rows (all warps): dS^T goes to shared memory as
-//   16-bit, the warps split dQ_i (Br x HD) and add it to an fp32 buffer with red.global.add.v4.f32 (sm_90).
+// flash_bwd_tc<T, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ, DQ_MT, KREG, BRC>: block per (K/V tile j, batch*head), Bc / 16
+//   warps (Bc = 128: 8 warps; Br = 128 at d=64, 64 at d=128): warp w owns rows 16w..16w+15 of K_j, V_j, dK_j, dV_j.
+//   K_j, V_j are loaded once; the block loops over Q tiles i with Q_i, dO_i, L_i, D_i double-buffered by cp.async.
+//   A Q tile is computed in chunks of BRC = 64 query rows: per chunk, each warp computes S_ij^T = K_j Q_i^T and
+//   dP_ij^T = V_j dO_i^T for its 16 key rows; P^T and dS^T then sit in registers exactly in the A-fragment layout
+//   of the next mma, so dV_j += P^T dO_i and dK_j += dS^T Q_i need no shared memory round trip. KREG (d=64): each
+//   warp keeps its K_j, V_j A fragments in registers for the whole kernel. dQ_i += dS_ij K_j sums over all Bc key
+//   rows (all warps): dS^T goes to shared memory as 16-bit, the warps split dQ_i (Br x HD) into 16 DQ_MT x NCOL
+//   tiles (32 x 32 at both head dims) and add them to an fp32 buffer with red.global.add.v4.f32 (sm_90).
 //   DEFER_DQ: tile i's dQ runs after tile i+1's barrier (dS^T double-buffered): one barrier per tile, not two.
+//   j_fast (a kernel argument): grid (Tc, BH), the K/V tiles of one head side by side (non-causal), else (BH, Tc).
 // flash_bwd_dq_tc<T, HD>: deterministic mode's dQ pass: block per (Q tile i, batch*head), 4 warps x 16 rows,
 //   loops over K/V tiles j (double-buffered), recomputes dS_ij and keeps dQ_i in registers: no atomics,
 //   the same summation order every run, so dQ is bit-identical across runs.
 //
-// Measured on an H100 80GB HBM3 (B=4 H=16 N=4096, TFLOP/s = 2.5 x forward FLOPs / time, ratio to PyTorch 2.11's
-// flash backward (autograd) timed in the same run; run.py --bench):
-//   default, atomic dQ    bf16 d=64  193-204 (0.79-0.81x), causal 187-189 (0.89-0.90x);
-//                         bf16 d=128 231-233 (0.83-0.84x), causal 211-215 (0.90x);
-//                         fp16 d=64  198-202 (0.82x), causal 184-188 (0.93x); d=128 233-235 (0.84x), causal 214-219
-//                         (0.93-0.94x). N=8192 bf16: 204 / 194 (d=64), 238 / 228 (d=128): 0.79-0.92x.
-//   deterministic         177-197 TFLOP/s, 0.83-0.95x of the atomic mode (the dQ pass recomputes S and dP).
-//   tried and measured slower: DEFER_DQ = false (d=64: -3.5%, d=128: same); Br = 32 (-8 to -9%);
-//   Bc = 64, 4 warps, two blocks per SM at d=64 (-5%: twice the dQ atomics and Q_i reloads).
-//   Where d=64 loses: the main kernel without dQ runs its 4 matmuls at ~250 TFLOP/s; the dQ phase (dS^T through
-//   shared memory, its mma, 2 GB of fp32 atomics at B=4 H=16 N=4096) adds ~1 ms to 2.2 ms.
+// Measured on an H100 80GB HBM3 (scripts/bench.py --direction bwd, B*N = 16384 tokens, H = 16, TFLOP/s = 2.5 x
+// forward FLOPs / time, ratio to PyTorch 2.11's flash backward timed in the same run), N = 4096 / 8192 / 16384:
+//   default, atomic dQ    bf16 d=64  238 / 248 / 250 (0.88 / 0.89 / 0.86x), causal 219 / 241 / 251 (1.00-0.91x);
+//                         bf16 d=128 242 / 250 / 252 (0.83 / 0.82 / 0.81x), causal 227 / 245 / 254 (0.89-0.81x);
+//                         fp16 d=64  236 / 246 / 250 (0.89 / 0.87 / 0.88x), causal 219 / 239 / 251 (0.97-0.91x);
+//                         fp16 d=128 240 / 245 / 249 (0.83 / 0.81 / 0.80x), causal 227 / 243 / 250 (0.89-0.80x).
+//   deterministic         182-210 TFLOP/s (0.66-0.88x of torch's flash backward).
+//   Before (Br = 64 at d=64, 16 x HD/2 dQ tiles per warp, no KREG, grid (BH, Tc); one run, N = 4096 / 8192):
+//   d=64 0.77 / 0.765x (bf16 209 / 217 TFLOP/s), causal 0.86-0.88x; d=128 0.78-0.80x, causal 0.83-0.86x.
+//   Steps (same-run ratios): d=64 Br = 128 with 32 x 32 dQ tiles 0.83-0.84x, + KREG 0.86-0.88x; d=128 32 x 32 dQ
+//   tiles +1-7% TFLOP/s; grid (Tc, BH) non-causal: d=128 0 to +3%, d=64 same; causal -3 to -6% (kept (BH, Tc)).
+//   Tried and slower or no better: KREG at d=128 (K or V only: 255 registers + 36-44 B spills, -1 to -5%; both:
+//   200 B spills, not run); BRC = 32 at d=128 (-2 to -5%; with KREG, 48 B spills: within noise of BRC = 64);
+//   earlier: DEFER_DQ = false (d=64: -3.5%, d=128: same); Br = 32 (-8%); Bc = 64, 4 warps, 2 blocks/SM (-5%).
+//   Registers (nvcc 13.0, sm_90): d=64 242, d=128 255, no spills; one block (8 warps) per SM. What limits it:
+//   every warp reads all of Q_i, dO_i from shared memory twice (plain and .trans ldmatrix) for 16 key rows, so
+//   ~0.5 ldmatrix.x4 per mma: shared-memory bandwidth and its latency with 2 warps per scheduler.
 //   python stages/03_flash_v2_backward/run.py --version tc --dtype bf16 [--bench]
 #include "common.cuh"
 
@@ -53,42 +62,53 @@ __device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
 }
 
 // Alg.2 L15 for one Q tile: dQ_i += dS_ij K_j, summed over all Bc key rows (all warps), from dS_ij^T in
-// shared memory. The Bc / 16 warps split dQ_i (Br x HD); other K/V blocks add to the same rows at the same time, hence
-// fp32 atomic adds. Lanes t and t^1 swap a pair so that each holds 4 consecutive columns of one row: one 16-byte
-// red.global.add.v4.f32 (sm_90) instead of four 4-byte atomics.
-template <typename T, int HD, int Br, int Bc, int LDK, int LDS>
+// shared memory. The Bc / 16 warps split dQ_i (Br x HD) into tiles of 16 MT rows x NCOL columns; other K/V blocks
+// add to the same rows at the same time, hence fp32 atomic adds. Lanes t and t^1 swap a pair so that each holds 4
+// consecutive columns of one row: one 16-byte red.global.add.v4.f32 (sm_90) instead of four 4-byte atomics.
+template <typename T, int HD, int Br, int Bc, int MT, int LDK, int LDS>
 __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float* dQacc, int q_tile0, int Nq,
                                                int warp, int lane) {
     constexpr int NW = Bc / 16;  // warps in the block
-    constexpr int RG = Br / 16, NCOL = HD / (NW / RG), NQ = NCOL / 8;  // warp -> rows qr0.., columns dc0..
-    static_assert(NW % RG == 0 && NQ % 2 == 0, "dQ_i split: the warps must cover Br / 16 row groups evenly");
+    constexpr int RG = Br / (16 * MT), NCOL = HD / (NW / RG), NQ = NCOL / 8;  // warp -> rows qr0.., columns dc0..
+    static_assert(NW % RG == 0 && NQ % 2 == 0, "dQ_i split: the warps must cover Br / (16 MT) row groups evenly");
     const int g = lane / 4, t = lane % 4, mi = lane / 8;
-    const int qr0 = 16 * (warp % RG), dc0 = (warp / RG) * NCOL;
-    float dq[NQ][4];
+    const int qr0 = 16 * MT * (warp % RG), dc0 = (warp / RG) * NCOL;
+    float dq[MT][NQ][4];
 #pragma unroll
-    for (int n = 0; n < NQ; ++n)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[m][n][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < Bc / 16; ++kk) {
-        u32 a[4];  // A[q][kv] = dS^T[kv][q]: stored transposed, so ldmatrix .trans
-        ldmatrix_x4_trans(a, dSt + (kk * 16 + (mi / 2) * 8 + lane % 8) * LDS + qr0 + (mi % 2) * 8);
+        u32 a[MT][4];  // A[q][kv] = dS^T[kv][q]: stored transposed, so ldmatrix .trans
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+            ldmatrix_x4_trans(a[m], dSt + (kk * 16 + (mi / 2) * 8 + lane % 8) * LDS + qr0 + 16 * m + (mi % 2) * 8);
 #pragma unroll
         for (int np = 0; np < NQ / 2; ++np) {
             u32 b[4];  // B[kv][d] = K_j[kv][d]
             ldmatrix_x4_trans(b, Ks + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + dc0 + np * 16 + (mi / 2) * 8);
-            mma_16816<T>(dq[2 * np], a, b);
-            mma_16816<T>(dq[2 * np + 1], a, b + 2);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                mma_16816<T>(dq[m][2 * np], a[m], b);
+                mma_16816<T>(dq[m][2 * np + 1], a[m], b + 2);
+            }
         }
     }
     const bool odd = t & 1;
-    const int q = q_tile0 + qr0 + g + (odd ? 8 : 0);
 #pragma unroll
-    for (int n = 0; n < NQ; ++n) {
-        const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-        const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-        const float4 val = odd ? make_float4(r0, r1, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0, r1);
-        if (q < Nq) red_add_f32x4(dQacc + (long)q * HD + dc0 + n * 8 + 4 * (t / 2), val);
+    for (int m = 0; m < MT; ++m) {
+        const int q = q_tile0 + qr0 + 16 * m + g + (odd ? 8 : 0);
+#pragma unroll
+        for (int n = 0; n < NQ; ++n) {
+            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[m][n][0] : dq[m][n][2], 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[m][n][1] : dq[m][n][3], 1);
+            const float4 val = odd ? make_float4(r0, r1, dq[m][n][2], dq[m][n][3])
+                                   : make_float4(dq[m][n][0], dq[m][n][1], r0, r1);
+            if (q < Nq) red_add_f32x4(dQacc + (long)q * HD + dc0 + n * 8 + 4 * (t / 2), val);
+        }
     }
 }
 
@@ -99,17 +119,23 @@ __host__ __device__ constexpr int smem_bytes_main() {
 }
 
 // Q, dO: (BH, Nq, HD); K, V, dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i * log2 e,
-// +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed. grid = (BH, ceil(Nk / Bc)), 2 * Bc threads.
-template <typename T, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ>
+// +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed. grid = (BH, ceil(Nk / Bc)) or, with j_fast,
+// (ceil(Nk / Bc), BH); 2 * Bc threads.
+// A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T, P^T, dS^T of one chunk live in
+// registers); the barrier, the Q_i / dO_i load and the dQ step are per Br rows. DQ_MT: m-tiles (16 rows) of dQ_i
+// per warp in the dQ step. KREG: this warp's A fragments of K_j, V_j stay in registers for the whole kernel.
+template <typename T, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG, int BRC>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
-    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal) {
+    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal,
+    int j_fast) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
     constexpr int LDS = Br + 8;  // row stride of dS^T
-    constexpr int NS = Br / 8;   // n-tiles (8 query columns) of this warp's S^T slice
+    constexpr int NS = BRC / 8;  // n-tiles (8 query columns) of this warp's S^T slice of one chunk
     constexpr int ND = HD / 8;   // n-tiles of dK_j, dV_j rows
+    static_assert(Br % BRC == 0 && BRC % 16 == 0, "Br: a multiple of the BRC-row chunk");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Ks = reinterpret_cast<T*>(smem_raw);
     T* Vs = Ks + Bc * LDK;
@@ -120,10 +146,12 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     float* Ds = Ls + 2 * Br;                               // [2][Br]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, mi = lane / 8;
-    // grid = (BH, Tc): blocks start in order of the linear index, so every head's j = 0 block (under causal
-    // the one with the most Q tiles) starts first and the short ones fill the tail.
-    const int j = blockIdx.y;
-    const long bh = blockIdx.x;
+    // j_fast = 0: grid = (BH, Tc); blocks start in order of the linear index, so every head's j = 0 block (under
+    // causal the one with the most Q tiles) starts first and the short ones fill the tail. j_fast = 1: grid =
+    // (Tc, BH): the blocks running together are all K/V tiles of a few heads, which stream the same Q_i, dO_i and
+    // add to the same dQ_i rows at about the same time: those stay in L2.
+    const int j = j_fast ? blockIdx.x : blockIdx.y;
+    const long bh = j_fast ? blockIdx.y : blockIdx.x;
     const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
     Q += bh * Nq * HD; dO += bh * Nq * HD; dQacc += bh * Nq * HD;
     K += bh * Nk * HD; V += bh * Nk * HD; dK += bh * Nk * HD; dV += bh * Nk * HD;
@@ -151,6 +179,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.f;
+    u32 akr[KREG ? HD / 16 : 1][4], avr[KREG ? HD / 16 : 1][4];  // KREG: this warp's K_j, V_j A fragments
 
     for (int i = i_begin; i < Tr; ++i) {  // Alg.2 L8
         const int buf = (i - i_begin) & 1;
@@ -159,96 +188,113 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                              // written dS_{i-1}^T (read below when DEFER_DQ)
         if (i + 1 < Tr) load_q_tile(i + 1, buf ^ 1);  // prefetch the next Q tile while this one is computed
         cp_async_commit();
+        if (KREG && i == i_begin) {  // K_j, V_j have landed (barrier above): their A fragments, once
+#pragma unroll
+            for (int kk = 0; kk < (KREG ? HD / 16 : 0); ++kk) {
+                ldmatrix_x4(akr[kk], Ks + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+                ldmatrix_x4(avr[kk], Vs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+            }
+        }
         if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain while tile i is computed
-            dq_tile_atomic<T, HD, Br, Bc, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br, Nq, warp, lane);
-        const T* Qb = Qs + buf * Br * LDK;
-        const T* dOb = dOs + buf * Br * LDK;
-        const float* Lb = Ls + buf * Br;
-        const float* Db = Ds + buf * Br;
+            dq_tile_atomic<T, HD, Br, Bc, DQ_MT, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br, Nq,
+                                                           warp, lane);
+        T* dSt = dSs + (DEFER_DQ ? buf : 0) * Bc * LDS;
 
-        // Alg.2 L10: S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T, this warp's 16 key rows x Br queries
-        float s[NS][4], dp[NS][4];
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            u32 ak[4], av[4];  // A = K_j, V_j rows 16w.., cols kk*16..: lanes 0-15 rows, 16-31 the +8 columns
-            ldmatrix_x4(ak, Ks + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
-            ldmatrix_x4(av, Vs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-            for (int np = 0; np < Br / 16; ++np) {
-                u32 bq[4], bo[4];  // B[d][q] = Q_i[q][d]: rows of Q_i are the columns of B, no transpose
-                ldmatrix_x4(bq, Qb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
-                ldmatrix_x4(bo, dOb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
-                mma_16816<T>(s[2 * np], ak, bq);
-                mma_16816<T>(s[2 * np + 1], ak, bq + 2);
-                mma_16816<T>(dp[2 * np], av, bo);
-                mma_16816<T>(dp[2 * np + 1], av, bo + 2);
-            }
-        }
+#pragma unroll 1
+        for (int c = 0; c < Br / BRC; ++c) {  // chunks of BRC query rows
+            const T* Qb = Qs + buf * Br * LDK + c * BRC * LDK;
+            const T* dOb = dOs + buf * Br * LDK + c * BRC * LDK;
+            const float* Lb = Ls + buf * Br + c * BRC;
+            const float* Db = Ds + buf * Br + c * BRC;
+            const int q0 = i * Br + c * BRC;  // first query row of the chunk
 
-        // Alg.2 L11-13: P_ij = exp2(S * scale * log2 e - L_i * log2 e); dS_ij = P_ij * (dP_ij - D_i).
-        // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
-        // pack to 16-bit in place (FA2's register reuse).
-        const bool need_mask = (j * Bc + Bc > Nk) || (causal && i * Br + off < j * Bc + Bc - 1);
-        u32 pa[Br / 16][4], dsa[Br / 16][4];
+            // Alg.2 L10: S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T, this warp's 16 key rows x BRC queries
+            float s[NS][4], dp[NS][4];
 #pragma unroll
-        for (int n = 0; n < NS; ++n) {
-            float p[4], ds[4];
+            for (int n = 0; n < NS; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int ql = n * 8 + 2 * t + (e % 2);  // local query column
-                float x = fast_exp2(fmaf(s[n][e], scale_log2, -Lb[ql]));
-                if (need_mask) {  // only on the last K tile and on the causal diagonal
-                    const int kv = j * Bc + 16 * warp + g + (e / 2) * 8, q = i * Br + ql;
-                    if (kv >= Nk || (causal && kv > q + off)) x = 0.f;
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                u32 akl[4], avl[4];  // A = K_j, V_j rows 16w.., cols kk*16..: lanes 0-15 rows, 16-31 the +8 columns
+                if (!KREG) {
+                    ldmatrix_x4(akl, Ks + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+                    ldmatrix_x4(avl, Vs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
                 }
-                p[e] = x;
-                ds[e] = x * (dp[n][e] - Db[ql]);
-            }
-            pa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(p[0], p[1]);  // row g
-            pa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(p[2], p[3]);  // row g + 8
-            dsa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(ds[0], ds[1]);
-            dsa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(ds[2], ds[3]);
-        }
-
-        // Alg.2 L12, L14: dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i (scale at the end).
-        // B[q][d] = dO_i[q][d]: the k index runs down the rows, so ldmatrix transposes each 8x8 tile.
+                const u32* ak = KREG ? akr[KREG ? kk : 0] : akl;
+                const u32* av = KREG ? avr[KREG ? kk : 0] : avl;
 #pragma unroll
-        for (int kk = 0; kk < Br / 16; ++kk) {
-#pragma unroll
-            for (int np = 0; np < HD / 16; ++np) {
-                u32 bo[4], bq[4];
-                ldmatrix_x4_trans(bo, dOb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
-                ldmatrix_x4_trans(bq, Qb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
-                mma_16816<T>(dv[2 * np], pa[kk], bo);
-                mma_16816<T>(dv[2 * np + 1], pa[kk], bo + 2);
-                mma_16816<T>(dk[2 * np], dsa[kk], bq);
-                mma_16816<T>(dk[2 * np + 1], dsa[kk], bq + 2);
+                for (int np = 0; np < BRC / 16; ++np) {
+                    u32 bq[4], bo[4];  // B[d][q] = Q_i[q][d]: rows of Q_i are the columns of B, no transpose
+                    ldmatrix_x4(bq, Qb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                    ldmatrix_x4(bo, dOb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                    mma_16816<T>(s[2 * np], ak, bq);
+                    mma_16816<T>(s[2 * np + 1], ak, bq + 2);
+                    mma_16816<T>(dp[2 * np], av, bo);
+                    mma_16816<T>(dp[2 * np + 1], av, bo + 2);
+                }
             }
-        }
 
-        if (DQ_ATOMIC) {
-            // Alg.2 L15: dQ_i += dS_ij K_j sums over all Bc key rows, i.e. over all warps: dS^T via shared memory
-            T* dSt = dSs + (DEFER_DQ ? buf : 0) * Bc * LDS;
+            // Alg.2 L11-13: P_ij = exp2(S * scale * log2 e - L_i * log2 e); dS_ij = P_ij * (dP_ij - D_i).
+            // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
+            // pack to 16-bit in place (FA2's register reuse).
+            const bool need_mask = (j * Bc + Bc > Nk) || (causal && q0 + off < j * Bc + Bc - 1);
+            u32 pa[BRC / 16][4], dsa[BRC / 16][4];
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
-                T* row = dSt + (16 * warp + g) * LDS + n * 8 + 2 * t;
-                *reinterpret_cast<u32*>(row) = dsa[n / 2][(n % 2) * 2 + 0];
-                *reinterpret_cast<u32*>(row + 8 * LDS) = dsa[n / 2][(n % 2) * 2 + 1];
+                float p[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = n * 8 + 2 * t + (e % 2);  // local query column
+                    float x = fast_exp2(fmaf(s[n][e], scale_log2, -Lb[ql]));
+                    if (need_mask) {  // only on the last K tile and on the causal diagonal
+                        const int kv = j * Bc + 16 * warp + g + (e / 2) * 8, q = q0 + ql;
+                        if (kv >= Nk || (causal && kv > q + off)) x = 0.f;
+                    }
+                    p[e] = x;
+                    ds[e] = x * (dp[n][e] - Db[ql]);
+                }
+                pa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(p[0], p[1]);  // row g
+                pa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(p[2], p[3]);  // row g + 8
+                dsa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(ds[0], ds[1]);
+                dsa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(ds[2], ds[3]);
             }
-            if (!DEFER_DQ) {
-                __syncthreads();  // all of dS_ij^T is in shared memory before any warp reads other warps' rows
-                dq_tile_atomic<T, HD, Br, Bc, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, warp, lane);
+
+            // Alg.2 L12, L14: dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i (scale at the end).
+            // B[q][d] = dO_i[q][d]: the k index runs down the rows, so ldmatrix transposes each 8x8 tile.
+#pragma unroll
+            for (int kk = 0; kk < BRC / 16; ++kk) {
+#pragma unroll
+                for (int np = 0; np < HD / 16; ++np) {
+                    u32 bo[4], bq[4];
+                    ldmatrix_x4_trans(bo, dOb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
+                    ldmatrix_x4_trans(bq, Qb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
+                    mma_16816<T>(dv[2 * np], pa[kk], bo);
+                    mma_16816<T>(dv[2 * np + 1], pa[kk], bo + 2);
+                    mma_16816<T>(dk[2 * np], dsa[kk], bq);
+                    mma_16816<T>(dk[2 * np + 1], dsa[kk], bq + 2);
+                }
             }
+
+            if (DQ_ATOMIC) {
+                // Alg.2 L15: dQ_i += dS_ij K_j sums over all Bc key rows, i.e. over all warps: dS^T via shared memory
+#pragma unroll
+                for (int n = 0; n < NS; ++n) {
+                    T* row = dSt + (16 * warp + g) * LDS + c * BRC + n * 8 + 2 * t;
+                    *reinterpret_cast<u32*>(row) = dsa[n / 2][(n % 2) * 2 + 0];
+                    *reinterpret_cast<u32*>(row + 8 * LDS) = dsa[n / 2][(n % 2) * 2 + 1];
+                }
+            }
+        }
+        if (DQ_ATOMIC && !DEFER_DQ) {
+            __syncthreads();  // all of dS_ij^T is in shared memory before any warp reads other warps' rows
+            dq_tile_atomic<T, HD, Br, Bc, DQ_MT, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, warp, lane);
         }
     }
     if (DQ_ATOMIC && DEFER_DQ && i_begin < Tr) {  // dQ of the last Q tile
         __syncthreads();  // every warp has written its rows of the last dS^T
-        dq_tile_atomic<T, HD, Br, Bc, LDK, LDS>(dSs + ((Tr - 1 - i_begin) & 1) * Bc * LDS, Ks, dQacc, (Tr - 1) * Br,
-                                                Nq, warp, lane);
+        dq_tile_atomic<T, HD, Br, Bc, DQ_MT, LDK, LDS>(dSs + ((Tr - 1 - i_begin) & 1) * Bc * LDS, Ks, dQacc,
+                                                       (Tr - 1) * Br, Nq, warp, lane);
     }
 
     // Alg.2 L19: write dK_j = scale * (sum dS^T Q), dV_j as T, rows < Nk

@@ -30,6 +30,17 @@ TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of flash_bwd_tc per head dim
 # The tc kernel's atomic dQ for Q tile i runs one tile late, after the next tile's barrier (one barrier per tile
 # instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (run.py --bench compares).
 TC_DEFER_DQ = True
+# Per head dim: m-tiles (16 rows) of dQ_i per warp in the tc kernel's dQ step (2: 32 x 32 tiles at both head dims),
+# and whether each warp keeps its K_j, V_j A fragments in registers (KREG) instead of reloading them from shared
+# memory per 64-row Q chunk (d=64 only: at d=128 the 64 extra registers spill).
+TC_DQ_MT = {64: 2, 128: 2}
+TC_KREG = {64: True, 128: False}
+TC_CHUNK = {64: 64, 128: 64}  # query rows per chunk (BRC) of a Q tile: S^T, dP^T of one chunk live in registers
+# Block order of the tc main kernel, per causal flag. True: K/V tile index fastest, grid (Tc, BH): the blocks in
+# flight are the K/V tiles of a few heads, which stream the same Q_i, dO_i and add to the same dQ_i (L2 hits).
+# False: grid (BH, Tc), every head's j = 0 block first: under causal those have the most Q tiles, so the long
+# blocks start first and the short ones fill the tail.
+TC_J_FAST = {False: True, True: False}
 PROFILE = None  # a list to time each launch into (run.py --bench sets it): [(name, cupy.cuda.Event), ...]
 
 
@@ -82,14 +93,24 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic)
 
 
+def _dq_mt(D, br, bc):
+    """TC_DQ_MT[D] where the Bc / 16 warps can split dQ_i (Br x D) into tiles of 16 MT rows and a multiple of 16
+    columns (run.py --tc-tile-variants may set other Br, Bc); 1 otherwise."""
+    mt, nw = TC_DQ_MT[D], bc // 16
+    rg = br // (16 * mt)
+    ok = rg >= 1 and br % (16 * mt) == 0 and nw % rg == 0 and (D // (nw // rg)) % 16 == 0
+    return mt if ok else 1
+
+
 def _names(version, ctype, D, defer=None):
     """Template instantiations of one (version, dtype, head dim): compiled together, once.
     [atomic main kernel, deterministic main kernel, deterministic dQ pass]."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
     br, bc, defer = TC_BR[D], TC_BC[D], "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
-    return [f"flash_bwd_tc<{ctype},{D},{br},{bc},true,{defer}>", f"flash_bwd_tc<{ctype},{D},{br},{bc},false,false>",
-            f"flash_bwd_dq_tc<{ctype},{D}>"]
+    extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)}"
+    return [f"flash_bwd_tc<{ctype},{D},{br},{bc},true,{defer},{extra}>",
+            f"flash_bwd_tc<{ctype},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{D}>"]
 
 
 PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
@@ -160,9 +181,10 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic):
         main((-(-Nk // 32), BH), (256,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk),
                                            i32(Nq_pad), f32(scale), i32(causal)), shared_mem=smem_main)
     else:
-        bc = TC_BC[D]
-        main((BH, -(-Nk // bc)), (2 * bc,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk), i32(Nq_pad),
-                                           f32(scale), f32(scale * LOG2E), i32(causal)), shared_mem=smem_main)
+        bc, j_fast = TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
+        grid = (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc))
+        main(grid, (2 * bc,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk), i32(Nq_pad), f32(scale),
+                               f32(scale * LOG2E), i32(causal), i32(j_fast)), shared_mem=smem_main)
     _mark("main")
     dq = empty(cupy, q.shape, dtype)
     if deterministic:  # the separate dQ pass, no atomics
