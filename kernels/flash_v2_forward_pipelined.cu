@@ -15,21 +15,31 @@
 //      * each warp owns MT = 2 m-tiles (32 rows of Q_i; Br = 128 with 4 warps, FA2's own layout): every K/V
 //        fragment read from shared memory feeds two mma instead of one, halving shared-memory traffic per FLOP;
 //      * tiles per head dim (stages/02_flash_v2/tc.py CONFIG); S (32 x Bc) and O_i (32 x d) of a warp share
-//        255 registers per thread, which is what bounds Bc at d = 128 (nvcc -Xptxas -v, sm_90: 163 / 218 / 252
-//        registers at d = 32 / 64 / 96; d = 128 uses 255 and spills 24 bytes, yet beat the spill-free SUB = 32);
+//        255 registers per thread, which is what bounds Bc at d = 128 (nvcc 13.0 -Xptxas -v, sm_90: 163 / 226 /
+//        255 / 255 registers at d = 32 / 64 / 96 / 128, no spills);
 //      * 32-bit shared addresses: each lane computes one base per operand, fragments are base + constant;
+//      * a K/V tile with no row past Nk (all but a ragged last one) is copied without per-row checks: one
+//        64-bit base plus constant offsets (the checked copy cost ~100 of the ~1080 SASS instructions of a
+//        d = 128 tile, most of them register moves of the selected addresses);
+//      * the tile body is compiled twice, masked and plain; the plain copy has no branch from S_ij to P_ij V_j,
+//        so ptxas interleaves the exponentials of one m-tile with the P V mma of the other;
+//      * SKIP (d = 128 only): the rescale of O_i by alpha is skipped when alpha = 1 for all 16 rows of an m-tile
+//        (no new row max: bitwise the same result). At d = 128 this also removed the spill (100 bytes without
+//        it); at d = 32 / 64 / 96 the vote and branch cost more than the multiplies they save (measured);
 //      * causal: masking only on tiles crossing the diagonal (and per warp: a warp skips key slices none of its
 //        rows sees), longest Q tiles launched first inside groups of heads.
-//      MEASURED (H100 80GB HBM3, TFLOP/s and ratio to torch 2.11 SDPA flash backend in the same run, H = 16,
-//      CUDA events, median; scratch bench of 2026-11-22, before the unfused FMUL of the exp2 line above):
+//      MEASURED (H100 80GB HBM3, 2026-11-23, python3 scripts/bench.py --direction fwd --seqs 4096 8192: TFLOP/s
+//      and ratio to torch 2.11 SDPA flash backend in the same run; H = 16, B = 4 at N = 4096, B = 2 at N = 8192;
+//      CUDA events, median):
 //                          d=64 full      d=64 causal    d=128 full     d=128 causal
-//        N=4096 B=4 bf16   317 (1.08x)    295 (1.14x)    326 (0.94x)    284 (0.92x)
-//        N=4096 B=4 fp16   318 (1.06x)    290 (1.14x)    300 (0.83x)*   295 (0.98x)
-//        N=8192 B=4 bf16   319 (1.04x)    273 (0.95x)    327 (0.93x)    296 (0.91x)
-//        N=8192 B=4 fp16   321 (1.05x)    313 (1.12x)    321 (0.97x)    311 (0.98x)
-//        N=4096 B=16 bf16  302 (0.98x)    299 (1.09x)    323 (0.94x)    296 (0.97x)
-//        d=32: 238 (1.11x), d=96: 333 (0.96x) (N=4096 B=4 bf16 full). * 346 (0.95x) in the run before: the
-//        spread between runs reached 12% on that point.
+//        N=4096 bf16       298 (1.03x)    308 (1.21x)    330 (0.99x)    330 (1.13x)
+//        N=4096 fp16       303 (1.06x)    306 (1.23x)    336 (1.03x)    307 (1.08x)
+//        N=8192 bf16       309 (1.04x)    305 (1.14x)    348 (1.05x)    331 (1.10x)
+//        N=8192 fp16       302 (1.03x)    296 (1.11x)    336 (1.04x)    322 (1.13x)
+//      Same-run A/B against the previous version of this file (scratch bench, two runs, B = 4 H = 16,
+//      N = 4096 / 8192, bf16 and fp16; ratio to torch flash): d = 128 full 0.86-0.90x -> 0.97-1.04x, causal
+//      0.93-1.02x -> 1.03-1.13x; d = 64 1.04-1.17x -> 1.07-1.22x; d = 32 1.10-1.14x -> 1.07-1.18x; d = 96
+//      0.94-1.07x -> 0.96-1.06x (within the run-to-run spread).
 //
 // Work split (FA2 Sec. 3.3): one block per (Q tile i, head), looping over K/V tiles j.
 // Warp w owns rows 16*MT*w .. 16*MT*(w+1)-1 of Q_i: a warp's softmax is its own, no block-wide reduction.
@@ -53,12 +63,16 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 r[4], u32 addr) {
 __device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src) {  // always 16 bytes: no predicate
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
+}
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16. D: head dim (multiple of 16);
 // BC: keys per K/V tile (Bc); NWARPS warps, each owning MT m-tiles of 16 rows, so Br = 16 * MT * NWARPS;
 // SUB: keys per compute slice of a K/V tile; MINB: blocks per SM the registers must allow (64K / (MINB * threads)
-// per thread). HG: heads per group of the causal block order. Shared memory: (Br + 4 Bc) (D + 8) elements.
-template <typename T, int D, int BC, int NWARPS, int MT, int SUB, int MINB>
+// per thread); SKIP: skip the rescale of O_i by alpha = 1 (see below). HG: heads per group of the causal block
+// order. Shared memory: (Br + 4 Bc) (D + 8) elements.
+template <typename T, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            T* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
@@ -114,6 +128,11 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
         const T* s0 = src + (long)(r0 + lr) * D + lc;
         const u32 d0 = smem_u32(dst + lr * LD + lc);
         if (CHP != CH && lc >= D) return;  // D = 96: the last quarter of the threads idles
+        if (r0 + rows <= n) {  // the whole tile exists (all tiles but a ragged last one): base + constant offsets
+#pragma unroll
+            for (int it = 0; it < rows / RS; ++it) cp_async_16_u32(d0 + it * RS * LD * 2, s0 + it * RS * D);
+            return;
+        }
 #pragma unroll
         for (int it = 0; it < rows / RS; ++it) {  // rows is a constant here: unrolled
             const bool ok = r0 + lr + it * RS < n;
@@ -160,105 +179,128 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
             cp_async_commit();
         }
         // The tile is computed in slices of SUB keys (SUB = Bc unless registers ask for less): S of one slice,
-        // 16*MT x SUB fp32 per warp, lives in registers beside O_i's 16*MT x D accumulators.
+        // 16*MT x SUB fp32 per warp, lives in registers beside O_i's 16*MT x D accumulators. Two copies of the
+        // body: MASKED (the ragged last tile, tiles crossing the causal diagonal) and the plain one, which has no
+        // branch from S_ij to P_ij V_j, so the compiler may interleave one m-tile's softmax with the other's mma.
+        auto tile = [&](const bool MASKED) {  // called with a constant: each call inlines its own copy
 #pragma unroll
-        for (int sb = 0; sb < BC / SUB; ++sb) {
-            const u32 kj = k_base + (buf * BC + sb * SUB) * LD * 2;  // K_j rows sb*SUB.., in buffer buf
-            const u32 vj = v_base + (buf * BC + sb * SUB) * LD * 2;
-            const int col0 = j * BC + sb * SUB;  // first key of this slice
-            if (causal && col0 > row0 + wrow + 16 * MT - 1 + shift) continue;  // no row of this warp sees it
-            // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x SUB per warp), fp32 accumulators in the C fragment layout.
-            float s[MT][SUB / 8][4];
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int n = 0; n < SUB / 8; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 qa[MT][4];  // A fragments of Q_i: rows 16m.., cols 16kk..16kk+15 (re-read: registers go to O, S)
-#pragma unroll
-                for (int m = 0; m < MT; ++m) ldsm_x4(qa[m], q_base + ((m * 16) * LD + kk * 16) * 2);
-#pragma unroll
-                for (int n = 0; n < SUB / 16; ++n) {  // K rows 16n..16n+15: two n-tiles of 8 keys, for MT m-tiles
-                    u32 b[4];
-                    ldsm_x4(b, kj + ((n * 16) * LD + kk * 16) * 2);
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) {
-                        mma_16816<T>(s[m][2 * n], qa[m], b);
-                        mma_16816<T>(s[m][2 * n + 1], qa[m], b + 2);
-                    }
-                }
-            }
-            // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
-            if (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift)) {
+            for (int sb = 0; sb < BC / SUB; ++sb) {
+                const u32 kj = k_base + (buf * BC + sb * SUB) * LD * 2;  // K_j rows sb*SUB.., in buffer buf
+                const u32 vj = v_base + (buf * BC + sb * SUB) * LD * 2;
+                const int col0 = j * BC + sb * SUB;  // first key of this slice
+                if (MASKED && causal && col0 > row0 + wrow + 16 * MT - 1 + shift) continue;  // no row of ours sees it
+                // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x SUB per warp), fp32 accumulators in the C fragment layout.
+                float s[MT][SUB / 8][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = row0 + wrow + m * 16 + g + 8 * h;
-                        // keys col0 + 2t + x are visible for x < lim (x = 8n + (e & 1), the column inside the tile)
-                        const int lim = (causal ? min(Nk, r + shift + 1) : Nk) - col0 - 2 * t;
+                    for (int n = 0; n < SUB / 8; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.f;
 #pragma unroll
-                        for (int n = 0; n < SUB / 8; ++n) {
-                            if (n * 8 >= lim) s[m][n][2 * h] = -INF;
-                            if (n * 8 + 1 >= lim) s[m][n][2 * h + 1] = -INF;
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    u32 qa[MT][4];  // A fragments of Q_i: rows 16m.., cols 16kk..16kk+15 (re-read: registers for O, S)
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) ldsm_x4(qa[m], q_base + ((m * 16) * LD + kk * 16) * 2);
+#pragma unroll
+                    for (int n = 0; n < SUB / 16; ++n) {  // K rows 16n..16n+15: two n-tiles of 8 keys, MT m-tiles
+                        u32 b[4];
+                        ldsm_x4(b, kj + ((n * 16) * LD + kk * 16) * 2);
+#pragma unroll
+                        for (int m = 0; m < MT; ++m) {
+                            mma_16816<T>(s[m][2 * n], qa[m], b);
+                            mma_16816<T>(s[m][2 * n + 1], qa[m], b + 2);
                         }
                     }
-            }
-            // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij),
-            //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
-            // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the scaled
-            // scores. The product is rounded before the subtraction (__fmul_rn is never fused into an FFMA), so the
-            // largest score gives exactly exp2(0) = 1: fused, its rounding residual made P_max = 1.003 with huge
-            // logits (inputs x100), rounded one way in P's 16 bits (P V) and kept in fp32 in l_i: 1-ulp errors in o.
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
-                    float mx = -INF;
-#pragma unroll
-                    for (int n = 0; n < SUB / 8; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
-                    mx = warp_max<4>(mx);  // the 4 lanes of a quad hold the same row: reduce across them
-                    const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
-                    const float m_use = m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
-                    const float alpha = fast_exp2(m_i[m][h] - m_use);  // e^{m_i - m_ij}: 0 when m_i = -inf
-                    m_i[m][h] = m_new;
-                    float rs = 0.f;
-#pragma unroll
-                    for (int n = 0; n < SUB / 8; ++n) {
-                        s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], scale_log2) - m_use);
-                        s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
-                        rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
-                    }
-                    l_i[m][h] = l_i[m][h] * alpha + rs;  // the quad's 4 partial sums add up at the end
-                    // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i (normalisation deferred to the end)
-#pragma unroll
-                    for (int d = 0; d < D / 8; ++d) acc_o[m][d][2 * h] *= alpha, acc_o[m][d][2 * h + 1] *= alpha;
                 }
-            // Alg.1 L10 (second half): O_i += P_ij V_j.
+                // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
+                if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
 #pragma unroll
-            for (int kk = 0; kk < SUB / 16; ++kk) {  // keys 16kk..16kk+15
-                // The C fragments of n-tiles 2kk, 2kk+1 ARE the A fragment of P for k-step kk (rounded to T).
-                u32 pa[MT][4];
+                    for (int m = 0; m < MT; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int r = row0 + wrow + m * 16 + g + 8 * h;
+                            // keys col0 + 2t + x are visible for x < lim (x = 8n + (e & 1), the column inside the tile)
+                            const int lim = (causal ? min(Nk, r + shift + 1) : Nk) - col0 - 2 * t;
+#pragma unroll
+                            for (int n = 0; n < SUB / 8; ++n) {
+                                if (n * 8 >= lim) s[m][n][2 * h] = -INF;
+                                if (n * 8 + 1 >= lim) s[m][n][2 * h + 1] = -INF;
+                            }
+                        }
+                }
+                // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij),
+                //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
+                // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the
+                // scaled scores. The product is rounded before the subtraction (__fmul_rn is never fused into an
+                // FFMA), so the largest score gives exactly exp2(0) = 1: fused, its rounding residual made
+                // P_max = 1.003 with huge logits (inputs x100), rounded one way in P's 16 bits (P V) and kept in
+                // fp32 in l_i: 1-ulp errors in o.
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
-                    pa[m][0] = Half2<T>::pack(s[m][2 * kk][0], s[m][2 * kk][1]);
-                    pa[m][1] = Half2<T>::pack(s[m][2 * kk][2], s[m][2 * kk][3]);
-                    pa[m][2] = Half2<T>::pack(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
-                    pa[m][3] = Half2<T>::pack(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
-                }
+                    float m_use[2], alpha[2];
 #pragma unroll
-                for (int d = 0; d < D / 16; ++d) {  // V rows 16kk.., cols 16d..16d+15, transposed into B fragments
-                    u32 b[4];
-                    ldsm_x4_trans(b, vj + ((kk * 16) * LD + d * 16) * 2);
+                    for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
+                        float mx = -INF;
+#pragma unroll
+                        for (int n = 0; n < SUB / 8; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
+                        mx = warp_max<4>(mx);  // the 4 lanes of a quad hold the same row: reduce across them
+                        const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
+                        m_use[h] = MASKED && m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
+                        alpha[h] = fast_exp2(m_i[m][h] - m_use[h]);  // e^{m_i - m_ij}: 0 when m_i = -inf
+                        m_i[m][h] = m_new;
+                    }
+                    // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i (normalisation deferred to the end).
+                    // SKIP: alpha = 1 exactly when a row's max did not change (exp2(0)); when none of the warp's 16
+                    // rows of this m-tile changed, the warp skips the D / 2 multiplies by 1 (same bits, fewer
+                    // instructions).
+                    if (!SKIP || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+                        for (int d = 0; d < D / 8; ++d) {
+                            acc_o[m][d][0] *= alpha[0], acc_o[m][d][1] *= alpha[0];
+                            acc_o[m][d][2] *= alpha[1], acc_o[m][d][3] *= alpha[1];
+                        }
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float rs = 0.f;
+#pragma unroll
+                        for (int n = 0; n < SUB / 8; ++n) {
+                            s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], scale_log2) - m_use[h]);
+                            s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use[h]);
+                            rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
+                        }
+                        l_i[m][h] = l_i[m][h] * alpha[h] + rs;  // the quad's 4 partial sums add up at the end
+                    }
+                }
+                // Alg.1 L10 (second half): O_i += P_ij V_j.
+#pragma unroll
+                for (int kk = 0; kk < SUB / 16; ++kk) {  // keys 16kk..16kk+15
+                    // The C fragments of n-tiles 2kk, 2kk+1 ARE the A fragment of P for k-step kk (rounded to T).
+                    u32 pa[MT][4];
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
-                        mma_16816<T>(acc_o[m][2 * d], pa[m], b);
-                        mma_16816<T>(acc_o[m][2 * d + 1], pa[m], b + 2);
+                        pa[m][0] = Half2<T>::pack(s[m][2 * kk][0], s[m][2 * kk][1]);
+                        pa[m][1] = Half2<T>::pack(s[m][2 * kk][2], s[m][2 * kk][3]);
+                        pa[m][2] = Half2<T>::pack(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+                        pa[m][3] = Half2<T>::pack(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+                    }
+#pragma unroll
+                    for (int d = 0; d < D / 16; ++d) {  // V rows 16kk.., cols 16d..16d+15, transposed into B fragments
+                        u32 b[4];
+                        ldsm_x4_trans(b, vj + ((kk * 16) * LD + d * 16) * 2);
+#pragma unroll
+                        for (int m = 0; m < MT; ++m) {
+                            mma_16816<T>(acc_o[m][2 * d], pa[m], b);
+                            mma_16816<T>(acc_o[m][2 * d + 1], pa[m], b + 2);
+                        }
                     }
                 }
             }
-        }
+        };
+        // Block-uniform: the tile holds Nk's tail, or keys right of the diagonal of Q_i's first row.
+        if ((j + 1) * BC > Nk || (causal && (j + 1) * BC - 1 > row0 + shift))
+            tile(true);
+        else
+            tile(false);
     }
     cp_async_wait<0>();  // with no K/V tile at all (causal, fully masked Q_i) the Q_i copy may still be landing:
     __syncthreads();     // ... every thread's copy is done before this warp's Q rows are reused for O below

@@ -7,7 +7,8 @@ Called by flash_v2.forward (which validates the inputs); kernels:
                                            Br = Bc = 64 (4 warps x 16 rows)
     kernels/flash_v2_forward_pipelined.cu  version "pipelined": cp.async double buffering, padded shared rows,
                                            exp2 with log2(e) folded into the scale, Br = 128 (4 warps x 32 rows),
-                                           Bc = 64, longest causal Q tiles first
+                                           Bc = 64, masked and plain copies of the tile body, longest causal Q
+                                           tiles first
 fp16 / bf16 in, fp32 accumulation, o in the inputs' dtype, lse float32 (B, H, Nq), natural log.
 Head dims 32, 64, 96, 128; any Nq, Nk; causal aligned bottom-right (query i sees key j iff j <= i + Nk - Nq).
 """
@@ -24,16 +25,20 @@ HEAD_GROUP = 8  # version 3, causal: heads per group in the block order (longest
 _CTYPE = {np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
 _FILE = {"tc": "flash_v2_forward_tc.cu", "pipelined": "flash_v2_forward_pipelined.cu"}
 
-# Launch configuration per (version, head dim): (NWARPS warps, MT m-tiles of 16 rows per warp, Bc, SUB, MINB).
+# Launch configuration per (version, head dim): (NWARPS warps, MT m-tiles of 16 rows per warp, Bc, SUB, MINB),
+# plus SKIP for version 3 (skip the rescale of O_i by alpha = 1 when no row of a warp's m-tile changed its max).
 # Br = 16 * MT * NWARPS rows of Q_i per block; every warp owns 16 * MT rows of Q_i. Version 3 computes each
 # K/V tile in slices of SUB keys and asks the compiler to fit MINB blocks per SM (registers per thread
 # <= 65536 / (MINB * 32 * NWARPS)). Version 3's tiles won a sweep on an H100 (bf16, N = 4096 and 8192):
 # Br = 128, Bc = 64 beat Bc = 128 (d = 64: 316 vs 298 TFLOP/s), Bc = 64 in one slice beat two slices of 32
-# at d = 128 (328 vs 325 at N = 4096, 346 vs 302 at N = 8192) although ptxas spills 24 bytes there (SUB = 32
-# is spill-free), and 16 rows per warp (8 warps, Br = 128) lost to 32 (d = 128: 213 vs 254 in a first sweep).
+# at d = 128 (again on 2026-11-23: 341-345 vs 310-316 TFLOP/s, bf16 N = 4096 / 8192 full), and 16 rows per warp
+# (8 warps, Br = 128) lost to 32 (d = 128: 213 vs 254 in a first sweep). SKIP won at d = 128 only (bf16 N = 4096
+# full: 350 vs 314 TFLOP/s; without it ptxas spills 100 bytes there) and lost at d = 32 (208 vs 244), d = 64
+# (292 vs 310) and d = 96 (319 vs 327), all on an H100 80GB HBM3.
 CONFIG = {
     "tc": {32: (4, 1, 64, 64, 1), 64: (4, 1, 64, 64, 1), 96: (4, 1, 64, 64, 1), 128: (4, 1, 64, 64, 1)},
-    "pipelined": {32: (4, 2, 64, 64, 2), 64: (4, 2, 64, 64, 2), 96: (4, 2, 64, 64, 2), 128: (4, 2, 64, 64, 2)},
+    "pipelined": {32: (4, 2, 64, 64, 2, 0), 64: (4, 2, 64, 64, 2, 0), 96: (4, 2, 64, 64, 2, 0),
+                  128: (4, 2, 64, 64, 2, 1)},
 }
 
 
@@ -48,14 +53,14 @@ def _config(version, D):
 
 def tiles(version, D, causal=False):
     """(Br, Bc): the Q_i and K_j/V_j tile heights the launcher uses for this version and head dim."""
-    nwarps, mt, bc, _, _ = _config(version, D)
+    nwarps, mt, bc = _config(version, D)[:3]
     return 16 * mt * nwarps, bc
 
 
 def smem_bytes(version, D):
     """Shared memory per block: version 2 holds Q_i, K_j, V_j unpadded (static); version 3 holds Q_i and two
     buffers each of K_j and V_j, every row padded by 8 elements (16 bytes), 2 bytes per element."""
-    nwarps, mt, bc, _, _ = _config(version, D)
+    nwarps, mt, bc = _config(version, D)[:3]
     br = 16 * mt * nwarps
     if version == "tc":
         return 2 * (br + 2 * bc) * D
@@ -64,10 +69,11 @@ def smem_bytes(version, D):
 
 def _name(version, ctype, D):
     """The template instantiation of one (version, dtype, head dim)."""
-    nwarps, mt, bc, sub, minb = _config(version, D)
+    nwarps, mt, bc, sub, minb = _config(version, D)[:5]
     if version == "tc":
         return f"flash_v2_forward_tc<{ctype},{D},{bc},{nwarps}>"
-    return f"flash_v2_forward_pipelined<{ctype},{D},{bc},{nwarps},{mt},{sub},{minb}>"
+    skip = "true" if _config(version, D)[5] else "false"
+    return f"flash_v2_forward_pipelined<{ctype},{D},{bc},{nwarps},{mt},{sub},{minb},{skip}>"
 
 
 def kernel_sources():
@@ -85,7 +91,7 @@ def forward(q, k, v, *, causal=False, scale, version):
     dtype = np.dtype(q.dtype)
     if dtype not in _CTYPE:
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
-    nwarps, mt, bc, _, _ = _config(version, D)
+    nwarps, mt, bc = _config(version, D)[:3]
     br = 16 * mt * nwarps
     if B * H > 65535:
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
