@@ -8,6 +8,7 @@ scaled_dot_product_attention, side by side in one run on one GPU.
 
 Implementations (CSV impl/version):
   ours  fp32       stages.flash_v2.forward(version="fp32") / stages.flash_v2_backward.backward(version="fp32")
+  ours  fp32x3     forward version="fp32x3": fp32 on TF32 tensor cores with the 3xTF32 split (fp32 table only)
   ours  tc         version="tc": mma.sync tensor cores, bf16/fp16
   ours  pipelined  forward version="pipelined" (cp.async double buffering, swizzled shared memory)
   ours  tc-det     backward version="tc", deterministic=True (no atomics: a separate dQ pass)
@@ -65,7 +66,7 @@ REF_BYTES = 6e9  # memory the chunked reference may use for its N x N matrices
 FACTOR, SLACK = 2.0, 1e-5  # the tolerance rule (stages/common/tolerance.py)
 TORCH_SANITY = 10.0  # torch's rows are the yardstick, not under test: only errors past 10x the bound flag them
 
-OURS_FWD = {"16": ["tc", "pipelined"], "32": ["fp32"]}  # version names of stage 02
+OURS_FWD = {"16": ["tc", "pipelined"], "32": ["fp32", "fp32x3"]}  # version names of stage 02
 OURS_BWD = {"16": [("tc", False, "tc"), ("tc", True, "tc-det")], "32": [("fp32", False, "fp32")]}  # stage 03
 TORCH_VERSIONS = {"16": ["flash", "cudnn"], "32": ["efficient"]}
 

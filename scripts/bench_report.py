@@ -16,7 +16,7 @@ import sys
 
 COLUMNS = ["gpu", "direction", "impl", "version", "dtype", "causal", "head_dim", "seq_len", "batch", "heads",
            "ms", "tflops", "status"]
-OURS = ("fp32", "tc", "pipelined", "tc-det")  # column order of our versions
+OURS = ("fp32", "fp32x3", "tc", "pipelined", "tc-det")  # column order of our versions
 TORCH = ("flash", "cudnn", "efficient")  # column order of PyTorch's backends
 REFS = {"16-bit": ("flash", "cudnn"), "fp32": ("efficient",)}  # what our versions are divided by, per group
 DTYPE_ORDER = {"bf16": 0, "fp16": 1, "fp32": 2}
@@ -161,6 +161,7 @@ def text(rows, *, min_seq=0, summary_min_seq=4096):
 
 _STYLE = {"bf16": "-", "fp16": "--", "fp32": ":"}
 _COLOR = {("ours", "pipelined"): "C3", ("ours", "tc"): "C1", ("ours", "tc-det"): "C5", ("ours", "fp32"): "C4",
+          ("ours", "fp32x3"): "C6",
           ("torch", "flash"): "C0", ("torch", "cudnn"): "C2", ("torch", "efficient"): "C7"}
 
 

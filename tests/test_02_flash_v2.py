@@ -1,10 +1,10 @@
-"""Stage 02: FlashAttention-2 forward, versions fp32, tc, pipelined.
+"""Stage 02: FlashAttention-2 forward, versions fp32, tc, pipelined, fp32x3.
 
 CPU (CI): the numpy tile mirror of every version and dtype against the fp64 oracle over the case list, its
-loop order and skipped tiles, fp32 against stage 01; every kernel compiled with NVRTC for sm_80 and sm_90;
-bad inputs. GPU (marker gpu): every version x dtype x supported head dim over the full case list against
-the oracle and against the version before it (fp32 against stage 01, tc against fp32, pipelined against
-tc). Outputs are NaN-poisoned before every launch (conftest's autouse fixture)."""
+loop order and skipped tiles, fp32 against stage 01, the 3xTF32 split; every kernel compiled with NVRTC for
+sm_80 and sm_90; bad inputs. GPU (marker gpu): every version x dtype x supported head dim over the full case
+list against the oracle and against the version before it (fp32 against stage 01, tc against fp32, pipelined
+against tc, fp32x3 against fp32). Outputs are NaN-poisoned before every launch (conftest's autouse fixture)."""
 import numpy as np
 import pytest
 
@@ -16,7 +16,7 @@ from tests.conftest import CASE_IDS, CASES
 
 LOW = {"fp16": np.dtype(np.float16), "bf16": bfloat16}
 # (version, dtype name) pairs the mirror runs: fp32 takes float32, the tensor-core versions fp16 and bf16
-MIRROR_RUNS = [("fp32", "fp32")] + [(v, d) for v in ("tc", "pipelined") for d in LOW]
+MIRROR_RUNS = [("fp32", "fp32")] + [(v, d) for v in ("tc", "pipelined") for d in LOW] + [("fp32x3", "fp32")]
 DTYPE = {"fp32": np.dtype(np.float32), **LOW}
 FP32_DIMS = (32, 64, 128)  # every CASES row runs at these on the GPU; 80 and odd dims on a smaller list
 FP32_ODD_DIMS = (1, 7, 16, 80, 100)
@@ -75,6 +75,12 @@ def _assert_within(what, o, lse, refs, bounds):
     return errs
 
 
+def _assert_agree(what, o, lse, other, bounds):
+    """Two versions against each other (the chain of checks). Each is already within `bounds` of the oracle,
+    so their difference is bounded by the two errors together (triangle inequality): twice the bound."""
+    return _assert_within(what, o, lse, other, {name: 2 * b for name, b in bounds.items()})
+
+
 def _check(q, k, v, causal, s, version):
     """flash_v2.forward (mirror for numpy, kernel for CuPy) against the fp64 oracle by the tolerance rule;
     returns (o, lse, refs, bounds)."""
@@ -104,7 +110,7 @@ def test_mirror_fp32_head_dims_and_stage01(D):
     q, k, v = make_inputs(2, 2, 100, 77, D, dtype=np.float32)
     o, lse, _, bounds = _check(q, k, v, True, 1.0, "fp32")
     o1, lse1 = flash_v1.forward(q, k, v, causal=True)  # stage 01 as the reference of the tolerance rule
-    _assert_within("fp32 against stage 01:", o, lse, (o1, lse1), bounds)
+    _assert_agree("fp32 against stage 01:", o, lse, (o1, lse1), bounds)
 
 
 @pytest.mark.parametrize("version", flash_v2.VERSIONS)
@@ -114,7 +120,7 @@ def test_mirror_loop_order_and_skipped_tiles(Nq, Nk, causal, version):
     """i (Q tiles) outside, j (K/V tiles) inside; a tile is visited iff it has a visible key for some row of
     Q_i, and masked iff it needs it (keys right of the diagonal of Q_i's first row, or keys >= Nk)."""
     D = 64
-    dtype = np.float32 if version == "fp32" else np.float16
+    dtype = np.float32 if version in flash_v2.flash_v2.FP32_VERSIONS else np.float16
     q, k, v = make_inputs(1, 1, Nq, Nk, D, dtype=dtype)
     Br, Bc = flash_v2.tiles(version, D, causal)
     trace = []
@@ -160,6 +166,25 @@ def test_mirror_rounds_p_like_a_tensor_core(dt):
     assert max_error(lse_tc, lse_32) < 1e-5  # lse comes from the fp32 S and l: no 16-bit rounding
 
 
+def test_mirror_tf32_split():
+    """big + small is x to ~2^-22 relative, both parts are TF32 (low 13 bits zero), big rounds to nearest (ties
+    away); and the fp32x3 mirror is not the fp32 one (the split is really applied) but within the rule of it."""
+    x = np.random.default_rng().standard_normal(10000).astype(np.float32) * np.float32(100)
+    big, small = flash_v2.mirror.tf32_split(x)
+    for part in (big, small):
+        assert not np.any(part.view(np.uint32) & np.uint32(0x1FFF))
+    assert np.all(np.abs((big.astype(np.float64) + small) - x) <= 2.0 ** -21 * np.abs(x))
+    assert np.all(np.abs(big.astype(np.float64) - x) <= 2.0 ** -11 * np.abs(x))
+    tie = np.array([1 + 2.0 ** -11, -(1 + 2.0 ** -11)], np.float32)  # exactly half a TF32 ulp above 1
+    assert list(flash_v2.mirror.tf32_split(tie)[0]) == [1 + 2.0 ** -10, -(1 + 2.0 ** -10)]
+    q, k, v = make_inputs(1, 2, 200, 200, 64, dtype=np.float32)
+    o3, lse3 = flash_v2.forward(q, k, v, causal=True, version="fp32x3")
+    o1, lse1 = flash_v2.forward(q, k, v, causal=True, version="fp32")
+    o64, _ = naive.forward(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    o32, _ = naive.forward(q, k, v, causal=True)
+    assert 0 < max_error(o3, o1) <= 2 * max_error(o32, o64) + 1e-5
+
+
 # ---------------------------------------------------------------- the kernels compile (CPU, CI)
 
 
@@ -182,7 +207,7 @@ def test_fp32_kernel_compiles(arch):
 @pytest.mark.parametrize("version", ["tc", "pipelined"])
 def test_tensor_core_kernels_compile(version, arch):
     """Every template instantiation tc.py launches (each dtype x head dim) compiles."""
-    tc_sources = [s for s in _sources() if s[0] != "flash_v2_forward_fp32.cu"]
+    tc_sources = [s for s in _sources() if s[0] not in ("flash_v2_forward_fp32.cu", "flash_v2_forward_fp32x3.cu")]
     assert tc_sources, "stage 02 lists no tensor-core kernels"
     mine = [s for s in tc_sources if version in s[0]]
     assert mine, f"no kernel file for version {version!r} in {[s[0] for s in tc_sources]}"
@@ -191,9 +216,21 @@ def test_tensor_core_kernels_compile(version, arch):
         assert len(compile_only(filename, arch=arch, defines=defines, name_expressions=names)) > 0
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fp32x3_kernel_compiles(arch):
+    """Every template instantiation fp32x3.py launches (one per head dim) compiles."""
+    mine = [s for s in _sources() if s[0] == "flash_v2_forward_fp32x3.cu"]
+    assert len(mine) == 1 and len(mine[0][2]) >= len(flash_v2.head_dims("fp32x3")) >= 2
+    for filename, defines, names in mine:
+        assert len(compile_only(filename, arch=arch, defines=defines, name_expressions=names)) > 0
+
+
 def test_shared_memory_fits_an_a100():
     for D in (1, 32, 64, 65, 96, 128):  # sm_80 allows 163 KB of dynamic shared memory per block, sm_90 227 KB
         assert flash_v2.fp32_smem_bytes(D) < 163 * 1024
+    for D in flash_v2.head_dims("fp32x3"):  # tuned for an H100: only the H100's limit is promised
+        for causal in (False, True):
+            assert flash_v2.flash_v2._fp32x3().smem_bytes(D, causal) <= 227 * 1024
 
 
 # ---------------------------------------------------------------- bad inputs (CPU)
@@ -213,6 +250,10 @@ def test_bad_inputs_raise_clear_errors():
     q80 = make_inputs(1, 1, 8, 8, 80, dtype=np.float16)
     with pytest.raises(ValueError, match="head_dim 80 is not supported by the tensor-core kernel.*version='fp32'"):
         flash_v2.forward(*q80, version="tc")
+    with pytest.raises(ValueError, match="head_dim 80 is not supported by the fp32x3 kernel: use 32, 64, 96, 128"):
+        flash_v2.forward(*make_inputs(1, 1, 8, 8, 80, dtype=np.float32), version="fp32x3")
+    with pytest.raises(TypeError, match="version 'fp32x3' takes float32, got float16"):
+        flash_v2.forward(*h, version="fp32x3")
     with pytest.raises(ValueError, match="head_dim 160 is not supported by the fp32 kernel.*1 to 128"):
         flash_v2.forward(*make_inputs(1, 1, 8, 8, 160, dtype=np.float32))
     with pytest.raises(ValueError, match="rank 4"):
@@ -258,7 +299,7 @@ def test_gpu_fp32_against_oracle_and_stage01(case, D):
     q, k, v = make_inputs(B, H, Nq, Nk, D, dtype=np.float32, xp=cp, scale=s)
     o, lse, refs, bounds = _check(q, k, v, causal, s, "fp32")  # the kernel against the fp64 oracle
     o1, lse1 = flash_v1.forward(q, k, v, causal=causal)  # the previous stage on the same inputs, as the reference
-    _assert_within("fp32 against stage 01:", o, lse, (o1, lse1), bounds)
+    _assert_agree("fp32 against stage 01:", o, lse, (o1, lse1), bounds)
 
 
 @pytest.mark.gpu
@@ -271,6 +312,21 @@ def test_gpu_fp32_odd_head_dims(Nq, Nk, causal, D):
     o, lse = flash_v2.forward(q, k, v, causal=causal, version="fp32")
     o_m, lse_m = flash_v2.forward(*(x.get() for x in (q, k, v)), causal=causal, version="fp32")  # the mirror
     assert max_error(o, o_m) < 1e-5 and max_error(lse, lse_m) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", (32, 64, 96, 128))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gpu_fp32x3_against_oracle_and_fp32(case, D):
+    """fp32x3 (3xTF32 tensor cores) against the oracle by the float32 rule (x100: the worst of NAIVE_SAMPLES naive
+    float32 runs) and, by the same bounds, against the fp32 CUDA-core kernel on the same inputs."""
+    cp = _cupy()
+    assert D in flash_v2.head_dims("fp32x3")
+    B, H, Nq, Nk, D, causal, s = _case(case, D)
+    q, k, v = make_inputs(B, H, Nq, Nk, D, dtype=np.float32, xp=cp, scale=s)
+    o, lse, refs, bounds = _check(q, k, v, causal, s, "fp32x3")
+    o1, lse1 = flash_v2.forward(q, k, v, causal=causal, version="fp32")
+    _assert_agree("fp32x3 against fp32:", o, lse, (o1, lse1), bounds)
 
 
 def _tc_dims():
@@ -297,8 +353,8 @@ def test_gpu_tensor_cores_against_oracle_and_previous(case, D, dt):
         o, lse = flash_v2.forward(q, k, v, causal=causal, version=version)
         assert o.dtype == LOW[dt] and lse.dtype == np.float32 and o.shape == q.shape
         _assert_within(f"{version} against the fp64 oracle:", o, lse, refs, bounds)
-        # the tolerance rule again, with the previous version in place of the oracle
-        _assert_within(f"{version} against {prev[0]}:", o, lse, prev[1:], bounds)
+        # the previous version in place of the oracle: within the sum of both versions' bounds
+        _assert_agree(f"{version} against {prev[0]}:", o, lse, prev[1:], bounds)
         prev = (version, o, lse)
 
 

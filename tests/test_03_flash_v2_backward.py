@@ -208,8 +208,9 @@ def test_fp32_kernel_against_stage01(D, causal):
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_tc_against_fp32_version(dtype, D, causal):
-    """The tensor-core kernel against the fp32 kernel run on the same (upcast) inputs, by the tolerance rule
-    with the fp32 kernel as the reference and naive attention in the same dtype as the yardstick."""
+    """The tensor-core kernel against the fp32 kernel run on the same (upcast) inputs: the tolerance rule with the
+    fp32 kernel as the reference, naive attention in the same dtype as the yardstick, and the bound counted twice
+    (each kernel may be off the true value by the bound; their difference by both)."""
     import cupy
 
     q, k, v, do = make_inputs(2, 2, 700, 900, D, dtype=dtype, xp=cupy, grad=True)
@@ -221,7 +222,8 @@ def test_tc_against_fp32_version(dtype, D, causal):
     for det in MODES:
         got = fb.backward(q, k, v, o, lse, do, causal=causal, version="tc", deterministic=det)
         for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
-            ok, err, bound = tolerance_report(g, r, lo)
+            # both kernels carry their own error: against each other the rule's bound counts twice
+            ok, err, bound = tolerance_report(g, r, lo, factor=4.0, slack=2e-5)
             assert ok, f"{name} ({MODE_IDS[det]}): tc vs fp32 kernel {err:.2e} > bound {bound:.2e}"
 
 

@@ -47,6 +47,7 @@ def _synthetic_rows():
         add("bwd", "torch", "flash", "bf16", True, 128, n, 200.0)
         add("bwd", "torch", "cudnn", "bf16", True, 128, n, 0.0, status="error: RuntimeError: No available kernel")
     add("fwd", "ours", "fp32", "fp32", False, 64, 4096, 30.0)
+    add("fwd", "ours", "fp32x3", "fp32", False, 64, 4096, 50.0)
     add("fwd", "torch", "efficient", "fp32", False, 64, 4096, 25.0)
     add("fwd", "ours", "pipelined", "fp16", True, 64, 4096, 0.0, status="missing: stages.flash_v2 does not import")
     return rows
@@ -93,8 +94,13 @@ def test_markdown_ratios_and_exclusions(csv_path):
     assert cells[9:] == ["0.50", "-", "-", "-"]
     assert "forward pipelined/flash at N >= 4096: min 0.90" in md
     assert "backward tc-det/flash" not in md
+    header = [ln for ln in lines if ln.startswith("| dtype") and "efficient" in ln][0]
+    assert [c.strip() for c in header.strip("|").split("|")][5:] == [
+        "ours fp32", "ours fp32x3", "torch efficient", "fp32/efficient", "fp32x3/efficient"]
     fp32 = [ln for ln in lines if ln.startswith("| fp32 | no | 64 | 4096")][0]
-    assert fp32.rstrip(" |").endswith("1.20")  # ours fp32 / torch efficient = 30 / 25
+    cells = [c.strip() for c in fp32.strip("|").split("|")]
+    assert cells[5:] == ["30.0", "50.0", "25.0", "1.20", "2.00"]  # ours / torch efficient = 30 / 25, 50 / 25
+    assert "forward fp32x3/efficient at N >= 4096: min 2.00" in md
     assert "| fp16 | yes | 64 | 4096 | 4 x 16 | - | missing |" in md
 
 

@@ -1,4 +1,4 @@
-"""Stage 02 launcher: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), three versions.
+"""Stage 02 launcher: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), four versions.
 
     o, lse = forward(q, k, v, causal=False, scale=None, version="auto")   # numpy -> mirror.py, CuPy -> kernel
 
@@ -6,9 +6,12 @@ Versions (all runnable, each checked against the one before it):
     fp32       float32, CUDA cores: kernels/flash_v2_forward_fp32.cu, any head_dim 1..128
     tc         float16 / bfloat16, mma.sync tensor cores: kernels/flash_v2_forward_tc.cu (tc.py launches it)
     pipelined  float16 / bfloat16, cp.async double buffering, tuned tiles: kernels/flash_v2_forward_pipelined.cu
+    fp32x3     float32, mma.sync TF32 tensor cores with the 3xTF32 split (fp32-level accuracy):
+               kernels/flash_v2_forward_fp32x3.cu (fp32x3.py launches it), head dims 32, 64, 96, 128
     auto       fp32 for float32 inputs, pipelined for float16 / bfloat16
-numpy inputs run the tile mirror (mirror.py) with the chosen version's tiles and rounding; CuPy inputs run
-the kernel. Any Nq and Nk, causal aligned bottom-right, lse float32 (B, H, Nq) in natural log.
+numpy inputs run the tile mirror (mirror.py) with the chosen version's tiles and rounding (fp32x3: the TF32
+split emulated); CuPy inputs run the kernel. Any Nq and Nk, causal aligned bottom-right, lse float32 (B, H, Nq)
+in natural log.
 
 Stage 02 is the FORWARD pass only; the FlashAttention-2 backward is stage 03. `backward` is here only so
 that every stage has the same API: it hands over to stage 03.
@@ -19,9 +22,10 @@ from stages.common import bfloat16, check_attention_inputs, empty, load_module, 
 
 from . import mirror
 
-VERSIONS = ("fp32", "tc", "pipelined")
+VERSIONS = ("fp32", "tc", "pipelined", "fp32x3")
 DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16),
-          "pipelined": (np.dtype(np.float16), bfloat16)}
+          "pipelined": (np.dtype(np.float16), bfloat16), "fp32x3": (np.dtype(np.float32),)}
+FP32_VERSIONS = ("fp32", "fp32x3")  # the versions that take float32
 FP32_MAX_HEAD_DIM = 128  # a lane keeps head_dim/8 columns of 4 or 8 rows of O_i in registers
 FP32_BC = 64  # Bc of the fp32 kernel: 8 column groups x 8 keys per lane (fixed by its thread layout)
 LOG2E = mirror.LOG2E
@@ -31,6 +35,12 @@ def _tc():
     from . import tc  # the tensor-core launcher (imported when a tensor-core version is asked for)
 
     return tc
+
+
+def _fp32x3():
+    from . import fp32x3  # the 3xTF32 launcher
+
+    return fp32x3
 
 
 def fp32_config(D):
@@ -52,12 +62,16 @@ def tiles(version, D, causal=False):
     if version == "fp32":
         tm, nwarps = fp32_config(D)
         return nwarps * 4 * tm, FP32_BC
+    if version == "fp32x3":
+        return _fp32x3().tiles(D, causal)
     return _tc().tiles(version, D, causal)
 
 
 def head_dims(version):
     """The head dims a version supports."""
-    return tuple(range(1, FP32_MAX_HEAD_DIM + 1)) if version == "fp32" else tuple(_tc().HEAD_DIMS[version])
+    if version == "fp32":
+        return tuple(range(1, FP32_MAX_HEAD_DIM + 1))
+    return tuple(_fp32x3().HEAD_DIMS) if version == "fp32x3" else tuple(_tc().HEAD_DIMS[version])
 
 
 def resolve_version(version, dtype):
@@ -68,8 +82,8 @@ def resolve_version(version, dtype):
     if version not in VERSIONS:
         raise ValueError(f"flash_v2.forward: unknown version {version!r}; choose one of {VERSIONS} or 'auto'")
     if dtype not in DTYPES[version]:
-        fix = ("use version='tc' or 'pipelined' for float16/bfloat16" if version == "fp32" else
-               "use version='fp32' for float32, or cast the inputs to float16/bfloat16")
+        fix = ("use version='tc' or 'pipelined' for float16/bfloat16" if version in FP32_VERSIONS else
+               "use version='fp32' or 'fp32x3' for float32, or cast the inputs to float16/bfloat16")
         raise TypeError(f"flash_v2.forward: version {version!r} takes "
                         f"{'/'.join(d.name for d in DTYPES[version])}, got {dtype}; {fix}")
     return version
@@ -80,6 +94,12 @@ def _check_head_dim(version, D):
         if D > FP32_MAX_HEAD_DIM:
             raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the fp32 kernel: it takes any "
                              f"head_dim from 1 to {FP32_MAX_HEAD_DIM}")
+        return
+    if version == "fp32x3":
+        dims = _fp32x3().HEAD_DIMS
+        if D not in dims:
+            raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the fp32x3 kernel: use "
+                             f"{', '.join(map(str, dims))}, or version='fp32' (any head_dim 1 to {FP32_MAX_HEAD_DIM})")
         return
     dims = _tc().HEAD_DIMS[version]
     if D not in dims:
@@ -96,7 +116,10 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto"):
     scale = resolve_scale(scale, D)
     if xp is np:
         br, bc = tiles(version, D, causal)
-        return mirror.forward(q, k, v, causal=bool(causal), scale=scale, br=br, bc=bc)
+        return mirror.forward(q, k, v, causal=bool(causal), scale=scale, br=br, bc=bc,
+                              tf32x3=version == "fp32x3")
+    if version == "fp32x3":
+        return _fp32x3().forward(q, k, v, causal=bool(causal), scale=scale)
     if version != "fp32":
         return _tc().forward(q, k, v, causal=bool(causal), scale=scale, version=version)
     return _fp32_forward(q, k, v, causal=bool(causal), scale=scale)
@@ -141,12 +164,13 @@ def _fp32_forward(q, k, v, *, causal, scale, config=None):
 def kernel_sources():
     """(file, defines, name expressions) of every kernel stage 02 launches, for the NVRTC compile tests:
     the fp32 kernel at a spread of head dims (each config it uses, odd dims, and non-multiples of 4), and
-    every tensor-core template instantiation tc.py launches."""
+    every tensor-core template instantiation tc.py and fp32x3.py launch."""
     out = [("flash_v2_forward_fp32.cu", {"HEAD_DIM": D, "TM": tm, "NWARPS": nw}, ())
            for D in (1, 7, 16, 32, 64, 80, 100, 128) for tm, nw in [fp32_config(D)]]
     out += [("flash_v2_forward_fp32.cu", {"HEAD_DIM": D, "TM": tm, "NWARPS": nw, "PREFETCH_K": 0, "ASYNC_V": 0}, ())
             for D in (64, 128) for tm, nw in [fp32_config(D)]]  # the simpler variants run.py --sweep compares
     out += [(f, {}, tuple(names)) for f, names in _tc().kernel_sources()]
+    out += [(f, {}, tuple(names)) for f, names in _fp32x3().kernel_sources()]
     return out
 
 

@@ -10,6 +10,12 @@ the whole tile at once.
 
 Precision follows the kernel the mirror stands for:
   float32 (version "fp32"): everything in float32.
+  float32 (version "fp32x3", tf32x3=True): both matmuls as the kernel does them on TF32 tensor cores: each
+  operand x = big + small with big = tf32(x), small = tf32(x - big) (round to nearest, ties away, 10 mantissa
+  bits); S_ij = Q_small K_big + Q_big K_small + Q_big K_big in float32 (Q_small K_small dropped); V_j is split in
+  three exact parts (hi + mid + lo) and P~_ij V_j = P_small V_hi + P_big V_lo + P_big V_mid + P_big V_hi. The
+  rest (softmax, l_i, the final division) is float32 as in "fp32". (The tensor core's own truncating
+  accumulation is not modelled.)
   float16 / bfloat16 (versions "tc", "pipelined"): what a tensor core does. Inputs stay in their 16-bit
   values (widened exactly to float32), S_ij = Q_i K_j^T accumulates in float32, P~_ij is rounded to the
   input dtype before P~_ij V_j (the A operand of the second mma), l_i sums the unrounded float32 P~_ij,
@@ -22,6 +28,37 @@ from stages.common import cast, empty
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+def tf32_split(x):
+    """(big, small) of a float32 array, both TF32 values held in float32: big = x rounded to 10 mantissa bits
+    (to nearest, ties away from zero: cvt.rna.tf32.f32), small = (x - big) rounded the same way."""
+
+    def rna(y):
+        bits = np.ascontiguousarray(y, dtype=np.float32).view(np.uint32)
+        return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)  # finite inputs only
+
+    big = rna(x)
+    return big, rna(x - big)  # x - big is exact in float32
+
+
+def matmul_3xtf32(a, b):
+    """a @ b in float32 as the 3xTF32 tensor-core kernel computes S = Q K^T: small products first, small*small
+    dropped."""
+    ab, as_ = tf32_split(a)
+    bb, bs = tf32_split(b)
+    return (as_ @ bb + ab @ bs) + ab @ bb
+
+
+def matmul_pv_tf32(p, v):
+    """p @ v as the kernel computes P~ V: P in two TF32 parts, V in three (hi + mid + lo = v exactly, so a one-hot
+    row of P gives a row of V exactly), P_small V_hi + P_big V_lo + P_big V_mid + P_big V_hi."""
+    pb, ps = tf32_split(p)
+    vh = tf32_split(v)[0]
+    r = v - vh  # exact, at most 12 significant bits
+    vm = tf32_split(r)[0]
+    vl = r - vm  # exact: the last bit of r
+    return ((ps @ vh + pb @ vl) + pb @ vm) + pb @ vh
 
 
 def visited_tiles(i, Nq, Nk, br, bc, causal):
@@ -38,11 +75,13 @@ def needs_mask(i, j, Nq, Nk, br, bc, causal):
     return (causal and (j + 1) * bc - 1 > i * br + (Nk - Nq)) or (j + 1) * bc > Nk
 
 
-def forward(q, k, v, *, causal, scale, br, bc, trace=None):
+def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False):
     """Algorithm 1 of FlashAttention-2 on numpy arrays (B, H, N, D). Returns o (q's dtype) and lse (float32).
 
     br, bc: the kernel's tiles. trace: a list to append (i, j, masked) to, for every tile visited.
+    tf32x3: float32 inputs only; both matmuls by the 3xTF32 split (version "fp32x3").
     """
+    mm, mm_pv = (matmul_3xtf32, matmul_pv_tf32) if tf32x3 else (np.matmul, np.matmul)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     f32 = np.float32
@@ -63,7 +102,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None):
             cols = slice(j * bc, min((j + 1) * bc, Nk))
             Kj_T = np.ascontiguousarray(kf[:, :, cols].swapaxes(-1, -2))  # Alg.1 L7: (B, H, D, bc), as in smem
             Vj = vf[:, :, cols]  # (B, H, bc, D)
-            S = (Qi @ Kj_T) * scale_log2  # Alg.1 L8, base 2: (B, H, br, bc)
+            S = mm(Qi, Kj_T) * scale_log2  # Alg.1 L8, base 2: (B, H, br, bc)
             masked = needs_mask(i, j, Nq, Nk, br, bc, causal)
             if trace is not None:
                 trace.append((i, j, masked))
@@ -78,7 +117,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None):
             l_i = alpha * l_i + P.sum(-1)
             if low:
                 P = cast(cast(P, q.dtype), f32)  # the tensor core's A operand is 16-bit
-            acc = alpha[..., None] * acc + P @ Vj  # Alg.1 L10: (B, H, br, D), float32 accumulate
+            acc = alpha[..., None] * acc + mm_pv(P, Vj)  # Alg.1 L10: (B, H, br, D), float32 accumulate
             m_i = m_new
         seen = l_i > 0  # (B, H, br); False for a row with no visible key: O_i = 0, L_i = -inf
         o[:, :, rows] = cast(acc / np.where(seen, l_i, f32(1))[..., None], q.dtype)  # Alg.1 L12

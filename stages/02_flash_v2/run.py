@@ -13,8 +13,8 @@ non-causal, ratio to torch SDPA in the same run (all rows: stages/02_flash_v2/RE
              tiled FFMA (each lane a TM x 8 block of S_ij), exp2, causal tiles skipped, V_j by cp.async and K_{j+1}
              prefetched during P~ V. Any head dim 1..128. d=64: 37.0 TFLOP/s, 1.07x torch fp32 efficient;
              d=128: 33.7 TFLOP/s, 0.75x (torch's fp32 backend is 3xTF32 on tensor cores; ours is CUDA-core FFMA).
-  tc         fp16/bf16, mma.sync m16n8k16 tensor cores + ldmatrix (helper B2). bf16: 50 TFLOP/s, 0.14-0.19x flash.
-  pipelined  tc + cp.async double buffering, padded shared memory, tiles tuned per head dim (helper B2).
+  tc         fp16/bf16, mma.sync m16n8k16 tensor cores + ldmatrix. bf16: 50 TFLOP/s, 0.14-0.19x flash.
+  pipelined  tc + cp.async double buffering, padded shared memory, tiles tuned per head dim.
              bf16: d=64 282 TFLOP/s (1.03x torch flash), d=128 299 TFLOP/s (0.90x).
 On the CPU the numpy tile mirror runs instead (same tiles and loop order, tensor-core rounding emulated).
 
@@ -47,8 +47,8 @@ BENCH_SHAPE = (4, 16, 4096)  # B, H, N of the GPU timings: the issue's targets a
 BENCH_DIMS = (64, 128)  # head dims of the timings
 CPU_BENCH_SHAPE = (1, 2, 512)  # the mirror's timing on the CPU
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": bfloat16}
-VERSION_DTYPES = {"fp32": ("fp32",), "tc": ("fp16", "bf16"), "pipelined": ("fp16", "bf16")}
-PREVIOUS = {"fp32": "stage 01", "tc": "fp32", "pipelined": "tc"}
+VERSION_DTYPES = {"fp32": ("fp32",), "tc": ("fp16", "bf16"), "pipelined": ("fp16", "bf16"), "fp32x3": ("fp32",)}
+PREVIOUS = {"fp32": "stage 01", "tc": "fp32", "pipelined": "tc", "fp32x3": "fp32"}
 # (TM, NWARPS, ASYNC_V, PREFETCH_K) of the fp32 kernel tried by --sweep (TM = 8 only at d <= 64: it spills above)
 SWEEP = ((8, 4, 1, 1), (8, 4, 1, 0), (8, 4, 0, 0), (4, 8, 1, 1), (4, 8, 1, 0), (4, 4, 1, 1))
 
@@ -57,14 +57,14 @@ def _previous(version, q, k, v, causal):
     """The version before `version` on the same values (stage 01 before fp32; fp32 on the upcast 16-bit values)."""
     if version == "fp32":
         return flash_v1.forward(q, k, v, causal=causal)
-    if version == "tc":
+    if version in ("tc", "fp32x3"):
         return flash_v2.forward(*(cast(x, np.float32) for x in (q, k, v)), causal=causal, version="fp32")
     return flash_v2.forward(q, k, v, causal=causal, version="tc")
 
 
 def check(version, dt, xp, B, H, N, D, causal):
-    """The version against the fp64 oracle and against the previous version, both by the tolerance rule
-    (2x the naive same-dtype error + 1e-5). Returns a printable line; raises AssertionError on a failure."""
+    """The version against the fp64 oracle by the tolerance rule (2x the naive same-dtype error + 1e-5), and against
+    the previous version within twice that. Returns a printable line; raises AssertionError on a failure."""
     q, k, v = make_inputs(B, H, N, N, D, dtype=DTYPES[dt], xp=xp)
     o, lse = flash_v2.forward(q, k, v, causal=causal, version=version)
     qh, kh, vh = (to_numpy(x) for x in (q, k, v))
@@ -73,12 +73,14 @@ def check(version, dt, xp, B, H, N, D, causal):
     o_p, lse_p = _previous(version, q, k, v, causal)
     bound = {"o": 2 * max_error(o_low, o64) + 1e-5, "lse": 2 * max_error(lse_low, lse64) + 1e-5}
     parts = []
-    # the oracle, then the previous version in the oracle's place: the same bound (the tolerance rule)
-    for what, ref_o, ref_l in (("oracle", o64, lse64), (PREVIOUS[version], o_p, lse_p)):
+    # the oracle by the tolerance rule; then the previous version in the oracle's place, where both versions'
+    # errors may add up (triangle inequality): twice the bound
+    for what, ref_o, ref_l, times in (("oracle", o64, lse64, 1), (PREVIOUS[version], o_p, lse_p, 2)):
         for name, x, ref in (("o", o, ref_o), ("lse", lse, ref_l)):
             err = max_error(x, ref)
-            if not err <= bound[name]:
-                raise AssertionError(f"{version} {dt}: {name} against {what}: {err:.2e} > bound {bound[name]:.2e}")
+            if not err <= times * bound[name]:
+                raise AssertionError(f"{version} {dt}: {name} against {what}: {err:.2e} > bound "
+                                     f"{times * bound[name]:.2e}")
             parts.append(f"{name} vs {what} {err:.1e}")
     return ", ".join(parts) + f" (bounds o {bound['o']:.1e}, lse {bound['lse']:.1e})"
 

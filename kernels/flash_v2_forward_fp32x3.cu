@@ -1,0 +1,322 @@
+// flash_v2_forward_fp32x3.cu: FlashAttention-2 forward, version 4 "fp32x3": float32 in and out, both matmuls on the
+// tensor cores with the 3xTF32 split (fp32-level accuracy from TF32 mma.sync).
+//
+// Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1 (forward), Section 3.3 (work partitioning).
+// Versions of stage 02 (python stages/02_flash_v2/run.py --version fp32|tc|pipelined; fp32x3 through flash_v2.forward):
+//   1 fp32       flash_v2_forward_fp32.cu: float32 on CUDA cores (FFMA).
+//   2 tc         flash_v2_forward_tc.cu: fp16/bf16 mma.sync m16n8k16 + ldmatrix.
+//   3 pipelined  flash_v2_forward_pipelined.cu: cp.async double buffering, padded smem, tuned tiles.
+//   4 fp32x3     THIS FILE. The float32 inputs of version 1, the structure of version 3, and what PyTorch's
+//      memory-efficient backend (xformers / CUTLASS, OpMultiplyAddFastF32) does for float32 on Sm80+:
+//      * S_ij = Q_i K_j^T and O_i += P_ij V_j run on the tensor cores, mma.sync m16n8k8 with TF32 operands
+//        (10 mantissa bits) and fp32 accumulators;
+//      * 3xTF32: every fp32 operand x is split into big = tf32(x) and small = tf32(x - big) (cvt.rna), and
+//        a b = a_small b_big + a_big b_small + a_big b_big (small products first, a_small b_small ~ 2^-22 |ab|
+//        dropped): three mma per product, close to fp32 accuracy (one TF32 mma alone: ~1e-3 relative);
+//      * fragments of 32-bit elements come from shared memory with plain 64-bit / 32-bit loads (ldmatrix moves
+//        16-bit elements); the k index of each mma is permuted (A column t <-> element 2t, column t+4 <-> 2t+1)
+//        so that a thread's two elements are adjacent: one 64-bit load for Q and K, and the C fragments of S_ij
+//        are the A fragments of P_ij with no shuffle (V is then read at rows 2t and 2t+1: two 32-bit loads);
+//      * rows padded so every fragment load is free of bank conflicts: Q, K rows D + 8 floats (64-bit loads of
+//        rows g, words 2t: banks 8g + 2t), V rows D + 4 floats (32-bit loads of rows 2t, words g: banks 8t + g);
+//      * K_j, V_j double-buffered by cp.async (tile j+1 lands while tile j is computed), one barrier per tile;
+//        Q_i stays in shared memory and is split again per tile (registers go to O_i and S_ij);
+//      * softmax as in version 3: base 2, exp2(__fmul_rn(s, scale log2 e) - m) so the row max gives exactly 1,
+//        masked and plain copies of the tile body, causal tiles right of the diagonal skipped;
+//      * accuracy beyond the plain recipe (each found by the inputs-x100 test rows on an H100): every k step of
+//        both matmuls goes to a fresh accumulator and is added into S / O_i with one rounded fp32 add (tensor-core
+//        adds truncate; chained through |S| ~ 1e5 the lse drifted past the bound), and V is split in three exact
+//        TF32 parts (4 mma per P V product) so a one-hot row of P gives V's row exactly.
+//      MEASURED (H100 80GB HBM3, scripts/bench.py, B=4 H=16 N=4096, TFLOP/s and ratio to torch 2.11 SDPA fp32
+//      EFFICIENT_ATTENTION in the same run): d=64 40.1 (1.14x) full, 35.6 (1.10x) causal; d=128 33.6 (0.71x),
+//      30.9 (0.68x): no faster than version 1 at d = 128 (issue-bound: the fragments are split on the fly by
+//      every warp, plus the FADDs). Before the accuracy fixes: 54.0 / 38.0 and 47.8 / 28.8, failing x100 rows.
+//
+// Work split (FA2 Sec. 3.3): one block per (Q tile i, head), grid (Tr, B*H), the last Q tiles (most causal work)
+// first. Warp w owns rows 16*MT*w .. 16*MT*(w+1)-1 of Q_i: its softmax is a 4-lane (quad) shuffle reduction.
+// mma.sync m16n8k8 .tf32 fragments (PTX ISA), lane = 4 g + t:
+//   A (16x8):  a[0] = (row g, col t), a[1] = (row g+8, col t), a[2] = (row g, col t+4), a[3] = (row g+8, col t+4)
+//   B (8x8):   b[0] = (row t, col g), b[1] = (row t+4, col g)
+//   C (16x8):  c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g+8, cols 2t, 2t+1)
+//
+// Run: python scripts/bench.py --direction fwd --dtypes fp32   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
+#include "common.cuh"
+
+#define INF __int_as_float(0x7f800000)  // +infinity (NVRTC has no <math.h> INFINITY)
+
+// x = big + small, both TF32 (10 explicit mantissa bits): big = x rounded to TF32 (ties away from zero), small =
+// the rest rounded to TF32. x - big is exact in fp32; the low 13 bits of big are cleared so that it is the TF32
+// value itself (the mma ignores them, but the subtraction must not).
+__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
+    u32 b;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(b) : "f"(x));
+    b &= 0xffffe000u;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(small) : "f"(x - __uint_as_float(b)));
+    big = b;
+}
+
+// D (16x8 fp32) += A (16x8 TF32) * B (8x8 TF32).
+__device__ __forceinline__ void mma_1688_tf32(float c[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// D = A * B with a zero accumulator (no register to clear).
+__device__ __forceinline__ void mma_1688_tf32_zero(float c[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.f));
+}
+
+// x = hi + mid + lo exactly, all TF32: V's three-part split. Two parts hold 22 of fp32's 24 significant bits
+// (x - big needs up to 12 bits, small keeps 11), so a row of V passed through 3xTF32 with P = 1 comes out up to one
+// ulp off; a one-hot row of P (huge logits, inputs x100) must give that row of V exactly, as fp32 attention does.
+__device__ __forceinline__ void split3_tf32(float x, u32& hi, u32& mid, u32& lo) {
+    u32 b;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(b) : "f"(x));
+    b &= 0xffffe000u;
+    const float r = x - __uint_as_float(b);  // exact, at most 12 significant bits
+    u32 m;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(m) : "f"(r));
+    m &= 0xffffe000u;
+    hi = b, mid = m, lo = __float_as_uint(r - __uint_as_float(m));  // r - mid: exact, one significant bit
+}
+
+// Algorithm 1 of FA2 for one (Q tile i, head bh), float32. D: head dim (multiple of 32); BC: keys per K/V tile;
+// NWARPS warps of MT m-tiles (16 rows each): Br = 16 * MT * NWARPS; MINB: blocks per SM the registers must allow;
+// SU: unroll of the k loop of S_ij (fully unrolled, ptxas runs several k steps ahead and spills: nvcc 13.0 sm_90,
+// d = 128, Bc = 64: 255 registers and 76 bytes of spill loads; unrolled by 1 or 2: 190 / 225 registers, no spill).
+// Shared memory (floats): Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4].
+template <int D, int BC, int NWARPS, int MT, int MINB, int SU>
+__global__ void __launch_bounds__(NWARPS * 32, MINB)
+flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                        float* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
+                        int causal) {
+    constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
+    constexpr int NT = NWARPS * 32;       // threads
+    constexpr int LDK = D + 8;            // padded row of Q_i and K_j (floats)
+    constexpr int LDV = D + 4;            // padded row of V_j (floats)
+    constexpr int CH = D / 4;             // 16-byte chunks per row
+    static_assert(D % 32 == 0 && D <= 128 && BC % 8 == 0, "head dim 32, 64, 96 or 128; Bc a multiple of 8");
+    extern __shared__ __align__(16) float smem[];
+    float* Qs = smem;                 // [BR][LDK]
+    float* Ks = Qs + BR * LDK;        // [2][BC][LDK]  double buffer
+    float* Vs = Ks + 2 * BC * LDK;    // [2][BC][LDV]  double buffer
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group g, thread-in-group t
+    const int i = gridDim.x - 1 - blockIdx.x;  // the last Q tiles have the most causal work: launch them first
+    const long bh = blockIdx.y;
+    const float* kh = k + bh * Nk * D;
+    const float* vh = v + bh * Nk * D;
+    const int row0 = i * BR;    // first row of Q_i
+    const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
+    int n_tiles = (Nk + BC - 1) / BC;  // Tc
+    if (causal) {  // tiles right of the last visible key of Q_i's last row are skipped entirely
+        const int last_key = min(row0 + BR, Nq) - 1 + shift;
+        n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BC + 1);
+    }
+
+    // cp.async rows r0.. of a [n][D] matrix into a [rows][ld] shared tile, 16 bytes per thread per step; rows >= n
+    // are zero-filled (they are masked out of S, and zeros keep P V free of NaN).
+    auto load_tile = [&](float* dst, const float* src, int r0, int rows, int n, int ld) {
+        for (int c = tid; c < rows * CH; c += NT) {
+            const int r = c / CH, ch = c % CH;
+            const bool ok = r0 + r < n;
+            cp_async_16(dst + r * ld + ch * 4, ok ? src + (long)(r0 + r) * D + ch * 4 : src, ok);
+        }
+    };
+
+    // Alg.1 L4: load Q_i; Alg.1 L7 (j = 0): load K_0, V_0. One cp.async group.
+    load_tile(Qs, q + bh * Nq * D, row0, BR, Nq, LDK);
+    if (n_tiles > 0) {
+        load_tile(Ks, kh, 0, BC, Nk, LDK);
+        load_tile(Vs, vh, 0, BC, Nk, LDV);
+    }
+    cp_async_commit();
+
+    // Alg.1 L5: O_i = 0, l_i = 0, m_i = -inf. m-tile m of a thread holds rows g (h = 0) and g + 8 (h = 1).
+    float acc_o[MT][D / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) acc_o[m][d][0] = acc_o[m][d][1] = acc_o[m][d][2] = acc_o[m][d][3] = 0.f;
+    float m_i[MT][2], l_i[MT][2];  // running max of S*scale*log2(e); this thread's part of the running row sum
+#pragma unroll
+    for (int m = 0; m < MT; ++m) m_i[m][0] = m_i[m][1] = -INF, l_i[m][0] = l_i[m][1] = 0.f;
+
+    const int wrow = warp * 16 * MT;  // this warp's first row inside Q_i
+    // Per-lane fragment bases (floats). Q (A of S): rows wrow + g (+8), elements 2t, 2t+1 of each 8-wide k step.
+    // K (B of S): key g of each n-tile, elements 2t, 2t+1. V (B of P V): keys 2t, 2t+1 of each k step, column g.
+    const float* q_frag = Qs + (wrow + g) * LDK + 2 * t;
+    const int k_off = g * LDK + 2 * t;
+    const int v_off = 2 * t * LDV + g;
+
+    for (int j = 0; j < n_tiles; ++j) {  // Alg.1 L6: loop over K/V tiles
+        const int buf = j & 1;
+        cp_async_wait<0>();  // this thread's copies of K_j, V_j (and Q_i) have landed ...
+        __syncthreads();     // ... everyone's too; and every warp has finished tile j-1, so buffer buf^1 is free
+        if (j + 1 < n_tiles) {  // prefetch K_{j+1}, V_{j+1} into the other buffer while tile j is computed
+            load_tile(Ks + (buf ^ 1) * BC * LDK, kh, (j + 1) * BC, BC, Nk, LDK);
+            load_tile(Vs + (buf ^ 1) * BC * LDV, vh, (j + 1) * BC, BC, Nk, LDV);
+            cp_async_commit();
+        }
+        const float* kj = Ks + buf * BC * LDK + k_off;
+        const float* vj = Vs + buf * BC * LDV + v_off;
+        const int col0 = j * BC;  // first key of K_j
+
+        auto tile = [&](const bool MASKED) {  // called with a constant: each call inlines its own copy
+            // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x BC per warp), fp32 accumulators in the C fragment layout.
+            float s[MT][BC / 8][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n) s[m][n][0] = s[m][n][1] = s[m][n][2] = s[m][n][3] = 0.f;
+#pragma unroll SU
+            for (int kk = 0; kk < D / 8; ++kk) {  // head-dim elements 8kk..8kk+7
+                u32 qb[MT][4], qs[MT][4];  // A fragments of Q_i, split (re-read per tile: registers go to O and S)
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const float2 x0 = *reinterpret_cast<const float2*>(q_frag + (16 * m) * LDK + 8 * kk);
+                    const float2 x1 = *reinterpret_cast<const float2*>(q_frag + (16 * m + 8) * LDK + 8 * kk);
+                    split_tf32(x0.x, qb[m][0], qs[m][0]);  // (row g,   col t)   = element 2t
+                    split_tf32(x1.x, qb[m][1], qs[m][1]);  // (row g+8, col t)
+                    split_tf32(x0.y, qb[m][2], qs[m][2]);  // (row g,   col t+4) = element 2t+1
+                    split_tf32(x1.y, qb[m][3], qs[m][3]);  // (row g+8, col t+4)
+                }
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n) {  // keys 8n..8n+7
+                    const float2 y = *reinterpret_cast<const float2*>(kj + (8 * n) * LDK + 8 * kk);
+                    u32 kb[2], ks[2];  // B fragment of K_j^T: (row t, col g) = K[key g][2t], (row t+4) = K[g][2t+1]
+                    split_tf32(y.x, kb[0], ks[0]);
+                    split_tf32(y.y, kb[1], ks[1]);
+                    // The three products of this k step go to a fresh accumulator, then one rounded fp32 add into
+                    // S. The tensor core aligns its addends to the largest and truncates: chained through S (|S| up
+                    // to ~1e5 with inputs x100), every mma lost up to an ulp of S, always toward zero, and the
+                    // lse error went past the tolerance rule (measured on an H100: 5e-2 against a bound of 3.5e-2).
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        float c[4];
+                        mma_1688_tf32_zero(c, qs[m], kb);  // small products first
+                        mma_1688_tf32(c, qb[m], ks);
+                        mma_1688_tf32(c, qb[m], kb);
+                        s[m][n][0] += c[0], s[m][n][1] += c[1], s[m][n][2] += c[2], s[m][n][3] += c[3];
+                    }
+                }
+            }
+            // Masking: the tile holding Nk's tail and tiles crossing the causal diagonal.
+            if (MASKED) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = row0 + wrow + m * 16 + g + 8 * h;
+                        // keys col0 + 2t + x are visible for x < lim (x = 8n + (e & 1), the column inside the tile)
+                        const int lim = (causal ? min(Nk, r + shift + 1) : Nk) - col0 - 2 * t;
+#pragma unroll
+                        for (int n = 0; n < BC / 8; ++n) {
+                            if (n * 8 >= lim) s[m][n][2 * h] = -INF;
+                            if (n * 8 + 1 >= lim) s[m][n][2 * h + 1] = -INF;
+                        }
+                    }
+            }
+            // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij), l_ij = e^{m_i - m_ij} l_i + rowsum.
+            // Base 2 with log2(e) folded into the scale; the product is rounded before the subtraction
+            // (__fmul_rn is never fused into an FFMA), so the row max gives exactly exp2(0) = 1.
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
+                    float mx = -INF;
+#pragma unroll
+                    for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
+                    mx = warp_max<4>(mx);  // the 4 lanes of a quad hold the same row: reduce across them
+                    const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
+                    const float m_use = MASKED && m_new == -INF ? 0.f : m_new;  // nothing visible yet: P = 0
+                    const float alpha = fast_exp2(m_i[m][h] - m_use);  // e^{m_i - m_ij}: 0 when m_i = -inf
+                    m_i[m][h] = m_new;
+                    float rs = 0.f;
+#pragma unroll
+                    for (int n = 0; n < BC / 8; ++n) {
+                        s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], scale_log2) - m_use);
+                        s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
+                        rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
+                    }
+                    // the quad's 4 partial sums add up at the end. Not one FFMA: with it, ptxas (13.0) spilled 140
+                    // bytes at d = 128 (it holds P V products live to feed it later); separately rounded, 8 bytes.
+                    l_i[m][h] = __fadd_rn(__fmul_rn(l_i[m][h], alpha), rs);
+                    // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i (normalisation deferred to the end).
+                    // __fmul_rn: not contracted with the "+= P V" below into an FFMA, which makes ptxas hold the
+                    // products of later k steps live (nvcc 13.0, d = 128: 456 bytes of spills).
+#pragma unroll
+                    for (int d = 0; d < D / 8; ++d) {
+                        acc_o[m][d][2 * h] = __fmul_rn(acc_o[m][d][2 * h], alpha);
+                        acc_o[m][d][2 * h + 1] = __fmul_rn(acc_o[m][d][2 * h + 1], alpha);
+                    }
+                }
+            }
+            // Alg.1 L10 (second half): O_i += P_ij V_j, keys 8kk..8kk+7 per k step.
+#pragma unroll
+            for (int kk = 0; kk < BC / 8; ++kk) {
+                // The C fragment of n-tile kk IS the A fragment of P with the permuted k index (col t <-> key 2t,
+                // col t+4 <-> key 2t+1): a[0] = P[g][2t], a[1] = P[g+8][2t], a[2] = P[g][2t+1], a[3] = P[g+8][2t+1].
+                u32 pb[MT][4], ps[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    split_tf32(s[m][kk][0], pb[m][0], ps[m][0]);
+                    split_tf32(s[m][kk][2], pb[m][1], ps[m][1]);
+                    split_tf32(s[m][kk][1], pb[m][2], ps[m][2]);
+                    split_tf32(s[m][kk][3], pb[m][3], ps[m][3]);
+                }
+#pragma unroll
+                for (int d = 0; d < D / 8; ++d) {  // columns 8d..8d+7 of V_j: B = (row t) V[2t][g], (row t+4) V[2t+1][g]
+                    u32 vh[2], vm[2], vl[2];
+                    split3_tf32(vj[(8 * kk) * LDV + 8 * d], vh[0], vm[0], vl[0]);
+                    split3_tf32(vj[(8 * kk + 1) * LDV + 8 * d], vh[1], vm[1], vl[1]);
+                    // P V = P_small V_hi + P_big (V_lo + V_mid + V_hi), smallest first (P_small V_mid ~ 2^-24 PV
+                    // dropped): with P = 1 (P_small = 0) the sum is V exactly. As for S, a fresh accumulator per k
+                    // step and one rounded add into O_i: chained through O_i, the truncating tensor-core adds of
+                    // tiny products (a nearly one-hot row of P, inputs x100) moved O_i by one ulp (measured on an
+                    // H100: 3.04e-5 at |o| ~ 300 against a bound of 1.02e-5).
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        float c[4];
+                        mma_1688_tf32_zero(c, ps[m], vh);
+                        mma_1688_tf32(c, pb[m], vl);
+                        mma_1688_tf32(c, pb[m], vm);
+                        mma_1688_tf32(c, pb[m], vh);
+                        acc_o[m][d][0] += c[0], acc_o[m][d][1] += c[1], acc_o[m][d][2] += c[2], acc_o[m][d][3] += c[3];
+                    }
+                }
+            }
+        };
+        // Block-uniform: the tile holds Nk's tail, or keys right of the diagonal of Q_i's first row.
+        if ((j + 1) * BC > Nk || (causal && (j + 1) * BC - 1 > row0 + shift))
+            tile(true);
+        else
+            tile(false);
+    }
+    cp_async_wait<0>();  // with no K/V tile at all (causal, fully masked Q_i) the Q_i copy may still be in flight
+
+    // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i), written from the fragments: a quad writes 32
+    // consecutive bytes of a row per n-tile (whole 32-byte sectors).
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l = warp_sum<4>(l_i[m][h]);
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;  // fully masked row: O = 0
+            const int r = row0 + wrow + m * 16 + g + 8 * h;
+            if (r >= Nq) continue;
+            // natural log: m_i is in base 2; the product in fp64 (with huge logits m_i ~ 1e4, an fp32 product would
+            // add its own rounding, ~1e-3, to the lse)
+            if (t == 0)
+                lse[bh * Nq + r] = l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+            float* orow = o + (bh * Nq + r) * D + 2 * t;
+#pragma unroll
+            for (int d = 0; d < D / 8; ++d)
+                *reinterpret_cast<float2*>(orow + 8 * d) =
+                    make_float2(acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
+        }
+}
