@@ -1,21 +1,23 @@
-"""Stage 02: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), three versions, checked then timed.
+"""Stage 02: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), four versions, checked then timed.
 
 Checks each version against the one before it and against the fp64 oracle (the tolerance rule):
     fp32       against stage 01 (FlashAttention v1, fp32) on the same float32 inputs
     tc         against the fp32 version on the same 16-bit values (float16 and bfloat16)
     pipelined  against tc
+    fp32x3     against the fp32 version (float32)
 then times every version (GPU: TFLOP/s beside torch SDPA in the same run when torch is there: the fp32
 version against the EFFICIENT_ATTENTION backend in fp32, the tensor-core versions against FLASH_ATTENTION).
 
-Versions (kernels/flash_v2_forward_<version>.cu). MEASURED by this script on an H100 80GB HBM3, B=4 H=16 N=4096,
-non-causal, ratio to torch SDPA in the same run (all rows: stages/02_flash_v2/README.md):
+Versions (kernels/flash_v2_forward_<version>.cu). MEASURED on an H100 80GB HBM3 by scripts/bench.py (results/bench.csv),
+B=4 H=16 N=4096, non-causal, ratio to torch SDPA in the same run (all rows: the top-level README):
   fp32       loops swapped (one block per Q tile), warps split Q_i's rows, normalisation deferred, register-
              tiled FFMA (each lane a TM x 8 block of S_ij), exp2, causal tiles skipped, V_j by cp.async and K_{j+1}
-             prefetched during P~ V. Any head dim 1..128. d=64: 37.0 TFLOP/s, 1.07x torch fp32 efficient;
-             d=128: 33.7 TFLOP/s, 0.75x (torch's fp32 backend is 3xTF32 on tensor cores; ours is CUDA-core FFMA).
-  tc         fp16/bf16, mma.sync m16n8k16 tensor cores + ldmatrix. bf16: 50 TFLOP/s, 0.14-0.19x flash.
-  pipelined  tc + cp.async double buffering, padded shared memory, tiles tuned per head dim.
-             bf16: d=64 282 TFLOP/s (1.03x torch flash), d=128 299 TFLOP/s (0.90x).
+             prefetched during P~ V. Any head dim 1..128. d=64: 38.4 TFLOP/s, 1.12x torch fp32 efficient;
+             d=128: 33.8 TFLOP/s, 0.73x (torch's fp32 backend is 3xTF32 on tensor cores; ours is CUDA-core FFMA).
+  tc         fp16/bf16, mma.sync m16n8k16 tensor cores + ldmatrix. bf16: 52-55 TFLOP/s, 0.15-0.19x flash.
+  pipelined  tc + cp.async double buffering, padded shared memory, tiles tuned per head dim, mask-free interior
+             tiles. bf16: d=64 311 TFLOP/s (1.04x torch flash), d=128 336 TFLOP/s (0.99x).
+  fp32x3     float32 on TF32 tensor cores by the 3xTF32 split: d=64 39.5 TFLOP/s (1.15x), d=128 33.1 (0.71x).
 On the CPU the numpy tile mirror runs instead (same tiles and loop order, tensor-core rounding emulated).
 
     python stages/02_flash_v2/run.py                      # CPU mirror; with a GPU: kernels + timings vs torch
