@@ -162,7 +162,7 @@ NAIVE_SAMPLES = 8
 NAMES = ("o", "lse", "dq", "dk", "dv")
 
 
-def _check_ring(q, k, v, do, causal, samples, *, version, ranks, **kw):
+def _check_ring(q, k, v, do, causal, samples, *, layout, ranks, **kw):
     """ring.forward, and ring.backward from the oracle's o and lse, against the fp64 oracle. The bound is
     run.py's: 2x the larger of (the worst of `samples` naive same-dtype errors) and the error of the naive
     ring (ring.ring_yardstick: the same ring, stage 00 blocks in the inputs' dtype), + 1e-5."""
@@ -172,7 +172,7 @@ def _check_ring(q, k, v, do, causal, samples, *, version, ranks, **kw):
     o64, lse64 = naive.forward(q64, k64, v64, causal=causal)
     refs = (o64, lse64) + naive.backward(q64, k64, v64, o64, lse64, do64, causal=causal)
     o_in, lse_in = cast(o64, q.dtype), lse64.astype(np.float32)  # what the backward starts from
-    rlows = ring.ring_yardstick(qh, kh, vh, o_in, lse_in, doh, causal=causal, layout=version, ranks=ranks)
+    rlows = ring.ring_yardstick(qh, kh, vh, o_in, lse_in, doh, causal=causal, layout=layout, ranks=ranks)
     worst = [max_error(x, ref) for x, ref in zip(rlows, refs)]
     for t in range(samples):
         perm = np.arange(q.shape[-1]) if t == 0 else np.random.default_rng().permutation(q.shape[-1])
@@ -181,7 +181,7 @@ def _check_ring(q, k, v, do, causal, samples, *, version, ranks, **kw):
         inv = np.argsort(perm)
         lows = naive.forward(qp, kp, vh, causal=causal) + (dq[..., inv], dk[..., inv], dv)
         worst = [max(w, max_error(low, ref)) for w, low, ref in zip(worst, lows, refs)]
-    kw.update(version=version, ranks=ranks)
+    kw.update(layout=layout, ranks=ranks)
     outs = ring.forward(q, k, v, causal=causal, **kw) + ring.backward(
         q, k, v, xp.asarray(o_in), xp.asarray(lse_in), do, causal=causal, **kw)
     for name, x, ref, w, like in zip(NAMES, outs, refs, worst, (q, lse_in, q, k, v)):
@@ -199,10 +199,10 @@ def test_ring_simulated_cases(case, layout):
     P = 2 + i % 3  # 2, 3 or 4 ranks
     q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=np.float32, scale=scale_in, grad=True)
     if scale_in == 1:  # the shared rule, as every stage
-        check_forward(ring.forward, q, k, v, causal=causal, version=layout, ranks=P)
-        check_backward(ring.backward, q, k, v, do, causal=causal, version=layout, ranks=P)
+        check_forward(ring.forward, q, k, v, causal=causal, layout=layout, ranks=P)
+        check_backward(ring.backward, q, k, v, do, causal=causal, layout=layout, ranks=P)
     else:
-        _check_ring(q, k, v, do, causal, NAIVE_SAMPLES, version=layout, ranks=P)
+        _check_ring(q, k, v, do, causal, NAIVE_SAMPLES, layout=layout, ranks=P)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
@@ -210,8 +210,8 @@ def test_ring_simulated_cases(case, layout):
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_simulated_half_precision(dtype, layout, causal):
     q, k, v, do = make_inputs(1, 2, 301, 301, 64, dtype=dtype, grad=True)
-    check_forward(ring.forward, q, k, v, causal=causal, version=layout, ranks=4)
-    check_backward(ring.backward, q, k, v, do, causal=causal, version=layout, ranks=4)
+    check_forward(ring.forward, q, k, v, causal=causal, layout=layout, ranks=4)
+    check_backward(ring.backward, q, k, v, do, causal=causal, layout=layout, ranks=4)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=["fp32", "bf16"])
@@ -222,7 +222,7 @@ def test_ring_with_stage_02_03_tile_mirrors(dtype, layout, causal):
     version names), run by the stages' numpy tile mirrors. Odd lengths, Nq != Nk."""
     _require_stages_02_03()
     q, k, v, do = make_inputs(1, 2, 77, 90, 64, dtype=dtype, grad=True)
-    _check_ring(q, k, v, do, causal, 1, version=layout, ranks=3, block="flash")
+    _check_ring(q, k, v, do, causal, 1, layout=layout, ranks=3, block="flash")
 
 
 def test_one_rank_is_plain_attention():
@@ -405,7 +405,7 @@ def test_gpu_ring_simulated_with_flash_blocks(case, layout, dtype):
     D = (64, 128)[i % 2]
     q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=dtype, xp=cupy, scale=scale_in, grad=True)
     samples = NAIVE_SAMPLES if scale_in != 1 and dtype == np.float32 else 1
-    _check_ring(q, k, v, do, causal, samples, version=layout, ranks=2 + i % 3, block="flash")
+    _check_ring(q, k, v, do, causal, samples, layout=layout, ranks=2 + i % 3, block="flash")
 
 
 @pytest.mark.gpu

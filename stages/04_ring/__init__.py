@@ -2,19 +2,18 @@
 
 Per rank (under mpirun):  ring_forward(q_r, k_r, v_r, ring=..., ...), ring_backward(...)
 In one process (P simulated ranks as threads, the stage's one-API entry points):
-    o, lse = forward(q, k, v, causal=True, ranks=4, version="zigzag")
-    dq, dk, dv = backward(q, k, v, o, lse, do, causal=True, ranks=4, version="zigzag")
+    o, lse = forward(q, k, v, causal=True, ranks=4, layout="zigzag")
+    dq, dk, dv = backward(q, k, v, o, lse, do, causal=True, ranks=4, layout="zigzag")
 """
 from .comm import BACKENDS, simulate
 from .ring import (
     BLOCKS, LAYOUTS, RingMismatch, backward, check_same_everywhere, flash_version, forward, merge, plan, positions,
-    ring_backward, ring_forward, ring_yardstick, shard, shard_len, unshard,
+    ring_backward, ring_forward, shard, shard_len, unshard,
 )
 
-VERSIONS = LAYOUTS  # the ring's versions are its layouts; the block kernel's version is `block_version`
 
 __all__ = [
-    "forward", "backward", "ring_forward", "ring_backward", "ring_yardstick", "merge", "plan", "positions",
+    "forward", "backward", "ring_forward", "ring_backward", "merge", "plan", "positions",
     "shard", "shard_len", "unshard", "flash_version", "simulate", "check_same_everywhere", "BLOCKS", "LAYOUTS",
-    "RingMismatch", "VERSIONS", "BACKENDS",
+    "RingMismatch", "BACKENDS",
 ]

@@ -441,10 +441,11 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
 
 
 # ----------------------------------------------------------------------------- P ranks in one process
-def forward(q, k, v, *, causal=False, scale=None, version="zigzag", ranks=4, block="naive", block_version=None):
+def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive", version=None):
     """The one API: ring attention of full (B, H, N, D) arrays with `ranks` simulated ranks (threads).
 
-    version: the layout ("contiguous" or "zigzag"); block: "naive" (stage 00) or "flash" (stages 02/03).
+    layout: "contiguous" or "zigzag"; block: "naive" (stage 00) or "flash" (stages 02/03); version: the block
+    kernel's version (stage 02/03 `version=`; None picks the fastest for the dtype).
     Each thread runs ring_forward on its shard, exactly as an MPI rank would; the shards are gathered.
     """
     from .comm import simulate
@@ -453,16 +454,16 @@ def forward(q, k, v, *, causal=False, scale=None, version="zigzag", ranks=4, blo
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
-        return ring_forward(shard(q, r, P, version), shard(k, r, P, version), shard(v, r, P, version), ring=ring,
-                            nq=nq, nk=nk, causal=causal, scale=scale, layout=version, block=block,
-                            version=block_version)
+        return ring_forward(shard(q, r, P, layout), shard(k, r, P, layout), shard(v, r, P, layout), ring=ring,
+                            nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, block=block,
+                            version=version)
 
     outs = simulate(rank_fn, ranks)
-    return unshard([o for o, _ in outs], nq, version), unshard([lse for _, lse in outs], nq, version)
+    return unshard([o for o, _ in outs], nq, layout), unshard([lse for _, lse in outs], nq, layout)
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="zigzag", ranks=4, block="naive",
-             block_version=None):
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive",
+             version=None):
     """The one API's backward: ring_backward on `ranks` simulated ranks; returns full (dq, dk, dv)."""
     from .comm import simulate
 
@@ -470,26 +471,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="zigzag",
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
-        cut = [shard(x, r, P, version) for x in (q, k, v, o, lse, do)]
-        return ring_backward(*cut, ring=ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=version,
-                             block=block, version=block_version)
+        cut = [shard(x, r, P, layout) for x in (q, k, v, o, lse, do)]
+        return ring_backward(*cut, ring=ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout,
+                             block=block, version=version)
 
     outs = simulate(rank_fn, ranks)
-    return tuple(unshard([g[i] for g in outs], n, version) for i, n in enumerate((nq, nk, nk)))
+    return tuple(unshard([g[i] for g in outs], n, layout) for i, n in enumerate((nq, nk, nk)))
 
-
-def ring_yardstick(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", ranks=4):
-    """(o, lse, dq, dk, dv) of the same ring with stage 00 blocks in the inputs' own dtype (host arrays).
-
-    The tolerance rule measures a kernel against naive attention in the same dtype. A ring's result is a
-    merge of P partial results that the block kernels return in the inputs' dtype (O_rj, and dK_j, dV_j
-    summed over P ranks): with fp16/bf16 each partial is rounded once more than naive attention's single
-    result is. This is that ring computed naively: its error is what the dtype alone costs the ring, and
-    the ring's bound is 2x the larger of this error and naive attention's, plus 1e-5. (For float32 the two
-    errors are the same size.) o, lse: what the backward starts from.
-    """
-    from stages.common import to_numpy
-
-    q, k, v, o, lse, do = (to_numpy(x) for x in (q, k, v, o, lse, do))
-    kw = dict(causal=causal, scale=scale, version=layout, ranks=ranks, block="naive_same_dtype")
-    return forward(q, k, v, **kw) + backward(q, k, v, o, lse, do, **kw)
