@@ -8,6 +8,9 @@
 // NVRTC has no <stdint.h>: name the 32-bit register type ourselves.
 typedef unsigned int u32;
 
+// NVRTC has no <math.h> INFINITY either: +infinity by its bit pattern.
+#define INF __int_as_float(0x7f800000)
+
 // ---------------------------------------------------------------- warp reductions
 // Reduce over the `width` lanes of each group (width a power of two <= 32, groups aligned).
 template <int width = 32>
@@ -43,6 +46,20 @@ template <> struct Half2<__nv_bfloat16> {
     static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
+
+// ---------------------------------------------------------------- storing results
+// Two adjacent results (columns 2t, 2t+1 of a C fragment row) from fp32 accumulators. TO is the output type:
+// __half / __nv_bfloat16 round once here; float keeps the accumulator's value (the ring merges partial
+// results in float32 before anything is rounded).
+__device__ __forceinline__ void store2(float* p, float lo, float hi) {
+    *reinterpret_cast<float2*>(p) = make_float2(lo, hi);
+}
+__device__ __forceinline__ void store2(__half* p, float lo, float hi) {
+    *reinterpret_cast<u32*>(p) = Half2<__half>::pack(lo, hi);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float lo, float hi) {
+    *reinterpret_cast<u32*>(p) = Half2<__nv_bfloat16>::pack(lo, hi);
+}
 
 // ---------------------------------------------------------------- mma.sync m16n8k16
 // D (16x8, fp32) += A (16x16, row-major fragment) * B (16x8, column-major fragment).
@@ -86,6 +103,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* smem_row
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(smem_row)));
 }
+// The same on a 32-bit shared address: a kernel that computes one base address per lane and adds
+// compile-time offsets saves the registers 64-bit generic pointers would take.
+__device__ __forceinline__ void ldsm_x4(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
 __device__ __forceinline__ void ldmatrix_x2(u32 r[2], const void* smem_row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(smem_row)));
@@ -101,6 +128,13 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32 r[2], const void* smem_row
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
+}
+// The same on a 32-bit shared address, predicated or (for tiles known to be in bounds) always 16 bytes.
+__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Wait until at most `n` committed groups are still in flight.

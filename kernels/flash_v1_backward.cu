@@ -35,7 +35,6 @@
 // Run: python stages/01_flash_v1/run.py            (tests: pytest tests/test_01_flash_v1.py)
 #include "common.cuh"
 
-#define INF __int_as_float(0x7f800000)  // +infinity (NVRTC has no <math.h> INFINITY)
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64  // one module per head dim (-DHEAD_DIM=d), any 1 <= d <= 128

@@ -124,11 +124,12 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T, P^T, dS^T of one chunk live in
 // registers); the barrier, the Q_i / dO_i load and the dQ step are per Br rows. DQ_MT: m-tiles (16 rows) of dQ_i
 // per warp in the dQ step. KREG: this warp's A fragments of K_j, V_j stay in registers for the whole kernel.
-template <typename T, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG, int BRC>
+template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG,
+          int BRC>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
-    T* __restrict__ dK, T* __restrict__ dV, int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal,
+    TO* __restrict__ dK, TO* __restrict__ dV, int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal,
     int j_fast) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
@@ -305,8 +306,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 const long idx = (long)kv * HD + n * 8 + 2 * t;
-                *reinterpret_cast<u32*>(dV + idx) = Half2<T>::pack(dv[n][2 * h], dv[n][2 * h + 1]);
-                *reinterpret_cast<u32*>(dK + idx) = Half2<T>::pack(scale * dk[n][2 * h], scale * dk[n][2 * h + 1]);
+                store2(dV + idx, dv[n][2 * h], dv[n][2 * h + 1]);
+                store2(dK + idx, scale * dk[n][2 * h], scale * dk[n][2 * h + 1]);
             }
         }
     }
@@ -318,10 +319,10 @@ __host__ __device__ constexpr int smem_bytes_dq() { return 2 * (2 * 64 * (HD + 8
 
 // Deterministic dQ pass: grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i.
 // dQ: (BH, Nq, HD) of T, written once.
-template <typename T, int HD>
+template <typename T, typename TO, int HD>
 __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
-    const float* __restrict__ L2g, const float* __restrict__ Dg, T* __restrict__ dQ,
+    const float* __restrict__ L2g, const float* __restrict__ Dg, TO* __restrict__ dQ,
     int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal) {
     constexpr int Br = 64, Bc = 64, NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -432,8 +433,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
         if (q < Nq) {
 #pragma unroll
             for (int n = 0; n < ND; ++n)
-                *reinterpret_cast<u32*>(dQ + (long)q * HD + n * 8 + 2 * t) =
-                    Half2<T>::pack(scale * dq[n][2 * h], scale * dq[n][2 * h + 1]);
+                store2(dQ + (long)q * HD + n * 8 + 2 * t, scale * dq[n][2 * h], scale * dq[n][2 * h + 1]);
         }
     }
 }

@@ -57,7 +57,6 @@
 // Run: python stages/02_flash_v2/run.py --version fp32        (tests: pytest tests/test_02_flash_v2.py)
 #include "common.cuh"
 
-#define NEG_INF __int_as_float(0xff800000)  // -infinity (NVRTC has no <math.h> INFINITY)
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64  // one module per head dim (-DHEAD_DIM=d), any 1 <= d <= 128
@@ -201,7 +200,7 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
     float m_i[TM], l_i[TM];
 #pragma unroll
     for (int r = 0; r < TM; ++r) {
-        m_i[r] = NEG_INF; l_i[r] = 0.f;
+        m_i[r] = -INF; l_i[r] = 0.f;
 #pragma unroll
         for (int c = 0; c < 4 * DT; ++c) acc[r][c] = 0.f;
     }
@@ -251,7 +250,7 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
                 s[r][c] *= scale_log2;
                 if (need_mask) {
                     const int R = row0 + wr0 + r, C = j * BC + 32 * (c / 4) + 4 * cg + c % 4;
-                    if (C >= Nk || (causal && C > R + shift)) s[r][c] = NEG_INF;
+                    if (C >= Nk || (causal && C > R + shift)) s[r][c] = -INF;
                 }
             }
 
@@ -267,7 +266,7 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
             for (int c = 1; c < 8; ++c) mx = fmaxf(mx, s[r][c]);
             mx = warp_max<8>(mx);  // the 8 lanes of the row group agree on rowmax(S_ij)
             const float m_new = fmaxf(m_i[r], mx);
-            const float m_use = m_new == NEG_INF ? 0.f : m_new;
+            const float m_use = m_new == -INF ? 0.f : m_new;
             const float alpha = fast_exp2(m_i[r] - m_use);  // e^(m_i - m_new): rescales the old l_i and O_i
             float rowsum = 0.f;
 #pragma unroll
@@ -354,6 +353,6 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
                 if (d0 + 3 < HEAD_DIM) orow[d0 + 3] = x.w;
             }
         }
-        if (cg == 0) lse[R] = l > 0.f ? m_i[r] * 0.6931471805599453f + logf(l) : NEG_INF;
+        if (cg == 0) lse[R] = l > 0.f ? m_i[r] * 0.6931471805599453f + logf(l) : -INF;
     }
 }

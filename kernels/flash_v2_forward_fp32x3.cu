@@ -42,7 +42,6 @@
 // Run: python scripts/bench.py --direction fwd --dtypes fp32   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
 #include "common.cuh"
 
-#define INF __int_as_float(0x7f800000)  // +infinity (NVRTC has no <math.h> INFINITY)
 
 // x = big + small, both TF32 (10 explicit mantissa bits): big = x rounded to TF32 (ties away from zero), small =
 // the rest rounded to TF32. x - big is exact in fp32; the low 13 bits of big are cleared so that it is the TF32

@@ -48,34 +48,15 @@
 // Run: python stages/02_flash_v2/run.py --version pipelined      (bench: python scripts/bench.py)
 #include "common.cuh"
 
-#define INF __int_as_float(0x7f800000)  // +infinity (NVRTC has no <math.h> INFINITY)
-
-// ldmatrix / cp.async on 32-bit shared-memory addresses: each lane computes its base address once and every
-// fragment is that base plus a compile-time offset (64-bit generic pointers would cost registers we lack).
-__device__ __forceinline__ void ldsm_x4(u32 r[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src) {  // always 16 bytes: no predicate
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
-}
-
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16. D: head dim (multiple of 16);
 // BC: keys per K/V tile (Bc); NWARPS warps, each owning MT m-tiles of 16 rows, so Br = 16 * MT * NWARPS;
 // SUB: keys per compute slice of a K/V tile; MINB: blocks per SM the registers must allow (64K / (MINB * threads)
 // per thread); SKIP: skip the rescale of O_i by alpha = 1 (see below). HG: heads per group of the causal block
 // order. Shared memory: (Br + 4 Bc) (D + 8) elements.
-template <typename T, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP>
+template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                           T* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
+                           TO* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
                            int causal, int HG) {
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
@@ -306,7 +287,9 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     __syncthreads();     // ... every thread's copy is done before this warp's Q rows are reused for O below
 
     // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
-    // Stage O through this warp's own rows of Qs, then 16-byte coalesced stores.
+    // 16-bit O: staged through this warp's own rows of Qs, then 16-byte coalesced stores. float O (a block's
+    // partial result for the ring's merge) is twice as wide as the staging rows: stored from the fragments.
+    constexpr bool STAGE_O = sizeof(TO) == sizeof(T);
     T* Ow = Qs + wrow * LD;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -320,11 +303,18 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
             if (t == 0 && row0 + wrow + rl < Nq)
                 lse[bh * Nq + row0 + wrow + rl] =
                     l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+            if constexpr (STAGE_O) {
 #pragma unroll
-            for (int d = 0; d < D / 8; ++d)
-                *reinterpret_cast<u32*>(Ow + rl * LD + d * 8 + 2 * t) =
-                    Half2<T>::pack(acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
+                for (int d = 0; d < D / 8; ++d)
+                    store2(Ow + rl * LD + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
+            } else if (row0 + wrow + rl < Nq) {
+#pragma unroll
+                for (int d = 0; d < D / 8; ++d)
+                    store2(o + (long)(bh * Nq + row0 + wrow + rl) * D + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l,
+                           acc_o[m][d][2 * h + 1] * inv_l);
+            }
         }
+    if constexpr (!STAGE_O) return;
     __syncwarp();  // the warp's rows of O are in shared memory before its lanes read other lanes' parts
     for (int c = lane; c < 16 * MT * CH; c += 32) {
         const int r = c / CH, ch = c % CH;

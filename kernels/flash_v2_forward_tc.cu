@@ -24,13 +24,12 @@
 // Run: python stages/02_flash_v2/run.py --version tc
 #include "common.cuh"
 
-#define INF __int_as_float(0x7f800000)  // +infinity (NVRTC has no <math.h> INFINITY)
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16; D: head dim (multiple of 16).
-template <typename T, int D, int BC, int NWARPS>
+template <typename T, typename TO, int D, int BC, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
 flash_v2_forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    T* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale, int causal) {
+                    TO* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale, int causal) {
     constexpr int BR = 16 * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;  // threads
     constexpr int CH = D / 8;        // 16-byte chunks per row
@@ -160,7 +159,6 @@ flash_v2_forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* _
         if (t == 0) lse[rg[h]] = l > 0.f ? m_i[h] + logf(l) : -INF;  // Alg.1 L13
 #pragma unroll
         for (int d = 0; d < D / 8; ++d)
-            *reinterpret_cast<u32*>(o + (long)rg[h] * D + d * 8 + 2 * t) =
-                Half2<T>::pack(acc_o[d][2 * h] * inv_l, acc_o[d][2 * h + 1] * inv_l);
+            store2(o + (long)rg[h] * D + d * 8 + 2 * t, acc_o[d][2 * h] * inv_l, acc_o[d][2 * h + 1] * inv_l);
     }
 }

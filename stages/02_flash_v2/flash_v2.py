@@ -18,7 +18,9 @@ that every stage has the same API: it hands over to stage 03.
 """
 import numpy as np
 
-from stages.common import bfloat16, check_attention_inputs, empty, load_module, resolve_scale
+from stages.common import (
+    bfloat16, check_attention_inputs, check_causal, check_out_dtype, empty, load_module, resolve_scale,
+)
 
 from . import mirror
 
@@ -107,22 +109,27 @@ def _check_head_dim(version, D):
                          f"(version {version!r}): use {', '.join(map(str, dims))}, or version='fp32' with float32")
 
 
-def forward(q, k, v, *, causal=False, scale=None, version="auto"):
-    """FlashAttention-2 forward. Returns o (B, H, Nq, D) in the inputs' dtype and lse (B, H, Nq) float32."""
+def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None):
+    """FlashAttention-2 forward. Returns o (B, H, Nq, D) and lse (B, H, Nq) float32.
+
+    o is in the inputs' dtype, or in float32 with out_dtype=np.float32: O_i = diag(l_i)^-1 O_i straight from
+    the float32 accumulators, not rounded to 16 bits (the ring merges such partial results)."""
     all_dtypes = sorted({d for ds in DTYPES.values() for d in ds}, key=str)
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=all_dtypes, where="flash_v2.forward")
+    causal = check_causal(causal, "flash_v2.forward")
+    out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2.forward")
     version = resolve_version(version, q.dtype)
     _check_head_dim(version, D)
     scale = resolve_scale(scale, D)
     if xp is np:
         br, bc = tiles(version, D, causal)
-        return mirror.forward(q, k, v, causal=bool(causal), scale=scale, br=br, bc=bc,
-                              tf32x3=version == "fp32x3")
+        return mirror.forward(q, k, v, causal=causal, scale=scale, br=br, bc=bc, tf32x3=version == "fp32x3",
+                              out_dtype=out_dtype)
     if version == "fp32x3":
-        return _fp32x3().forward(q, k, v, causal=bool(causal), scale=scale)
+        return _fp32x3().forward(q, k, v, causal=causal, scale=scale)
     if version != "fp32":
-        return _tc().forward(q, k, v, causal=bool(causal), scale=scale, version=version)
-    return _fp32_forward(q, k, v, causal=bool(causal), scale=scale)
+        return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
+    return _fp32_forward(q, k, v, causal=causal, scale=scale)
 
 
 def _fp32_kernel(D, config=None):

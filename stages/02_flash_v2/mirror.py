@@ -75,11 +75,13 @@ def needs_mask(i, j, Nq, Nk, br, bc, causal):
     return (causal and (j + 1) * bc - 1 > i * br + (Nk - Nq)) or (j + 1) * bc > Nk
 
 
-def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False):
-    """Algorithm 1 of FlashAttention-2 on numpy arrays (B, H, N, D). Returns o (q's dtype) and lse (float32).
+def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dtype=None):
+    """Algorithm 1 of FlashAttention-2 on numpy arrays (B, H, N, D). Returns o (q's dtype, or out_dtype) and
+    lse (float32).
 
     br, bc: the kernel's tiles. trace: a list to append (i, j, masked) to, for every tile visited.
     tf32x3: float32 inputs only; both matmuls by the 3xTF32 split (version "fp32x3").
+    out_dtype: float32 keeps O_i unrounded (as the kernels' float output does).
     """
     mm, mm_pv = (matmul_3xtf32, matmul_pv_tf32) if tf32x3 else (np.matmul, np.matmul)
     B, H, Nq, D = q.shape
@@ -88,7 +90,8 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False):
     low = q.dtype != np.float32  # float16 / bfloat16: emulate the tensor core's rounding
     qf, kf, vf = (x.astype(f32) for x in (q, k, v))  # exact: every 16-bit value is a float32
     scale_log2 = f32(scale * LOG2E)
-    o = empty(np, (B, H, Nq, D), q.dtype)  # (B, H, Nq, D): every row is written below
+    out_dtype = np.dtype(out_dtype or q.dtype)
+    o = empty(np, (B, H, Nq, D), out_dtype)  # (B, H, Nq, D): every row is written below
     lse = empty(np, (B, H, Nq), f32)  # (B, H, Nq)
     Tr = -(-Nq // br)
     for i in range(Tr):  # one thread block per Q tile (all of them at once on the GPU)
@@ -120,7 +123,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False):
             acc = alpha[..., None] * acc + mm_pv(P, Vj)  # Alg.1 L10: (B, H, br, D), float32 accumulate
             m_i = m_new
         seen = l_i > 0  # (B, H, br); False for a row with no visible key: O_i = 0, L_i = -inf
-        o[:, :, rows] = cast(acc / np.where(seen, l_i, f32(1))[..., None], q.dtype)  # Alg.1 L12
+        o[:, :, rows] = cast(acc / np.where(seen, l_i, f32(1))[..., None], out_dtype)  # Alg.1 L12
         with np.errstate(divide="ignore"):
             lse[:, :, rows] = np.where(seen, m_i * f32(LN2) + np.log(l_i), f32(-np.inf))  # Alg.1 L13
     return o, lse

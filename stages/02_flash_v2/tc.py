@@ -67,23 +67,26 @@ def smem_bytes(version, D):
     return 2 * (br + 4 * bc) * (D + 8)
 
 
-def _name(version, ctype, D):
-    """The template instantiation of one (version, dtype, head dim)."""
+def _name(version, ctype, D, otype=None):
+    """The template instantiation of one (version, input type, head dim, output type: the input type, or float
+    for a block's unrounded partial result)."""
     nwarps, mt, bc, sub, minb = _config(version, D)[:5]
+    otype = otype or ctype
     if version == "tc":
-        return f"flash_v2_forward_tc<{ctype},{D},{bc},{nwarps}>"
+        return f"flash_v2_forward_tc<{ctype},{otype},{D},{bc},{nwarps}>"
     skip = "true" if _config(version, D)[5] else "false"
-    return f"flash_v2_forward_pipelined<{ctype},{D},{bc},{nwarps},{mt},{sub},{minb},{skip}>"
+    return f"flash_v2_forward_pipelined<{ctype},{otype},{D},{bc},{nwarps},{mt},{sub},{minb},{skip}>"
 
 
 def kernel_sources():
     """(file, name expressions) of every kernel this module launches: CI compiles each for sm_80 and sm_90."""
-    return [(_FILE[ver], [_name(ver, c, D) for c in _CTYPE.values() for D in HEAD_DIMS[ver]]) for ver in VERSIONS]
+    return [(_FILE[ver], [_name(ver, c, D, o) for c in _CTYPE.values() for o in (c, "float") for D in HEAD_DIMS[ver]])
+            for ver in VERSIONS]
 
 
-def forward(q, k, v, *, causal=False, scale, version):
-    """o (B, H, Nq, D) in q's dtype and lse (B, H, Nq) float32 for CuPy q, k, v already validated by
-    flash_v2.forward (fp16 / bf16, a supported head dim); scale is a float."""
+def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
+    """o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by flash_v2.forward
+    (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32."""
     import cupy
 
     B, H, Nq, D = q.shape
@@ -96,11 +99,12 @@ def forward(q, k, v, *, causal=False, scale, version):
     if B * H > 65535:
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
-    name = _name(version, _CTYPE[dtype], D)
+    odtype = np.dtype(out_dtype or dtype)
+    name = _name(version, _CTYPE[dtype], D, "float" if odtype == np.float32 else None)
     # one module per (version, head dim, dtype, tiles): compiled once, then cached by load_module
     kern = load_module(_FILE[version], name_expressions=(name,)).get_function(name)
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
-    o = empty(cupy, (B, H, Nq, D), dtype)  # (B, H, Nq, D)
+    o = empty(cupy, (B, H, Nq, D), odtype)  # (B, H, Nq, D)
     lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
     Tr = -(-Nq // br)
     args = (q, k, v, o, lse, np.int32(Nq), np.int32(Nk))

@@ -15,7 +15,9 @@ order: dq, dk, dv are bit-identical across runs (dk, dv always are), at the cost
 """
 import numpy as np
 
-from stages.common import bfloat16, check_backward_inputs, empty, load_module, resolve_scale
+from stages.common import (
+    bfloat16, check_backward_inputs, check_causal, check_out_dtype, empty, load_module, resolve_scale,
+)
 
 from . import mirror
 
@@ -78,9 +80,14 @@ def forward(q, k, v, *, causal=False, scale=None, **kw):
     return flash_v2.forward(q, k, v, causal=causal, scale=scale, **kw)
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False):
-    """Gradients (dq, dk, dv) of sum(O * dO), shaped and typed like q, k, v."""
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False, out_dtype=None):
+    """Gradients (dq, dk, dv) of sum(O * dO), shaped like q, k, v, in their dtype, or in float32 with
+    out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients)."""
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where="flash_v2_backward")
+    causal = check_causal(causal, "flash_v2_backward")
+    out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2_backward")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"flash_v2_backward: deterministic must be True or False, got {deterministic!r}")
     version = resolve_version(version, q.dtype)
     if D not in HEAD_DIMS[version]:
         alt = " or version='fp32' with float32 inputs" if version == "tc" else ""
@@ -89,8 +96,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     scale = resolve_scale(scale, D)
     if xp is np:
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
-                               deterministic=deterministic)
-    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic)
+                               deterministic=bool(deterministic), out_dtype=out_dtype)
+    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, bool(deterministic), out_dtype)
 
 
 def _dq_mt(D, br, bc):
@@ -102,15 +109,17 @@ def _dq_mt(D, br, bc):
     return mt if ok else 1
 
 
-def _names(version, ctype, D, defer=None):
-    """Template instantiations of one (version, dtype, head dim): compiled together, once.
-    [atomic main kernel, deterministic main kernel, deterministic dQ pass]."""
+def _names(version, ctype, D, defer=None, otype=None):
+    """Template instantiations of one (version, input type, head dim, output type): compiled together, once.
+    [atomic main kernel, deterministic main kernel, deterministic dQ pass]. otype: the gradients' type (the
+    input type, or float for a ring block's unrounded partial gradients)."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
     br, bc, defer = TC_BR[D], TC_BC[D], "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
     extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)}"
-    return [f"flash_bwd_tc<{ctype},{D},{br},{bc},true,{defer},{extra}>",
-            f"flash_bwd_tc<{ctype},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{D}>"]
+    ot = otype or ctype
+    return [f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},true,{defer},{extra}>",
+            f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{ot},{D}>"]
 
 
 PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
@@ -146,7 +155,7 @@ def _function(module, name, smem):
     return fn
 
 
-def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic):
+def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype):
     import cupy
 
     B, H, Nq, D = q.shape
@@ -172,10 +181,11 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic):
                                     f32(LOG2E if version == "tc" else 1.0), i32(not deterministic)))
     _mark("preprocess+zero")
 
-    names = _names(version, ctype, D)
+    odtype = np.dtype(out_dtype)
+    names = _names(version, ctype, D, otype=_CTYPE[odtype])
     mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
     smem_main, smem_dq = smem_bytes(version, D)
-    dk, dv = empty(cupy, k.shape, dtype), empty(cupy, v.shape, dtype)
+    dk, dv = empty(cupy, k.shape, odtype), empty(cupy, v.shape, odtype)
     main = _function(mod, names[0] if not deterministic else names[1], smem_main)
     if version == "fp32":
         main((-(-Nk // 32), BH), (256,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk),
@@ -186,7 +196,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic):
         main(grid, (2 * bc,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk), i32(Nq_pad), f32(scale),
                                f32(scale * LOG2E), i32(causal), i32(j_fast)), shared_mem=smem_main)
     _mark("main")
-    dq = empty(cupy, q.shape, dtype)
+    dq = empty(cupy, q.shape, odtype)
     if deterministic:  # the separate dQ pass, no atomics
         dq_fn = _function(mod, names[2], smem_dq)
         if version == "fp32":
@@ -195,9 +205,9 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic):
         else:
             dq_fn((BH, -(-Nq // 64)), (128,), (q, k, v, do, Lvec, Dvec, dq, i32(Nq), i32(Nk), i32(Nq_pad),
                                                f32(scale), f32(scale * LOG2E), i32(causal)), shared_mem=smem_dq)
-    else:  # dQ = scale * dQ_accum, cast to the input dtype
+    else:  # dQ = scale * dQ_accum, cast to the output dtype
         n = dq.size  # a multiple of 4: the kernel converts 4 values per step
-        pre.get_function(f"bwd_convert_dq<{ctype}>")(
+        pre.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>")(
             (min(-(-n // 1024), 65535),), (256,), (dq_acc, dq, f32(scale), np.int64(n)))
     _mark("dq pass" if deterministic else "convert")
     return dq, dk, dv
@@ -215,8 +225,9 @@ def kernel_sources():
         out.append(("flash_v2_backward_fp32.cu", _names("fp32", "float", D)))
     for D in HEAD_DIMS["tc"]:
         for ctype in ("__half", "__nv_bfloat16"):
-            # both orders of the atomic dQ (TC_DEFER_DQ True / False), so either compiles
+            # both orders of the atomic dQ (TC_DEFER_DQ True / False), so either compiles; float outputs too
             names = _names("tc", ctype, D, defer=True) + [_names("tc", ctype, D, defer=False)[0]]
+            names += _names("tc", ctype, D, defer=True, otype="float")
             out.append(("flash_v2_backward_tc.cu", names))
     return out
 

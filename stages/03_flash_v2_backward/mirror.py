@@ -65,11 +65,12 @@ def _visible(q0, q1, k0, k1, off, causal):
     return kv <= q + off
 
 
-def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic):
-    """(dq, dk, dv) for numpy inputs (B, H, N, D); computed in float32, returned in q's dtype."""
+def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic, out_dtype=None):
+    """(dq, dk, dv) for numpy inputs (B, H, N, D); computed in float32, returned in q's dtype (or out_dtype)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dtype = q.dtype
+    odtype = np.dtype(out_dtype or dtype)  # the gradients' dtype: q's, or float32 (unrounded partials)
     Q, K, V, O, dO = (cast(x, np.float32) for x in (q, k, v, o, do))  # (B, H, N, D) each
 
     def rnd(x):  # the tc kernel packs P and dS to 16-bit before the next mma
@@ -84,7 +85,7 @@ def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic):
     Tr, Tc = -(-Nq // Br), -(-Nk // Bc)
     off = Nk - Nq  # query q sees key kv iff kv <= q + off
     dq_acc = np.zeros((B, H, Nq, D), np.float32)  # the fp32 atomicAdd target
-    dk, dv = empty(np, k.shape, dtype), empty(np, v.shape, dtype)
+    dk, dv = empty(np, k.shape, odtype), empty(np, v.shape, odtype)
     for j in range(Tc):  # Alg.2 L5: one thread block per j
         k0, k1 = j * Bc, min(Nk, (j + 1) * Bc)
         K_j, V_j = K[:, :, k0:k1], V[:, :, k0:k1]  # (B, H, bc, D)
@@ -103,8 +104,8 @@ def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic):
             dK_j += dS.swapaxes(-1, -2) @ Q_i  # (B, H, bc, D)
             if not deterministic:
                 dq_acc[:, :, q0:q1] += dS @ K_j  # (B, H, br, D): atomicAdd on the GPU
-        dk[:, :, k0:k1] = cast(np.float32(scale) * dK_j, dtype)
-        dv[:, :, k0:k1] = cast(dV_j, dtype)
+        dk[:, :, k0:k1] = cast(np.float32(scale) * dK_j, odtype)
+        dv[:, :, k0:k1] = cast(dV_j, odtype)
 
     if deterministic:  # the separate dQ pass: parallel over Q tiles, fixed summation order
         Br, Bc = DQ_TILES[version]
@@ -123,6 +124,6 @@ def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic):
                 dS = rnd(P * (dO_i @ V_j.swapaxes(-1, -2) - Dvec[:, :, q0:q1, None]))
                 dQ_i += dS @ K_j
             dq_acc[:, :, q0:q1] = dQ_i
-    dq = empty(np, q.shape, dtype)
-    dq[...] = cast(np.float32(scale) * dq_acc, dtype)
+    dq = empty(np, q.shape, odtype)
+    dq[...] = cast(np.float32(scale) * dq_acc, odtype)
     return dq, dk, dv

@@ -29,7 +29,6 @@ lie after every real query anyway), padded query rows are dropped when the resul
 The communication (comm.py) and the block kernels (BLOCKS) are pluggable; this file holds the
 schedule, the merge and the layouts. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
 """
-import importlib
 import time
 
 import numpy as np
@@ -41,90 +40,51 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 # ----------------------------------------------------------------------------- block kernels
-_NOTICES = set()
-
-
-def _notice(msg):
-    """Print a fallback notice once per process (never fall back silently)."""
-    if msg not in _NOTICES:
-        _NOTICES.add(msg)
-        print(f"NOTICE (stage 04): {msg}", flush=True)
-
-
-_STAGES = {}
-
-
-def _stage(name, what):
-    """stages.<name>, imported late (stage 04 imports even while stages 02/03 are in flux); None if unusable."""
-    if name not in _STAGES:
-        try:
-            mod = importlib.import_module(f"stages.{name}")
-            getattr(mod, what)
-        except Exception as e:  # noqa: BLE001 - any import failure means "fall back, and say so"
-            _notice(f"stages.{name}.{what} is not usable here ({type(e).__name__}: {e}); the ring's blocks fall "
-                    "back to stage 00's naive formula (same maths, materialises each block's score matrix)")
-            mod = None
-        _STAGES[name] = mod
-    return _STAGES[name]
-
-
-def flash_version(dtype, version=None):
-    """The stage 02 version for a dtype: 'fp32' for float32, the fastest tensor-core one for fp16/bf16."""
-    if version:
-        return version
-    if np.dtype(dtype) == np.float32:
-        return "fp32"
-    mod = _stage("flash_v2", "forward")
-    return "pipelined" if mod is not None and "pipelined" in getattr(mod, "VERSIONS", ("pipelined",)) else "tc"
+# How one (query shard, key block) pair is computed. Each returns the block's partial result in float32
+# (float64 for float64 inputs): O_rj, and the parts of dQ_r, dK_j, dV_j, straight from the kernels' float32
+# accumulators, never rounded to 16 bits. The ring merges and adds them in float32 and rounds once at the end,
+# as a single-device kernel rounds its accumulators once, so the ring's error does not grow with P.
+#   "flash": stage 02 forward / stage 03 backward: the CUDA kernels on CuPy arrays, their numpy tile mirrors on
+#            numpy arrays (exact but slow on the CPU). version: the stage 02/03 version (None: "auto").
+#   "naive": stage 00, computed as a kernel computes for the dtype (fast on the CPU, but it materialises the
+#            block's score matrix).
+def _partial_dtype(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 def _flash_forward(q, k, v, *, causal, scale, version=None):
-    mod = _stage("flash_v2", "forward") if q.dtype != np.float64 else None  # stage 02 has no float64
-    if mod is None:
-        return _naive_forward(q, k, v, causal=causal, scale=scale)
-    return mod.forward(q, k, v, causal=causal, scale=scale, version=flash_version(q.dtype, version))
+    from stages import flash_v2
+
+    return flash_v2.forward(q, k, v, causal=causal, scale=scale, version=version or "auto",
+                            out_dtype=_partial_dtype(q.dtype))
 
 
 def _flash_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
-    mod = _stage("flash_v2_backward", "backward") if q.dtype != np.float64 else None
-    if mod is None:
-        return _naive_backward(q, k, v, o, lse, do, causal=causal, scale=scale)
-    return mod.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale, version=version or "auto")
+    from stages import flash_v2_backward
 
-
-def _up(*xs):
-    """float16/bfloat16 -> float32, so a block's partial result is not rounded before it is accumulated."""
-    return [cast(x, np.float32) if x.dtype not in (np.float32, np.float64) else x for x in xs]
+    return flash_v2_backward.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale,
+                                      version=version or "auto", out_dtype=_partial_dtype(q.dtype))
 
 
 def _naive_forward(q, k, v, *, causal, scale, version=None):
-    return naive.forward(*_up(q, k, v), causal=causal, scale=scale)
+    return naive.forward(q, k, v, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype))
 
 
 def _naive_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
-    return naive.backward(*_up(q, k, v, o), lse, *_up(do), causal=causal, scale=scale)
+    return naive.backward(q, k, v, o, lse, do, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype))
 
 
-def _naive_same_dtype_forward(q, k, v, *, causal, scale, version=None):
-    return naive.forward(q, k, v, causal=causal, scale=scale)
-
-
-def _naive_same_dtype_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
-    return naive.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale)
-
-
-# How one (query shard, key block) pair is computed. "flash" = the stage 02/03 kernels on a GPU
-# (their numpy tile mirrors on the CPU: exact but slow); they return each block's partial result in
-# the input dtype, as FlashAttention does. "naive" = stage 00 in float32 for half inputs (exact and fast
-# on the CPU, but it materialises the block's Nq x Nk score matrix): the CPU default. With no usable
-# stage 02/03, "flash" falls back to "naive" and prints a notice saying so.
-# "naive_same_dtype" = stage 00 in the inputs' own dtype, each block's O_rj, dK_j, dV_j rounded to it as a
-# kernel returns them: the ring's yardstick for the tolerance rule (see ring_yardstick).
 BLOCKS = {
     "flash": (_flash_forward, _flash_backward),
     "naive": (_naive_forward, _naive_backward),
-    "naive_same_dtype": (_naive_same_dtype_forward, _naive_same_dtype_backward),
 }
+
+
+def flash_version(dtype, version=None):
+    """The stage 02 forward version the "flash" blocks run for a dtype (what stage 02's "auto" picks)."""
+    from stages import flash_v2
+
+    return flash_v2.resolve_version(version or "auto", dtype)
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -2,9 +2,11 @@
 timing, peak memory and the CUDA kernel loader. No attention algorithm lives here.
 """
 from .checks import (
-    array_module, check_attention_inputs, check_backward_inputs, resolve_scale, SUPPORTED_FLOAT_DTYPES,
+    array_module, check_attention_inputs, check_backward_inputs, check_causal, check_out_dtype, resolve_scale,
+    SUPPORTED_FLOAT_DTYPES,
 )
-from .tolerance import max_error, tolerance_report, assert_within_tolerance
+from . import tolerance
+from .tolerance import max_error, tolerance_report
 from .measure import attention_flops, time_ms, PeakMemory, gpu_name, has_gpu, run_devices
 from .inputs import make_inputs, bfloat16, to_numpy, cast
 from .kernels import load_module, compile_only, KERNELS_DIR
@@ -12,8 +14,9 @@ from . import verify
 from .verify import check_forward, check_backward, empty
 
 __all__ = [
-    "array_module", "check_attention_inputs", "check_backward_inputs", "resolve_scale",
-    "SUPPORTED_FLOAT_DTYPES", "max_error", "tolerance_report", "assert_within_tolerance",
+    "array_module", "check_attention_inputs", "check_backward_inputs", "check_causal", "check_out_dtype",
+    "resolve_scale",
+    "SUPPORTED_FLOAT_DTYPES", "tolerance", "max_error", "tolerance_report",
     "attention_flops", "time_ms", "PeakMemory", "gpu_name", "has_gpu", "run_devices", "make_inputs", "bfloat16",
     "to_numpy", "cast", "load_module", "compile_only", "KERNELS_DIR", "verify",
     "check_forward", "check_backward", "empty",

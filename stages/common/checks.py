@@ -103,3 +103,25 @@ def resolve_scale(scale, D):
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     return scale
+
+
+def check_causal(causal, where="attention"):
+    """causal must be a bool (True/False, or numpy's bool); anything else (a string such as "no") is an error."""
+    if isinstance(causal, (bool, np.bool_)) or (isinstance(causal, (int, np.integer)) and causal in (0, 1)):
+        return bool(causal)
+    raise TypeError(f"{where}: causal must be True or False, got {causal!r} ({type(causal).__name__})")
+
+
+def check_out_dtype(out_dtype, dtype, where="attention"):
+    """The dtype of a kernel's outputs: the inputs' dtype (None), or float32 (a block's unrounded partial result,
+    for the ring's merge). Returns a numpy dtype."""
+    if out_dtype is None:
+        return np.dtype(dtype)
+    try:
+        out = np.dtype(out_dtype)
+    except TypeError:
+        out = None
+    if out not in (np.dtype(dtype), np.dtype(np.float32)):
+        raise TypeError(f"{where}: out_dtype {out_dtype!r} is not supported; use None (the inputs' dtype, "
+                        f"{np.dtype(dtype).name}) or numpy.float32")
+    return out
