@@ -46,11 +46,9 @@ import time
 import traceback
 import warnings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import bench_report as report  # scripts/ is on sys.path: this file runs as a script from it
 
-import bench_report as report  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # ---- configuration (each overridable on the command line)
 TOKENS = 16384  # B*N: B = TOKENS // N
