@@ -312,7 +312,7 @@ def ring_table(rows, *, full=False):
     contiguous causal rows, exposed communication and TFLOP/s."""
     modes = ["full", "zigzag causal"] + (["contiguous causal"] if full else [])
     head = ["GPUs", "tokens / GPU"] + [f"fwd {m}" for m in modes] + [f"bwd {m}" for m in modes]
-    head += (["exposed comm fwd / bwd, ms", "ring TFLOP/s / GPU fwd / bwd (full)"] if full else [])
+    head += (["exposed comm fwd / bwd, ms (max)", "ring TFLOP/s / GPU fwd / bwd (full)"] if full else [])
     head += ["peak memory / GPU vs one GPU"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     groups = {}
@@ -326,7 +326,7 @@ def ring_table(rows, *, full=False):
         if full:
             fwd = max(c["fwd_exposed_comm_ms_max_rank"] for c in cells.values())
             bwd = max(c["bwd_exposed_comm_ms_max_rank"] for c in cells.values())
-            line.append(f"<= {fwd:.2f} / <= {bwd:.2f}")
+            line.append(f"{fwd:.2g} / {bwd:.2g}")
             f_ = cells.get("full")
             line.append(f"{f_['ring_fwd_tflops_per_gpu']:.0f} / {f_['ring_bwd_tflops_per_gpu']:.0f}" if f_ else "-")
         line.append(f"{any_row['mem_ratio']:.2f}")
