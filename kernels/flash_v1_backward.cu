@@ -22,9 +22,8 @@
 // Versions (stages/01_flash_v1/flash_v1.py VERSIONS):
 //   paper: one thread block per (batch, head), Br = Bc = 32, 128 threads, both loops serial. The block
 //          owns all of dQ for its (batch, head), so the read-modify-write of dQ_i needs no atomics. SLOW
-//          on purpose (B*H SMs busy). Measured 2026-11-22 on an H100 80GB HBM3 (run.py, B=1 H=4 D=64
-//          causal): N=4096 backward 138 ms, 31x slower than naive attention on CuPy/cuBLAS (4.45 ms), in
-//          O(N) memory.
+//          on purpose (only B*H SMs busy, scalar fp32 loops): slower than naive attention on cuBLAS, in
+//          O(N) memory. Stage 03 gives each K/V tile its own block (FlashAttention-2's backward).
 //
 // Thread layouts (128 threads = 4 warps):
 //   row-group (L12-21): thread t owns row r = t/4 of S_ij, P_ij, dP_ij, dS_ij and keys c = t%4 + 4k.

@@ -19,10 +19,8 @@
 //          Correct, and SLOW on purpose: with j outer and O_i, l_i, m_i re-read and re-written at every
 //          step, the rows of Q cannot be given to different blocks without racing on O_i, so B*H blocks
 //          use B*H of the GPU's SMs (4 of 132 on an H100 at B=1, H=4), and the scalar fp32 loops use no
-//          tensor cores. Measured 2026-11-22 on an H100 80GB HBM3 (run.py, B=1 H=4 D=64 causal):
-//          N=4096 forward 98.0 ms = 87.6 GFLOP/s, 45x SLOWER than naive attention on CuPy/cuBLAS (2.16 ms);
-//          peak memory of forward+backward 16.1 MB against naive's 1296 MB (O(N) against O(N^2)).
-//          Stage 02 swaps the loops (FlashAttention-2) and gives each Q tile its own block.
+//          tensor cores: slower than naive attention on cuBLAS, in O(N) memory instead of O(N^2) (run.py
+//          prints both). Stage 02 swaps the loops (FlashAttention-2) and gives each Q tile its own block.
 //
 // Thread layout (128 threads = 4 warps; Br = 32 rows of Q_i, Bc = 32 keys of K_j):
 //   "row-group" layout (L9-L11): thread t owns row r = t/4 of S_ij and the keys c = t%4 + 4k (k < Bc/4);

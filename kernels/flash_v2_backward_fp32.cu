@@ -8,10 +8,21 @@
 //   Otherwise dQ is left to flash_bwd_dq_fp32 (deterministic mode).
 // flash_bwd_dq_fp32<HD>: deterministic dQ pass. One block per (Q tile i, batch*head) loops over j,
 //   recomputes dS_ij and sums dQ_i = scale * sum_j dS_ij K_j in a fixed order: bit-identical every run.
-// Measured on an H100 80GB HBM3 (B=1 H=4 N=2048 d=64 causal, run.py --device gpu): 1.32-1.45 ms, 3.7-4.1 TFLOP/s
-//   (deterministic 2.1-2.3 ms, 2.4-2.5 TFLOP/s); stage 01's backward took 35 ms at this size. A teaching kernel:
-//   scalar fp32 loops (and S in double), ~50x below the tc version's TFLOP/s.
-//   python stages/03_flash_v2_backward/run.py --version fp32
+//
+//   for j in K/V tiles (one block each):      load K_j, V_j; dK_j = dV_j = 0 on chip           (Alg.2 L5-L7)
+//     for i in Q tiles (causal: from the first one that sees K_j):                               (L8)
+//       load Q_i, dO_i, L_i, D_i; P_ij = exp(scale Q_i K_j^T - L_i)                              (L9-L11)
+//       dV_j += P_ij^T dO_i; dP_ij = dO_i V_j^T; dS_ij = P_ij * (dP_ij - D_i)                    (L12-L14)
+//       dQ_i += dS_ij K_j (atomic); dK_j += dS_ij^T Q_i                                          (L15-L16)
+//     write dK_j = scale dK_j, dV_j                                                              (L18-L19)
+//
+// What changed from stage 01's backward (flash_v1_backward.cu), and why it is faster: the grid runs one block
+// per (K/V tile, head) instead of one per head, so Tc * B * H blocks fill the GPU; D_i is computed once by
+// bwd_preprocess instead of at every step; dQ_i is added with atomics into one fp32 buffer instead of being
+// read, modified and written per step by a single block. A teaching kernel: scalar fp32 loops on CUDA cores
+// (S in double); the tensor-core version (flash_v2_backward_tc.cu) is the fast one.
+//
+// Run: python stages/03_flash_v2_backward/run.py --version fp32   (tests: pytest tests/test_03_flash_v2_backward.py)
 #include "common.cuh"
 
 constexpr int Br = 32;   // query rows per tile (Q_i, dO_i)

@@ -17,24 +17,24 @@
 //   loops over K/V tiles j (double-buffered), recomputes dS_ij and keeps dQ_i in registers: no atomics,
 //   the same summation order every run, so dQ is bit-identical across runs.
 //
-// Measured on an H100 80GB HBM3 (scripts/bench.py --direction bwd, B*N = 16384 tokens, H = 16, TFLOP/s = 2.5 x
-// forward FLOPs / time, ratio to PyTorch 2.11's flash backward timed in the same run), N = 4096 / 8192 / 16384:
-//   default, atomic dQ    bf16 d=64  238 / 248 / 250 (0.88 / 0.89 / 0.86x), causal 219 / 241 / 251 (1.00-0.91x);
-//                         bf16 d=128 242 / 250 / 252 (0.83 / 0.82 / 0.81x), causal 227 / 245 / 254 (0.89-0.81x);
-//                         fp16 d=64  236 / 246 / 250 (0.89 / 0.87 / 0.88x), causal 219 / 239 / 251 (0.97-0.91x);
-//                         fp16 d=128 240 / 245 / 249 (0.83 / 0.81 / 0.80x), causal 227 / 243 / 250 (0.89-0.80x).
-//   deterministic         182-210 TFLOP/s (0.66-0.88x of torch's flash backward).
-//   Before (Br = 64 at d=64, 16 x HD/2 dQ tiles per warp, no KREG, grid (BH, Tc); one run, N = 4096 / 8192):
-//   d=64 0.77 / 0.765x (bf16 209 / 217 TFLOP/s), causal 0.86-0.88x; d=128 0.78-0.80x, causal 0.83-0.86x.
-//   Steps (same-run ratios): d=64 Br = 128 with 32 x 32 dQ tiles 0.83-0.84x, + KREG 0.86-0.88x; d=128 32 x 32 dQ
-//   tiles +1-7% TFLOP/s; grid (Tc, BH) non-causal: d=128 0 to +3%, d=64 same; causal -3 to -6% (kept (BH, Tc)).
-//   Tried and slower or no better: KREG at d=128 (K or V only: 255 registers + 36-44 B spills, -1 to -5%; both:
-//   200 B spills, not run); BRC = 32 at d=128 (-2 to -5%; with KREG, 48 B spills: within noise of BRC = 64);
-//   earlier: DEFER_DQ = false (d=64: -3.5%, d=128: same); Br = 32 (-8%); Bc = 64, 4 warps, 2 blocks/SM (-5%).
-//   Registers (nvcc 13.0, sm_90): d=64 242, d=128 255, no spills; one block (8 warps) per SM. What limits it:
-//   every warp reads all of Q_i, dO_i from shared memory twice (plain and .trans ldmatrix) for 16 key rows, so
-//   ~0.5 ldmatrix.x4 per mma: shared-memory bandwidth and its latency with 2 warps per scheduler.
-//   python stages/03_flash_v2_backward/run.py --version tc --dtype bf16 [--bench]
+// What changed from version fp32 (flash_v2_backward_fp32.cu), and why it is faster:
+//   * the four matmuls of a tile pair (S^T, dP^T, P^T dO, dS^T Q) and dQ's dS K run on tensor cores
+//     (mma.sync m16n8k16, fp32 accumulators) with fragments from ldmatrix;
+//   * FA2's register reuse: the C fragments of S^T and dP^T become P^T and dS^T in registers, already in the
+//     A-operand layout of the next mma, so dV_j and dK_j never round-trip through shared memory;
+//   * Q_i, dO_i, L_i, D_i double-buffered by cp.async: tile i+1 lands while tile i is computed;
+//   * Bc = 128 key rows per block (8 warps) and Br = 128 query rows at d = 64: more mma per byte loaded, and
+//     with KREG the K_j, V_j fragments are read from shared memory once per kernel, not once per Q chunk;
+//   * dQ split into 32 x 32 tiles, one per warp, each lane adding 4 consecutive floats with one vector
+//     reduction: a quarter of the atomic instructions of scalar atomicAdd;
+//   * DEFER_DQ: one barrier per Q tile instead of two, so the dQ atomics drain while the next tile computes;
+//   * grid order by mask: non-causal, the K/V tiles of one head run side by side and share Q_i, dO_i and dQ_i
+//     rows in L2; causal, every head's longest block (j = 0) starts first, so short blocks fill the tail.
+// What bounds it: every warp reads all of Q_i and dO_i from shared memory twice (plain and transposed ldmatrix)
+// for its 16 key rows, about one ldmatrix.x4 per two mma, and the registers allow one block of 8 warps per SM.
+//
+// Run: python stages/03_flash_v2_backward/run.py --version tc --dtype bf16   (tests: pytest
+//      tests/test_03_flash_v2_backward.py; timings beside PyTorch: python scripts/bench.py --direction bwd)
 #include "common.cuh"
 
 // Copy a tile of `ROWS` rows x HD 16-bit values (rows row0.. of a (N, HD) matrix) to shared memory with row

@@ -14,29 +14,25 @@
 //       O_i = diag(e^(m_i - m_new)) O_i + P~_ij V_j                         (L10: NOT normalised yet)
 //   O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)  -> HBM                    (L12-L15: once, at the end)
 //
-// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined):
-//   1 fp32       THIS FILE. What changed from stage 01 (FlashAttention v1, 87 GFLOP/s on an H100):
+// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined|fp32x3):
+//   1 fp32       THIS FILE. What changed from stage 01 (FlashAttention v1), and why each change is faster:
 //      * loops swapped: i (Q tiles) outside, one block per (Q tile, head), so O_i, l_i, m_i stay in registers
-//        and the Tr * B * H blocks fill every SM (v1 had B * H blocks, one per head);
+//        (no HBM round trip per step) and the Tr * B * H blocks fill every SM (v1 had B * H blocks);
 //      * warps split the rows of Q_i (FA2 Sec. 3.3): each warp owns 4*TM rows of S_ij, P~_ij and O_i, so
 //        softmax and P V need no block-wide barrier, only __syncwarp;
 //      * the division by l_i is deferred to the end (FA2 Sec. 3.1): one divide per row, not one per tile;
 //      * register tiling (as in an SGEMM): a lane computes a TM x 8 block of S_ij and a TM x (HEAD_DIM/8)
-//        block of O_i from float4 shared-memory reads; exp2 with log2(e) folded into the scale;
+//        block of O_i from float4 shared-memory reads, so each value read from shared memory feeds several
+//        FMAs; exp2 with log2(e) folded into the scale (one MUFU.EX2 per element);
 //      * causal: tiles right of the diagonal are never visited, masking runs only on the diagonal tile(s)
 //        (and the ragged last K tile); the Q tiles with the most work are launched first;
 //      * loads overlap compute: V_j comes by cp.async while S_ij is computed (ASYNC_V), K_{j+1} is read into
 //        registers while P~_ij V_j is computed and stored transposed after it (PREFETCH_K).
-//      MEASURED (H100 80GB HBM3, B=4 H=16 N=4096, run.py, in one run with torch SDPA fp32 EFFICIENT_ATTENTION):
-//        d = 64:  37.0 TFLOP/s non-causal (torch 34.6: 1.07x), 33.2 causal (torch 31.2: 1.07x)
-//        d = 128: 33.7 TFLOP/s non-causal (torch 45.1: 0.75x), 31.5 causal (torch 43.4: 0.73x)
-//        steps at d = 64 non-causal (run.py --sweep): synchronous loads 34.5, + V_j by cp.async 35.3,
-//        + K_{j+1} prefetch 37.5. At d = 128, Br = 64 with 4 warps gave 30.0; Br = 128 with 8 warps 33.0-33.7.
-//        Torch's "fp32" backend runs 3xTF32 on TENSOR cores (README); this is plain FFMA, ~67 TFLOP/s peak at
-//        1980 MHz: 55% of it at d = 64. Measured with P~ = exp2(fma(s, scale log2e, -m)); the code now scales
-//        first and subtracts after (one more FMUL per S element, not re-timed) so one-hot rows are exact.
+//      Plain FFMA on CUDA cores: PyTorch's float32 attention runs on tensor cores instead (3xTF32, as version 4
+//      does), which is why this version keeps up at small head dims and falls behind at d = 128.
 //   2 tc         flash_v2_forward_tc.cu: fp16/bf16 mma.sync m16n8k16 tensor cores.
 //   3 pipelined  flash_v2_forward_pipelined.cu: cp.async double buffering, padded smem, tuned tiles.
+//   4 fp32x3     flash_v2_forward_fp32x3.cu: float32 on TF32 tensor cores (3xTF32 split).
 //
 // Thread layout (NWARPS warps; Br = NWARPS * 4 * TM rows of Q_i; Bc = 64 keys of K_j):
 //   lane = 8 * rg + cg (rg = 0..3 row group, cg = 0..7 column group).
@@ -258,7 +254,7 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
         // m_new = -inf: subtracting 0 instead gives P~ = exp2(-inf) = 0 and alpha = 0, never NaN.
         // Why scale first and subtract after (not one FMA, s * scale_log2 - m): m is then one of the rounded
         // values, so the row max gets P~ = 2^0 = 1 exactly. With the FMA the row max gets 2^(rounding residue),
-        // ~1 +- 0.005 for logits ~1e4, and a one-hot row (huge logits) comes out 1 ulp off (measured: 3e-5).
+        // ~1 +- 0.005 for logits ~1e4, and a one-hot row (huge logits) comes out 1 ulp off.
 #pragma unroll
         for (int r = 0; r < TM; ++r) {
             float mx = s[r][0];

@@ -2,12 +2,14 @@
 // tensor cores with the 3xTF32 split (fp32-level accuracy from TF32 mma.sync).
 //
 // Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1 (forward), Section 3.3 (work partitioning).
-// Versions of stage 02 (python stages/02_flash_v2/run.py --version fp32|tc|pipelined; fp32x3 through flash_v2.forward):
+// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined|fp32x3):
 //   1 fp32       flash_v2_forward_fp32.cu: float32 on CUDA cores (FFMA).
 //   2 tc         flash_v2_forward_tc.cu: fp16/bf16 mma.sync m16n8k16 + ldmatrix.
 //   3 pipelined  flash_v2_forward_pipelined.cu: cp.async double buffering, padded smem, tuned tiles.
-//   4 fp32x3     THIS FILE. The float32 inputs of version 1, the structure of version 3, and what PyTorch's
-//      memory-efficient backend (xformers / CUTLASS, OpMultiplyAddFastF32) does for float32 on Sm80+:
+//   4 fp32x3     THIS FILE. The float32 inputs of version 1 in the structure of version 3, doing what PyTorch's
+//      memory-efficient backend (xformers / CUTLASS, OpMultiplyAddFastF32) does for float32 on sm_80+. What
+//      changed from version 1, and why: the tensor cores have far more throughput than FFMA, and three TF32
+//      mma per product keep close to fp32 accuracy:
 //      * S_ij = Q_i K_j^T and O_i += P_ij V_j run on the tensor cores, mma.sync m16n8k8 with TF32 operands
 //        (10 mantissa bits) and fp32 accumulators;
 //      * 3xTF32: every fp32 operand x is split into big = tf32(x) and small = tf32(x - big) (cvt.rna), and
@@ -23,14 +25,13 @@
 //        Q_i stays in shared memory and is split again per tile (registers go to O_i and S_ij);
 //      * softmax as in version 3: base 2, exp2(__fmul_rn(s, scale log2 e) - m) so the row max gives exactly 1,
 //        masked and plain copies of the tile body, causal tiles right of the diagonal skipped;
-//      * accuracy beyond the plain recipe (each found by the inputs-x100 test rows on an H100): every k step of
-//        both matmuls goes to a fresh accumulator and is added into S / O_i with one rounded fp32 add (tensor-core
-//        adds truncate; chained through |S| ~ 1e5 the lse drifted past the bound), and V is split in three exact
-//        TF32 parts (4 mma per P V product) so a one-hot row of P gives V's row exactly.
-//      MEASURED (H100 80GB HBM3, scripts/bench.py, B=4 H=16 N=4096, TFLOP/s and ratio to torch 2.11 SDPA fp32
-//      EFFICIENT_ATTENTION in the same run): d=64 40.1 (1.14x) full, 35.6 (1.10x) causal; d=128 33.6 (0.71x),
-//      30.9 (0.68x): no faster than version 1 at d = 128 (issue-bound: the fragments are split on the fly by
-//      every warp, plus the FADDs). Before the accuracy fixes: 54.0 / 38.0 and 47.8 / 28.8, failing x100 rows.
+//      * accuracy beyond the plain recipe, for huge logits (inputs x100): every k step of both matmuls goes to
+//        a fresh accumulator and is added into S / O_i with one rounded fp32 add (tensor-core adds truncate, so
+//        chaining through |S| ~ 1e5 would drift), and V is split in three exact TF32 parts (4 mma per P V
+//        product) so a one-hot row of P gives V's row exactly.
+//      The price of that accuracy: every warp splits its fragments on the fly (cvt, and, sub per element) and
+//      adds the extra FADDs, so at large head dims this version issues more instructions than the tensor cores
+//      can use and is no faster than version 1; splitting K_j, V_j once per tile into shared memory would help.
 //
 // Work split (FA2 Sec. 3.3): one block per (Q tile i, head), grid (Tr, B*H), the last Q tiles (most causal work)
 // first. Warp w owns rows 16*MT*w .. 16*MT*(w+1)-1 of Q_i: its softmax is a 4-lane (quad) shuffle reduction.
@@ -39,7 +40,7 @@
 //   B (8x8):   b[0] = (row t, col g), b[1] = (row t+4, col g)
 //   C (16x8):  c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g+8, cols 2t, 2t+1)
 //
-// Run: python scripts/bench.py --direction fwd --dtypes fp32   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
+// Run: python stages/02_flash_v2/run.py --version fp32x3   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
 #include "common.cuh"
 
 
@@ -84,8 +85,8 @@ __device__ __forceinline__ void split3_tf32(float x, u32& hi, u32& mid, u32& lo)
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh), float32. D: head dim (multiple of 32); BC: keys per K/V tile;
 // NWARPS warps of MT m-tiles (16 rows each): Br = 16 * MT * NWARPS; MINB: blocks per SM the registers must allow;
-// SU: unroll of the k loop of S_ij (fully unrolled, ptxas runs several k steps ahead and spills: nvcc 13.0 sm_90,
-// d = 128, Bc = 64: 255 registers and 76 bytes of spill loads; unrolled by 1 or 2: 190 / 225 registers, no spill).
+// SU: unroll of the k loop of S_ij (fully unrolled, the compiler runs several k steps ahead and runs out of
+// registers at large head dims; a small unroll keeps the k loop within the register budget).
 // Shared memory (floats): Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4].
 template <int D, int BC, int NWARPS, int MT, int MINB, int SU>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
@@ -192,8 +193,8 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
                     split_tf32(y.y, kb[1], ks[1]);
                     // The three products of this k step go to a fresh accumulator, then one rounded fp32 add into
                     // S. The tensor core aligns its addends to the largest and truncates: chained through S (|S| up
-                    // to ~1e5 with inputs x100), every mma lost up to an ulp of S, always toward zero, and the
-                    // lse error went past the tolerance rule (measured on an H100: 5e-2 against a bound of 3.5e-2).
+                    // to ~1e5 with inputs x100), every mma would lose up to an ulp of S, always toward zero, and
+                    // the lse error would grow with the number of k steps, past the tolerance rule.
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
                         float c[4];
@@ -242,12 +243,12 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
                         s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
                         rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
                     }
-                    // the quad's 4 partial sums add up at the end. Not one FFMA: with it, ptxas (13.0) spilled 140
-                    // bytes at d = 128 (it holds P V products live to feed it later); separately rounded, 8 bytes.
+                    // the quad's 4 partial sums add up at the end. Not one FFMA: to feed an FFMA here the compiler
+                    // keeps P V products live in registers; separately rounded, it does not.
                     l_i[m][h] = __fadd_rn(__fmul_rn(l_i[m][h], alpha), rs);
                     // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i (normalisation deferred to the end).
-                    // __fmul_rn: not contracted with the "+= P V" below into an FFMA, which makes ptxas hold the
-                    // products of later k steps live (nvcc 13.0, d = 128: 456 bytes of spills).
+                    // __fmul_rn: not contracted with the "+= P V" below into an FFMA, which would make the compiler
+                    // hold the products of later k steps live in registers.
 #pragma unroll
                     for (int d = 0; d < D / 8; ++d) {
                         acc_o[m][d][2 * h] = __fmul_rn(acc_o[m][d][2 * h], alpha);
@@ -276,8 +277,8 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
                     // P V = P_small V_hi + P_big (V_lo + V_mid + V_hi), smallest first (P_small V_mid ~ 2^-24 PV
                     // dropped): with P = 1 (P_small = 0) the sum is V exactly. As for S, a fresh accumulator per k
                     // step and one rounded add into O_i: chained through O_i, the truncating tensor-core adds of
-                    // tiny products (a nearly one-hot row of P, inputs x100) moved O_i by one ulp (measured on an
-                    // H100: 3.04e-5 at |o| ~ 300 against a bound of 1.02e-5).
+                    // tiny products (a nearly one-hot row of P, inputs x100) would move O_i by one ulp, more than
+                    // the tolerance rule allows where the yardstick is exact.
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
                         float c[4];

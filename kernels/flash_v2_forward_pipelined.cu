@@ -1,51 +1,39 @@
 // flash_v2_forward_pipelined.cu: FlashAttention-2 forward, version 3 "pipelined" (fp16 / bf16 in, fp32 accumulate).
 //
 // Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1 (forward), Section 3.3 (work partitioning).
-// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined):
+// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined|fp32x3):
 //   1 fp32       flash_v2_forward_fp32.cu: CUDA cores, one block per Q tile, warps split Q_i's rows.
 //   2 tc         flash_v2_forward_tc.cu: mma.sync m16n8k16 + ldmatrix, K_j/V_j loaded synchronously.
-//                MEASURED (H100 80GB HBM3, B=4 H=16 N=4096, bf16): 50-55 TFLOP/s, 0.15-0.19x torch SDPA flash.
-//   3 pipelined  THIS FILE. What changed from version 2:
-//      * K_j, V_j double-buffered with cp.async: tile j+1 is in flight while tile j is computed, and one
-//        __syncthreads per K/V tile instead of two;
+//   3 pipelined  THIS FILE. What changed from version 2, and why each change is faster:
+//      * K_j, V_j double-buffered with cp.async: tile j+1 is in flight while tile j is computed (memory latency
+//        hidden behind the mma), and one __syncthreads per K/V tile instead of two;
 //      * every shared row padded by 16 bytes, so the 8 rows of one ldmatrix phase hit 8 different bank
-//        groups (no bank conflicts, any head dim);
+//        groups: no bank conflicts at any head dim;
 //      * softmax in base 2: exp(scale * s - m) = exp2(s * scale*log2(e) - m'): FMUL, FADD, one MUFU.EX2 (no
 //        natural-exp range reduction); the FMUL is not fused with the FADD so the row max gives exactly 1;
 //      * each warp owns MT = 2 m-tiles (32 rows of Q_i; Br = 128 with 4 warps, FA2's own layout): every K/V
 //        fragment read from shared memory feeds two mma instead of one, halving shared-memory traffic per FLOP;
-//      * tiles per head dim (stages/02_flash_v2/tc.py CONFIG); S (32 x Bc) and O_i (32 x d) of a warp share
-//        255 registers per thread, which is what bounds Bc at d = 128 (nvcc 13.0 -Xptxas -v, sm_90: 163 / 226 /
-//        255 / 255 registers at d = 32 / 64 / 96 / 128, no spills);
-//      * 32-bit shared addresses: each lane computes one base per operand, fragments are base + constant;
-//      * a K/V tile with no row past Nk (all but a ragged last one) is copied without per-row checks: one
-//        64-bit base plus constant offsets (the checked copy cost ~100 of the ~1080 SASS instructions of a
-//        d = 128 tile, most of them register moves of the selected addresses);
+//      * tiles per head dim (stages/02_flash_v2/tc.py CONFIG): S (32 x Bc) and O_i (32 x d) of a warp share
+//        one thread's registers, which is what bounds Bc as d grows;
+//      * 32-bit shared addresses: each lane computes one base per operand, fragments are base + constant
+//        (fewer registers and address instructions than 64-bit generic pointers);
+//      * a K/V tile with no row past Nk (all but a ragged last one) is copied without per-row checks: one base
+//        plus constant offsets instead of a bounds test and an address select per row;
 //      * the tile body is compiled twice, masked and plain; the plain copy has no branch from S_ij to P_ij V_j,
-//        so ptxas interleaves the exponentials of one m-tile with the P V mma of the other;
-//      * SKIP (d = 128 only): the rescale of O_i by alpha is skipped when alpha = 1 for all 16 rows of an m-tile
-//        (no new row max: bitwise the same result). At d = 128 this also removed the spill (100 bytes without
-//        it); at d = 32 / 64 / 96 the vote and branch cost more than the multiplies they save (measured);
+//        so the compiler can interleave the exponentials of one m-tile with the P V mma of the other;
+//      * SKIP (d = 128): the rescale of O_i by alpha is skipped when alpha = 1 for all 16 rows of an m-tile
+//        (no new row max: bitwise the same result, d / 2 fewer multiplies per row); at smaller head dims the
+//        vote and branch cost more than the multiplies they save, so it is off there;
 //      * causal: masking only on tiles crossing the diagonal (and per warp: a warp skips key slices none of its
-//        rows sees), longest Q tiles launched first inside groups of heads.
-//      MEASURED (H100 80GB HBM3, 2026-11-23, python3 scripts/bench.py --direction fwd --seqs 4096 8192: TFLOP/s
-//      and ratio to torch 2.11 SDPA flash backend in the same run; H = 16, B = 4 at N = 4096, B = 2 at N = 8192;
-//      CUDA events, median):
-//                          d=64 full      d=64 causal    d=128 full     d=128 causal
-//        N=4096 bf16       298 (1.03x)    308 (1.21x)    330 (0.99x)    330 (1.13x)
-//        N=4096 fp16       303 (1.06x)    306 (1.23x)    336 (1.03x)    307 (1.08x)
-//        N=8192 bf16       309 (1.04x)    305 (1.14x)    348 (1.05x)    331 (1.10x)
-//        N=8192 fp16       302 (1.03x)    296 (1.11x)    336 (1.04x)    322 (1.13x)
-//      Same-run A/B against the previous version of this file (scratch bench, two runs, B = 4 H = 16,
-//      N = 4096 / 8192, bf16 and fp16; ratio to torch flash): d = 128 full 0.86-0.90x -> 0.97-1.04x, causal
-//      0.93-1.02x -> 1.03-1.13x; d = 64 1.04-1.17x -> 1.07-1.22x; d = 32 1.10-1.14x -> 1.07-1.18x; d = 96
-//      0.94-1.07x -> 0.96-1.06x (within the run-to-run spread).
+//        rows sees), longest Q tiles launched first inside groups of heads (no long block left for the tail).
+//   4 fp32x3     flash_v2_forward_fp32x3.cu: float32 on TF32 tensor cores (3xTF32 split), this file's structure.
 //
 // Work split (FA2 Sec. 3.3): one block per (Q tile i, head), looping over K/V tiles j.
 // Warp w owns rows 16*MT*w .. 16*MT*(w+1)-1 of Q_i: a warp's softmax is its own, no block-wide reduction.
 // mma.sync fragment layout (lane = 4 g + t): see kernels/common.cuh.
 //
-// Run: python stages/02_flash_v2/run.py --version pipelined      (bench: python scripts/bench.py)
+// Run: python stages/02_flash_v2/run.py --version pipelined   (tests: pytest tests/test_02_flash_v2.py;
+//      timings beside PyTorch: python scripts/bench.py --direction fwd)
 #include "common.cuh"
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16. D: head dim (multiple of 16);
@@ -212,9 +200,9 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
                 // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the
                 // scaled scores. The product is rounded before the subtraction (__fmul_rn is never fused into an
-                // FFMA), so the largest score gives exactly exp2(0) = 1: fused, its rounding residual made
-                // P_max = 1.003 with huge logits (inputs x100), rounded one way in P's 16 bits (P V) and kept in
-                // fp32 in l_i: 1-ulp errors in o.
+                // FFMA), so the largest score gives exactly exp2(0) = 1: fused, its rounding residual makes
+                // P_max = 1 +- a few 1e-3 with huge logits (inputs x100), rounded one way in P's 16 bits (P V)
+                // and kept in fp32 in l_i: 1-ulp errors in o.
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     float m_use[2], alpha[2];

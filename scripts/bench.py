@@ -10,7 +10,7 @@ Implementations (CSV impl/version):
   ours  fp32       stages.flash_v2.forward(version="fp32") / stages.flash_v2_backward.backward(version="fp32")
   ours  fp32x3     forward version="fp32x3": fp32 on TF32 tensor cores with the 3xTF32 split (fp32 table only)
   ours  tc         version="tc": mma.sync tensor cores, bf16/fp16
-  ours  pipelined  forward version="pipelined" (cp.async double buffering, swizzled shared memory)
+  ours  pipelined  forward version="pipelined" (cp.async double buffering, padded shared memory)
   ours  tc-det     backward version="tc", deterministic=True (no atomics: a separate dQ pass)
   torch flash      F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.FLASH_ATTENTION), bf16/fp16
   torch cudnn      ... SDPBackend.CUDNN_ATTENTION, bf16/fp16
@@ -21,9 +21,9 @@ Method:
   sizes     B = tokens // N (default 16384 tokens) and H = 16 heads: every N gives the GPU the same
             B*H*N rows of Q (2048 Q tiles of 128 rows), enough to fill it. q, k, v, dO ~ N(0, 1), fresh per config.
   check     before timing, every implementation's output is compared with a reference computed in higher
-            precision (fp32 for bf16/fp16 inputs, fp64 for fp32) by the project's tolerance rule: max error at
-            most 2x the error of naive attention computed in the inputs' own dtype, plus 1e-5 (o, lse and dq,
-            dk, dv). A row of ours that fails is "mismatch" and never enters a ratio. Torch's rows are the
+            precision (fp32 for bf16/fp16 inputs, fp64 for fp32) by the project's tolerance rule (docs/DESIGN.md):
+            max error at most 2x the error of a naive-attention yardstick, plus 1e-5 (o, lse and dq, dk, dv).
+            A row of ours that fails is "mismatch" and never enters a ratio. Torch's rows are the
             yardstick, not under test: their error/bound is printed, and only past 10x is a row a mismatch.
             tc-det must also give bit-identical dq, dk, dv on two runs.
   timing    CUDA events around each call, the host running ahead (launch overhead hidden where the GPU
@@ -46,11 +46,9 @@ import time
 import traceback
 import warnings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import bench_report as report  # scripts/ is on sys.path: this file runs as a script from it
 
-import bench_report as report  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # ---- configuration (each overridable on the command line)
 TOKENS = 16384  # B*N: B = TOKENS // N

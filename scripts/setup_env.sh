@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sourced by tutorial.sh and test.sh: make .venv (once) and install requirements.txt into it
-# (again only when requirements.txt changes). Needs nothing but python3 >= 3.10.
+# Sourced by tutorial.sh and test.sh: make .venv (once) and install requirements.txt into it, this repository
+# included as the package `stages` (again only when requirements.txt changes). Needs nothing but python3 >= 3.10.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ATTN_VENV:-$ROOT/.venv}"
@@ -14,7 +14,7 @@ WANT="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "[setup] installing requirements.txt into $VENV (first run: a few minutes)"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt"
+  (cd "$ROOT" && "$VENV/bin/python" -m pip install --quiet -r requirements.txt)  # its `-e .` is this repository
   echo "$WANT" > "$STAMP"
 fi
 # shellcheck disable=SC1091

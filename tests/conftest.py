@@ -1,4 +1,5 @@
-"""Shared fixtures: the case list of ARCHITECTURE.md, markers, poisoned outputs."""
+"""Shared fixtures: the case list every stage is tested on (docs/DESIGN.md, "The chain of checks"), markers, poisoned
+outputs."""
 import numpy as np
 import pytest
 

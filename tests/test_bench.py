@@ -134,3 +134,34 @@ def test_bench_without_gpu_exits_with_a_message(tmp_path):
     assert "Traceback" not in proc.stderr
     assert "needs a CUDA GPU" in proc.stderr or "PyTorch" in proc.stderr
     assert not (tmp_path / "bench.csv").exists()
+
+
+# ---- the committed results text is generated from results/*.csv (real measurements, not the synthetic rows above)
+
+def test_generated_results_match_the_committed_text():
+    """README.md's results and GPU sections and results/README.md are exactly what the generator makes from
+    results/*.csv and the launchers: a number in them that no CSV holds, or a stale table, fails here."""
+    stale = [str(p.relative_to(ROOT)) for p in report.stale(ROOT)]
+    assert not stale, f"{stale} differ from what `python scripts/bench_report.py --write` generates: run it"
+
+
+def test_every_results_csv_has_a_source():
+    """Each CSV in results/ has a row in results/sources.csv (GPU, software, command, code), and each row a file."""
+    sources = report.read_sources(ROOT / "results")
+    named = {s["file"] for s in sources}
+    present = {p.name for p in (ROOT / "results").glob("*.csv")} - {"sources.csv"}
+    assert named == present
+    for s in sources:
+        assert s["gpu"] and s["command"] and s["code"], s
+
+
+def test_generator_check_mode_catches_a_stale_readme(tmp_path):
+    """--check's comparison fails on an edited number inside the generated section."""
+    import shutil
+
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    text = (ROOT / "README.md").read_text()
+    begin, end = report.MARKERS["results"]
+    inside = text.split(begin, 1)[1].split(end, 1)[0]
+    (tmp_path / "README.md").write_text(text.replace(inside, inside.replace("**0.", "**9.", 1)))
+    assert [p.name for p in report.stale(tmp_path)] == ["README.md"]

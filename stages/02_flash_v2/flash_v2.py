@@ -47,8 +47,9 @@ def _fp32x3():
 
 def fp32_config(D):
     """(TM, NWARPS) of the fp32 kernel: TM rows of Q_i per lane, Br = NWARPS * 4 * TM = 128 rows of Q_i.
-    d <= 64: TM = 8 with 4 warps (249 registers); d > 64: TM = 4 with 8 warps (O_i's TM x d/8 block per lane
-    grows with d; TM = 8 would spill). Chosen by run.py --sweep on an H100 (see README.md)."""
+    d <= 64: TM = 8 with 4 warps (each lane's TM x 8 block of S_ij reuses every value it reads 8 times);
+    d > 64: TM = 4 with 8 warps (O_i's TM x d/8 block per lane grows with d, and TM = 8 would not fit in the
+    registers). `python stages/02_flash_v2/run.py --version fp32 --sweep` times the alternatives."""
     return (8, 4) if D <= 64 else (4, 8)
 
 

@@ -18,11 +18,12 @@ FILE = "flash_v2_forward_fp32x3.cu"
 
 # Launch configuration per (head dim, causal): (Bc, NWARPS warps, MT m-tiles of 16 rows per warp, MINB blocks per
 # SM the registers must allow, SU unroll of the S k loop). Br = 16 * MT * NWARPS = 128 everywhere.
-# Registers (nvcc 13.0, sm_90, -Xptxas -v): (32, 4, 2, 2, 2) 234 at d = 32 (no spill), 255 at d = 64 (116 bytes of
-# spill stores: every MT = 2 tile at d = 64 spills, the least here); (32, 8, 1, 1, 2) 255 at d = 96 and d = 128 (no
-# spill); (64, 8, 1, 1, 2) 255 at d = 128 (8 bytes). Tiles picked from sweeps on an H100 (README.md).
-# Shared memory 4 (Br (D + 8) + 2 Bc (D + 8) + 2 Bc (D + 4)) bytes: at most 202 KB (d = 128, Bc = 64: one block
-# per SM on an H100; above an A100's 163 KB).
+# Why these: at d <= 64 each warp takes two m-tiles (MT = 2), so every K/V fragment it splits feeds two mma; from
+# d = 96 on, O_i's accumulators (16 * MT x d per warp) leave no registers for a second m-tile, so 8 warps take one
+# each. Bc = 32 keeps S_ij's accumulators small beside O_i's; d = 128 non-causal takes 64-key tiles (half the
+# barriers per key). Among the configurations that fit, these were the fastest when timed with scripts/bench.py.
+# Shared memory 4 (Br (D + 8) + 2 Bc (D + 8) + 2 Bc (D + 4)) bytes: at most 202 KB (d = 128, Bc = 64), more than an
+# A100 allows a block (163 KB): that configuration needs sm_90.
 CONFIG = {
     (32, False): (32, 4, 2, 2, 2), (32, True): (32, 4, 2, 2, 2),
     (64, False): (32, 4, 2, 2, 2), (64, True): (32, 4, 2, 2, 2),

@@ -29,12 +29,13 @@ _FILE = {"tc": "flash_v2_forward_tc.cu", "pipelined": "flash_v2_forward_pipeline
 # plus SKIP for version 3 (skip the rescale of O_i by alpha = 1 when no row of a warp's m-tile changed its max).
 # Br = 16 * MT * NWARPS rows of Q_i per block; every warp owns 16 * MT rows of Q_i. Version 3 computes each
 # K/V tile in slices of SUB keys and asks the compiler to fit MINB blocks per SM (registers per thread
-# <= 65536 / (MINB * 32 * NWARPS)). Version 3's tiles won a sweep on an H100 (bf16, N = 4096 and 8192):
-# Br = 128, Bc = 64 beat Bc = 128 (d = 64: 316 vs 298 TFLOP/s), Bc = 64 in one slice beat two slices of 32
-# at d = 128 (again on 2026-11-23: 341-345 vs 310-316 TFLOP/s, bf16 N = 4096 / 8192 full), and 16 rows per warp
-# (8 warps, Br = 128) lost to 32 (d = 128: 213 vs 254 in a first sweep). SKIP won at d = 128 only (bf16 N = 4096
-# full: 350 vs 314 TFLOP/s; without it ptxas spills 100 bytes there) and lost at d = 32 (208 vs 244), d = 64
-# (292 vs 310) and d = 96 (319 vs 327), all on an H100 80GB HBM3.
+# <= 65536 / (MINB * 32 * NWARPS)).
+# Why these tiles: version 2 keeps the simplest layout (4 warps x 16 rows, Bc = 64). Version 3 gives each warp 32
+# rows (MT = 2, Br = 128, FA2's layout) so every K/V fragment read from shared memory feeds two mma; Bc = 64 in
+# one slice (SUB = Bc) keeps a warp's S (32 x 64) beside its O_i (32 x d) within one thread's registers even at
+# d = 128, with two blocks per SM (MINB = 2) to hide each other's latency; larger Bc or smaller slices timed
+# slower. SKIP is on at d = 128 only: there the rescale of O_i is d / 2 multiplies per row and skipping it also
+# frees registers; at smaller head dims the vote that decides it costs more than the multiplies it saves.
 CONFIG = {
     "tc": {32: (4, 1, 64, 64, 1), 64: (4, 1, 64, 64, 1), 96: (4, 1, 64, 64, 1), 128: (4, 1, 64, 64, 1)},
     "pipelined": {32: (4, 2, 64, 64, 2, 0), 64: (4, 2, 64, 64, 2, 0), 96: (4, 2, 64, 64, 2, 0),

@@ -34,7 +34,7 @@ TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of flash_bwd_tc per head dim
 TC_DEFER_DQ = True
 # Per head dim: m-tiles (16 rows) of dQ_i per warp in the tc kernel's dQ step (2: 32 x 32 tiles at both head dims),
 # and whether each warp keeps its K_j, V_j A fragments in registers (KREG) instead of reloading them from shared
-# memory per 64-row Q chunk (d=64 only: at d=128 the 64 extra registers spill).
+# memory per 64-row Q chunk (d=64 only: at d=128 the 64 extra registers do not fit beside the accumulators).
 TC_DQ_MT = {64: 2, 128: 2}
 TC_KREG = {64: True, 128: False}
 TC_CHUNK = {64: 64, 128: 64}  # query rows per chunk (BRC) of a Q tile: S^T, dP^T of one chunk live in registers
