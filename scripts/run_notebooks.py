@@ -32,6 +32,15 @@ def strip_volatile(nb):
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # iopub timestamps (nbclient's record_timing)
         cell.metadata.pop("ExecuteTime", None)
+        if cell.cell_type == "code":  # one stdout/stderr output per run of prints: how the kernel happened to
+            merged = []               # flush them (one chunk or four) is not worth a diff
+            for out in cell.outputs:
+                if merged and out.output_type == "stream" and merged[-1].output_type == "stream" \
+                        and merged[-1].name == out.name:
+                    merged[-1].text += out.text
+                else:
+                    merged.append(out)
+            cell.outputs = merged
     return nb
 
 
