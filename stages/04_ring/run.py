@@ -145,7 +145,7 @@ def main(argv=None):
     where = f"GPU {gpu_name()}" if gpu else "CPU"
     if rank == 0:
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
-        print(f"   blocks {block}" + (f" (stage 02 {versions[0]}, stage 03 {versions[1]})"
+        print(f"   blocks {block}" + (f" (stage 02 version {versions[0]}, stage 03 version {versions[1]})"
                                       if block == "flash" else " (stage 00)")
               + f", layout {layout}, causal={causal}, {np.dtype(dtype).name}, B={args.batch} H={H} D={D}, "
               f"on {where} (rank 0)", flush=True)
