@@ -292,6 +292,54 @@ def test_timeline_reports_every_step():
     assert all(t["compute_ms"] >= 0 and t["exposed_ms"] >= 0 for tl in lines for t in tl)
 
 
+# ---------------------------------------------------------------- input errors, in the caller's terms
+
+
+@pytest.mark.parametrize("api", ["forward", "backward"])
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(ranks=0), ValueError, r"ring\.\w+: ranks must be a whole number >= 1, got 0"),
+    (dict(ranks=2.5), ValueError, r"ranks must be a whole number >= 1"),
+    (dict(causal="no"), TypeError, r"causal must be True or False, got 'no'"),
+    (dict(layout="striped"), ValueError, r"layout 'striped' is not known"),
+    (dict(block="fast"), ValueError, r"block 'fast' is not known"),
+    (dict(block="naive", version="tc"), ValueError, r"block='naive' \(stage 00\) has no versions"),
+    (dict(scale=-1.0), ValueError, r"scale must be a finite positive number"),
+])
+def test_bad_options_are_clear_errors(api, bad, error, match):
+    q, k, v, do = make_inputs(1, 1, 10, 10, 8, dtype=np.float32, grad=True)
+    o, lse = naive.forward(q, k, v)
+    args = (q, k, v) if api == "forward" else (q, k, v, o, lse, do)
+    with pytest.raises(error, match=match):
+        getattr(ring, api)(*args, **bad)
+
+
+def test_bad_arrays_are_errors_quoting_the_callers_shapes():
+    q, k, v = make_inputs(1, 2, 10, 12, 8, dtype=np.float32)
+    with pytest.raises(TypeError, match="expected numpy or CuPy arrays, got builtins.list"):
+        ring.forward([q], k, v)
+    with pytest.raises(ValueError, match=r"ring\.forward: q has shape \(2, 10, 8\) \(rank 3\)"):
+        ring.forward(q[0], k, v)
+    with pytest.raises(ValueError, match=r"ring\.forward: q \(1, 2, 10, 8\) and k \(1, 2, 12, 4\)"):
+        ring.forward(q, k[..., :4], v[..., :4])
+    o, lse = naive.forward(q, k, v)
+    with pytest.raises(ValueError, match=r"ring\.backward: lse has shape \(1, 2, 9\)"):
+        ring.backward(q, k, v, o, lse[:, :, :9], q)
+
+
+def test_ring_forward_rejects_a_version_the_naive_block_ignores():
+    x = np.zeros((1, 1, 8, 4), np.float32)
+    with pytest.raises(ring.RingMismatch, match=r"rank \d cannot run: ValueError: .*block='naive' \(stage 00\) "
+                                                r"has no versions, got version='fp32'"):
+        ring.simulate(lambda comm: ring.ring_forward(x, x, x, ring=comm, block="naive", version="fp32"), 2)
+
+
+def test_layout_helpers_check_their_arguments():
+    with pytest.raises(ValueError, match="layout 'striped' is not known"):
+        ring.shard_len(10, 2, "striped")
+    with pytest.raises(ValueError, match="ranks must be a whole number >= 1, got 0"):
+        ring.shard_len(10, 0, "zigzag")
+
+
 # ---------------------------------------------------------------- mpirun
 
 
@@ -349,11 +397,46 @@ def test_mpirun_auto_backend_says_what_it_picked():
     assert "backend auto -> " in out and "SUMMARY 04_ring PASS 2 ranks" in out, out
 
 
+# Fault injection: run.py itself, under mpirun, with one rank's ring patched before run.py starts (run.py has
+# no fault options). argv: fault ("mismatch" or "error"), the faulty rank, then run.py's own options.
+FAULT_RUN = """
+import runpy, sys
+from stages import ring
+from stages.ring import comm
+fault, bad, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if comm.world().Get_rank() == bad:
+    if fault == "mismatch":  # this rank calls the ring with the other mask: the ranks disagree
+        ring_forward = ring.ring_forward
+        ring.ring_forward = lambda *a, **kw: ring_forward(*a, **dict(kw, causal=not kw["causal"]))
+    else:  # this rank's second block call raises, mid-ring, while the others wait on it
+        fwd, bwd = ring.BLOCKS["naive"]
+        calls = []
+        def failing(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure on this rank")
+            return fwd(*a, **kw)
+        ring.BLOCKS["naive"] = (failing, bwd)
+sys.argv = [run] + sys.argv[4:]
+runpy.run_path(run, run_name="__main__")
+"""
+
+
+def _launch_fault(n, fault, bad, *args, timeout=60):
+    cmd = mpirun_command(n) + [sys.executable, "-c", FAULT_RUN, fault, str(bad), str(RUN), *args]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mpirun hung for {timeout} s: {fault} on rank {bad}\n{e.stdout}\n{e.stderr}")
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+
+
 @pytest.mark.mpi
 def test_mpirun_ranks_that_disagree_get_an_error_each():
-    rc, out = _launch(2, "--quick", "--backend", "numpy", "--inject-mismatch", timeout=60)
+    rc, out, seconds = _launch_fault(2, "mismatch", 1, "--quick", "--backend", "numpy")
     assert rc != 0
-    assert _launch.seconds < FAULT_SECONDS, f"the job took {_launch.seconds:.0f} s to end"
+    assert seconds < FAULT_SECONDS, f"the job took {seconds:.0f} s to end"
     for r in range(2):
         assert f"[rank {r}] ERROR: RingMismatch: ring attention: ranks [1] disagree with rank 0" in out, out
     assert "SUMMARY" not in out
@@ -361,9 +444,9 @@ def test_mpirun_ranks_that_disagree_get_an_error_each():
 
 @pytest.mark.mpi
 def test_mpirun_error_on_one_rank_aborts_the_job():
-    rc, out = _launch(4, "--quick", "--backend", "numpy", "--inject-error", "2", timeout=60)
+    rc, out, seconds = _launch_fault(4, "error", 2, "--quick", "--backend", "numpy", "--block", "naive")
     assert rc != 0
-    assert _launch.seconds < FAULT_SECONDS, f"the job took {_launch.seconds:.0f} s to end"
+    assert seconds < FAULT_SECONDS, f"the job took {seconds:.0f} s to end"
     assert "[rank 2] ERROR: RuntimeError: injected failure" in out, out
     assert "SUMMARY" not in out
 
