@@ -28,9 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # before numpy loads its BLAS
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:  # under mpirun: one core per rank
-        os.environ.setdefault(_var, "1")
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # before numpy loads its BLAS:
+    os.environ.setdefault(_var, "1")  # the CPU configs' matrices are too small for BLAS threads to pay
 
 import numpy as np  # noqa: E402
 
@@ -41,7 +40,7 @@ from stages import train_gpt as T  # noqa: E402
 DTYPES = {"float64": np.float64, "float32": np.float32, "bfloat16": bfloat16}
 
 # ---- the tiny config of --quick: learns the recall task on 2 CPU cores in well under a minute
-QUICK = dict(context=32, n_layer=2, d_model=64, n_head=2, batch=32, steps=200, lr=3e-3, n_values=8)
+QUICK = dict(context=32, n_layer=2, d_model=64, n_head=2, batch=32, steps=300, lr=3e-3, n_values=8)
 # ---- the default config (CPU, a few minutes)
 DEFAULT = dict(context=64, n_layer=2, d_model=64, n_head=2, batch=32, steps=400, lr=3e-3, n_values=16)
 
@@ -49,6 +48,33 @@ DEFAULT = dict(context=64, n_layer=2, d_model=64, n_head=2, batch=32, steps=400,
 def lr_at(step, lr, warmup):
     """Linear warm-up over the first `warmup` steps, then constant (step counts from 0)."""
     return lr * min(1.0, (step + 1) / max(1, warmup))
+
+
+def single_thread_blas():
+    """Ask the BLAS numpy already loaded for one thread (what OMP_NUM_THREADS=1 does before numpy is imported).
+
+    The tiny CPU configs multiply 64 x 64 matrices: a second BLAS thread only adds synchronisation, and on a
+    loaded 2-core machine it can make a step ten times slower. Best effort: nothing happens if no OpenBLAS is
+    found (the result is the same either way; only the time changes)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return False
+    for lib in libs:
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                    "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(handle, sym, None)
+            if fn is not None:
+                fn(ctypes.c_int(1))
+                return True
+    return False
 
 
 # --------------------------------------------------------------------------- sequence parallel plumbing
@@ -308,5 +334,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["train", "run", "main", "parse", "allreduce_sum", "shard_positions", "learned", "lr_at", "QUICK",
-           "DEFAULT"]
+__all__ = ["train", "run", "single_thread_blas", "main", "parse", "allreduce_sum", "shard_positions", "learned",
+           "lr_at", "QUICK", "DEFAULT"]
