@@ -199,14 +199,16 @@ def cross_entropy_forward(logits, targets):
     Stable softmax: subtract the row max before exp. Returns (loss_sum, count, probs); the mean loss is
     loss_sum / count over every token of the batch (summed over ranks under the ring)."""
     xp = array_module(logits)
+    B, N, V = logits.shape
     z = cast(logits, acc_dtype(logits.dtype))
     z = z - z.max(axis=-1, keepdims=True)  # (B, N, V), row max 0: exp never overflows
     ez = xp.exp(z)
     sumexp = ez.sum(axis=-1, keepdims=True)  # (B, N, 1)
     probs = ez / sumexp
     mask = targets >= 0  # (B, N)
-    t = xp.where(mask, targets, 0)
-    logp_t = xp.take_along_axis(z, t[..., None], axis=-1)[..., 0] - xp.log(sumexp[..., 0])  # (B, N)
+    t = xp.where(mask, targets, 0).reshape(-1)  # (B*N,) an index that is valid everywhere
+    z_t = z.reshape(B * N, V)[xp.arange(B * N), t].reshape(B, N)  # (B, N) the target's logit
+    logp_t = z_t - xp.log(sumexp[..., 0])  # (B, N) log softmax at the target
     loss_sum = -(logp_t * mask).sum()
     return loss_sum, int(mask.sum()), probs
 
@@ -217,11 +219,12 @@ def cross_entropy_backward(probs, targets, count):
     count: the number of tokens with a target in the WHOLE batch (every rank), so each rank's part of the
     gradient is already scaled for the global mean."""
     xp = array_module(probs)
+    B, N, V = probs.shape
     mask = targets >= 0
-    dlogits = probs.copy()  # (B, N, V)
-    t = xp.where(mask, targets, 0)
-    xp.put_along_axis(dlogits, t[..., None], xp.take_along_axis(dlogits, t[..., None], axis=-1) - 1.0, axis=-1)
-    return dlogits * (mask[..., None] / count)
+    t = xp.where(mask, targets, 0).reshape(-1)  # (B*N,)
+    dlogits = probs.reshape(B * N, V).copy()  # (B*N, V) softmax
+    dlogits[xp.arange(B * N), t] -= 1.0  # minus the one-hot target
+    return dlogits.reshape(B, N, V) * (mask[..., None] / count)
 
 
 # --------------------------------------------------------------------------- AdamW

@@ -89,9 +89,10 @@ def forward(params, cfg, tokens, targets, pos, attn, cd):
 
     Returns (loss_sum, count, cache): the summed loss over the tokens with a target, how many there were,
     and everything the backward needs."""
-    if tokens.shape[1] > cfg.context or int(np.max(np.asarray(pos))) >= cfg.context:
-        raise ValueError(f"sequence of {tokens.shape[1]} tokens (positions up to {int(np.max(np.asarray(pos)))}) "
-                         f"does not fit the context of {cfg.context}")
+    last = int(pos.max())  # the farthest global position among these tokens
+    if tokens.shape[1] > cfg.context or last >= cfg.context:
+        raise ValueError(f"sequence of {tokens.shape[1]} tokens (positions up to {last}) does not fit the context "
+                         f"of {cfg.context}")
     p, H = params, cfg.n_head
     x = Lyr.embedding_forward(tokens, pos, p["wte"], p["wpe"])  # (B, N, C), master dtype
     blocks = []
