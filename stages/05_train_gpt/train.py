@@ -306,7 +306,16 @@ def run(args, ring=None, xp=None):
 
 
 def main(argv=None):
+    """The command line; a bad configuration ends with its message (no traceback), exit status 2."""
     args = parse(argv)
+    try:
+        return _main(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args):
     if args.attention == "ring" and args.simulate_ranks:
         from stages.ring import simulate
 
