@@ -290,6 +290,27 @@ def test_quick_config_learns_the_task(capsys):
     assert rc == 0 and last.startswith("SUMMARY 05_train_gpt PASS"), out
 
 
+def test_attention_that_cannot_look_back_stays_at_chance():
+    """The task needs attention: the --quick run (same config, seed and steps, which learns: the test above)
+    with a kernel that lets each token see only itself (o = v) stays at ln(n_values)."""
+    from stages.train_gpt.train import QUICK
+
+    class SelfOnly:  # softmax over one key is 1: o = v, and nothing flows back to q and k
+        def forward(self, q, k, v):
+            return v.copy(), (q * k).sum(-1) / np.sqrt(q.shape[-1])
+
+        def backward(self, q, k, v, o, lse, do):
+            return np.zeros_like(q), np.zeros_like(k), do.copy()
+
+    task = T.RecallTask(QUICK["context"], n_values=QUICK["n_values"], seed=0)
+    cfg = T.GPTConfig(vocab_size=task.vocab_size, context=QUICK["context"], n_layer=QUICK["n_layer"],
+                      d_model=QUICK["d_model"], n_head=QUICK["n_head"])
+    loss = T.train(cfg, task, attn=SelfOnly(), steps=QUICK["steps"], batch=QUICK["batch"], lr=QUICK["lr"],
+                   seed=0)["loss"]
+    ok, start, end = T.learned(loss, task.chance_loss)
+    assert not ok and end > 0.9 * task.chance_loss, f"a model that cannot look back beat chance: {start} -> {end}"
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -345,9 +366,13 @@ def test_gpu_bfloat16_curves_agree_across_stages():
                                   xp=cupy)["loss"]) for a in ("naive", "flash_v1", "flash_v2")}
     fp32 = np.array(T.train(cfg, data, attention="naive", steps=30, batch=16, lr=3e-3, seed=SEED, dtype="float32",
                             xp=cupy)["loss"])
-    for a, c in curves.items():
-        diff = np.max(np.abs(c - fp32))
-        assert diff < 0.05, f"{a} in bf16 vs naive in fp32: max loss difference {diff:.3f}"
+    # the tolerance rule, applied to curves: what bf16 costs naive attention's curve, times 2, plus a slack
+    yardstick = np.max(np.abs(curves["naive"] - fp32))
+    for a in ("flash_v1", "flash_v2"):
+        diff = np.max(np.abs(curves[a] - fp32))
+        assert diff <= 2 * yardstick + 1e-2, (f"{a} in bf16 vs naive in fp32: max loss difference {diff:.3f}; naive in "
+                                              f"bf16 is off by {yardstick:.3f} (seed {SEED})")
+    assert fp32[-1] < fp32[0]
 
 
 @pytest.mark.gpu

@@ -77,9 +77,11 @@ def embedding_backward(dx, tokens, pos, wte_shape, wpe_shape):
 
 
 def _scatter_add(table, index, rows):
-    if isinstance(table, np.ndarray):
-        np.add.at(table, index, rows)
-    else:
+    """table[index[i]] += rows[i] for every i, repeated indices included (unbuffered: np.add.at / cupy.add.at)."""
+    xp = array_module(table)
+    if hasattr(xp.add, "at"):
+        xp.add.at(table, index, rows)
+    else:  # an older CuPy
         import cupyx
 
         cupyx.scatter_add(table, index, rows)
