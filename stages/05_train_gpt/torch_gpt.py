@@ -26,8 +26,8 @@ def to_torch_params(params_np, device):
             for k, v in params_np.items()}
 
 
-def forward(p, cfg, tokens, targets, attention="sdpa"):
-    """Mean cross-entropy over the tokens with a target, as model.forward computes it."""
+def forward(p, cfg, tokens, targets, attention="sdpa", amp=False):
+    """Mean cross-entropy over the tokens with a target, as model.forward computes it (amp: under autocast)."""
     torch = _torch()
     F = torch.nn.functional
     B, N = tokens.shape
@@ -45,6 +45,8 @@ def forward(p, cfg, tokens, targets, attention="sdpa"):
         else:
             from .torch_attention import flash_attention
 
+            if amp:  # autocast does not know our Function: give it the bfloat16 inputs SDPA gets under autocast
+                q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
             a = flash_attention(q, k, v, causal=True)  # (B, N, H, D)
         x = x + (a.reshape(B, N, C) @ w("proj_w") + w("proj_b"))
         h = F.layer_norm(x, (C,), w("ln2_w"), w("ln2_b"), eps=1e-5)
@@ -74,7 +76,7 @@ def train(cfg, data, *, steps, batch, lr, seed, dtype="float32", attention="sdpa
         tok = torch.as_tensor(tokens, device=device).long()
         tgt = torch.as_tensor(targets, device=device).long()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = forward(p, cfg, tok, tgt, attention=attention)
+            loss = forward(p, cfg, tok, tgt, attention=attention, amp=amp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip:
