@@ -11,7 +11,7 @@ RecallTask (the default): associative recall, a task that cannot be solved witho
     one that learns to attend from `k?` to the pair token with key k and read its value goes towards 0,
     which one attention layer can do. The longer the context, the farther back the pairs lie.
     (With key and value as two tokens `k v`, the model would first have to learn an induction circuit
-    over two layers: a slower start than a 2-minute CPU run allows.)
+    over two layers first: slower to get going than a short CPU run allows.)
 TextData (--data FILE): any text file, character level; the loss counts every next character.
 
 Batches are a pure function of (seed, step): every rank of a sequence-parallel run and the PyTorch twin

@@ -1,4 +1,4 @@
-"""Stage 05 on a GPU, in one invocation (a few minutes on one H100): every measurement the stage reports.
+"""Stage 05 on a GPU, in one invocation (sized for a few minutes): every measurement the stage reports.
 
     python stages/05_train_gpt/gpu_runs.py                 # all parts
     python stages/05_train_gpt/gpu_runs.py --parts 1 2     # some of them

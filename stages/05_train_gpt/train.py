@@ -39,9 +39,9 @@ from stages import train_gpt as T  # noqa: E402
 
 DTYPES = {"float64": np.float64, "float32": np.float32, "bfloat16": bfloat16}
 
-# ---- the tiny config of --quick: learns the recall task on 2 CPU cores in well under a minute
+# ---- the tiny config of --quick (the tutorial's last step, and a test): must learn the recall task on the CPU
 QUICK = dict(context=32, n_layer=2, d_model=64, n_head=2, batch=32, steps=300, lr=3e-3, n_values=8)
-# ---- the default config (CPU, a few minutes)
+# ---- the default config (CPU): a longer context, more values
 DEFAULT = dict(context=64, n_layer=2, d_model=64, n_head=2, batch=32, steps=400, lr=3e-3, n_values=16)
 
 
