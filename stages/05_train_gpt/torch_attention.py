@@ -140,7 +140,7 @@ def check_against_sdpa(dtype, *, seed=0, B=2, N=257, H=4, D=64, causal=True):
     q64, k64, v64, do64 = base
 
     def run(fn, dtype_):
-        q, k, v = (t.to(dtype_).requires_grad_() for t in (q64, k64, v64))
+        q, k, v = (t.detach().clone().to(dtype_).requires_grad_() for t in (q64, k64, v64))  # fresh leaves
         o = fn(q, k, v)
         o.backward(do64.to(dtype_))
         return [t.double() for t in (o, q.grad, k.grad, v.grad)]
