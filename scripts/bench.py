@@ -323,7 +323,9 @@ class Bench:
         self.clocks = {"ours": _Clock("cupy", cupy), "torch": _Clock("torch", cupy)}
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        self.sdpa_kernel = sdpa_kernel
+        import torch.nn.functional as F
+
+        self.sdpa_kernel, self.F = sdpa_kernel, F
         self.backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                          "efficient": SDPBackend.EFFICIENT_ATTENTION}
         self.mismatches = 0
@@ -344,9 +346,7 @@ class Bench:
 
     def _sdpa(self, cfg, leaves):
         """F.scaled_dot_product_attention on (B, N, H, d) tensors, given as (B, H, N, d) views (no copies)."""
-        import torch.nn.functional as F
-
-        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=cfg.causal)
+        return self.F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=cfg.causal)
 
     def _entries(self, cfg, direction, data, small):
         """{(impl, version): (gate, setup, extra)}: gate() -> (status, error/bound, worst output) on the small
