@@ -21,8 +21,12 @@ import pathlib
 import statistics
 import sys
 
-COLUMNS = ["gpu", "direction", "impl", "version", "dtype", "causal", "head_dim", "seq_len", "batch", "heads",
-           "ms", "tflops", "status"]
+BASE_COLUMNS = ["gpu", "direction", "impl", "version", "dtype", "causal", "head_dim", "seq_len", "batch", "heads",
+                "ms", "tflops", "status"]  # what the tables read; a CSV must have these (older CSVs have only these)
+# err_over_bound: the worst output's max error over its bound by the tolerance rule (stages/common/tolerance.py),
+# on the small check problem; err_output names that output. Then the run's provenance, the same on every row.
+PROVENANCE = ["git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"]
+COLUMNS = BASE_COLUMNS + ["err_over_bound", "err_output"] + PROVENANCE  # what bench.py writes
 OURS = ("fp32", "fp32x3", "tc", "pipelined", "tc-det")  # column order of our versions
 TORCH = ("flash", "cudnn", "efficient")  # column order of PyTorch's backends
 REFS = {"16-bit": ("flash", "cudnn"), "fp32": ("efficient",)}  # what our versions are divided by, per group
@@ -47,8 +51,10 @@ def read_csv(path):
     """Rows of a bench CSV as dicts with typed values (causal bool, sizes int, ms/tflops float or None)."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames != COLUMNS:
-            raise ValueError(f"{path}: columns {reader.fieldnames} are not the bench CSV's {COLUMNS}")
+        missing = [c for c in BASE_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:  # other columns (provenance, error/bound) are kept as strings and ignored by the tables
+            raise ValueError(f"{path}: columns {reader.fieldnames} are not the bench CSV's {BASE_COLUMNS} "
+                             f"(missing {missing})")
         rows = []
         for r in reader:
             rows.append(dict(r, causal=_bool(r["causal"]), head_dim=int(r["head_dim"]), seq_len=int(r["seq_len"]),
