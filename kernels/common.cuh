@@ -10,6 +10,7 @@ typedef unsigned int u32;
 
 // NVRTC has no <math.h> INFINITY either: +infinity by its bit pattern.
 #define INF __int_as_float(0x7f800000)
+#define LOG2E_F 1.4426950408889634f  // log2(e): exp(x) = exp2(x log2 e)
 
 // ---------------------------------------------------------------- warp reductions
 // Reduce over the `width` lanes of each group (width a power of two <= 32, groups aligned).

@@ -190,7 +190,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     dq_acc = cupy.empty((B, H, Nq, D) if not deterministic else (1,), np.float32)
     pre.get_function(f"bwd_preprocess<{ctype}>")(
         (Nq_pad // 8, BH), (256,), (o, do, lse, Dvec, Lvec, dq_acc, i32(Nq), i32(Nq_pad), i32(D),
-                                    f32(LOG2E if version == "tc" else 1.0), i32(not deterministic)))
+                                    f32(1.0), i32(not deterministic)))
     _mark(profile, "preprocess+zero")
 
     odtype = np.dtype(out_dtype)
@@ -207,7 +207,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
         bc, j_fast = bc or TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
         grid = (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc))
         main(grid, (2 * bc,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk), i32(Nq_pad), f32(scale),
-                               f32(scale * LOG2E), i32(causal), i32(j_fast)), shared_mem=smem_main)
+                               i32(causal), i32(j_fast)), shared_mem=smem_main)
     _mark(profile, "main")
     dq = empty(cupy, q.shape, odtype)
     if deterministic:  # the separate dQ pass, no atomics
@@ -217,7 +217,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
                                                f32(scale), i32(causal)), shared_mem=smem_dq)
         else:
             dq_fn((BH, -(-Nq // 64)), (128,), (q, k, v, do, Lvec, Dvec, dq, i32(Nq), i32(Nk), i32(Nq_pad),
-                                               f32(scale), f32(scale * LOG2E), i32(causal)), shared_mem=smem_dq)
+                                               f32(scale), i32(causal)), shared_mem=smem_dq)
     else:  # dQ = scale * dQ_accum, cast to the output dtype
         n = dq.size  # a multiple of 4: the kernel converts 4 values per step
         pre.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>")(
