@@ -306,7 +306,7 @@ class _Small:
             o64, lse64, *self.refs = tolerance.oracle(q, k, v, do, causal=c)
             self.o_in, self.lse_in = verify.backward_start(q, o64, lse64)
             ys = tolerance.backward_yardsticks(q, k, v, self.o_in, self.lse_in, do, causal=c)
-            terms = tolerance.backward_s_terms(q, k, v, o64, do, causal=c)
+            terms = tolerance.backward_s_terms(q, k, v, self.o_in, do, causal=c)
         self.bounds = dict(zip(self.names, tolerance.bounds(self.refs, ys, terms)))
         self.refs = dict(zip(self.names, self.refs))
 

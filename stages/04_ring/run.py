@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from stages import ring as R  # noqa: E402
 from stages.common import PeakMemory, attention_flops, bfloat16, cast, gpu_name, make_inputs, time_ms  # noqa: E402
-from stages.common import tolerance, to_numpy  # noqa: E402
+from stages.common import to_numpy, verify  # noqa: E402
 from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
 
@@ -76,13 +76,13 @@ def parse(argv):
 def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, versions, xp):
     """Every rank of `comm`: the ring forward, and the ring backward from the oracle's o and lse, at total length
     n on fresh inputs; gathered to rank 0 and checked there exactly as stages.common.verify checks one device
-    (tolerance.check with the oracle, the yardsticks and the S-rounding terms). Returns {name: (error, bound)}
+    (stages.common.verify.rule and check_outputs). Returns {name: (error, bound)}
     on rank 0, None elsewhere; raises AssertionError on rank 0 when a result is out of tolerance."""
     rank, P = comm.Get_rank(), comm.Get_size()
     seed = comm.bcast(int(np.random.default_rng().integers(2**31)) if rank == 0 else None, root=0)
     q, k, v, do = make_inputs(B, H, n, n, D, dtype=dtype, seed=seed, grad=True)  # the same on every rank
-    refs = tolerance.oracle(q, k, v, do, causal=causal) if rank == 0 else None  # o, lse, dq, dk, dv in fp64
-    start = (cast(refs[0], dtype), refs[1].astype(np.float32)) if rank == 0 else None  # verify.backward_start
+    rule = verify.rule(q, k, v, do, causal=causal) if rank == 0 else None  # oracle, bounds, backward start
+    start = rule[2] if rank == 0 else None
     o_in, lse_in = comm.bcast(start, root=0)
     kw = dict(ring=ring, nq=n, nk=n, causal=causal, layout=layout, block=block)
     mine = [xp.asarray(R.shard(x, rank, P, layout)) for x in (q, k, v, do, o_in, lse_in)]  # (B, H, L, ...)
@@ -95,10 +95,7 @@ def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, vers
     for name, x, like in zip(("o", "lse", "dq", "dk", "dv"), got, (q, lse_in, q, k, v)):
         if x.shape != like.shape or x.dtype != like.dtype:
             raise AssertionError(f"{name}: got {x.shape} {x.dtype}, expected {like.shape} {like.dtype}")
-    res = tolerance.check(tolerance.NAMES_FORWARD, got[:2], refs[:2], tolerance.forward_yardsticks(
-        q, k, v, causal=causal), tolerance.forward_s_terms(q, k, v, causal=causal))
-    res.update(tolerance.check(tolerance.NAMES_BACKWARD, got[2:], refs[2:], tolerance.backward_yardsticks(
-        q, k, v, o_in, lse_in, do, causal=causal), tolerance.backward_s_terms(q, k, v, refs[0], do, causal=causal)))
+    res = verify.check_outputs(got, rule[0], rule[1])
     return res
 
 

@@ -20,14 +20,18 @@ and in the backward, which recomputes S_ij in the kernel's own order and applies
 P_ij becomes P_ij (1 + delta_ij), so
     d dV_jd = sum_i P_ij delta_ij dO_id,   d dS_ij = P_ij (dP_ij - D_i) delta_ij,
     d dQ_id = scale sum_j d dS_ij K_jd,    d dK_jd = scale sum_i d dS_ij Q_id.
+The backward has a second cancellation of the same kind: dP_ij - D_i with dP_ij = dO_i . V_j and
+D_i = dO_i . O_i is ~0 wherever row i is one-hot on key j, so its float32 rounding eps2_i ~ u |dO_i| |V_j|
+becomes all of dS_ij, and d dQ_id = scale sum_j P_ij eps2_i K_jd, d dK_jd = scale sum_i P_ij eps2_i Q_id.
 At inputs x1 this is far below the other roundings. At large logits (|S| ~ 1e4, inputs x100; a float32 ulp
 there is ~1e-3) it decides the error of a row whose two largest scores nearly tie, and a single yardstick's
 error is then a matter of how its own roundings fell (it can be near zero by luck while any other order's is
 not). So the rule takes the yardstick's error as the larger of
   (a) its measured error, in two summation orders of the head dim, natural and reversed (the columns of q and
       k permuted alike: the same Q K^T, other roundings), and
-  (b) the first-order terms above with |delta_ij| <= eps_i, eps_i = max_j |S_ij(yardstick) - S_ij(float64)|:
-      what the yardstick's own largest rounding of S in row i costs if the roundings fall the worst way.
+  (b) the first-order terms above with |delta_ij| <= eps_i, eps_i = max_j |S_ij(yardstick) - S_ij(float64)|,
+      and the dP - D rounding <= eps2_i, its largest in row i in the yardstick: what the yardstick's own largest
+      roundings in row i cost if they fall the worst way.
       sum_j P_ij |V_jd - O_id| is bounded by the P-weighted spread sqrt(sum_j P_ij V_jd^2 - O_id^2).
     bound = FACTOR * max(error(natural), error(reversed), first-order S term) + SLACK.
 Everything is a function of the inputs: no sampling, no count chosen by failure rates.
@@ -132,13 +136,19 @@ def forward_s_terms(q, k, v, *, causal=False, scale=None):
 
 
 def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None):
-    """(dq, dk, dv) of the first-order S-rounding terms (see the module docstring), float64 host arrays."""
+    """(dq, dk, dv) of the first-order rounding terms of the backward (see the module docstring), float64 host
+    arrays. o: the forward output the backward starts from (D_i = rowsum(dO_i * O_i) is computed from it)."""
     p, eps, scale = _s_rounding(q, k, causal, scale)
     q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
     dp = do64 @ v64.swapaxes(-1, -2)  # (B, H, Nq, Nk)
     d_i = (do64 * o64).sum(axis=-1, keepdims=True)  # (B, H, Nq, 1)
+    # the yardstick's own rounding of dP_ij - D_i (float32 for float32 and 16-bit inputs), per row: eps2_i
+    cd = np.float64 if to_numpy(q).dtype == np.float64 else np.float32
+    do_c, v_c, o_c = (to_numpy(x).astype(cd) for x in (do, v, o))
+    low = (do_c @ v_c.swapaxes(-1, -2)) - (do_c * o_c).sum(axis=-1, keepdims=True)  # (B, H, Nq, Nk)
+    eps2 = np.where(p > 0, np.abs(low.astype(np.float64) - (dp - d_i)), 0.0).max(axis=-1, keepdims=True)
     w = p * eps  # (B, H, Nq, Nk): P_ij eps_i
-    wds = w * np.abs(dp - d_i)
+    wds = w * np.abs(dp - d_i) + p * eps2  # first-order |d dS_ij|
     return (scale * wds @ np.abs(k64), scale * wds.swapaxes(-1, -2) @ np.abs(q64),
             w.swapaxes(-1, -2) @ np.abs(do64))
 
