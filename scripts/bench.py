@@ -42,6 +42,7 @@ DIR/bench_forward.png and DIR/bench_backward.png. Exit status 1 when any row of 
 script fails on a config).
 """
 import argparse
+import os
 import contextlib
 import importlib
 import math
@@ -119,8 +120,9 @@ def provenance(cupy, torch, gpu):
         except Exception:
             return ""
 
-    commit = out(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
-    if out(["git", "status", "--porcelain"]):
+    # ATTN_GIT_COMMIT: the commit of a copy of the tree made elsewhere (a GPU machine given the files, not the repo)
+    commit = os.environ.get("ATTN_GIT_COMMIT") or out(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
+    if not os.environ.get("ATTN_GIT_COMMIT") and out(["git", "status", "--porcelain"]):
         commit += "-dirty"
     driver = str(cupy.cuda.runtime.driverGetVersion())
     smi = out(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()

@@ -40,9 +40,10 @@ RESULTS = ROOT / "results"
 
 
 def provenance():
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
+    try:  # ATTN_GIT_COMMIT: the commit of a copy of the tree made elsewhere (a GPU machine given the files)
+        commit = os.environ.get("ATTN_GIT_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+            timeout=10).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001 - no git: say so in the CSV
         commit = "unknown"
     import cupy
