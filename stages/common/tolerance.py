@@ -31,7 +31,8 @@ So the rule takes the yardstick's error as the larger of
   (a) its measured error, in two summation orders of the head dim, natural and reversed (the columns of q and
       k permuted alike: the same Q K^T, other roundings), and
   (b) the first-order terms above with every rounding falling the worst way: |delta_ij| <= eps_i, the largest
-      S rounding the yardstick makes in row i; |eps2| <= eps2_i, its largest dP - D rounding in row i; the
+      S rounding the yardstick makes in row i; |eps2| <= eps2_i, its largest dP - D rounding in row i (both
+      doubled for 16-bit inputs: tensor cores accumulate by truncation, see _accumulation_factor); the
       16-bit roundings of the float64 P and dS. (sum_j P_ij |V_jd - O_id| is bounded by the P-weighted spread
       sqrt(sum_j P_ij V_jd^2 - O_id^2).) At inputs x1 these terms are far below (a).
     bound = FACTOR * max(error(natural), error(reversed), first-order terms) + SLACK.
@@ -120,11 +121,20 @@ def _s_rounding(q, k, causal, scale):
     s_low = naive.scores(q, k, scale, causal, np).astype(np.float64)  # as the yardstick computes it
     with np.errstate(invalid="ignore"):
         eps = np.where(np.isinf(s64), 0.0, np.abs(s_low - s64)).max(axis=-1, keepdims=True)  # (B, H, Nq, 1)
+    eps = eps * _accumulation_factor(q.dtype)
     m = s64.max(axis=-1, keepdims=True)
     m = np.where(np.isinf(m), 0.0, m)
     p = np.exp(s64 - m)
     l = p.sum(axis=-1, keepdims=True)
     return p / np.where(l == 0, 1.0, l), eps, scale
+
+
+def _accumulation_factor(dtype):
+    """How much larger one rounding of a float32 sum can be in a kernel than in the yardstick: 2 for 16-bit
+    inputs, whose S and dP come from tensor-core mma, which accumulates in float32 by truncation (up to one ulp
+    per addition; Fasi, Higham, Mikaitis & Pranesh, "Numerical behavior of NVIDIA tensor cores", 2021) where
+    numpy rounds to nearest (half an ulp); 1 otherwise."""
+    return 2.0 if np.dtype(dtype).itemsize == 2 else 1.0
 
 
 def _rounding16(x, dtype):
@@ -157,6 +167,7 @@ def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None):
     do_c, v_c, o_c = (to_numpy(x).astype(cd) for x in (do, v, o))
     low = (do_c @ v_c.swapaxes(-1, -2)) - (do_c * o_c).sum(axis=-1, keepdims=True)  # (B, H, Nq, Nk)
     eps2 = np.where(p > 0, np.abs(low.astype(np.float64) - (dp - d_i)), 0.0).max(axis=-1, keepdims=True)
+    eps2 = eps2 * _accumulation_factor(to_numpy(q).dtype)
     dtype = to_numpy(q).dtype  # 16 bits: P and dS rounded before their matmuls
     w = p * eps + _rounding16(p, dtype)  # (B, H, Nq, Nk): first-order |d P_ij|
     wds = p * eps * np.abs(dp - d_i) + p * eps2 + _rounding16(p * (dp - d_i), dtype)  # first-order |d dS_ij|
