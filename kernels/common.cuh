@@ -62,6 +62,23 @@ __device__ __forceinline__ void store2(__nv_bfloat16* p, float lo, float hi) {
     *reinterpret_cast<u32*>(p) = Half2<__nv_bfloat16>::pack(lo, hi);
 }
 
+// ---------------------------------------------------------------- accumulators
+// N accumulator fragments (4 floats each) set to 0 before an mma chain.
+template <int N>
+__device__ __forceinline__ void zero(float (&c)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+}
+
+// ---------------------------------------------------------------- C fragment -> A fragment
+// The fp32 accumulator of n-tile n (rows g, g+8; columns 2t, 2t+1; see the layout below) is exactly half of the
+// A fragment of k-step n/2 once rounded to 16 bits: a result feeds the next mma without leaving registers.
+template <typename T>
+__device__ __forceinline__ void c_to_a(u32 (&a)[4], int n, const float c[4]) {
+    a[(n % 2) * 2 + 0] = Half2<T>::pack(c[0], c[1]);  // row g
+    a[(n % 2) * 2 + 1] = Half2<T>::pack(c[2], c[3]);  // row g + 8
+}
+
 // ---------------------------------------------------------------- mma.sync m16n8k16
 // D (16x8, fp32) += A (16x16, row-major fragment) * B (16x8, column-major fragment).
 // Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4 * group + tid_in_group:
