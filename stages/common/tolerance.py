@@ -31,7 +31,8 @@ So the rule takes the yardstick's error as the larger of
   (a) its measured error, in two summation orders of the head dim, natural and reversed (the columns of q and
       k permuted alike: the same Q K^T, other roundings), and
   (b) the first-order terms above with every rounding falling the worst way: |delta_ij| <= eps_i, the largest
-      S rounding the yardstick makes in row i; |eps2| <= eps2_i, its largest dP - D rounding in row i (both
+      S rounding the yardstick makes in row i (at least one ulp of the row's largest |S_ij|: a row with few
+      keys may be lucky in all of its roundings); |eps2| <= eps2_i, its largest dP - D rounding in row i (both
       doubled for 16-bit inputs: tensor cores accumulate by truncation, see _accumulation_factor); the
       16-bit roundings of the float64 P and dS. (sum_j P_ij |V_jd - O_id| is bounded by the P-weighted spread
       sqrt(sum_j P_ij V_jd^2 - O_id^2).) At inputs x1 these terms are far below (a).
@@ -121,6 +122,12 @@ def _s_rounding(q, k, causal, scale):
     s_low = naive.scores(q, k, scale, causal, np).astype(np.float64)  # as the yardstick computes it
     with np.errstate(invalid="ignore"):
         eps = np.where(np.isinf(s64), 0.0, np.abs(s_low - s64)).max(axis=-1, keepdims=True)  # (B, H, Nq, 1)
+        # A row with few keys has few roundings to take the max over, and may be lucky in all of them; but any
+        # float32 S_ij is rounded at least twice at its own size (the dot product's last addition, the product
+        # with scale): the floor is one ulp of the row's largest |S_ij| (2 u |S|, u = 2^-24).
+        big = np.where(np.isinf(s64), 0.0, np.abs(s64)).max(axis=-1, keepdims=True)
+    if np.dtype(q.dtype) != np.float64:
+        eps = np.maximum(eps, 2.0 ** -23 * big)
     eps = eps * _accumulation_factor(q.dtype)
     m = s64.max(axis=-1, keepdims=True)
     m = np.where(np.isinf(m), 0.0, m)
