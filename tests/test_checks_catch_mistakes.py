@@ -163,21 +163,26 @@ class Mistake:
 
 
 def _row_pair(x, rng):
-    """(b, h, i, j) with rows i != j of x[b, h] different, chosen at random; None if there is no such pair."""
+    """(b, h, i, j) with rows i != j of x[b, h] really different (by more than 1e-3 of x's largest entry), chosen at
+    random; None if there is no such pair. x is the oracle's output, so rounding noise never makes two rows
+    'different' (e.g. a one-key row's dq, 0 exactly, against a fully masked row's)."""
+    x = np.asarray(x, dtype=np.float64)
     B, H, N, _ = x.shape
     if N < 2:
         return None
+    tol = 1e-3 * float(np.abs(x).max(initial=0.0))
     cands = [(b, h, i) for b in range(B) for h in range(H) for i in range(N)]
     for t in rng.permutation(len(cands)):
         b, h, i = cands[t]
-        others = np.flatnonzero((x[b, h] != x[b, h, i]).any(axis=-1))
+        others = np.flatnonzero((np.abs(x[b, h] - x[b, h, i]) > tol).any(axis=-1))
         if len(others):
             return b, h, i, int(rng.choice(others))
     return None
 
 
 def _swap_rows(x, rng, like=None):
-    """x with two rows swapped; the rows are chosen (by rng) among rows of `like` (default x) that differ."""
+    """x with two rows swapped; the rows are chosen (by rng) among rows of `like` (the oracle's output) that
+    differ."""
     pair = _row_pair(x if like is None else like, rng)
     x = x.copy()
     if pair is not None:
@@ -382,8 +387,9 @@ def _exemption_holds(m, q, k, v, do, causal, rng, ring_kw):
     return bad
 
 
-def _effect(m, q, k, v, do, causal, rng_seed, good, ring_kw):
-    """{output: max |wrong - right|, both in float64}: how much the mistake changes the exact answer."""
+def _effect(m, q, k, v, do, causal, rng_seed, refs):
+    """{output: max |wrong - right|, both in float64}: how much the mistake (as stage 00 makes it) changes the exact
+    answer."""
     q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
     if m.direction == "forward":
         right = naive.forward(q, k, v, causal=causal)
@@ -392,8 +398,8 @@ def _effect(m, q, k, v, do, causal, rng_seed, good, ring_kw):
         o64, lse64 = tolerance.oracle(q, k, v, causal=causal)
         right = naive.backward(q, k, v, o64, lse64, do, causal=causal)
         names = tolerance.NAMES_BACKWARD
-    if m.output is not None:  # the same choice of rows / position as in the draw (chosen on `good`)
-        wrong = m.output(right, np.random.default_rng(rng_seed), like=good)
+    if m.output is not None:  # the same choice of rows / position as in the draw (chosen on `refs`)
+        wrong = m.output(right, np.random.default_rng(rng_seed), like=refs)
     elif m.direction == "forward":
         wrong = _alg_forward(m)(q, k, v, causal=causal)
     else:
@@ -469,8 +475,10 @@ def test_checks_catch_mistakes(shape, dtype_name, scale_in, direction, monkeypat
                                     f"float64 differs from the correct one's: {bad}")
                 continue
             if m.output is not None:
-                stage_out = m.output(good, rng)
-                ring_out = m.output(good_ring, np.random.default_rng(seed + [1, n_m]))  # _effect replays these
+                refs = (tolerance.oracle(q, k, v, causal=causal) if direction == "forward"
+                        else tolerance.oracle(q, k, v, do, causal=causal)[2:])  # rows to swap: chosen on these
+                stage_out = m.output(good, rng, like=refs)
+                ring_out = m.output(good_ring, np.random.default_rng(seed + [1, n_m]), like=refs)
                 runs = [("stage", lambda *a, _o=stage_out, **_: _o, {}),
                         ("ring", lambda *a, _o=ring_out, **_: _o, ring_kw)]
             else:
@@ -482,8 +490,7 @@ def test_checks_catch_mistakes(shape, dtype_name, scale_in, direction, monkeypat
             for who, fn, kw in runs:
                 caught, detail = _catches(lambda: check(fn, *args, causal=causal, **kw), who)
                 if not caught:
-                    effect = _effect(m, q, k, v, do, causal, seed + [1, n_m], good if who == "stage" else good_ring,
-                                     kw)
+                    effect = _effect(m, q, k, v, do, causal, seed + [1, n_m], refs if m.output else None)
                     misses.append(f"{where} {who} {kw or ''}: mistake {m.name!r} NOT caught: {detail}; bounds "
                                   f"{_bounds_text(direction, q, k, v, do, causal)}; effect in float64 {effect}")
     assert not failures, "\n".join(failures)
