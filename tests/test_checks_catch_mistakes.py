@@ -75,7 +75,9 @@ FEWER_DRAWS = {
 }
 
 # (mistake, condition) -> reason. A mistake is exempt on a case only where the condition holds AND the test shows
-# that the wrong stage and ring, run in float64, give the correct ones' answers there.
+# that the wrong stage (the wrong ring), run in float64, gives the correct one's answer there, draw by draw; where it
+# does not (e.g. the zigzag ring at Nq = Nk = 1 shows a padded key to a diagonal shifted by +1), the check must catch
+# it as any other mistake.
 CONDITIONS = {
     "one query": lambda Nq, Nk, causal: Nq == 1,
     "one key": lambda Nq, Nk, causal: Nk == 1,
@@ -467,13 +469,12 @@ def test_checks_catch_mistakes(shape, dtype_name, scale_in, direction, monkeypat
         # every mistake, in the stage and in the ring
         for n_m, m in enumerate(mistakes):
             rng = np.random.default_rng(seed + [1, n_m])
-            exempt = _exempt(m, Nq, Nk, causal)
-            if exempt:
+            exempt, shows = _exempt(m, Nq, Nk, causal), {"stage", "ring"}
+            if exempt:  # exempt only where proven: where the mistake does change the answer, it must be caught
                 bad = _exemption_holds(m, q, k, v, do, causal, np.random.default_rng(seed + [2]), ring_kw)
-                if bad:
-                    failures.append(f"{where} exemption {m.name!r} on {exempt} does not hold: the wrong answer in "
-                                    f"float64 differs from the correct one's: {bad}")
-                continue
+                shows = {who for who, _ in bad}
+                if not shows:
+                    continue
             if m.output is not None:
                 refs = (tolerance.oracle(q, k, v, causal=causal) if direction == "forward"
                         else tolerance.oracle(q, k, v, do, causal=causal)[2:])  # rows to swap: chosen on these
@@ -488,6 +489,8 @@ def test_checks_catch_mistakes(shape, dtype_name, scale_in, direction, monkeypat
                     return _ring_with(_m, direction, q, k, v, causal, kw, *rest)
                 runs = [("stage", stage_fn, {}), ("ring", ring_fn, ring_kw)]
             for who, fn, kw in runs:
+                if who not in shows:
+                    continue
                 caught, detail = _catches(lambda: check(fn, *args, causal=causal, **kw), who)
                 if not caught:
                     effect = _effect(m, q, k, v, do, causal, seed + [1, n_m], refs if m.output else None)
