@@ -10,6 +10,7 @@ typedef unsigned int u32;
 
 // NVRTC has no <math.h> INFINITY either: +infinity by its bit pattern.
 #define INF __int_as_float(0x7f800000)
+#define LOG2E_F 1.4426950408889634f  // log2(e): exp(x) = exp2(x log2 e)
 
 // ---------------------------------------------------------------- warp reductions
 // Reduce over the `width` lanes of each group (width a power of two <= 32, groups aligned).
@@ -59,6 +60,23 @@ __device__ __forceinline__ void store2(__half* p, float lo, float hi) {
 }
 __device__ __forceinline__ void store2(__nv_bfloat16* p, float lo, float hi) {
     *reinterpret_cast<u32*>(p) = Half2<__nv_bfloat16>::pack(lo, hi);
+}
+
+// ---------------------------------------------------------------- accumulators
+// N accumulator fragments (4 floats each) set to 0 before an mma chain.
+template <int N>
+__device__ __forceinline__ void zero(float (&c)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+}
+
+// ---------------------------------------------------------------- C fragment -> A fragment
+// The fp32 accumulator of n-tile n (rows g, g+8; columns 2t, 2t+1; see the layout below) is exactly half of the
+// A fragment of k-step n/2 once rounded to 16 bits: a result feeds the next mma without leaving registers.
+template <typename T>
+__device__ __forceinline__ void c_to_a(u32 (&a)[4], int n, const float c[4]) {
+    a[(n % 2) * 2 + 0] = Half2<T>::pack(c[0], c[1]);  // row g
+    a[(n % 2) * 2 + 1] = Half2<T>::pack(c[2], c[3]);  // row g + 8
 }
 
 // ---------------------------------------------------------------- mma.sync m16n8k16

@@ -18,7 +18,7 @@ __device__ __forceinline__ void from_f(__nv_bfloat16& y, float x) { y = __float2
 // One warp per query row. grid = (ceil(Nq_pad / 8), B*H), block = 256 (8 warps).
 // o, dO: (BH, Nq, D) contiguous; lse: (BH, Nq) natural log.
 // Dvec, Lout: (BH, Nq_pad); rows Nq..Nq_pad-1 are padding (D = 0, L = +inf: their P is exp(-inf) = 0).
-// Lout = lse * lse_mult (lse_mult = log2(e) for the tc kernel, which uses exp2; 1 for fp32).
+// Lout = lse * lse_mult (the launcher passes 1: both backward kernels take L_i in natural units).
 // A fully masked row has lse = -inf; we store +inf so that P = exp(S - L) = 0 there, never NaN.
 // zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) the main kernel's atomics add to
 // (saves a separate memset launch); 0 in deterministic mode, which has no accumulator.

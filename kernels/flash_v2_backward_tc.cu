@@ -39,6 +39,16 @@
 
 // Copy a tile of `ROWS` rows x HD 16-bit values (rows row0.. of a (N, HD) matrix) to shared memory with row
 // stride LD, 16 bytes per cp.async; rows >= N are zero-filled (their source address is clamped to row 0).
+// Alg.2 L11-13 for one score: P_ij = exp(scale S_ij - L_i) from the forward's L_i (0 where the key is masked),
+// dS_ij = P_ij (dP_ij - D_i). scale S_ij - L_i is one FMA: one rounding, of a number near 0 for the keys that
+// matter (folding log2 e into scale and L_i instead rounds both at |S| ~ 1e4 and puts ~1e-3 into P at large
+// logits); exp then runs as exp2 on the SFU.
+__device__ __forceinline__ void p_and_ds(float& p, float& ds, float s, float dp, float L, float D, float scale,
+                                         bool visible) {
+    p = visible ? fast_exp2(fmaf(s, scale, -L) * LOG2E_F) : 0.f;
+    ds = p * (dp - D);
+}
+
 template <typename T, int ROWS, int HD, int LD, int NTHREADS>
 __device__ __forceinline__ void load_tile_async(T* dst, const T* src, int row0, int N, int tid) {
     constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
@@ -118,7 +128,7 @@ __host__ __device__ constexpr int smem_bytes_main() {
     return 2 * (2 * Bc * (HD + 8) + 2 * 2 * Br * (HD + 8) + 2 * Bc * (Br + 8)) + 4 * 2 * 2 * Br;
 }
 
-// Q, dO: (BH, Nq, HD); K, V, dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i * log2 e,
+// Q, dO: (BH, Nq, HD); K, V, dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
 // +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed. grid = (BH, ceil(Nk / Bc)) or, with j_fast,
 // (ceil(Nk / Bc), BH); 2 * Bc threads.
 // A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T, P^T, dS^T of one chunk live in
@@ -129,7 +139,7 @@ template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool 
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
-    TO* __restrict__ dK, TO* __restrict__ dV, int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal,
+    TO* __restrict__ dK, TO* __restrict__ dV, int Nq, int Nk, int Nq_pad, float scale, int causal,
     int j_fast) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
@@ -211,10 +221,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 
             // Alg.2 L10: S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T, this warp's 16 key rows x BRC queries
             float s[NS][4], dp[NS][4];
-#pragma unroll
-            for (int n = 0; n < NS; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+            zero(s), zero(dp);
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
                 u32 akl[4], avl[4];  // A = K_j, V_j rows 16w.., cols kk*16..: lanes 0-15 rows, 16-31 the +8 columns
@@ -236,7 +243,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                 }
             }
 
-            // Alg.2 L11-13: P_ij = exp2(S * scale * log2 e - L_i * log2 e); dS_ij = P_ij * (dP_ij - D_i).
+            // Alg.2 L11-13: P_ij, dS_ij (p_and_ds above); the mask only on the last K tile and on the diagonal.
             // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
             // pack to 16-bit in place (FA2's register reuse).
             const bool need_mask = (j * Bc + Bc > Nk) || (causal && q0 + off < j * Bc + Bc - 1);
@@ -247,18 +254,12 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int ql = n * 8 + 2 * t + (e % 2);  // local query column
-                    float x = fast_exp2(fmaf(s[n][e], scale_log2, -Lb[ql]));
-                    if (need_mask) {  // only on the last K tile and on the causal diagonal
-                        const int kv = j * Bc + 16 * warp + g + (e / 2) * 8, q = q0 + ql;
-                        if (kv >= Nk || (causal && kv > q + off)) x = 0.f;
-                    }
-                    p[e] = x;
-                    ds[e] = x * (dp[n][e] - Db[ql]);
+                    const int kv = j * Bc + 16 * warp + g + (e / 2) * 8;
+                    const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q0 + ql + off));
+                    p_and_ds(p[e], ds[e], s[n][e], dp[n][e], Lb[ql], Db[ql], scale, visible);
                 }
-                pa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(p[0], p[1]);  // row g
-                pa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(p[2], p[3]);  // row g + 8
-                dsa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(ds[0], ds[1]);
-                dsa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(ds[2], ds[3]);
+                c_to_a<T>(pa[n / 2], n, p);
+                c_to_a<T>(dsa[n / 2], n, ds);
             }
 
             // Alg.2 L12, L14: dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i (scale at the end).
@@ -323,7 +324,7 @@ template <typename T, typename TO, int HD>
 __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, TO* __restrict__ dQ,
-    int Nq, int Nk, int Nq_pad, float scale, float scale_log2, int causal) {
+    int Nq, int Nk, int Nq_pad, float scale, int causal) {
     constexpr int Br = 64, Bc = 64, NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Qs = reinterpret_cast<T*>(smem_raw);
@@ -376,10 +377,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
 
         // S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T for this warp's 16 query rows
         float s[NS][4], dp[NS][4];
-#pragma unroll
-        for (int n = 0; n < NS; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+        zero(s), zero(dp);
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 aq[4], ao[4];
@@ -396,7 +394,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
                 mma_16816<T>(dp[2 * np + 1], ao, bv + 2);
             }
         }
-        // P_ij = exp2(S scale log2 e - L_i log2 e), dS_ij = P_ij (dP_ij - D_i), packed as A fragments
+        // Alg.2 L11-13: P_ij, dS_ij (p_and_ds), dS_ij packed as A fragments
         const bool need_mask = (j * Bc + Bc > Nk) || (causal && i * Br + off < j * Bc + Bc - 1);
         u32 dsa[Bc / 16][4];
 #pragma unroll
@@ -404,15 +402,12 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
             float ds[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = fast_exp2(fmaf(s[n][e], scale_log2, -L_row[e / 2]));
-                if (need_mask) {
-                    const int kv = j * Bc + n * 8 + 2 * t + (e % 2), q = q_lo + (e / 2) * 8;
-                    if (kv >= Nk || (causal && kv > q + off)) x = 0.f;
-                }
-                ds[e] = x * (dp[n][e] - D_row[e / 2]);
+                const int kv = j * Bc + n * 8 + 2 * t + (e % 2), q = q_lo + (e / 2) * 8;
+                const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q + off));
+                float p;
+                p_and_ds(p, ds[e], s[n][e], dp[n][e], L_row[e / 2], D_row[e / 2], scale, visible);
             }
-            dsa[n / 2][(n % 2) * 2 + 0] = Half2<T>::pack(ds[0], ds[1]);
-            dsa[n / 2][(n % 2) * 2 + 1] = Half2<T>::pack(ds[2], ds[3]);
+            c_to_a<T>(dsa[n / 2], n, ds);
         }
         // dQ_i += dS_ij K_j, B[kv][d] = K_j[kv][d] through ldmatrix .trans
 #pragma unroll

@@ -51,7 +51,7 @@
 //   | BARRIER (K_j, V_j free) | cp.async V_{j+1}, K_{j+1} regs -> smem | BARRIER
 //
 // Run: python stages/02_flash_v2/run.py --version fp32        (tests: pytest tests/test_02_flash_v2.py)
-#include "common.cuh"
+#include "attention_tiles.cuh"
 
 
 #ifndef HEAD_DIM
@@ -173,11 +173,7 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
 
     // Alg.1 L6: which K/V tiles to visit. Causal: the last key row0 + BR - 1 + shift of Q_i's last row bounds
     // them; tiles after it are fully masked and skipped (a Q tile with no visible key visits none).
-    int Tc = (Nk + BC - 1) / BC;
-    if (causal) {
-        const int last_key = min(row0 + BR, Nq) - 1 + shift;
-        Tc = last_key < 0 ? 0 : min(Tc, last_key / BC + 1);
-    }
+    const int Tc = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
 
     load_transposed<BR>(Qt, q, row0, Nq);  // Alg.1 L4
     float4 kx[KN];                         // K_j on its way from HBM to shared memory

@@ -41,7 +41,7 @@
 //   C (16x8):  c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g+8, cols 2t, 2t+1)
 //
 // Run: python stages/02_flash_v2/run.py --version fp32x3   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
-#include "common.cuh"
+#include "attention_tiles.cuh"
 
 
 // x = big + small, both TF32 (10 explicit mantissa bits): big = x rounded to TF32 (ties away from zero), small =
@@ -112,11 +112,7 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
     const float* vh = v + bh * Nk * D;
     const int row0 = i * BR;    // first row of Q_i
     const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
-    int n_tiles = (Nk + BC - 1) / BC;  // Tc
-    if (causal) {  // tiles right of the last visible key of Q_i's last row are skipped entirely
-        const int last_key = min(row0 + BR, Nq) - 1 + shift;
-        n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BC + 1);
-    }
+    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // Tc (causal: fewer)
 
     // cp.async rows r0.. of a [n][D] matrix into a [rows][ld] shared tile, 16 bytes per thread per step; rows >= n
     // are zero-filled (they are masked out of S, and zeros keep P V free of NaN).
@@ -138,13 +134,8 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
 
     // Alg.1 L5: O_i = 0, l_i = 0, m_i = -inf. m-tile m of a thread holds rows g (h = 0) and g + 8 (h = 1).
     float acc_o[MT][D / 8][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int d = 0; d < D / 8; ++d) acc_o[m][d][0] = acc_o[m][d][1] = acc_o[m][d][2] = acc_o[m][d][3] = 0.f;
     float m_i[MT][2], l_i[MT][2];  // running max of S*scale*log2(e); this thread's part of the running row sum
-#pragma unroll
-    for (int m = 0; m < MT; ++m) m_i[m][0] = m_i[m][1] = -INF, l_i[m][0] = l_i[m][1] = 0.f;
+    init_row_state<MT, D>(acc_o, m_i, l_i);
 
     const int wrow = warp * 16 * MT;  // this warp's first row inside Q_i
     // Per-lane fragment bases (floats). Q (A of S): rows wrow + g (+8), elements 2t, 2t+1 of each 8-wide k step.
@@ -206,21 +197,7 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
                 }
             }
             // Masking: the tile holding Nk's tail and tiles crossing the causal diagonal.
-            if (MASKED) {
-#pragma unroll
-                for (int m = 0; m < MT; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int r = row0 + wrow + m * 16 + g + 8 * h;
-                        // keys col0 + 2t + x are visible for x < lim (x = 8n + (e & 1), the column inside the tile)
-                        const int lim = (causal ? min(Nk, r + shift + 1) : Nk) - col0 - 2 * t;
-#pragma unroll
-                        for (int n = 0; n < BC / 8; ++n) {
-                            if (n * 8 >= lim) s[m][n][2 * h] = -INF;
-                            if (n * 8 + 1 >= lim) s[m][n][2 * h + 1] = -INF;
-                        }
-                    }
-            }
+            if (MASKED) mask_scores<MT, BC>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
             // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij), l_ij = e^{m_i - m_ij} l_i + rowsum.
             // Base 2 with log2(e) folded into the scale; the product is rounded before the subtraction
             // (__fmul_rn is never fused into an FFMA), so the row max gives exactly exp2(0) = 1.
@@ -228,10 +205,7 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
             for (int m = 0; m < MT; ++m) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
-                    float mx = -INF;
-#pragma unroll
-                    for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
-                    mx = warp_max<4>(mx);  // the 4 lanes of a quad hold the same row: reduce across them
+                    const float mx = row_max<BC>(s[m], h);  // m~_ij of row g + 8 h (raw scores)
                     const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
                     const float m_use = MASKED && m_new == -INF ? 0.f : m_new;  // nothing visible yet: P = 0
                     const float alpha = fast_exp2(m_i[m][h] - m_use);  // e^{m_i - m_ij}: 0 when m_i = -inf
@@ -305,8 +279,8 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float l = warp_sum<4>(l_i[m][h]);
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;  // fully masked row: O = 0
+            float l;
+            const float inv_l = inverse_row_sum(l_i[m][h], l);  // fully masked row: O = 0
             const int r = row0 + wrow + m * 16 + g + 8 * h;
             if (r >= Nq) continue;
             // natural log: m_i is in base 2; the product in fp64 (with huge logits m_i ~ 1e4, an fp32 product would

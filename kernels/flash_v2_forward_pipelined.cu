@@ -34,7 +34,7 @@
 //
 // Run: python stages/02_flash_v2/run.py --version pipelined   (tests: pytest tests/test_02_flash_v2.py;
 //      timings beside PyTorch: python scripts/bench.py --direction fwd)
-#include "common.cuh"
+#include "attention_tiles.cuh"
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16. D: head dim (multiple of 16);
 // BC: keys per K/V tile (Bc); NWARPS warps, each owning MT m-tiles of 16 rows, so Br = 16 * MT * NWARPS;
@@ -80,11 +80,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     const T* vh = v + bh * Nk * D;
     const int row0 = i * BR;  // first row of Q_i
     const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
-    int n_tiles = (Nk + BC - 1) / BC;  // Tc
-    if (causal) {  // tiles right of the last visible key of Q_i's last row are skipped entirely
-        const int last_key = min(row0 + BR, Nq) - 1 + shift;
-        n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BC + 1);
-    }
+    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // Tc (causal: fewer)
 
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
     // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
@@ -119,13 +115,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
 
     // Alg.1 L5: O_i = 0, l_i = 0, m_i = -inf. m-tile m of a thread holds rows g (h = 0) and g + 8 (h = 1).
     float acc_o[MT][D / 8][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int d = 0; d < D / 8; ++d) acc_o[m][d][0] = acc_o[m][d][1] = acc_o[m][d][2] = acc_o[m][d][3] = 0.f;
     float m_i[MT][2], l_i[MT][2];  // running max of S*scale*log2(e); this thread's part of the running row sum
-#pragma unroll
-    for (int m = 0; m < MT; ++m) m_i[m][0] = m_i[m][1] = -INF, l_i[m][0] = l_i[m][1] = 0.f;
+    init_row_state<MT, D>(acc_o, m_i, l_i);
 
     const int wrow = warp * 16 * MT;  // this warp's first row inside Q_i
     // Each lane's ldmatrix row address (shared space, bytes) inside a 16 x 16 block; lanes 8q..8q+7 address
@@ -181,21 +172,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                     }
                 }
                 // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
-                if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
-#pragma unroll
-                    for (int m = 0; m < MT; ++m)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int r = row0 + wrow + m * 16 + g + 8 * h;
-                            // keys col0 + 2t + x are visible for x < lim (x = 8n + (e & 1), the column inside the tile)
-                            const int lim = (causal ? min(Nk, r + shift + 1) : Nk) - col0 - 2 * t;
-#pragma unroll
-                            for (int n = 0; n < SUB / 8; ++n) {
-                                if (n * 8 >= lim) s[m][n][2 * h] = -INF;
-                                if (n * 8 + 1 >= lim) s[m][n][2 * h + 1] = -INF;
-                            }
-                        }
-                }
+                if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift)))
+                    mask_scores<MT, SUB>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
                 // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij),
                 //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
                 // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the
@@ -208,10 +186,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                     float m_use[2], alpha[2];
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
-                        float mx = -INF;
-#pragma unroll
-                        for (int n = 0; n < SUB / 8; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
-                        mx = warp_max<4>(mx);  // the 4 lanes of a quad hold the same row: reduce across them
+                        const float mx = row_max<SUB>(s[m], h);  // m~_ij of row g + 8 h (raw scores)
                         const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
                         m_use[h] = MASKED && m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
                         alpha[h] = fast_exp2(m_i[m][h] - m_use[h]);  // e^{m_i - m_ij}: 0 when m_i = -inf
@@ -247,10 +222,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                     u32 pa[MT][4];
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
-                        pa[m][0] = Half2<T>::pack(s[m][2 * kk][0], s[m][2 * kk][1]);
-                        pa[m][1] = Half2<T>::pack(s[m][2 * kk][2], s[m][2 * kk][3]);
-                        pa[m][2] = Half2<T>::pack(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
-                        pa[m][3] = Half2<T>::pack(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+                        c_to_a<T>(pa[m], 2 * kk, s[m][2 * kk]);
+                        c_to_a<T>(pa[m], 2 * kk + 1, s[m][2 * kk + 1]);
                     }
 #pragma unroll
                     for (int d = 0; d < D / 16; ++d) {  // V rows 16kk.., cols 16d..16d+15, transposed into B fragments
@@ -283,8 +256,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float l = warp_sum<4>(l_i[m][h]);
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;  // fully masked row: O = 0
+            float l;
+            const float inv_l = inverse_row_sum(l_i[m][h], l);  // fully masked row: O = 0
             const int rl = m * 16 + g + 8 * h;            // row inside the warp's rows
             // Alg.1 L13, natural log: m_i is in base 2. The product in fp64: with huge logits m_i is ~1e4 and an
             // fp32 product would add its own rounding (~1e-3) to the lse.

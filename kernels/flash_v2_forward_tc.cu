@@ -23,7 +23,7 @@
 // mma.sync fragment layout (lane = 4 g + t): see kernels/common.cuh.
 //
 // Run: python stages/02_flash_v2/run.py --version tc   (tests: pytest tests/test_02_flash_v2.py)
-#include "common.cuh"
+#include "attention_tiles.cuh"
 
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16; D: head dim (multiple of 16).
@@ -49,11 +49,7 @@ flash_v2_forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* _
     lse += bh * Nq;
     const int row0 = i * BR;    // first row of Q_i
     const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
-    int n_tiles = (Nk + BC - 1) / BC;  // Tc
-    if (causal) {  // tiles right of the last visible key of Q_i's last row are skipped entirely
-        const int last_key = min(row0 + BR, Nq) - 1 + shift;
-        n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BC + 1);
-    }
+    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // Tc (causal: fewer)
 
     // Copy rows r0.. of a [n][D] matrix into a [rows][D] shared tile, 16 bytes per thread per step; rows >= n
     // are filled with zeros (they are masked out of S, and zeros keep P V free of NaN).
@@ -136,10 +132,8 @@ flash_v2_forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* _
         for (int kk = 0; kk < BC / 16; ++kk) {  // keys 16kk..16kk+15
             // The C fragments of n-tiles 2kk, 2kk+1 ARE the A fragment of P for k-step kk (rounded to T).
             u32 pa[4];
-            pa[0] = Half2<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = Half2<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = Half2<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = Half2<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            c_to_a<T>(pa, 2 * kk, s[2 * kk]);
+            c_to_a<T>(pa, 2 * kk + 1, s[2 * kk + 1]);
 #pragma unroll
             for (int d = 0; d < D / 16; ++d) {  // V rows 16kk.., cols 16d..16d+15, transposed into B fragments
                 u32 b[4];
@@ -154,8 +148,8 @@ flash_v2_forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* _
     // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i), written straight from the fragments.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float l = warp_sum<4>(l_i[h]);
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;  // fully masked row: O = 0
+        float l;
+        const float inv_l = inverse_row_sum(l_i[h], l);  // fully masked row: O = 0
         if (rg[h] >= Nq) continue;
         if (t == 0) lse[rg[h]] = l > 0.f ? m_i[h] + logf(l) : -INF;  // Alg.1 L13
 #pragma unroll

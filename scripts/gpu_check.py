@@ -3,9 +3,9 @@
     python3 scripts/gpu_check.py [--bench-args "..."] [--out DIR]
 
 It runs every `gpu` test (one pytest process per test file, in parallel), every stage's run.py on
-the GPU (default sizes), the ring as 4 ranks on this GPU through the mpi backend, and a short
-benchmark, then prints one summary. Logs go to --out. With no GPU it stops at once: skipped GPU
-tests are not a pass.
+the GPU (default sizes), the ring as 4 ranks on this GPU through the mpi backend, stage 05's GPU runs
+(training against PyTorch, long context, the ring training), and a short benchmark, then prints one
+summary. Logs go to --out. With no GPU it stops at once: skipped GPU tests are not a pass.
 """
 import argparse
 import os
@@ -55,7 +55,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for the logs")
     ap.add_argument("--bench-args", default="--quick", help="arguments for scripts/bench.py")
-    ap.add_argument("--skip", nargs="*", default=[], help="steps to skip: tests, stages, ring, bench")
+    ap.add_argument("--skip", nargs="*", default=[], help="steps to skip: tests, stages, ring, train_gpt, bench")
     ap.add_argument("--timeout", type=int, default=900, help="seconds allowed per step")
     ap.add_argument("--jobs", type=int, default=8,
                     help="test files run at once, one pytest process each (NVRTC compiles are CPU-bound)")
@@ -85,6 +85,8 @@ def main(argv=None):
                 steps.append((f"run_{folder}", [py, f"stages/{folder}/run.py"]))
     if "ring" not in args.skip and (ROOT / "stages/04_ring/run.py").exists():
         steps.append(("ring_mpi_4ranks_1gpu", mpirun_command(4) + [py, "stages/04_ring/run.py", "--backend", "mpi"]))
+    if "train_gpt" not in args.skip and (ROOT / "stages/05_train_gpt/gpu_runs.py").exists():
+        steps.append(("train_gpt_gpu_runs", [py, "stages/05_train_gpt/gpu_runs.py"]))  # writes results/train_gpt_*
     if "bench" not in args.skip and (ROOT / "scripts/bench.py").exists():
         steps.append(("bench", [py, "scripts/bench.py", "--out", str(out_dir)] + shlex.split(args.bench_args)))
     results += [run(name, cmd, out_dir, env, args.timeout) for name, cmd in steps]

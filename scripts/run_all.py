@@ -24,6 +24,7 @@ STAGES = [
     ("02_flash_v2", None),
     ("03_flash_v2_backward", None),
     ("04_ring", 4),
+    ("05_train_gpt", None),  # a short CPU training run (the tiny config: the loss must clearly fall)
 ]
 
 

@@ -3,7 +3,7 @@
 Folder names start with digits (they give the reading order), so Python cannot
 import them directly. This package maps plain names to the numbered folders:
 
-    from stages import naive, flash_v1, flash_v2, flash_v2_backward, ring
+    from stages import naive, flash_v1, flash_v2, flash_v2_backward, ring, train_gpt
     import stages.flash_v2          # works too
 
 Each numbered folder is an ordinary package (it has an ``__init__.py``); only its
@@ -23,6 +23,7 @@ STAGES = {
     "flash_v2": "02_flash_v2",
     "flash_v2_backward": "03_flash_v2_backward",
     "ring": "04_ring",
+    "train_gpt": "05_train_gpt",
 }
 
 

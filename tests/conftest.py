@@ -1,9 +1,16 @@
-"""Shared fixtures: the case list every stage is tested on (docs/DESIGN.md, "The chain of checks"), markers, poisoned
-outputs."""
+"""Shared fixtures: the case list every stage is tested on (docs/DESIGN.md, "The chain of checks"), markers,
+reproducible draws, poisoned outputs.
+
+Draws: every test restarts the shared generator (stages.common.rng) from the run's base seed and the test's
+id. The base seed is `pytest --seed N`, else the environment variable ATTN_SEED, else a fresh one; it is
+printed in the header, and a failing test's report says how to replay it.
+"""
+import os
+
 import numpy as np
 import pytest
 
-from stages.common import has_gpu, verify
+from stages.common import bfloat16, gpu_status, make_inputs, seed_everything, verify
 
 # The case list every stage's tests cover: (B, H, Nq, Nk, D, causal, input scale).
 # Sequence lengths that are not tile multiples (1, 7, 100, 1000, 4097), Nq != Nk both ways,
@@ -26,24 +33,104 @@ CASES = [
     (1, 1, 4097, 130, 64, False, 1.0),
 ]
 CASE_IDS = [f"B{c[0]}H{c[1]}-q{c[2]}k{c[3]}-d{c[4]}-{'causal' if c[5] else 'full'}-x{c[6]:g}" for c in CASES]
+DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": bfloat16}
+
+
+def case_inputs(case, dtype=np.float32, xp=np, D=None, grad=True):
+    """(q, k, v[, do]), causal for a CASES row (head dim D if given): q, k, v at the case's input scale, dO at
+    unit scale (with dO x100 too, the gradients of the x100 cases pass float16's largest value, 65504)."""
+    B, H, Nq, Nk, D0, causal, s = case
+    return make_inputs(B, H, Nq, Nk, D or D0, dtype=dtype, xp=xp, scale=s, grad=grad), causal
+
+
+def with_head_dim(cases, ids, dims):
+    """[(case with head dim D, id)] for every case and every D in dims."""
+    return [((B, H, Nq, Nk, D, c, s), cid.replace("-d64-", f"-d{D}-"))
+            for (B, H, Nq, Nk, _, c, s), cid in zip(cases, ids) for D in dims]
+
+
+# ---------------------------------------------------------------- seeds
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=None,
+                     help="base seed of every random draw (default: $ATTN_SEED, else a fresh one); printed in the "
+                          "header, and a failing test's report says how to replay it")
+
+
+def _base_seed(config):
+    if not hasattr(config, "_attn_seed"):
+        seed = config.getoption("--seed")
+        if seed is None:
+            env = os.environ.get("ATTN_SEED")
+            seed = int(env) if env else int(np.random.SeedSequence().entropy % 2**32)
+        config._attn_seed = seed
+    return config._attn_seed
+
+
+def pytest_report_header(config):
+    status = _gpu(config)
+    return [f"attention tutorial: base seed {_base_seed(config)} (replay: pytest --seed {_base_seed(config)}); "
+            f"GPU: {status[1]}"]
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Restart the shared generator from the base seed and this test's id: each test replays on its own."""
+    seed_everything(_base_seed(request.config), request.node.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seed = _base_seed(item.config)
+        report.sections.append(("replay", f"random draws from base seed {seed}: replay with\n"
+                                          f"  python -m pytest --seed {seed} '{item.nodeid}'"))
+
+
+# ---------------------------------------------------------------- GPU presence
+def _gpu(config):
+    """gpu_status() once per run. A broken GPU setup (a driver, but CuPy fails) is an error, not a skip."""
+    if not hasattr(config, "_attn_gpu"):
+        try:
+            config._attn_gpu = gpu_status()
+        except RuntimeError as e:
+            config._attn_gpu = (None, str(e))
+    return config._attn_gpu
 
 
 def pytest_collection_modifyitems(config, items):
-    if has_gpu():
+    ok, why = _gpu(config)
+    if ok:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none found: CuPy sees no device)")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip)
+            if ok is None:  # broken: fail with the error
+                item.add_marker(pytest.mark.usefixtures("_broken_gpu"))
+            else:
+                item.add_marker(pytest.mark.skip(reason=f"gpu test: {why}"))
+
+
+@pytest.fixture
+def _broken_gpu(request):
+    pytest.fail(_gpu(request.config)[1], pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say how many gpu tests ran: a run that skipped them all must not read as a GPU pass."""
+    ran = skipped = 0
+    for key in ("passed", "failed", "error", "skipped"):
+        for rep in terminalreporter.stats.get(key, []):
+            if "gpu" in getattr(rep, "keywords", {}) and rep.when in ("call", "setup"):
+                if key == "skipped":
+                    skipped += 1
+                elif rep.when == "call" or key == "error":
+                    ran += 1
+    terminalreporter.write_line(f"gpu tests: {ran} ran, {skipped} skipped ({_gpu(config)[1]}); "
+                                f"base seed {_base_seed(config)}")
 
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
     """Every test runs with NaN-poisoned output buffers: an unwritten element fails the check."""
     monkeypatch.setattr(verify, "POISON_OUTPUTS", True)
-
-
-@pytest.fixture
-def rng():
-    """Fresh inputs every run (no fixed seed), as the chain of checks requires."""
-    return np.random.default_rng()

@@ -71,6 +71,22 @@ def test_csv_round_trip(csv_path):
     assert missing and missing[0]["tflops"] is None and missing[0]["ms"] is None
 
 
+def test_csv_provenance_columns_are_kept_and_older_csvs_read(tmp_path):
+    """bench.py writes provenance and error/bound columns; the tables ignore them, and a CSV with only the base
+    columns (the committed ones) still reads."""
+    rows = [dict(r, git_commit="abc1234", driver="12080", cuda_runtime="12080", cupy="14.0.0", torch="2.11.0",
+                 date="2026-01-01T00:00:00+00:00", err_over_bound="0.5", err_output="o") for r in _synthetic_rows()]
+    path = tmp_path / "new.csv"
+    report.write_csv(path, rows)
+    back = report.read_csv(path)
+    assert back[0]["git_commit"] == "abc1234" and back[0]["err_over_bound"] == "0.5"
+    assert report.markdown(back) == report.markdown(_synthetic_rows())
+    old = tmp_path / "old.csv"
+    old.write_text(",".join(report.BASE_COLUMNS) + "\n" + path.read_text().splitlines()[1].split(",abc1234")[0]
+                   .rsplit(",", 2)[0] + "\n")
+    assert len(report.read_csv(old)) == 1
+
+
 def test_csv_with_wrong_columns_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("gpu,impl,tflops\nx,ours,1\n")
@@ -160,6 +176,8 @@ def test_generator_check_mode_catches_a_stale_readme(tmp_path):
     import shutil
 
     shutil.copytree(ROOT / "results", tmp_path / "results")
+    (tmp_path / "stages" / "04_ring").mkdir(parents=True)
+    shutil.copy(ROOT / "stages" / "04_ring" / "README.md", tmp_path / "stages" / "04_ring" / "README.md")
     text = (ROOT / "README.md").read_text()
     begin, end = report.MARKERS["results"]
     inside = text.split(begin, 1)[1].split(end, 1)[0]

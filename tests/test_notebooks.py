@@ -1,4 +1,7 @@
-"""Every notebook executes top to bottom on the CPU (GPU cells say they were skipped)."""
+"""The notebooks: each executes top to bottom on the CPU with no failing cell and draws the figures it should
+(GPU cells say they fell back to the CPU mirror); the committed notebooks carry their outputs; and the
+figure check itself fails when a figure is missing."""
+import copy
 import pathlib
 
 import nbclient
@@ -8,15 +11,88 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
+# notebook (file name without .ipynb) -> the least number of figures (image/png outputs) it must draw on the CPU.
+# 02 and 03 each have one more figure drawn from the committed results/bench.csv.
+EXPECTED_FIGURES = {
+    "00_naive": 1,               # memory against N
+    "01_flash_v1": 2,            # tile visit order (full and causal), memory O(N) against O(N^2)
+    "02_flash_v2": 10,           # loop order, blocks vs SMs, split-K/Q, lanes, causal tiles, mma fragments,
+                                 # cp.async timeline, TF32 bits, 3xTF32 errors, benchmark
+    "03_flash_v2_backward": 3,   # memory (store vs recompute), causal tiles visited, benchmark
+    "04_ring": 4,                # schedule, backward schedule, zigzag work, timeline
+    "05_train_gpt": 1,           # loss curves of the kernels on the recall task
+}
+MAX_NOTEBOOK_BYTES = 1_000_000   # outputs stay small: PNGs at a modest dpi, no huge printouts
+
+
+def count_figures(nb):
+    """The number of image/png outputs of a notebook's code cells."""
+    return sum("image/png" in out.get("data", {})
+               for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", []))
+
+
+def check_outputs(nb, name):
+    """Raise AssertionError when a cell has an error output or the notebook draws fewer figures than expected."""
+    errors = [(i, out.get("ename"), out.get("evalue")) for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+              for out in cell.get("outputs", []) if out.output_type == "error"]
+    assert not errors, f"{name}: cells with errors (index, exception, message): {errors}"
+    assert name in EXPECTED_FIGURES, f"{name}: add it to EXPECTED_FIGURES in tests/test_notebooks.py"
+    n = count_figures(nb)
+    assert n >= EXPECTED_FIGURES[name], f"{name}: {n} figures drawn, expected at least {EXPECTED_FIGURES[name]}"
+
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:  # run from scratch: the committed outputs must not count
+        if cell.cell_type == "code":
+            cell.outputs = []
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(ROOT / "notebooks")}})
     client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
-    assert not errors
+    check_outputs(nb, path.stem)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_notebook_is_executed(path):
+    """Notebooks are committed executed (regenerate with scripts/run_notebooks.py), so the figures show on GitHub."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    unrun = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.execution_count is None]
+    assert not unrun, f"{path.name}: cells {unrun} have not been executed; run scripts/run_notebooks.py"
+    counts = [c.execution_count for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"{path.name}: not executed top to bottom in one run: {counts}"
+    check_outputs(nb, path.stem)
+    timed = [i for i, c in enumerate(nb.cells) if "execution" in c.metadata]
+    assert not timed, f"{path.name}: cells {timed} carry execution timestamps; run scripts/run_notebooks.py"
+    assert path.stat().st_size < MAX_NOTEBOOK_BYTES, f"{path.name}: {path.stat().st_size} bytes of outputs"
+
+
+def test_figure_check_fails_when_a_figure_is_missing():
+    path = ROOT / "notebooks" / "04_ring.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    check_outputs(nb, path.stem)  # the committed notebook passes ...
+    broken = copy.deepcopy(nb)
+    cell = next(c for c in broken.cells if c.cell_type == "code"
+                and any("image/png" in o.get("data", {}) for o in c.get("outputs", [])))
+    cell.outputs = [o for o in cell.outputs if "image/png" not in o.get("data", {})]  # ... one figure removed
+    assert count_figures(broken) == count_figures(nb) - 1
+    with pytest.raises(AssertionError, match="figures drawn, expected at least"):
+        check_outputs(broken, path.stem)
+
+
+def test_output_check_fails_on_an_error_output():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("1 / 0")
+    cell.outputs = [nbformat.v4.new_output("error", ename="ZeroDivisionError", evalue="division by zero", traceback=[])]
+    nb.cells.append(cell)
+    with pytest.raises(AssertionError, match="ZeroDivisionError"):
+        check_outputs(nb, "00_naive")
+
+
+def test_every_notebook_has_a_figure_count():
+    missing = [p.stem for p in NOTEBOOKS if p.stem not in EXPECTED_FIGURES]
+    assert not missing, f"notebooks without an entry in EXPECTED_FIGURES: {missing}"
 
 
 def test_every_stage_has_a_notebook():

@@ -11,15 +11,13 @@ What it shows: errors against float64, time, and the N x N score matrix's memory
     python stages/00_naive/run.py --help
 """
 import argparse
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from stages import naive  # noqa: E402
-from stages.common import (  # noqa: E402
+from stages import naive
+from stages.common.cli import positive_int
+from stages.common import (
     PeakMemory, attention_flops, check_backward, check_forward, gpu_name, run_devices, make_inputs, time_ms,
 )
 
@@ -34,19 +32,24 @@ CAUSAL = True
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=BATCH, help="batch size B")
-    ap.add_argument("--heads", type=int, default=HEADS, help="number of heads H")
-    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dimension D")
-    ap.add_argument("--seq", type=int, default=CHECK_SEQ, help="sequence length for the correctness check")
-    ap.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths for the memory table")
+    ap.add_argument("--batch", type=positive_int, default=BATCH, help="batch size B")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help=f"number of heads H (default {HEADS}; 2 with --quick)")
+    ap.add_argument("--head-dim", type=positive_int, default=HEAD_DIM, help="head dimension D")
+    ap.add_argument("--seq", type=positive_int, default=None,
+                    help=f"sequence length of the correctness check (default {CHECK_SEQ}; 200 with --quick)")
+    ap.add_argument("--seqs", type=positive_int, nargs="+", default=None,
+                    help="sequence lengths of the memory table")
     ap.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
                     help="auto: the CPU, and the GPU too when CuPy sees one")
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for scripts/run_all.py")
     args = ap.parse_args(argv)
     causal = not args.no_causal
-    if args.quick:
-        args.seq, args.heads = 200, 2
+    if args.seq is None:
+        args.seq = 200 if args.quick else CHECK_SEQ
+    if args.heads is None:
+        args.heads = 2 if args.quick else HEADS
     devices = run_devices(args.device)
 
     ok = True

@@ -49,7 +49,7 @@ def fp32_config(D):
     """(TM, NWARPS) of the fp32 kernel: TM rows of Q_i per lane, Br = NWARPS * 4 * TM = 128 rows of Q_i.
     d <= 64: TM = 8 with 4 warps (each lane's TM x 8 block of S_ij reuses every value it reads 8 times);
     d > 64: TM = 4 with 8 warps (O_i's TM x d/8 block per lane grows with d, and TM = 8 would not fit in the
-    registers). `python stages/02_flash_v2/run.py --version fp32 --sweep` times the alternatives."""
+    registers). `python scripts/sweep_flash_v2.py` times the alternatives."""
     return (8, 4) if D <= 64 else (4, 8)
 
 
@@ -110,11 +110,13 @@ def _check_head_dim(version, D):
                          f"(version {version!r}): use {', '.join(map(str, dims))}, or version='fp32' with float32")
 
 
-def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None):
+def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None, config=None):
     """FlashAttention-2 forward. Returns o (B, H, Nq, D) and lse (B, H, Nq) float32.
 
     o is in the inputs' dtype, or in float32 with out_dtype=np.float32: O_i = diag(l_i)^-1 O_i straight from
-    the float32 accumulators, not rounded to 16 bits (the ring merges such partial results)."""
+    the float32 accumulators, not rounded to 16 bits (the ring merges such partial results).
+    config: the fp32 CUDA kernel only, (TM, NWARPS[, ASYNC_V[, PREFETCH_K]]) instead of fp32_config(D)
+    (scripts/sweep_flash_v2.py times several); None: the default."""
     all_dtypes = sorted({d for ds in DTYPES.values() for d in ds}, key=str)
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=all_dtypes, where="flash_v2.forward")
     causal = check_causal(causal, "flash_v2.forward")
@@ -122,6 +124,9 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     version = resolve_version(version, q.dtype)
     _check_head_dim(version, D)
     scale = resolve_scale(scale, D)
+    if config is not None and (version != "fp32" or xp is np):
+        raise ValueError(f"flash_v2.forward: config= sets the fp32 CUDA kernel's tiles (version 'fp32' on CuPy "
+                         f"arrays); got version {version!r} on {xp.__name__} arrays")
     if xp is np:
         br, bc = tiles(version, D, causal)
         return mirror.forward(q, k, v, causal=causal, scale=scale, br=br, bc=bc, tf32x3=version == "fp32x3",
@@ -130,7 +135,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
         return _fp32x3().forward(q, k, v, causal=causal, scale=scale)
     if version != "fp32":
         return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
-    return _fp32_forward(q, k, v, causal=causal, scale=scale)
+    return _fp32_forward(q, k, v, causal=causal, scale=scale, config=config)
 
 
 def _fp32_kernel(D, config=None):
@@ -151,7 +156,7 @@ def _fp32_kernel(D, config=None):
 
 def _fp32_forward(q, k, v, *, causal, scale, config=None):
     """Launch kernels/flash_v2_forward_fp32.cu on CuPy float32 arrays (already checked).
-    config: (TM, NWARPS[, ASYNC_V[, PREFETCH_K]]) to override fp32_config (run.py --sweep tries several)."""
+    config: (TM, NWARPS[, ASYNC_V[, PREFETCH_K]]) to override fp32_config (scripts/sweep_flash_v2.py)."""
     import cupy
 
     B, H, Nq, D = q.shape
@@ -176,7 +181,7 @@ def kernel_sources():
     out = [("flash_v2_forward_fp32.cu", {"HEAD_DIM": D, "TM": tm, "NWARPS": nw}, ())
            for D in (1, 7, 16, 32, 64, 80, 100, 128) for tm, nw in [fp32_config(D)]]
     out += [("flash_v2_forward_fp32.cu", {"HEAD_DIM": D, "TM": tm, "NWARPS": nw, "PREFETCH_K": 0, "ASYNC_V": 0}, ())
-            for D in (64, 128) for tm, nw in [fp32_config(D)]]  # the simpler variants run.py --sweep compares
+            for D in (64, 128) for tm, nw in [fp32_config(D)]]  # simpler variants (scripts/sweep_flash_v2.py)
     out += [(f, {}, tuple(names)) for f, names in _tc().kernel_sources()]
     out += [(f, {}, tuple(names)) for f, names in _fp32x3().kernel_sources()]
     return out

@@ -30,7 +30,8 @@ PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so t
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
 TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of flash_bwd_tc per head dim (Bc / 16 warps): the mirror's tiles
 # The tc kernel's atomic dQ for Q tile i runs one tile late, after the next tile's barrier (one barrier per tile
-# instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (run.py --bench compares).
+# instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (tc_config=
+# {"defer_dq": False}; scripts/sweep_backward.py compares).
 TC_DEFER_DQ = True
 # Per head dim: m-tiles (16 rows) of dQ_i per warp in the tc kernel's dQ step (2: 32 x 32 tiles at both head dims),
 # and whether each warp keeps its K_j, V_j A fragments in registers (KREG) instead of reloading them from shared
@@ -43,7 +44,6 @@ TC_CHUNK = {64: 64, 128: 64}  # query rows per chunk (BRC) of a Q tile: S^T, dP^
 # False: grid (BH, Tc), every head's j = 0 block first: under causal those have the most Q tiles, so the long
 # blocks start first and the short ones fill the tail.
 TC_J_FAST = {False: True, True: False}
-PROFILE = None  # a list to time each launch into (run.py --bench sets it): [(name, cupy.cuda.Event), ...]
 
 
 def resolve_version(version, dtype):
@@ -80,9 +80,14 @@ def forward(q, k, v, *, causal=False, scale=None, **kw):
     return flash_v2.forward(q, k, v, causal=causal, scale=scale, **kw)
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False, out_dtype=None):
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False, out_dtype=None,
+             tc_config=None, profile=None):
     """Gradients (dq, dk, dv) of sum(O * dO), shaped like q, k, v, in their dtype, or in float32 with
-    out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients)."""
+    out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients).
+
+    For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc,
+    "defer_dq": bool} in place of TC_BR[D], TC_BC[D], TC_DEFER_DQ (None or a missing key: the default);
+    profile, a list that receives (name, cupy.cuda.Event) after each launch."""
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where="flash_v2_backward")
     causal = check_causal(causal, "flash_v2_backward")
     out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2_backward")
@@ -94,28 +99,35 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         raise ValueError(f"flash_v2_backward: head_dim {D} is not supported by version {version!r}; "
                          f"use one of {HEAD_DIMS[version]}{alt}")
     scale = resolve_scale(scale, D)
+    if tc_config is not None and (version != "tc" or xp is np or set(tc_config) - {"br", "bc", "defer_dq"}):
+        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} takes the keys br, bc, defer_dq and applies to "
+                         f"version 'tc' on CuPy arrays; got version {version!r} on {xp.__name__} arrays")
+    if profile is not None and xp is np:
+        raise ValueError("flash_v2_backward: profile= records CUDA events: CuPy arrays only")
     if xp is np:
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
                                deterministic=bool(deterministic), out_dtype=out_dtype)
-    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, bool(deterministic), out_dtype)
+    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, bool(deterministic), out_dtype,
+                         tc_config or {}, profile)
 
 
 def _dq_mt(D, br, bc):
     """TC_DQ_MT[D] where the Bc / 16 warps can split dQ_i (Br x D) into tiles of 16 MT rows and a multiple of 16
-    columns (run.py --tc-tile-variants may set other Br, Bc); 1 otherwise."""
+    columns (tc_config may set other Br, Bc); 1 otherwise."""
     mt, nw = TC_DQ_MT[D], bc // 16
     rg = br // (16 * mt)
     ok = rg >= 1 and br % (16 * mt) == 0 and nw % rg == 0 and (D // (nw // rg)) % 16 == 0
     return mt if ok else 1
 
 
-def _names(version, ctype, D, defer=None, otype=None):
+def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None):
     """Template instantiations of one (version, input type, head dim, output type): compiled together, once.
     [atomic main kernel, deterministic main kernel, deterministic dQ pass]. otype: the gradients' type (the
     input type, or float for a ring block's unrounded partial gradients)."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
-    br, bc, defer = TC_BR[D], TC_BC[D], "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
+    br, bc = br or TC_BR[D], bc or TC_BC[D]
+    defer = "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
     extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)}"
     ot = otype or ctype
     return [f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},true,{defer},{extra}>",
@@ -125,27 +137,27 @@ def _names(version, ctype, D, defer=None, otype=None):
 PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
 
 
-def smem_bytes(version, D):
+def smem_bytes(version, D, br=None, bc=None):
     """Dynamic shared memory of (main kernel, dQ kernel): the same sums as the kernels' layout comments."""
     if version == "fp32":
         br = bc = 32
         main = 2 * bc * (D + 1) + 2 * br * (D + 1) + 2 * bc * (br + 1) + 2 * br
         dq = 2 * bc * (D + 1) + 2 * br * (D + 1) + br * (bc + 1) + 2 * br
         return 4 * main, 4 * dq
-    br, bc = TC_BR[D], TC_BC[D]
+    br, bc = br or TC_BR[D], bc or TC_BC[D]
     main = 2 * (2 * bc * (D + 8) + 2 * 2 * br * (D + 8) + 2 * bc * (br + 8)) + 4 * 2 * 2 * br
     dq = 2 * (2 * 64 * (D + 8) + 2 * 2 * 64 * (D + 8))
     return main, dq
 
 
-def _mark(name):
-    """Record an event after a launch when PROFILE is a list (per-kernel times for run.py --bench)."""
-    if PROFILE is not None:
+def _mark(profile, name):
+    """Record an event after a launch when profile is a list (per-kernel times for scripts/sweep_backward.py)."""
+    if profile is not None:
         import cupy
 
         ev = cupy.cuda.Event()
         ev.record()
-        PROFILE.append((name, ev))
+        profile.append((name, ev))
 
 
 def _function(module, name, smem):
@@ -155,7 +167,7 @@ def _function(module, name, smem):
     return fn
 
 
-def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype):
+def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile):
     import cupy
 
     B, H, Nq, D = q.shape
@@ -172,30 +184,31 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     Dvec = cupy.empty((BH, Nq_pad), np.float32)
     Lvec = cupy.empty((BH, Nq_pad), np.float32)
     pre = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
-    _mark("start")
+    _mark(profile, "start")
     # the fp32 dQ accumulator the atomics add to, zeroed by the preprocess kernel (deterministic mode never
     # touches it: 1 element)
     dq_acc = cupy.empty((B, H, Nq, D) if not deterministic else (1,), np.float32)
     pre.get_function(f"bwd_preprocess<{ctype}>")(
         (Nq_pad // 8, BH), (256,), (o, do, lse, Dvec, Lvec, dq_acc, i32(Nq), i32(Nq_pad), i32(D),
-                                    f32(LOG2E if version == "tc" else 1.0), i32(not deterministic)))
-    _mark("preprocess+zero")
+                                    f32(1.0), i32(not deterministic)))
+    _mark(profile, "preprocess+zero")
 
     odtype = np.dtype(out_dtype)
-    names = _names(version, ctype, D, otype=_CTYPE[odtype])
+    br, bc = tc_config.get("br"), tc_config.get("bc")
+    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc)
     mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
-    smem_main, smem_dq = smem_bytes(version, D)
+    smem_main, smem_dq = smem_bytes(version, D, br, bc)
     dk, dv = empty(cupy, k.shape, odtype), empty(cupy, v.shape, odtype)
     main = _function(mod, names[0] if not deterministic else names[1], smem_main)
     if version == "fp32":
         main((-(-Nk // 32), BH), (256,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk),
                                            i32(Nq_pad), f32(scale), i32(causal)), shared_mem=smem_main)
     else:
-        bc, j_fast = TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
+        bc, j_fast = bc or TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
         grid = (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc))
         main(grid, (2 * bc,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk), i32(Nq_pad), f32(scale),
-                               f32(scale * LOG2E), i32(causal), i32(j_fast)), shared_mem=smem_main)
-    _mark("main")
+                               i32(causal), i32(j_fast)), shared_mem=smem_main)
+    _mark(profile, "main")
     dq = empty(cupy, q.shape, odtype)
     if deterministic:  # the separate dQ pass, no atomics
         dq_fn = _function(mod, names[2], smem_dq)
@@ -204,12 +217,12 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
                                                f32(scale), i32(causal)), shared_mem=smem_dq)
         else:
             dq_fn((BH, -(-Nq // 64)), (128,), (q, k, v, do, Lvec, Dvec, dq, i32(Nq), i32(Nk), i32(Nq_pad),
-                                               f32(scale), f32(scale * LOG2E), i32(causal)), shared_mem=smem_dq)
+                                               f32(scale), i32(causal)), shared_mem=smem_dq)
     else:  # dQ = scale * dQ_accum, cast to the output dtype
         n = dq.size  # a multiple of 4: the kernel converts 4 values per step
         pre.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>")(
             (min(-(-n // 1024), 65535),), (256,), (dq_acc, dq, f32(scale), np.int64(n)))
-    _mark("dq pass" if deterministic else "convert")
+    _mark(profile, "dq pass" if deterministic else "convert")
     return dq, dk, dv
 
 

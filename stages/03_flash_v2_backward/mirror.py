@@ -42,8 +42,9 @@ def tiles(version, D):
 def _probabilities(S, L_i, scale, version, visible):
     """P_ij from the saved logsumexp; 0 where the key is masked or the row is fully masked (L = +inf)."""
     with np.errstate(over="ignore"):  # masked entries may overflow before np.where zeroes them
-        if version == "tc":
-            P = np.exp2(S * np.float32(scale * LOG2E) - L_i[..., None] * np.float32(LOG2E))
+        if version == "tc":  # exp2((scale S - L_i) log2 e), scale S - L_i one FMA (float64, rounded once)
+            x = (S.astype(np.float64) * np.float32(scale) - L_i[..., None]).astype(np.float32)
+            P = np.exp2(x * np.float32(LOG2E))
         else:  # the fp32 kernel forms the exponent in float64 (with inputs x100 it reaches 1e5: see the kernel)
             P = np.exp((S * scale - L_i[..., None].astype(np.float64)).astype(np.float32))
     return np.where(visible, P, np.float32(0.0)) if visible is not None else P

@@ -1,4 +1,5 @@
-"""Stage 04: ring attention over MPI / NCCL. See ring.py (algorithm) and comm.py (backends).
+"""Stage 04: ring attention over MPI / NCCL. See ring.py (schedule and merge), layout.py (shards and the
+plan of kernel calls) and comm.py (backends).
 
 Per rank (under mpirun):  ring_forward(q_r, k_r, v_r, ring=..., ...), ring_backward(...)
 In one process (P simulated ranks as threads, the stage's one-API entry points):
@@ -6,9 +7,9 @@ In one process (P simulated ranks as threads, the stage's one-API entry points):
     dq, dk, dv = backward(q, k, v, o, lse, do, causal=True, ranks=4, layout="zigzag")
 """
 from .comm import BACKENDS, simulate
+from .layout import LAYOUTS, plan, positions, shard, shard_len, unshard
 from .ring import (
-    BLOCKS, LAYOUTS, RingMismatch, backward, check_same_everywhere, flash_version, forward, merge, plan, positions,
-    ring_backward, ring_forward, shard, shard_len, unshard,
+    BLOCKS, RingMismatch, backward, check_same_everywhere, flash_version, forward, merge, ring_backward, ring_forward,
 )
 
 

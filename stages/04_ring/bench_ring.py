@@ -10,9 +10,10 @@ and reports
   exposed communication  per rank, summed over the ring's steps: time the compute stream waited on a transfer
   peak memory per GPU  the CuPy pool's peak inside the ring call (its shards, outputs and ring buffers),
                        against one GPU's peak at the same N (target: about 1/P)
-Targets (stage-04 issue; 2 GPUs, bf16, d=128, T >= 16k): forward ratio non-causal >= 0.90, zigzag causal
->= 0.85, backward >= 0.85; memory per GPU about 1/P. Contiguous causal is shown for contrast (its ranks
-wait on each other: the imbalance zigzag removes).
+Before timing a ring size, the same ring (same backend, dtype, head dim, block versions) is checked on a
+small problem for every (layout, mask), by the tolerance rule against the fp64 oracle, as run.py checks it;
+nothing is timed if a check fails. Contiguous causal is shown for contrast with zigzag (its ranks wait on
+each other: the imbalance zigzag removes).
 
     mpirun -n 2 python stages/04_ring/bench_ring.py --out results/ring_h200.csv     # rings of 1 and 2 GPUs
     mpirun -n 4 python stages/04_ring/bench_ring.py --out results/ring_h200x4.csv   # rings of 1, 2 and 4 GPUs
@@ -26,7 +27,6 @@ import os
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # CPU smoke run: one core per rank
     os.environ.setdefault(_var, "1")
 
@@ -34,28 +34,31 @@ import numpy as np  # noqa: E402
 
 from stages import ring as R  # noqa: E402
 from stages.common import PeakMemory, attention_flops, bfloat16, cast, gpu_name, time_ms  # noqa: E402
+from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
+from stages.ring.run import check_on_ranks  # noqa: E402
 
 # ---- configuration (each overridable on the command line)
 TOKENS = (16384, 32768)  # tokens per GPU
 BATCH, HEADS, HEAD_DIM = 1, 16, 128
 CONFIGS = (("contiguous", False, 0.90), ("zigzag", True, 0.85), ("contiguous", True, None))  # layout, causal, target
 BWD_TARGET = 0.85
+CHECK_SEQ = 512  # total N of the check that runs before each ring size is timed
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=comm_mod.BACKENDS, default="auto", help="nccl: one GPU per rank")
-    ap.add_argument("--gpus", type=int, nargs="+", default=None,
+    ap.add_argument("--gpus", type=positive_int, nargs="+", default=None,
                     help="ring sizes to time (default: 1, 2, 4, ... up to the number of ranks)")
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per GPU")
-    ap.add_argument("--batch", type=int, default=BATCH, help="batch size B")
-    ap.add_argument("--heads", type=int, default=HEADS, help="heads H")
-    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dimension D")
+    ap.add_argument("--tokens", type=positive_int, nargs="+", default=list(TOKENS), help="tokens per GPU")
+    ap.add_argument("--batch", type=positive_int, default=BATCH, help="batch size B")
+    ap.add_argument("--heads", type=positive_int, default=HEADS, help="heads H")
+    ap.add_argument("--head-dim", type=positive_int, default=HEAD_DIM, help="head dimension D")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="input dtype")
     ap.add_argument("--fwd-version", default=None, help="stage 02 version (default: pipelined, fp32 for float32)")
     ap.add_argument("--bwd-version", default="auto", help="stage 03 version")
-    ap.add_argument("--repeat", type=int, default=5, help="timed repeats (median)")
+    ap.add_argument("--repeat", type=positive_int, default=5, help="timed repeats (median)")
     ap.add_argument("--out", default=None, help="write the rows to this CSV file (rank 0), e.g. results/ring_h200.csv")
     args = ap.parse_args(argv)
     world = comm_mod.world()
@@ -76,11 +79,34 @@ def main(argv=None):
             print(f"   ({backend} backend: ranks share {'GPUs' if gpu else 'CPU cores'}, so these numbers show the "
                   "ring's overhead, not its scaling)")
     block = "flash" if gpu else "naive"
-    fwd1, bwd1 = R.BLOCKS[block]
+    if gpu:  # one device: stage 02 forward, stage 03 backward (the ring's blocks return float32 partials)
+        from stages import flash_v2, flash_v2_backward
+
+        fwd1, bwd1 = flash_v2.forward, flash_v2_backward.backward
+    else:  # the numpy smoke run: stage 00 (it has no versions)
+        from stages import naive
+
+        fwd1, bwd1 = (lambda *a, version=None, **kw: naive.forward(*a, **kw),
+                      lambda *a, version=None, **kw: naive.backward(*a, **kw))
     rows, one_cache = [], {}
     for P in sizes:
         sub = world.Split(0 if rank < P else 1, rank)  # the first P ranks form this ring
         ring = comm_mod.RINGS[backend](sub) if rank < P else None
+        failed = None
+        for layout, causal, _ in CONFIGS:  # check this ring before timing it
+            try:
+                if ring is not None:
+                    check_on_ranks(sub, ring, B=1, H=2, n=CHECK_SEQ, D=D, dtype=dtype, causal=causal, layout=layout,
+                                   block=block, versions=(vf, vb), xp=__import__("cupy") if gpu else np)
+            except AssertionError as e:
+                failed = f"ring of {P}, {layout}, causal={causal}: {e}"
+            failed = world.bcast(failed, root=0)
+            if failed:
+                if rank == 0:
+                    print(f"CHECK FAILED: {failed}\nThe ring is out of tolerance: nothing timed.", flush=True)
+                return False
+        if rank == 0:
+            print(f"ring of {P}: checked (N={CHECK_SEQ}, every layout and mask) within tolerance. Timing.", flush=True)
         for T in args.tokens:
             n = P * T
             for layout, causal, target in CONFIGS:

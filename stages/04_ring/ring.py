@@ -16,27 +16,24 @@ softmax restricted to block j, so each block's backward gives exact partial dQ_r
 dQ_r stays home; dK_j, dV_j are accumulators that travel WITH K_j, V_j (one step behind) and
 arrive back at rank j after P steps.
 
-Causal across shards: a block entirely before the query shard is unmasked, the block at the same
-positions uses the ordinary causal diagonal, a block after it is skipped. `plan` works this out
-from global positions, so one rule covers both layouts, Nq != Nk and padding:
-    contiguous: rank r holds rows [r*N/P, (r+1)*N/P)
-    zigzag:     the sequence is cut into 2P chunks and rank r holds chunks r and 2P-1-r, so every
-                rank gets the same amount of causal work (contiguous leaves rank 0 almost idle).
-Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; padded keys are
-never shown to a real query (non-causal: only the valid prefix of a block is passed; causal: they
-lie after every real query anyway), padded query rows are dropped when the result is gathered.
+Causal across shards, the layouts (contiguous, zigzag), padding to any length and `plan` (which
+kernel calls cover exactly the visible (query, key) pairs) live in layout.py.
 
 The communication (comm.py) and the block kernels (BLOCKS) are pluggable; this file holds the
-schedule, the merge and the layouts. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
+schedule and the merge. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
 """
+import dataclasses
 import time
 
 import numpy as np
 
 from stages import naive
-from stages.common import cast, check_attention_inputs, check_backward_inputs, resolve_scale
+from stages.common import cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale
 
-LAYOUTS = ("contiguous", "zigzag")
+from .layout import LAYOUTS, check_layout, check_ranks, plan, positions, shard, shard_len, unshard
+
+__all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version",
+           "RingMismatch", "check_same_everywhere", "LAYOUTS", "plan", "positions", "shard", "shard_len", "unshard"]
 
 
 # ----------------------------------------------------------------------------- block kernels
@@ -85,87 +82,6 @@ def flash_version(dtype, version=None):
     from stages import flash_v2
 
     return flash_v2.resolve_version(version or "auto", dtype)
-
-
-# ----------------------------------------------------------------------------- layouts
-def shard_len(n, P, layout):
-    """Rows each rank holds for a global length n: ceil(n/P), or 2*ceil(n/2P) for zigzag."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not known; use one of {LAYOUTS}")
-    return -(-n // P) if layout == "contiguous" else 2 * -(-n // (2 * P))
-
-
-def positions(rank, P, n, layout):
-    """Global sequence positions of `rank`'s rows, in local order; a position >= n is padding."""
-    L = shard_len(n, P, layout)
-    if layout == "contiguous":
-        return np.arange(rank * L, (rank + 1) * L)
-    c = L // 2  # chunk length: the sequence is 2P chunks, rank r holds chunks r and 2P-1-r
-    return np.concatenate([np.arange(rank * c, (rank + 1) * c), np.arange((2 * P - 1 - rank) * c, (2 * P - rank) * c)])
-
-
-def shard(x, rank, P, layout):
-    """Rank's shard of x (B, H, N, ...) along axis 2, zero-padded to shard_len rows."""
-    n = x.shape[2]
-    pos = positions(rank, P, n, layout)
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
-    out = x[:, :, xp.asarray(np.minimum(pos, n - 1))]  # (B, H, L, ...) gathered rows; padding repeats row n-1
-    out = xp.ascontiguousarray(out)
-    valid = int((pos < n).sum())  # padding rows are a suffix of the shard
-    out.view(f"u{out.itemsize}")[:, :, valid:] = 0  # zero padding rows (bits 0 = +0.0): finite everywhere
-    return out
-
-
-def unshard(shards, n, layout):
-    """The global (B, H, n, ...) array from the P shards (padding rows dropped)."""
-    P = len(shards)
-    xp = np if isinstance(shards[0], np.ndarray) else __import__("cupy")
-    full = xp.concatenate(shards, axis=2)  # (B, H, P*L, ...) in rank order
-    pos = np.concatenate([positions(r, P, n, layout) for r in range(P)])
-    order = np.argsort(pos)[:n]  # local row -> global position, padding (pos >= n) sorts last
-    return full[:, :, xp.asarray(order)]
-
-
-# ----------------------------------------------------------------------------- which keys each query sees
-def plan(qpos, kpos, nq, nk, causal):
-    """Split one (query shard, key block) pair into kernel calls [(a, b, m, causal)]:
-    rows a:b of the query shard attend keys 0:m of the block, with or without the causal diagonal.
-
-    n_i = how many keys of the block row i sees. Positions increase in local order in both layouts,
-    so row i sees a prefix of the block and n_i never decreases: a staircase. A flat run of the
-    staircase is a full (non-causal) call; a run rising by one key per row is a causal call, since
-    the kernels align the diagonal bottom-right (row b-1 sees all m keys); rows with n_i = 0 are skipped.
-    """
-    if causal:  # query i sees key j iff j <= i + (nk - nq)  (bottom-right, as every stage)
-        n = np.searchsorted(kpos, qpos + (nk - nq), side="right")  # padded keys lie after every real query
-    else:
-        n = np.full(len(qpos), int((kpos < nk).sum()))  # every valid key: a prefix, padding is a suffix
-    # Walk the staircase run by run, not row by row: a Python loop over 16k rows costs ~4 ms of host time
-    # per call, during which the GPU would sit idle. d[p] = n[p+1] - n[p]; a run is a stretch of equal d.
-    L = len(n)
-    d = np.diff(n)  # (L-1,)
-    change = np.flatnonzero(d[1:] != d[:-1]) + 1  # p where d[p] != d[p-1]: where a run of d starts
-
-    def run_end(i):  # one past the last row of the run of rows that starts at row i (d == d[i] from i on)
-        k = np.searchsorted(change, i, side="right")
-        return int(change[k]) + 1 if k < len(change) else L
-
-    calls, i = [], 0
-    while i < L:
-        if n[i] == 0:  # rows that see no key of this block: skip them all at once
-            nz = np.flatnonzero(n[i:])
-            if len(nz) == 0:
-                break
-            i += int(nz[0])
-            continue
-        if i + 1 < L and d[i] == 1:  # a diagonal run: one causal call
-            j = run_end(i)
-            calls.append((i, j, int(n[j - 1]), True))
-        else:  # a flat run (d == 0), or a lone row before a jump: one full call
-            j = run_end(i) if i + 1 < L and d[i] == 0 else i + 1
-            calls.append((i, j, int(n[i]), False))
-        i = j
-    return calls
 
 
 # ----------------------------------------------------------------------------- the merge
@@ -252,28 +168,60 @@ def check_same_everywhere(ring, **facts):
                            f"(every rank must pass the same shapes, dtype and options):\n{lines}")
 
 
-def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, extra):
-    """Checks shared by forward and backward, agreed by every rank; returns P, r, xp, B, H, Lq, Lk, D, nq, nk, scale.
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the
+    shard shapes (B, H, Lq, Lk, D), the global lengths and the resolved mask and scale."""
+    P: int
+    r: int
+    xp: object
+    B: int
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+    nq: int
+    nk: int
+    causal: bool
+    scale: float
+
+
+def check_block(block, version, where="ring attention"):
+    """block must be a key of BLOCKS; version is for the flash blocks only (the naive block has none)."""
+    if block not in BLOCKS:
+        raise ValueError(f"{where}: block {block!r} is not known; use one of {sorted(BLOCKS)}")
+    if block == "naive" and version is not None:
+        raise ValueError(f"{where}: block='naive' (stage 00) has no versions, got version={version!r}; "
+                         "pass version=None, or block='flash' to run a stage 02/03 version")
+    return block
+
+
+def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra):
+    """Checks shared by forward and backward, agreed by every rank; returns a Call.
 
     The local checks run first and their error (if any) is shared with the agreement check, so a bad input on
     one rank is an error on every rank."""
     P, r = ring.size, ring.rank
+    where = "ring attention backward" if extra else "ring attention"
+    call = None
     try:
-        xp, B, H, Lq, Lk, D = (check_backward_inputs(q, k, v, *extra, where="ring attention backward") if extra
-                               else check_attention_inputs(q, k, v, where="ring attention"))
-        if block not in BLOCKS:
-            raise ValueError(f"block {block!r} is not known; use one of {sorted(BLOCKS)}")
+        xp, B, H, Lq, Lk, D = (check_backward_inputs(q, k, v, *extra, where=where) if extra
+                               else check_attention_inputs(q, k, v, where=where))
+        check_block(block, version, where)
+        check_layout(layout, where)
+        causal = check_causal(causal, where)
         nq, nk = nq or P * Lq, nk or P * Lk
-        if Lq != shard_len(nq, P, layout) or Lk != shard_len(nk, P, layout):  # (shard_len checks the layout)
-            raise ValueError(f"shards have {Lq} query / {Lk} key rows; with {P} ranks, layout {layout}, nq={nq} "
-                             f"and nk={nk} they must have {shard_len(nq, P, layout)} / {shard_len(nk, P, layout)} "
-                             "(cut them with ring.shard)")
+        if Lq != shard_len(nq, P, layout) or Lk != shard_len(nk, P, layout):
+            raise ValueError(f"{where}: shards have {Lq} query / {Lk} key rows; with {P} ranks, layout {layout}, "
+                             f"nq={nq} and nk={nk} they must have {shard_len(nq, P, layout)} / "
+                             f"{shard_len(nk, P, layout)} (cut them with ring.shard)")
         scale = resolve_scale(scale, D)
+        call = Call(P, r, xp, B, H, Lq, Lk, D, nq, nk, causal, scale)
         facts = _facts(q, k, v, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, extra=extra)
     except (TypeError, ValueError) as e:
         facts = {"problem": f"{type(e).__name__}: {e}"}
     check_same_everywhere(ring, **facts)
-    return P, r, xp, B, H, Lq, Lk, D, nq, nk, scale
+    return call
 
 
 def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=()):
@@ -291,7 +239,9 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     global unpadded lengths (default P*Lq, P*Lk). ring: a communicator from comm.py. timeline: a list
     that receives one dict per step {compute_ms, exposed_ms} (exposed = time waiting on the ring).
     """
-    P, r, xp, B, H, Lq, Lk, D, nq, nk, scale = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, ())
+    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, ())
+    P, r, xp, B, H, Lq, D, nq, nk = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq, call.nk
+    causal, scale = call.causal, call.scale
     fwd, _ = BLOCKS[block]
     acc = np.float64 if q.dtype == np.float64 else np.float32
     o_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # O_r: normalised over the keys merged so far
@@ -348,8 +298,10 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in
     the forward; the dK, dV accumulators of each block follow one step behind and come home at the end.
     """
-    P, r, xp, B, H, Lq, Lk, D, nq, nk, scale = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block,
-                                                         (o, lse, do))
+    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do))
+    P, r, xp, B, H, Lq, Lk, D = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.Lk, call.D
+    nq, nk = call.nq, call.nk
+    causal, scale = call.causal, call.scale
     _, bwd = BLOCKS[block]
     acc = np.float64 if q.dtype == np.float64 else np.float32
     valid = int((positions(r, P, nq, layout) < nq).sum())  # padding rows are a suffix of the shard
@@ -401,16 +353,27 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
 
 
 # ----------------------------------------------------------------------------- P ranks in one process
+def _check_api(causal, scale, D, layout, ranks, block, version, where):
+    """The options of the one-process API, checked before any shard is cut."""
+    check_causal(causal, where)
+    resolve_scale(scale, D)
+    check_layout(layout, where)
+    check_ranks(ranks, where)
+    check_block(block, version, where)
+
+
 def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive", version=None):
     """The one API: ring attention of full (B, H, N, D) arrays with `ranks` simulated ranks (threads).
 
     layout: "contiguous" or "zigzag"; block: "naive" (stage 00) or "flash" (stages 02/03); version: the block
     kernel's version (stage 02/03 `version=`; None picks the fastest for the dtype).
     Each thread runs ring_forward on its shard, exactly as an MPI rank would; the shards are gathered.
+    Inputs are checked here first, so an error quotes the caller's arrays, not a shard.
     """
     from .comm import simulate
 
-    nq, nk = q.shape[2], k.shape[2]
+    _, _, _, nq, nk, D = check_attention_inputs(q, k, v, where="ring.forward")
+    _check_api(causal, scale, D, layout, ranks, block, version, "ring.forward")
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
@@ -424,10 +387,12 @@ def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, bloc
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive",
              version=None):
-    """The one API's backward: ring_backward on `ranks` simulated ranks; returns full (dq, dk, dv)."""
+    """The one API's backward: ring_backward on `ranks` simulated ranks; returns full (dq, dk, dv).
+    Inputs are checked here first, so an error quotes the caller's arrays, not a shard."""
     from .comm import simulate
 
-    nq, nk = q.shape[2], k.shape[2]
+    _, _, _, nq, nk, D = check_backward_inputs(q, k, v, o, lse, do, where="ring.backward")
+    _check_api(causal, scale, D, layout, ranks, block, version, "ring.backward")
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size

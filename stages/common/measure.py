@@ -4,14 +4,44 @@ import time
 import tracemalloc
 
 
-def has_gpu():
-    """True when CuPy imports and sees at least one CUDA device."""
+def _driver_present():
+    """True when this machine has an NVIDIA driver (a device node or the driver library)."""
+    import ctypes.util
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or ctypes.util.find_library("cuda") is not None
+
+
+def gpu_status():
+    """(True, name) with a usable CUDA device; (False, reason) on a machine with no NVIDIA driver.
+
+    A machine WITH a driver where CuPy is missing or fails is broken, not GPU-less: that raises RuntimeError
+    with CuPy's error, so a test run there fails instead of skipping every GPU test."""
+    import os
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False, "no CUDA GPU: hidden by CUDA_VISIBLE_DEVICES"
+    driver = _driver_present()
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU"
-        return False
+        n = cupy.cuda.runtime.getDeviceCount()
+        if n > 0:
+            return True, gpu_name()
+        problem = "CuPy sees no CUDA device"
+    except Exception as e:  # ImportError, CUDARuntimeError (no driver / no device / driver too old), ...
+        problem = f"{type(e).__name__}: {e}"
+    if driver:
+        raise RuntimeError(f"an NVIDIA driver is present but CuPy cannot use the GPU ({problem}); fix the CuPy "
+                           "install (cupy-cuda12x or cupy-cuda13x to match the driver), or run on the CPU only "
+                           "with CUDA_VISIBLE_DEVICES=-1")
+    return False, f"no CUDA GPU: no NVIDIA driver on this machine ({problem})"
+
+
+def has_gpu():
+    """True when CuPy sees a CUDA device, False on a machine with no NVIDIA driver; raises on a broken setup
+    (a driver but no working CuPy), see gpu_status."""
+    return gpu_status()[0]
 
 
 def run_devices(choice):

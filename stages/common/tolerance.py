@@ -13,28 +13,35 @@ The yardstick is naive attention (stage 00) computed the way the kernels compute
                          returns). Rounding S to 16 bits instead would make the yardstick's own error as large
                          as the output at large logits, and the rule would then pass o = 0.
 
-Rounding of S. A kernel and the yardstick compute S_ij = scale sum_d Q_id K_jd in different summation
-orders, so their S differ by rounding, S_ij + delta_ij. Through the softmax, to first order,
-    d L_i = sum_j P_ij delta_ij,           d O_id = sum_j P_ij (V_jd - O_id) delta_ij,
-and in the backward, which recomputes S_ij in the kernel's own order and applies the forward's L_i,
-P_ij becomes P_ij (1 + delta_ij), so
-    d dV_jd = sum_i P_ij delta_ij dO_id,   d dS_ij = P_ij (dP_ij - D_i) delta_ij,
-    d dQ_id = scale sum_j d dS_ij K_jd,    d dK_jd = scale sum_i d dS_ij Q_id.
-At inputs x1 this is far below the other roundings. At large logits (|S| ~ 1e4, inputs x100; a float32 ulp
-there is ~1e-3) it decides the error of a row whose two largest scores nearly tie, and a single yardstick's
-error is then a matter of how its own roundings fell (it can be near zero by luck while any other order's is
-not). So the rule takes the yardstick's error as the larger of
+Roundings that land on a few entries. At large logits (|S| ~ 1e4, inputs x100; a float32 ulp there is ~1e-3)
+most rows of P are one-hot, and the error of a row whose two largest scores nearly tie is decided by a handful
+of roundings. A single yardstick's error is then a matter of how its own few roundings fell (near zero by luck
+while any other order's is not), so on its own it is not a yardstick. These roundings, each what a kernel
+computes, are:
+  S:       a kernel and the yardstick sum S_ij = scale sum_d Q_id K_jd in different orders: S_ij + delta_ij.
+           To first order  d L_i = sum_j P_ij delta_ij,   d O_id = sum_j P_ij (V_jd - O_id) delta_ij;
+           the backward recomputes S_ij in its own order and applies the forward's L_i, so P_ij becomes
+           P_ij (1 + delta_ij):  d dV_jd = sum_i P_ij delta_ij dO_id,  d dS_ij = P_ij (dP_ij - D_i) delta_ij.
+  dP - D:  dP_ij = dO_i . V_j and D_i = dO_i . O_i nearly cancel where row i is one-hot on key j, so their
+           float32 rounding eps2_i becomes all of dS_ij:  d dS_ij = P_ij eps2_i.
+  16 bits: a 16-bit kernel rounds P_ij and dS_ij before their matmuls: d P_ij = round(P_ij) - P_ij, and so
+           for dS_ij.
+  and through the matmuls  d dQ_id = scale sum_j d dS_ij K_jd,  d dK_jd = scale sum_i d dS_ij Q_id.
+So the rule takes the yardstick's error as the larger of
   (a) its measured error, in two summation orders of the head dim, natural and reversed (the columns of q and
       k permuted alike: the same Q K^T, other roundings), and
-  (b) the first-order terms above with |delta_ij| <= eps_i, eps_i = max_j |S_ij(yardstick) - S_ij(float64)|:
-      what the yardstick's own largest rounding of S in row i costs if the roundings fall the worst way.
-      sum_j P_ij |V_jd - O_id| is bounded by the P-weighted spread sqrt(sum_j P_ij V_jd^2 - O_id^2).
-    bound = FACTOR * max(error(natural), error(reversed), first-order S term) + SLACK.
+  (b) the first-order terms above with every rounding falling the worst way: |delta_ij| <= eps_i, the largest
+      S rounding the yardstick makes in row i (at least one ulp of the row's largest |S_ij|: a row with few
+      keys may be lucky in all of its roundings); |eps2| <= eps2_i, its largest dP - D rounding in row i (both
+      doubled for 16-bit inputs: tensor cores accumulate by truncation, see _accumulation_factor); the
+      16-bit roundings of the float64 P and dS. (sum_j P_ij |V_jd - O_id| is bounded by the P-weighted spread
+      sqrt(sum_j P_ij V_jd^2 - O_id^2).) At inputs x1 these terms are far below (a).
+    bound = FACTOR * max(error(natural), error(reversed), first-order terms) + SLACK.
 Everything is a function of the inputs: no sampling, no count chosen by failure rates.
 """
 import numpy as np
 
-from .inputs import to_numpy
+from .inputs import cast, to_numpy
 
 SLACK = 1e-5
 FACTOR = 2.0
@@ -115,6 +122,13 @@ def _s_rounding(q, k, causal, scale):
     s_low = naive.scores(q, k, scale, causal, np).astype(np.float64)  # as the yardstick computes it
     with np.errstate(invalid="ignore"):
         eps = np.where(np.isinf(s64), 0.0, np.abs(s_low - s64)).max(axis=-1, keepdims=True)  # (B, H, Nq, 1)
+        # A row with few keys has few roundings to take the max over, and may be lucky in all of them; but any
+        # float32 S_ij is rounded at least twice at its own size (the dot product's last addition, the product
+        # with scale): the floor is one ulp of the row's largest |S_ij| (2 u |S|, u = 2^-24).
+        big = np.where(np.isinf(s64), 0.0, np.abs(s64)).max(axis=-1, keepdims=True)
+    if np.dtype(q.dtype) != np.float64:
+        eps = np.maximum(eps, 2.0 ** -23 * big)
+    eps = eps * _accumulation_factor(q.dtype)
     m = s64.max(axis=-1, keepdims=True)
     m = np.where(np.isinf(m), 0.0, m)
     p = np.exp(s64 - m)
@@ -122,23 +136,48 @@ def _s_rounding(q, k, causal, scale):
     return p / np.where(l == 0, 1.0, l), eps, scale
 
 
+def _accumulation_factor(dtype):
+    """How much larger one rounding of a float32 sum can be in a kernel than in the yardstick: 2 for 16-bit
+    inputs, whose S and dP come from tensor-core mma, which accumulates in float32 by truncation (up to one ulp
+    per addition; Fasi, Higham, Mikaitis & Pranesh, "Numerical behavior of NVIDIA tensor cores", 2021) where
+    numpy rounds to nearest (half an ulp); 1 otherwise."""
+    return 2.0 if np.dtype(dtype).itemsize == 2 else 1.0
+
+
+def _rounding16(x, dtype):
+    """|round(x) - x| elementwise for the 16-bit dtype a kernel rounds P and dS to; 0 for float32 / float64."""
+    if np.dtype(dtype).itemsize != 2:
+        return np.zeros_like(x)
+    return np.abs(cast(cast(x, dtype), np.float64) - x)
+
+
 def forward_s_terms(q, k, v, *, causal=False, scale=None):
-    """(o, lse) of the first-order S-rounding terms (see the module docstring), float64 host arrays."""
+    """(o, lse) of the first-order rounding terms of the forward (see the module docstring), float64 host
+    arrays."""
     p, eps, _ = _s_rounding(q, k, causal, scale)
     v64 = to_numpy(v).astype(np.float64)
     o = p @ v64  # (B, H, Nq, D)
     spread = np.sqrt(np.maximum(p @ (v64 * v64) - o * o, 0.0))  # >= sum_j P_ij |V_jd - O_id|
-    return eps * spread, eps[..., 0] * p.sum(axis=-1)
+    r16 = _rounding16(p, to_numpy(q).dtype)  # P~ rounded to 16 bits before P~ V
+    return eps * spread + r16 @ np.abs(v64), eps[..., 0] * p.sum(axis=-1)
 
 
 def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None):
-    """(dq, dk, dv) of the first-order S-rounding terms (see the module docstring), float64 host arrays."""
+    """(dq, dk, dv) of the first-order rounding terms of the backward (see the module docstring), float64 host
+    arrays. o: the forward output the backward starts from (D_i = rowsum(dO_i * O_i) is computed from it)."""
     p, eps, scale = _s_rounding(q, k, causal, scale)
     q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
     dp = do64 @ v64.swapaxes(-1, -2)  # (B, H, Nq, Nk)
     d_i = (do64 * o64).sum(axis=-1, keepdims=True)  # (B, H, Nq, 1)
-    w = p * eps  # (B, H, Nq, Nk): P_ij eps_i
-    wds = w * np.abs(dp - d_i)
+    # the yardstick's own rounding of dP_ij - D_i (float32 for float32 and 16-bit inputs), per row: eps2_i
+    cd = np.float64 if to_numpy(q).dtype == np.float64 else np.float32
+    do_c, v_c, o_c = (to_numpy(x).astype(cd) for x in (do, v, o))
+    low = (do_c @ v_c.swapaxes(-1, -2)) - (do_c * o_c).sum(axis=-1, keepdims=True)  # (B, H, Nq, Nk)
+    eps2 = np.where(p > 0, np.abs(low.astype(np.float64) - (dp - d_i)), 0.0).max(axis=-1, keepdims=True)
+    eps2 = eps2 * _accumulation_factor(to_numpy(q).dtype)
+    dtype = to_numpy(q).dtype  # 16 bits: P and dS rounded before their matmuls
+    w = p * eps + _rounding16(p, dtype)  # (B, H, Nq, Nk): first-order |d P_ij|
+    wds = p * eps * np.abs(dp - d_i) + p * eps2 + _rounding16(p * (dp - d_i), dtype)  # first-order |d dS_ij|
     return (scale * wds @ np.abs(k64), scale * wds.swapaxes(-1, -2) @ np.abs(q64),
             w.swapaxes(-1, -2) @ np.abs(do64))
 

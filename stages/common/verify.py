@@ -60,6 +60,36 @@ def check_backward(backward, q, k, v, do, *, causal=False, scale=None, **kw):
     grads = backward(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **kw)
     _check_like(tolerance.NAMES_BACKWARD, grads, (q, k, v))
     ys = tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal, scale=scale)
-    terms = tolerance.backward_s_terms(q, k, v, o64, do, causal=causal, scale=scale)
+    terms = tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale)
     res = tolerance.check(tolerance.NAMES_BACKWARD, grads, refs, ys, terms)
     return {n: e for n, (e, _) in res.items()}
+
+
+def rule(q, k, v, do=None, *, causal=False, scale=None):
+    """Everything the rule needs for these inputs, computed once: (refs, bounds, start) where refs are the
+    oracle's (o, lse[, dq, dk, dv]), bounds the matching bounds, and start = (o, lse) a backward under test
+    must start from (backward_start), or None without do."""
+    o64, lse64, *grads = tolerance.oracle(q, k, v, do, causal=causal, scale=scale)
+    bounds = tolerance.bounds((o64, lse64), tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale),
+                              tolerance.forward_s_terms(q, k, v, causal=causal, scale=scale))
+    if do is None:
+        return (o64, lse64), bounds, None
+    o_in, lse_in = backward_start(q, o64, lse64)
+    bounds += tolerance.bounds(grads, tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal,
+                                                                    scale=scale),
+                               tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale))
+    return (o64, lse64, *grads), bounds, (o_in, lse_in)
+
+
+def check_outputs(outs, refs, bounds, *, what=""):
+    """Assert the rule on outputs computed elsewhere (e.g. gathered from the ranks of a ring), with
+    (refs, bounds) from rule(); returns {name: (error, bound)}."""
+    names = (tolerance.NAMES_FORWARD + tolerance.NAMES_BACKWARD)[:len(outs)]
+    result = {}
+    for name, x, ref, bound in zip(names, outs, refs, bounds):
+        err = tolerance.max_error(x, ref)
+        if not err <= bound:
+            raise AssertionError(f"{what}{name}: max error {err:.3e} against the fp64 oracle exceeds the bound "
+                                 f"{bound:.3e} ({tolerance.FACTOR:g} x the yardstick's error + {tolerance.SLACK:g})")
+        result[name] = (err, bound)
+    return result

@@ -1,0 +1,65 @@
+// attention_tiles.cuh: the tile bookkeeping the FlashAttention-2 forward kernels share, in paper notation.
+// Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
+#pragma once
+#include "common.cuh"
+
+// Tc for the Q tile whose first row is row0 (Alg.1 L6): how many K/V tiles of BC keys it visits. Causal: the
+// tiles right of the last key its last row sees are skipped entirely (all of their scores would be masked).
+template <int BR, int BC>
+__device__ __forceinline__ int visited_kv_tiles(int row0, int Nq, int Nk, int causal) {
+    const int Tc = (Nk + BC - 1) / BC;
+    if (!causal) return Tc;
+    const int last_key = min(row0 + BR, Nq) - 1 + (Nk - Nq);
+    return last_key < 0 ? 0 : min(Tc, last_key / BC + 1);
+}
+
+// S_ij = -inf on the keys a row may not see: keys >= Nk (the ragged last tile) and, causal, keys right of the
+// row's diagonal. s holds one warp's mma accumulator fragments of MT m-tiles x NC keys (lane = 4 g + t): entry e
+// of n-tile n in m-tile m is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2).
+template <int MT, int NC>
+__device__ __forceinline__ void mask_scores(float (&s)[MT][NC / 8][4], int r0, int col0, int Nk, int causal,
+                                            int shift, int g, int t) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + m * 16 + g + 8 * h;
+            // keys col0 + 2t + x are visible for x < lim (x = 8n + (e & 1), the column inside the tile)
+            const int lim = (causal ? min(Nk, r + shift + 1) : Nk) - col0 - 2 * t;
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n) {
+                if (n * 8 >= lim) s[m][n][2 * h] = -INF;
+                if (n * 8 + 1 >= lim) s[m][n][2 * h + 1] = -INF;
+            }
+        }
+}
+
+// Alg.1 L5 for one thread's rows of Q_i: O_i = 0 (its mma accumulator fragments, MT m-tiles x D columns),
+// m_i = -inf, l_i = 0 (rows g and g + 8 of each m-tile).
+template <int MT, int D>
+__device__ __forceinline__ void init_row_state(float (&acc_o)[MT][D / 8][4], float (&m_i)[MT][2], float (&l_i)[MT][2]) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) acc_o[m][d][0] = acc_o[m][d][1] = acc_o[m][d][2] = acc_o[m][d][3] = 0.f;
+        m_i[m][0] = m_i[m][1] = -INF;
+        l_i[m][0] = l_i[m][1] = 0.f;
+    }
+}
+
+// m~_ij of one row: the max over its NC scores in one m-tile's fragments (h = 0: row g, h = 1: row g + 8), over
+// this lane's entries and then over the 4 lanes of the quad, which hold the rest of the row.
+template <int NC>
+__device__ __forceinline__ float row_max(const float (&s)[NC / 8][4], int h) {
+    float mx = -INF;
+#pragma unroll
+    for (int n = 0; n < NC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+    return warp_max<4>(mx);
+}
+
+// Alg.1 L12: l_i of one row, summed over the 4 lanes of the quad that hold its pieces, and 1 / l_i
+// (0 for a row that saw no key, so its O_i = 0).
+__device__ __forceinline__ float inverse_row_sum(float l_part, float& l) {
+    l = warp_sum<4>(l_part);
+    return l > 0.f ? 1.f / l : 0.f;
+}
