@@ -20,19 +20,35 @@ the inputs' dtype: for float16/bfloat16 that is already the tensor-core precisio
 The ring (stage 04, one-process API, simulated ranks, block="naive") is checked by the same two functions. Its
 output mistakes are applied to the ring's gathered output; its algorithm mistakes are made by every block kernel
 (ring.BLOCKS["naive"] replaced by a block that carries the mistake, as a buggy stage 02/03 kernel would).
-Layouts and rank counts alternate over the draws (contiguous / zigzag, 2 / 3 / 4 ranks).
+Layouts and rank counts alternate over the draws (contiguous / zigzag, 2 / 3 / 4 ranks): the ring's mistakes run in
+the first RING_DRAWS = 6 draws, which cover every pair; the correct ring runs in every draw. The ring runs on the
+cases with Nq, Nk <= RING_MAX = 1000 (it is the same check; a simulated ring at 4097 queries costs minutes a draw).
 
-Where a mistake cannot show on a case, CANNOT_SHOW names the case and the reason, and the test proves it: the
-wrong stage (and the wrong ring) run in float64 give what the correct ones give in float64 (to EXACT = 1e-9 relative),
-so an exemption cannot hide a real miss. A miss is reported with the mistake's effect in float64 (max |wrong -
-right| with both computed in float64): an effect near 0 means the mistake cannot show in that draw; a larger one
-means the rule's bound is wider than the mistake's effect.
+Every case runs DRAWS = 50 draws, except the large ones named in FEWER_DRAWS (Nq * Nk > 100000: 2 draws at 1000
+queries, 1 at 4097), where one draw costs seconds; every mistake, dtype and input scale runs there too.
+
+A mistake that the check does not catch is a failure, unless the draw proves that the mistake cannot show. Three
+kinds of proof are accepted, and nothing else:
+  (a) bit-identical: the wrong stage's outputs equal the correct stage's outputs byte for byte (e.g. scale x 1.05
+      at one key, where P = 1 either way). Then no check whatsoever could see the mistake.
+  (b) the same answer in float64: CANNOT_SHOW names the case and the reason (one query: no row to swap; one key:
+      the true dq is 0; no causal diagonal to shift; the ring plans a one-row causal block as a non-causal call),
+      and the wrong stage (the wrong ring), run in float64, gives what the correct one gives in float64 (to
+      EXACT = 1e-9 relative). Where it does not (e.g. the zigzag ring at Nq = Nk = 1 shows a padded key to a
+      diagonal shifted by +1), the check must catch the mistake like any other.
+  (c) below the rounding the inputs allow: BELOW_ROUNDING names the (mistake, input scale) and the reason, and the
+      mistake's effect on the exact answer (max |wrong - right|, both in float64) is, for every output, at most
+      the rule's first-order rounding term for that output (tolerance.forward_s_terms / backward_s_terms: the
+      largest change float32 or 16-bit rounding alone can make on these inputs). Such a mistake looks exactly
+      like a correct kernel's rounding, so no rule that passes every correct kernel can catch it; a mistake whose
+      effect is larger than the term is a miss even where the table names it.
+A miss is reported with the bounds, the mistake's effect in float64 and the rounding terms.
 
 A positive control runs in every draw: the correct stage and the correct ring pass the check, and the test's own
 copy of stage 00 (the one the algorithm mistakes are made in) reproduces stage 00 bit for bit.
 
 Speed: the check is a pure function of the inputs, so the tolerance pieces it computes (oracle, yardsticks, first-
-order S terms) are memoised within one draw and shared by all the mistakes of that draw; check_forward and
+order S terms, the bounds) are memoised within one draw and shared by all the mistakes of that draw; check_forward and
 check_backward themselves run unchanged for every mistake. Seeds: each draw's inputs come from
 make_inputs(seed=[ATTN_SEED (default 20261123), case, dtype, scale, draw]); every message carries that seed.
 """
@@ -91,6 +107,15 @@ RING_DRAWS = 6
 # inputs). Such a mistake is indistinguishable from a correct kernel's rounding, so no rule that passes every correct
 # kernel can catch it; a larger effect is a miss.
 BELOW_ROUNDING = {
+    ("lse + 0.01", 100.0): "at inputs x100 |S| ~ 1e4, where one ulp of a 16-bit kernel's float32 S (accumulated by "
+                           "truncation) is ~2e-3 and the rule's lse term ~1e-2: 0.01 on lse is within rounding",
+    ("reads lse + 0.01", 100.0): "P = exp(S - lse) x (1 - 0.01) is what an S rounded by 0.01 gives: at x100 the "
+                                 "S rounding term is that large",
+    ("dq = 0", 100.0): "at x100 softmax rows are saturated (one-hot): dS = P (dP - D) ~ 0 and the true dq is as "
+                       "small as the rounding of dP - D and of S can make it",
+    ("last key tile dropped", 1.0): "at 4097 keys the dropped tile is the single key 4096, which only the last "
+                                    "queries see, among 4097 keys: its weight is below 16-bit rounding of P",
+    ("last key tile dropped", 100.0): "as at x1, the single key 4096 among 4097",
 }
 
 CONDITIONS = {
