@@ -113,6 +113,8 @@ BELOW_ROUNDING = {
                                  "S rounding term is that large",
     ("dq = 0", 100.0): "at x100 softmax rows are saturated (one-hot): dS = P (dP - D) ~ 0 and the true dq is as "
                        "small as the rounding of dP - D and of S can make it",
+    ("dq row swapped", 100.0): "at x100 every softmax row can be saturated (one-hot): the true dq is then rounding "
+                               "noise in every row, and swapping two rows moves it by less than the rounding terms",
     ("last key tile dropped", 1.0): "at 4097 keys the dropped tile is the single key 4096, which only the last "
                                     "queries see, among 4097 keys: its weight is below 16-bit rounding of P",
     ("last key tile dropped", 100.0): "as at x1, the single key 4096 among 4097",
