@@ -24,7 +24,6 @@ from . import mirror
 VERSIONS = ("fp32", "tc")
 HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128)}
 DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16)}
-LOG2E = 1.4426950408889634
 PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so tile loads never run past them
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}

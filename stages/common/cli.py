@@ -8,26 +8,25 @@ run, with a message naming the option (argparse adds it) and what is allowed.
 import argparse
 
 
-def positive_int(text):
-    """An int >= 1 (sizes, lengths, repeats)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+def _int_at_least(minimum, what):
+    """An argparse type: an int >= minimum, else an error naming what is allowed."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    parse.__doc__ = f"An int >= {minimum}."
+    return parse
 
 
-def nonnegative_int(text):
-    """An int >= 0 (warm-up counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
+positive_int = _int_at_least(1, "positive_int")  # sizes, lengths, repeats
+nonnegative_int = _int_at_least(0, "nonnegative_int")  # warm-up counts
 
 
 def check_head_dim(ap, option, D, supported, what):

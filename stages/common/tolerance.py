@@ -209,14 +209,19 @@ def tolerance_report(out, oracle_out, yardstick, *, factor=FACTOR, slack=SLACK):
     return err <= bound, err, bound
 
 
-def check(names, outs, refs, yardsticks, terms=None, *, what=""):
-    """Assert the rule for every output; return {name: (error, bound)}. The message names the tensor, its error
-    and its bound."""
+def assert_within(names, outs, refs, bounds_, *, what=""):
+    """Assert max_error(out, ref) <= bound for every output; return {name: (error, bound)}. The message names the
+    tensor, its error and its bound."""
     result = {}
-    for name, x, ref, bound in zip(names, outs, refs, bounds(refs, yardsticks, terms)):
+    for name, x, ref, bound in zip(names, outs, refs, bounds_):
         err = max_error(x, ref)
         if not err <= bound:
             raise AssertionError(f"{what}{name}: max error {err:.3e} against the fp64 oracle exceeds the bound "
                                  f"{bound:.3e} ({FACTOR:g} x the yardstick's error + {SLACK:g})")
         result[name] = (err, bound)
     return result
+
+
+def check(names, outs, refs, yardsticks, terms=None, *, what=""):
+    """The rule for every output (bounds from the yardsticks and terms); return {name: (error, bound)}."""
+    return assert_within(names, outs, refs, bounds(refs, yardsticks, terms), what=what)

@@ -85,11 +85,4 @@ def check_outputs(outs, refs, bounds, *, what=""):
     """Assert the rule on outputs computed elsewhere (e.g. gathered from the ranks of a ring), with
     (refs, bounds) from rule(); returns {name: (error, bound)}."""
     names = (tolerance.NAMES_FORWARD + tolerance.NAMES_BACKWARD)[:len(outs)]
-    result = {}
-    for name, x, ref, bound in zip(names, outs, refs, bounds):
-        err = tolerance.max_error(x, ref)
-        if not err <= bound:
-            raise AssertionError(f"{what}{name}: max error {err:.3e} against the fp64 oracle exceeds the bound "
-                                 f"{bound:.3e} ({tolerance.FACTOR:g} x the yardstick's error + {tolerance.SLACK:g})")
-        result[name] = (err, bound)
-    return result
+    return tolerance.assert_within(names, outs, refs, bounds, what=what)
