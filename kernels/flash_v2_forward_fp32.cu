@@ -40,7 +40,8 @@
 //   S_ij columns:      4*cg + 32*t + e, t = 0, 1, e = 0..3                  (8 keys of K_j)
 //   O_i columns:       4*cg + 32*t + e, t = 0..DP/32-1                      (DP = HEAD_DIM rounded up to 32)
 //   The 8 lanes of a row group hold one row: row max / row sum are 8-lane shuffles.
-// Shared memory (floats): Q_i^T [DP][Br], K_j^T [DP][Bc], V_j [Bc][DP], P~_ij^T [Bc][Br+4].
+// Shared memory (floats): Q_i^T [DP][Br], K_j^T [DP][Bc], V_j [Bc][DP], P~_ij^T [Bc][Br+4]; with SHARE_KV (GPUs
+// with little shared memory) V_j takes K_j's buffer once S_ij is computed.
 //   Transposed Q and K make "4 rows of Q_i" and "4 keys of K_j" one aligned float4 each; every float4 read of
 //   the inner loops is either a broadcast (Q, P: 4 addresses per warp) or 8 consecutive float4 (K, V): no bank
 //   conflicts. P~^T rows are padded by 4 floats so the float4 stores of a warp spread over all 32 banks.
@@ -78,6 +79,12 @@
 #endif
 #ifndef PREFETCH_K
 #define PREFETCH_K 1  // 1: K_{j+1} is read from HBM into registers while P~_ij V_j is computed
+#endif
+#ifndef SHARE_KV
+#define SHARE_KV 0  // 1: V_j is loaded into K_j's buffer once S_ij is done (one buffer less: small shared memory)
+#endif
+#if SHARE_KV && (PREFETCH_K || ASYNC_V)
+#error "SHARE_KV loads V_j after S_ij: it needs PREFETCH_K=0 and ASYNC_V=0"
 #endif
 #define KN (BC * (DP / 4) / NTHREADS)     // float4 of K_j each thread carries from HBM to shared memory
 static_assert((BC * (DP / 4)) % NTHREADS == 0, "K_j splits evenly over the threads");
@@ -157,7 +164,7 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
     extern __shared__ __align__(16) float smem[];
     float* Qt = smem;            // Q_i^T   [DP][BR]
     float* Kt = Qt + DP * BR;    // K_j^T   [DP][BC]
-    float* Vs = Kt + DP * BC;    // V_j     [BC][DP]
+    float* Vs = SHARE_KV ? Kt : Kt + DP * BC;  // V_j [BC][DP] (SHARE_KV: in K_j's buffer, after S_ij)
     float* Pt = Vs + BC * DP;    // P~_ij^T [BC][LDP]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -200,7 +207,9 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
     for (int j = 0; j < Tc; ++j) {  // Alg.1 L6: inner loop over K_j, V_j
 #if !PREFETCH_K
         __syncthreads();  // every warp is done reading K_{j-1}, V_{j-1} before they are overwritten
+#if !SHARE_KV
         load_v(Vs, v, j * BC, Nk);  // Alg.1 L7 (V_j is only needed by P~_ij V_j: with ASYNC_V it lands meanwhile)
+#endif
         fetch_k(kx, k, j * BC, Nk);
         store_kt(Kt, kx);
         __syncthreads();  // all of K_j (and Q_i, at j = 0) is in shared memory before any warp reads it
@@ -288,6 +297,11 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
 #if ASYNC_V
         cp_async_wait<0>();  // this thread's part of V_j has landed ...
         __syncthreads();     // ... and so has every other thread's: all of V_j is there for every warp
+#endif
+#if SHARE_KV
+        __syncthreads();  // every warp is done reading K_j (S_ij): V_j may take its buffer
+        load_v(Vs, v, j * BC, Nk);  // Alg.1 L7 for V_j
+        __syncthreads();  // all of V_j is in shared memory before any warp reads it
 #endif
 
         // Alg.1 L10: O_i += P~_ij V_j for this lane's TM x 4*DT block: per key, TM/4 + DT float4 reads.

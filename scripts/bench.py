@@ -661,6 +661,8 @@ def main(argv=None):
     from stages.common import gpu_name
 
     gpu = gpu_name()
+    if os.environ.get("ATTN_ARCH"):  # every launcher picks that architecture's configurations (stages/common/device.py)
+        gpu += f" running the {os.environ['ATTN_ARCH']} configurations (ATTN_ARCH)"
     prov = provenance(cupy, torch, gpu)
     directions = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
     cfgs = configs(args)

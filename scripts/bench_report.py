@@ -412,53 +412,82 @@ def results_readme(results_dir=None):
 
 # ---------------------------------------------------------------- which GPUs can run which version
 
-# (GPU class, compute capability, largest dynamic shared memory a block may opt in to, bytes)
-GPU_CLASSES = [("sm_75", "T4", 75, 64 * 1024), ("sm_86 / sm_89", "RTX 30xx / 40xx, A10, L4", 86, 99 * 1024),
-               ("sm_80", "A100", 80, 163 * 1024), ("sm_90", "H100, H200", 90, 227 * 1024)]
+HEAD_DIMS = (32, 64, 96, 128)
 
 
 def _versions():
-    """(stage, version, dtypes, smallest compute capability its instructions need (0: none), {head dim: bytes of
-    dynamic shared memory the launcher asks for}) for every kernel version, from the launchers' own functions."""
+    """(stage, version, dtypes, tiles(dev, D) -> "Br x Bc" text) for every kernel version, from the launchers' own
+    configuration choices (stages/common/device.py); tiles raises device.UnsupportedDevice where the version cannot
+    run."""
     import importlib
 
+    device = importlib.import_module("stages.common.device")
     v1 = importlib.import_module("stages.flash_v1")
     v2 = importlib.import_module("stages.flash_v2")
-    tc = importlib.import_module("stages.flash_v2.tc")
-    x3 = importlib.import_module("stages.flash_v2.fp32x3")
-    bw = importlib.import_module("stages.flash_v2_backward.flash_v2_backward")
-    dims = (32, 64, 96, 128)
-    return [
-        ("01", "`paper` (fwd + bwd)", "fp32", 0, {d: max(v1.forward_smem_bytes(d), v1.backward_smem_bytes(d))
-                                                  for d in dims}),
-        ("02", "`fp32`", "fp32", 80, {d: v2.fp32_smem_bytes(d) for d in dims}),
-        ("02", "`tc`", "bf16, fp16", 80, {d: tc.smem_bytes("tc", d) for d in dims}),
-        ("02", "`pipelined`", "bf16, fp16", 80, {d: tc.smem_bytes("pipelined", d) for d in dims}),
-        ("02", "`fp32x3`", "fp32", 80, {d: max(x3.smem_bytes(d, c) for c in (False, True)) for d in dims}),
-        ("03", "`fp32`", "fp32", 0, {d: max(bw.smem_bytes("fp32", d)) for d in bw.HEAD_DIMS["fp32"]}),
-        ("03", "`tc`", "bf16, fp16", 80, {d: max(bw.smem_bytes("tc", d)) for d in bw.HEAD_DIMS["tc"]}),
-    ]
+    tc, x3 = v2.tc, v2.fp32x3
+    bw = importlib.import_module("stages.flash_v2_backward")
+
+    def need80(dev):
+        device.require(dev, ("mma_k16", "cp_async"), what="")
+
+    def v1_tiles(dev, D):
+        return f"{v1.BR}x{min(v1.kv_tile('forward', D, dev), v1.kv_tile('backward', D, dev))}"
+
+    def fp32(dev, D):
+        c = v2.fp32_config(D, dev)
+        return f"{c.br}x{v2.FP32_BC}" + ("s" if c.share_kv else "")
+
+    def tc_tiles(version):
+        def f(dev, D):
+            need80(dev)
+            c = tc.config(version, D, dev)
+            return f"{c.br}x{c.bc}"
+        return f
+
+    def x3_tiles(dev, D):
+        need80(dev)
+        c = x3.config(D, False, dev)
+        return f"{c.br}x{c.bc}"
+
+    def bw_fp32(dev, D):
+        if D not in bw.HEAD_DIMS["fp32"]:
+            return "-"
+        if not device.fits(dev, max(bw.smem_bytes("fp32", D))):
+            raise device.UnsupportedDevice("shared memory")
+        return "32x32"
+
+    def bw_tc(dev, D):
+        if D not in bw.HEAD_DIMS["tc"]:
+            return "-"
+        need80(dev)
+        return "{}x{}".format(*bw.tc_tiles(D, dev))
+
+    return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),
+            ("02", "`tc`", "bf16, fp16", tc_tiles("tc")), ("02", "`pipelined`", "bf16, fp16", tc_tiles("pipelined")),
+            ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32), ("03", "`tc`", "bf16, fp16", bw_tc)]
 
 
 def gpu_table():
-    """Markdown: per kernel version and GPU class, the head dims whose shared memory fits (and the instructions)."""
-    head = ["stage", "version", "dtypes", "shared memory / block, KB (d = " + "/".join(map(str, (32, 64, 96, 128)))
-            + ")"] + [f"{arch} ({name}; {lim // 1024} KB)" for arch, name, cc, lim in GPU_CLASSES]
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] + ["---"] * len(GPU_CLASSES)) + "|"]
-    for stage, version, dtypes, need_cc, smem in _versions():
-        kb = "/".join(f"{-(-smem[d] // 1024)}" if d in smem else "-" for d in (32, 64, 96, 128))
+    """Markdown: per kernel version and architecture, the tiles (Br x Bc) its launcher picks at d = 32/64/96/128
+    (s: V_j shares K_j's buffer), "no" with the reason where it cannot run."""
+    import importlib
+
+    device = importlib.import_module("stages.common.device")
+    archs = [device.emulate(a) for a in device.ARCHS]
+    head = ["stage", "version", "dtypes"] + [f"{d.arch.name} ({d.arch.gpus}; {d.smem_optin // 1024} KB)"
+                                             for d in archs]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    for stage, version, dtypes, tiles in _versions():
         cells = []
-        for _, _, cc, lim in GPU_CLASSES:
-            fits = [d for d in sorted(smem) if smem[d] <= lim]
-            if cc < need_cc:
-                cells.append("no (sm_80 instructions)")
-            elif not fits:
-                cells.append("no (shared memory)")
-            elif len(fits) == len(smem):
-                cells.append("yes")
-            else:
-                cells.append("d = " + ", ".join(map(str, fits)))
-        out.append("| " + " | ".join([stage, version, dtypes, kb] + cells) + " |")
+        for dev in archs:
+            got = []
+            for D in HEAD_DIMS:
+                try:
+                    got.append(tiles(dev, D))
+                except device.UnsupportedDevice as e:
+                    got.append("no" if "shared memory" in str(e) else "sm_80")
+            cells.append("needs sm_80" if set(got) <= {"sm_80", "-"} else " / ".join(got))
+        out.append("| " + " | ".join([stage, version, dtypes] + cells) + " |")
     return "\n".join(out)
 
 

@@ -16,10 +16,12 @@ in natural log.
 Stage 02 is the FORWARD pass only; the FlashAttention-2 backward is stage 03. `backward` is here only so
 that every stage has the same API: it hands over to stage 03.
 """
+from typing import NamedTuple
+
 import numpy as np
 
 from stages.common import (
-    bfloat16, check_attention_inputs, check_causal, check_out_dtype, empty, load_module, resolve_scale,
+    bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, empty, load_module, resolve_scale,
 )
 
 from . import mirror
@@ -45,26 +47,82 @@ def _fp32x3():
     return fp32x3
 
 
-def fp32_config(D):
-    """(TM, NWARPS) of the fp32 kernel: TM rows of Q_i per lane, Br = NWARPS * 4 * TM = 128 rows of Q_i.
-    d <= 64: TM = 8 with 4 warps (each lane's TM x 8 block of S_ij reuses every value it reads 8 times);
-    d > 64: TM = 4 with 8 warps (O_i's TM x d/8 block per lane grows with d, and TM = 8 would not fit in the
-    registers). `python scripts/sweep_flash_v2.py` times the alternatives."""
-    return (8, 4) if D <= 64 else (4, 8)
+class Fp32Config(NamedTuple):
+    """Launch configuration of the fp32 kernel: TM rows of Q_i per lane and NWARPS warps (Br = NWARPS * 4 * TM);
+    ASYNC_V: V_j by cp.async while S_ij is computed (sm_80+, head_dim % 4 == 0); PREFETCH_K: K_{j+1} read into
+    registers during P~_ij V_j; SHARE_KV: V_j loaded into K_j's buffer after S_ij (one buffer less)."""
+    tm: int
+    nwarps: int
+    async_v: bool = True
+    prefetch_k: bool = True
+    share_kv: bool = False
+
+    @property
+    def br(self):
+        return self.nwarps * 4 * self.tm
+
+    @property
+    def threads(self):
+        return 32 * self.nwarps
+
+    def defines(self, D):
+        return {"HEAD_DIM": D, "TM": self.tm, "NWARPS": self.nwarps, "ASYNC_V": int(self.async_v),
+                "PREFETCH_K": int(self.prefetch_k), "SHARE_KV": int(self.share_kv)}
+
+
+def fp32_candidates(D, dev=None):
+    """The fp32 kernel's configurations at head dim D, first choice first. d <= 64: TM = 8 with 4 warps (each lane's
+    TM x 8 block of S_ij reuses every value it reads 8 times); d > 64: TM = 4 with 8 warps (O_i's TM x d/8 block per
+    lane grows with d, and TM = 8 would not fit in the registers). Then smaller Q tiles for GPUs with less shared
+    memory (Br = 64, Br = 32) and, last, Br = 32 with V_j in K_j's buffer (a T4 at d > 64). ASYNC_V where the
+    architecture has cp.async (dev None: assumed) and rows are 16-byte aligned. `python scripts/sweep_flash_v2.py`
+    times the alternatives."""
+    async_v = D % 4 == 0 and (dev is None or dev.arch.cp_async)
+    first = Fp32Config(8, 4, async_v) if D <= 64 else Fp32Config(4, 8, async_v)
+    return [first, Fp32Config(4, 4, async_v), Fp32Config(4, 2, async_v), Fp32Config(4, 2, False, False, True)]
 
 
 def fp32_smem_bytes(D, config=None):
-    """Shared memory of the fp32 kernel: Q_i^T, K_j^T, V_j (head dim padded to 32) and P~_ij^T (rows + 4)."""
-    tm, nwarps = tuple(config or fp32_config(D))[:2]
-    br, dp = nwarps * 4 * tm, -(-D // 32) * 32
-    return 4 * (dp * br + 2 * dp * FP32_BC + FP32_BC * (br + 4))
+    """Shared memory of the fp32 kernel: Q_i^T, K_j^T, V_j (head dim padded to 32; V_j in K_j's buffer with
+    SHARE_KV) and P~_ij^T (rows + 4)."""
+    cfg = _fp32_cfg(D, config)
+    dp = -(-D // 32) * 32
+    return 4 * (dp * cfg.br + (1 if cfg.share_kv else 2) * dp * FP32_BC + FP32_BC * (cfg.br + 4))
+
+
+def _fp32_cfg(D, config):
+    """config as an Fp32Config: None -> the first candidate; a tuple (TM, NWARPS[, ASYNC_V[, PREFETCH_K[,
+    SHARE_KV]]]) -> with the kernel's defaults for the missing fields."""
+    if config is None:
+        return fp32_candidates(D)[0]
+    return config if isinstance(config, Fp32Config) else Fp32Config(*config)
+
+
+def fp32_config(D, dev=None, blocks=None):
+    """The fp32 kernel's configuration at head dim D on device dev (None: the first candidate). blocks(cfg): the
+    problem's block count; when the choice leaves SMs idle (blocks < SM count), the next smaller Q tile that fits
+    is taken (twice the blocks)."""
+    cands = fp32_candidates(D, dev)
+    if dev is None:
+        return cands[0]
+    cfg = device.pick(cands, lambda c: fp32_smem_bytes(D, c), dev, what=f"flash_v2 version 'fp32' d={D}")
+    n = cands.index(cfg)
+    if blocks is not None and blocks(cfg) < dev.sm_count and n + 1 < len(cands) - 1:
+        cfg = cands[n + 1]  # never the SHARE_KV fallback: it is for shared memory, not for SM count
+    return cfg
+
+
+def fp32_reachable(D, dev):
+    """Every configuration fp32_config can return on dev."""
+    cands = fp32_candidates(D, dev)
+    first = cands.index(device.pick(cands, lambda c: fp32_smem_bytes(D, c), dev, what=""))
+    return cands[first:first + 2] if first + 1 < len(cands) - 1 else cands[first:first + 1]
 
 
 def tiles(version, D, causal=False):
     """(Br, Bc) of a version at head dim D: the kernel's tiles, which the mirror uses too."""
     if version == "fp32":
-        tm, nwarps = fp32_config(D)
-        return nwarps * 4 * tm, FP32_BC
+        return fp32_config(D).br, FP32_BC
     if version == "fp32x3":
         return _fp32x3().tiles(D, causal)
     return _tc().tiles(version, D, causal)
@@ -115,8 +173,8 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
 
     o is in the inputs' dtype, or in float32 with out_dtype=np.float32: O_i = diag(l_i)^-1 O_i straight from
     the float32 accumulators, not rounded to 16 bits (the ring merges such partial results).
-    config: the fp32 CUDA kernel only, (TM, NWARPS[, ASYNC_V[, PREFETCH_K]]) instead of fp32_config(D)
-    (scripts/sweep_flash_v2.py times several); None: the default."""
+    config: the fp32 CUDA kernel only, an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) instead
+    of the device's choice (scripts/sweep_flash_v2.py times several); None: the device's choice."""
     all_dtypes = sorted({d for ds in DTYPES.values() for d in ds}, key=str)
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=all_dtypes, where="flash_v2.forward")
     causal = check_causal(causal, "flash_v2.forward")
@@ -138,17 +196,11 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     return _fp32_forward(q, k, v, causal=causal, scale=scale, config=config)
 
 
-def _fp32_kernel(D, config=None):
-    """The compiled fp32 kernel for head dim D (one NVRTC module per configuration, cached) and its smem.
-    config: (TM, NWARPS[, ASYNC_V[, PREFETCH_K]]); the kernel's defaults: ASYNC_V (V_j by cp.async) when
-    HEAD_DIM % 4 == 0, PREFETCH_K (K_{j+1} fetched into registers during P~_ij V_j) on."""
-    config = tuple(config or fp32_config(D))
-    tm, nwarps = config[:2]
-    defines = {"HEAD_DIM": D, "TM": tm, "NWARPS": nwarps}
-    defines.update({name: int(x) for name, x in zip(("ASYNC_V", "PREFETCH_K"), config[2:])})
-    mod = load_module("flash_v2_forward_fp32.cu", defines=defines)
+def _fp32_kernel(D, cfg):
+    """The compiled fp32 kernel for head dim D and configuration cfg (one NVRTC module each, cached), its smem."""
+    mod = load_module("flash_v2_forward_fp32.cu", defines=cfg.defines(D))
     kern = mod.get_function("flash_v2_forward_fp32")
-    smem = fp32_smem_bytes(D, (tm, nwarps))
+    smem = fp32_smem_bytes(D, cfg)
     if smem > 48 * 1024:  # above 48 KB a block must opt in to more dynamic shared memory
         kern.max_dynamic_shared_size_bytes = smem
     return kern, smem
@@ -156,32 +208,46 @@ def _fp32_kernel(D, config=None):
 
 def _fp32_forward(q, k, v, *, causal, scale, config=None):
     """Launch kernels/flash_v2_forward_fp32.cu on CuPy float32 arrays (already checked).
-    config: (TM, NWARPS[, ASYNC_V[, PREFETCH_K]]) to override fp32_config (scripts/sweep_flash_v2.py)."""
+    config: an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) to override the device's choice
+    (scripts/sweep_flash_v2.py)."""
     import cupy
 
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    config = tuple(config or fp32_config(D))
-    tm, nwarps = config[:2]
+    dev = device.device()
+    cfg = (_fp32_cfg(D, config) if config is not None else
+           fp32_config(D, dev, blocks=lambda c: B * H * -(-Nq // c.br)))
+    if cfg.async_v and not dev.arch.cp_async:
+        raise device.UnsupportedDevice(f"flash_v2 fp32: ASYNC_V needs cp.async (sm_80+); {dev.name} is "
+                                       f"{dev.arch.name}")
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
     o = empty(cupy, (B, H, Nq, D), np.float32)  # (B, H, Nq, D), NaN-poisoned under the tests
     lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    kern, smem = _fp32_kernel(D, config)
-    br = nwarps * 4 * tm
-    kern((-(-Nq // br), B * H), (32 * nwarps,),  # grid (Tr, B*H): one block per (Q tile i, head)
+    kern, smem = _fp32_kernel(D, cfg)
+    kern((-(-Nq // cfg.br), B * H), (cfg.threads,),  # grid (Tr, B*H): one block per (Q tile i, head)
          (q, k, v, o, lse, np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(causal)),
          shared_mem=smem)
     return o, lse
 
 
+# Head dims CI compiles the fp32 kernel at: each candidate configuration's range, odd dims, non-multiples of 4.
+FP32_COMPILE_DIMS = (1, 7, 16, 32, 64, 80, 100, 128)
+
+
+def kernel_plans(dev):
+    """[device.KernelPlan] of every kernel stage 02 may launch on dev (the fp32 kernel at FP32_COMPILE_DIMS)."""
+    out = [device.KernelPlan("flash_v2_forward_fp32.cu", cfg.defines(D), "flash_v2_forward_fp32",
+                             fp32_smem_bytes(D, cfg), 0, cfg.threads)
+           for D in FP32_COMPILE_DIMS for cfg in fp32_reachable(D, dev)]
+    return out + _tc().kernel_plans(dev) + _fp32x3().kernel_plans(dev)
+
+
 def kernel_sources():
-    """(file, defines, name expressions) of every kernel stage 02 launches, for the NVRTC compile tests:
-    the fp32 kernel at a spread of head dims (each config it uses, odd dims, and non-multiples of 4), and
-    every tensor-core template instantiation tc.py and fp32x3.py launch."""
-    out = [("flash_v2_forward_fp32.cu", {"HEAD_DIM": D, "TM": tm, "NWARPS": nw}, ())
-           for D in (1, 7, 16, 32, 64, 80, 100, 128) for tm, nw in [fp32_config(D)]]
-    out += [("flash_v2_forward_fp32.cu", {"HEAD_DIM": D, "TM": tm, "NWARPS": nw, "PREFETCH_K": 0, "ASYNC_V": 0}, ())
-            for D in (64, 128) for tm, nw in [fp32_config(D)]]  # simpler variants (scripts/sweep_flash_v2.py)
+    """(file, defines, name expressions) of every kernel stage 02 may launch on any architecture, for the NVRTC
+    compile tests."""
+    plans = {p for a in device.ARCHS for p in kernel_plans(device.emulate(a))}
+    out = sorted({(p.file, tuple(sorted(p.defines.items()))) for p in plans if p.file.endswith("fp32.cu")})
+    out = [(f, dict(d), ()) for f, d in out]
     out += [(f, {}, tuple(names)) for f, names in _tc().kernel_sources()]
     out += [(f, {}, tuple(names)) for f, names in _fp32x3().kernel_sources()]
     return out

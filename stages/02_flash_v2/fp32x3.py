@@ -8,48 +8,77 @@ big + small TF32 parts, three mma per product, V in three parts: close to fp32 a
 buffering. Head dims 32, 64, 96, 128; any Nq, Nk; causal aligned bottom-right (query i sees key j iff
 j <= i + Nk - Nq).
 """
+from typing import NamedTuple
+
 import numpy as np
 
-from stages.common import empty, load_module
+from stages.common import device, empty, load_module
 
 HEAD_DIMS = (32, 64, 96, 128)
 LOG2E = 1.4426950408889634
 FILE = "flash_v2_forward_fp32x3.cu"
 
-# Launch configuration per (head dim, causal): (Bc, NWARPS warps, MT m-tiles of 16 rows per warp, MINB blocks per
-# SM the registers must allow, SU unroll of the S k loop). Br = 16 * MT * NWARPS = 128 everywhere.
-# Why these: at d <= 64 each warp takes two m-tiles (MT = 2), so every K/V fragment it splits feeds two mma; from
-# d = 96 on, O_i's accumulators (16 * MT x d per warp) leave no registers for a second m-tile, so 8 warps take one
-# each. Bc = 32 keeps S_ij's accumulators small beside O_i's; d = 128 non-causal takes 64-key tiles (half the
-# barriers per key). Among the configurations that fit, these were the fastest when timed with scripts/bench.py.
-# Shared memory 4 (Br (D + 8) + 2 Bc (D + 8) + 2 Bc (D + 4)) bytes: at most 202 KB (d = 128, Bc = 64), more than an
-# A100 allows a block (163 KB): that configuration needs sm_90.
-CONFIG = {
-    (32, False): (32, 4, 2, 2, 2), (32, True): (32, 4, 2, 2, 2),
-    (64, False): (32, 4, 2, 2, 2), (64, True): (32, 4, 2, 2, 2),
-    (96, False): (32, 8, 1, 1, 2), (96, True): (32, 8, 1, 1, 2),
-    (128, False): (64, 8, 1, 1, 2), (128, True): (32, 8, 1, 1, 2),
+
+class Config(NamedTuple):
+    """One launch configuration: K/V tiles of Bc keys, NWARPS warps of MT m-tiles (16 rows each: Br = 16 MT NWARPS),
+    MINB blocks per SM the registers must allow, SU unroll of the S k loop."""
+    bc: int
+    nwarps: int
+    mt: int
+    minb: int
+    su: int
+
+    @property
+    def br(self):
+        return 16 * self.mt * self.nwarps
+
+    @property
+    def threads(self):
+        return 32 * self.nwarps
+
+
+# Candidates per (head dim, causal), first choice first. At d <= 64 each warp takes two m-tiles (MT = 2), so every
+# K/V fragment it splits feeds two mma; from d = 96 on, O_i's accumulators (16 MT x d per warp) leave no registers
+# for a second m-tile, so 8 warps take one each. Bc = 32 keeps S_ij's accumulators small beside O_i's; d = 128
+# non-causal takes 64-key tiles (half the barriers per key) where the shared memory allows (202 KB: sm_90 only).
+# The later candidates are for GPUs with less shared memory: Br = 64 (4 warps), then Bc = 16.
+_SMALL = [Config(32, 4, 1, 2, 2), Config(16, 4, 1, 2, 2)]
+CANDIDATES = {
+    (32, False): [Config(32, 4, 2, 2, 2)] + _SMALL, (32, True): [Config(32, 4, 2, 2, 2)] + _SMALL,
+    (64, False): [Config(32, 4, 2, 2, 2)] + _SMALL, (64, True): [Config(32, 4, 2, 2, 2)] + _SMALL,
+    (96, False): [Config(32, 8, 1, 1, 2)] + _SMALL, (96, True): [Config(32, 8, 1, 1, 2)] + _SMALL,
+    (128, False): [Config(64, 8, 1, 1, 2), Config(32, 8, 1, 1, 2)] + _SMALL,
+    (128, True): [Config(32, 8, 1, 1, 2)] + _SMALL,
 }
+FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
 
 
-def config(D, causal=False):
-    """(Bc, NWARPS, MT, MINB, SU) of the kernel at head dim D, or a ValueError naming the supported head dims."""
+def _check(D):
     if D not in HEAD_DIMS:
         raise ValueError(f"flash_v2 version 'fp32x3': head_dim {D} is not supported; use one of {HEAD_DIMS}, or "
                          "version='fp32' (any head_dim 1..128)")
-    return CONFIG[(D, bool(causal))]
-
-
-def tiles(D, causal=False, cfg=None):
-    """(Br, Bc) of the kernel at head dim D."""
-    bc, nwarps, mt = tuple(cfg or config(D, causal))[:3]
-    return 16 * mt * nwarps, bc
 
 
 def smem_bytes(D, causal=False, cfg=None):
     """Dynamic shared memory per block: Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4] floats."""
-    br, bc = tiles(D, causal, cfg)
-    return 4 * (br * (D + 8) + 2 * bc * (D + 8) + 2 * bc * (D + 4))
+    cfg = cfg or config(D, causal)
+    return 4 * (cfg.br * (D + 8) + 2 * cfg.bc * (D + 8) + 2 * cfg.bc * (D + 4))
+
+
+def config(D, causal=False, dev=None):
+    """The configuration at head dim D on device dev (None: the first candidate), or a ValueError naming the
+    supported head dims."""
+    _check(D)
+    cands = CANDIDATES[(D, bool(causal))]
+    if dev is None:
+        return cands[0]
+    return device.pick(cands, lambda c: smem_bytes(D, causal, c), dev, what=f"flash_v2 version 'fp32x3' d={D}")
+
+
+def tiles(D, causal=False, cfg=None):
+    """(Br, Bc) of the kernel at head dim D."""
+    cfg = cfg or config(D, causal)
+    return cfg.br, cfg.bc
 
 
 def name(D, cfg):
@@ -57,20 +86,30 @@ def name(D, cfg):
     return f"flash_v2_forward_fp32x3<{D},{','.join(map(str, cfg))}>"
 
 
+def kernel_plans(dev):
+    """[device.KernelPlan] of every instantiation forward may launch on dev."""
+    if dev.arch.cc < 80:
+        return []
+    plans = {(D, config(D, causal, dev)) for D, causal in CANDIDATES}
+    return [device.KernelPlan(FILE, {}, name(D, c), smem_bytes(D, False, c), 0, c.threads) for D, c in sorted(plans)]
+
+
 def kernel_sources():
-    """(file, name expressions) of every instantiation forward launches: CI compiles each for sm_80 and sm_90."""
-    return [(FILE, sorted({name(D, cfg) for (D, _), cfg in CONFIG.items()}))]
+    """(file, name expressions) of every instantiation forward may launch on any architecture."""
+    return [(FILE, sorted({p.name for a in device.ARCHS for p in kernel_plans(device.emulate(a))}))]
 
 
 def forward(q, k, v, *, causal=False, scale, cfg=None):
     """o (B, H, Nq, D) float32 and lse (B, H, Nq) float32 for CuPy float32 q, k, v already validated by
-    flash_v2.forward; scale is a float. cfg: (Bc, NWARPS, MT, MINB, SU) to override CONFIG (tuning runs)."""
+    flash_v2.forward; scale is a float. cfg: a Config to override the device's choice (tuning runs)."""
     import cupy
 
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    cfg = tuple(cfg or config(D, causal))
-    br, _ = tiles(D, causal, cfg)
+    dev = device.device()
+    device.require(dev, FEATURES, what="flash_v2 version 'fp32x3' (TF32 tensor cores)",
+                   instead="On this GPU use version 'fp32' (CUDA cores, float32 accuracy)")
+    cfg = Config(*cfg) if cfg is not None else config(D, causal, dev)
     if B * H > 65535:
         raise ValueError(f"flash_v2 version 'fp32x3': batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
@@ -82,7 +121,7 @@ def forward(q, k, v, *, causal=False, scale, cfg=None):
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
     o = empty(cupy, (B, H, Nq, D), np.float32)  # (B, H, Nq, D), NaN-poisoned under the tests
     lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    kern((-(-Nq // br), B * H), (32 * cfg[1],),  # grid (Tr, B*H): one block per (Q tile i, head)
+    kern((-(-Nq // cfg.br), B * H), (cfg.threads,),  # grid (Tr, B*H): one block per (Q tile i, head)
          (q, k, v, o, lse, np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(bool(causal))),
          shared_mem=smem)
     return o, lse

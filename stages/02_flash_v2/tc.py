@@ -12,9 +12,11 @@ Called by flash_v2.forward (which validates the inputs); kernels:
 fp16 / bf16 in, fp32 accumulation, o in the inputs' dtype, lse float32 (B, H, Nq), natural log.
 Head dims 32, 64, 96, 128; any Nq, Nk; causal aligned bottom-right (query i sees key j iff j <= i + Nk - Nq).
 """
+from typing import NamedTuple
+
 import numpy as np
 
-from stages.common import bfloat16, empty, load_module
+from stages.common import bfloat16, device, empty, load_module
 
 VERSIONS = ("tc", "pipelined")
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128)}
@@ -25,64 +27,119 @@ HEAD_GROUP = 8  # version 3, causal: heads per group in the block order (longest
 _CTYPE = {np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
 _FILE = {"tc": "flash_v2_forward_tc.cu", "pipelined": "flash_v2_forward_pipelined.cu"}
 
-# Launch configuration per (version, head dim): (NWARPS warps, MT m-tiles of 16 rows per warp, Bc, SUB, MINB),
-# plus SKIP for version 3 (skip the rescale of O_i by alpha = 1 when no row of a warp's m-tile changed its max).
-# Br = 16 * MT * NWARPS rows of Q_i per block; every warp owns 16 * MT rows of Q_i. Version 3 computes each
-# K/V tile in slices of SUB keys and asks the compiler to fit MINB blocks per SM (registers per thread
-# <= 65536 / (MINB * 32 * NWARPS)).
-# Why these tiles: version 2 keeps the simplest layout (4 warps x 16 rows, Bc = 64). Version 3 gives each warp 32
-# rows (MT = 2, Br = 128, FA2's layout) so every K/V fragment read from shared memory feeds two mma; Bc = 64 in
-# one slice (SUB = Bc) keeps a warp's S (32 x 64) beside its O_i (32 x d) within one thread's registers even at
-# d = 128, with two blocks per SM (MINB = 2) to hide each other's latency; larger Bc or smaller slices timed
-# slower. SKIP is on at d = 128 only: there the rescale of O_i is d / 2 multiplies per row and skipping it also
-# frees registers; at smaller head dims the vote that decides it costs more than the multiplies it saves.
-CONFIG = {
-    "tc": {32: (4, 1, 64, 64, 1), 64: (4, 1, 64, 64, 1), 96: (4, 1, 64, 64, 1), 128: (4, 1, 64, 64, 1)},
-    "pipelined": {32: (4, 2, 64, 64, 2, 0), 64: (4, 2, 64, 64, 2, 0), 96: (4, 2, 64, 64, 2, 0),
-                  128: (4, 2, 64, 64, 2, 1)},
+class Config(NamedTuple):
+    """One launch configuration of a tensor-core forward: NWARPS warps, each owning MT m-tiles of 16 rows of Q_i
+    (Br = 16 MT NWARPS), K/V tiles of Bc keys computed in slices of SUB keys, MINB blocks per SM the registers must
+    allow (registers per thread <= 65536 / (MINB * 32 * NWARPS)), SKIP (version "pipelined": skip the rescale of
+    O_i by alpha = 1 when no row of a warp's m-tile changed its max)."""
+    nwarps: int
+    mt: int
+    bc: int
+    sub: int
+    minb: int
+    skip: bool
+
+    @property
+    def br(self):
+        return 16 * self.mt * self.nwarps
+
+    @property
+    def threads(self):
+        return 32 * self.nwarps
+
+
+# Why these tiles: version "tc" keeps the simplest layout (4 warps x 16 rows, Bc = 64) and static shared memory
+# (at most 48 KB at d = 128: it fits every GPU). Version "pipelined" gives each warp 32 rows (MT = 2, Br = 128,
+# FA2's layout) so every K/V fragment read from shared memory feeds two mma; Bc = 64 in one slice (SUB = Bc) keeps
+# a warp's S (32 x 64) beside its O_i (32 x d) within one thread's registers even at d = 128, with two blocks per
+# SM (MINB = 2) to hide each other's latency. SKIP is on at d = 128 only: there the rescale of O_i is d / 2
+# multiplies per row and skipping it also frees registers; at smaller head dims the vote that decides it costs
+# more than the multiplies it saves. The second candidate halves Br (MT = 1): it is what a GPU with less shared
+# memory gets (d = 128 needs 102 KB at Br = 128, 87 KB at Br = 64: an RTX 3090 / 4090, A10 or L4 allows 99 KB),
+# and what a problem too small to give every SM a block gets (twice the blocks).
+CANDIDATES = {
+    "tc": lambda D: [Config(4, 1, 64, 64, 1, False)],
+    "pipelined": lambda D: [Config(4, 2, 64, 64, 2, D == 128), Config(4, 1, 64, 64, 2, D == 128)],
 }
+# What each version needs from the architecture (stages/common/device.py).
+FEATURES = {"tc": ("mma_k16",), "pipelined": ("mma_k16", "cp_async")}
 
 
-def _config(version, D):
+def _check(version, D):
     if version not in VERSIONS:
         raise ValueError(f"flash_v2 tensor cores: unknown version {version!r}; choose one of {VERSIONS}")
     if D not in HEAD_DIMS[version]:
         raise ValueError(f"flash_v2 version {version!r}: head_dim {D} is not supported; use one of "
                          f"{HEAD_DIMS[version]}, or version='fp32' with float32 inputs")
-    return CONFIG[version][D]
+
+
+def smem_bytes(version, D, cfg=None):
+    """Shared memory per block: version "tc" holds Q_i, K_j, V_j unpadded (static); version "pipelined" holds Q_i
+    and two buffers each of K_j and V_j, every row padded by 8 elements (16 bytes), 2 bytes per element."""
+    cfg = cfg or CANDIDATES[version](D)[0]
+    if version == "tc":
+        return 2 * (cfg.br + 2 * cfg.bc) * D
+    return 2 * (cfg.br + 4 * cfg.bc) * (D + 8)
+
+
+def config(version, D, dev=None, blocks=None):
+    """The configuration of `version` at head dim D on device dev (stages.common.device; None: the first
+    candidate, what a GPU with room for it gets). blocks(cfg): the problem's block count under cfg; when the first
+    candidate leaves SMs idle (blocks < SM count) a smaller Br that fits is taken instead."""
+    _check(version, D)
+    cands = CANDIDATES[version](D)
+    if dev is None:
+        return cands[0]
+    fitting = [c for c in cands if device.fits(dev, smem_bytes(version, D, c))]
+    cfg = device.pick(cands, lambda c: smem_bytes(version, D, c), dev, what=f"flash_v2 version {version!r} d={D}")
+    if blocks is not None and blocks(cfg) < dev.sm_count and len(fitting) > 1:
+        cfg = fitting[-1]
+    return cfg
 
 
 def tiles(version, D, causal=False):
-    """(Br, Bc): the Q_i and K_j/V_j tile heights the launcher uses for this version and head dim."""
-    nwarps, mt, bc = _config(version, D)[:3]
-    return 16 * mt * nwarps, bc
+    """(Br, Bc): the Q_i and K_j/V_j tile heights of the version's first configuration (the mirror's tiles)."""
+    cfg = config(version, D)
+    return cfg.br, cfg.bc
 
 
-def smem_bytes(version, D):
-    """Shared memory per block: version 2 holds Q_i, K_j, V_j unpadded (static); version 3 holds Q_i and two
-    buffers each of K_j and V_j, every row padded by 8 elements (16 bytes), 2 bytes per element."""
-    nwarps, mt, bc = _config(version, D)[:3]
-    br = 16 * mt * nwarps
-    if version == "tc":
-        return 2 * (br + 2 * bc) * D
-    return 2 * (br + 4 * bc) * (D + 8)
-
-
-def _name(version, ctype, D, otype=None):
-    """The template instantiation of one (version, input type, head dim, output type: the input type, or float
-    for a block's unrounded partial result)."""
-    nwarps, mt, bc, sub, minb = _config(version, D)[:5]
+def _name(version, ctype, D, cfg, otype=None):
+    """The template instantiation of one (version, input type, head dim, configuration, output type: the input
+    type, or float for a block's unrounded partial result)."""
     otype = otype or ctype
     if version == "tc":
-        return f"flash_v2_forward_tc<{ctype},{otype},{D},{bc},{nwarps}>"
-    skip = "true" if _config(version, D)[5] else "false"
-    return f"flash_v2_forward_pipelined<{ctype},{otype},{D},{bc},{nwarps},{mt},{sub},{minb},{skip}>"
+        return f"flash_v2_forward_tc<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps}>"
+    skip = "true" if cfg.skip else "false"
+    return (f"flash_v2_forward_pipelined<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps},{cfg.mt},{cfg.sub},{cfg.minb},"
+            f"{skip}>")
+
+
+def reachable(version, D, dev):
+    """Every configuration config() can return on dev (for any problem): the candidates that fit."""
+    fit = [c for c in CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
+    return fit if not dev.arch.cc < 80 else []
+
+
+def kernel_plans(dev):
+    """[device.KernelPlan] of every instantiation this module may launch on dev (CI compiles each for dev's
+    architecture and checks it against dev's limits)."""
+    out = []
+    for ver in VERSIONS:
+        for D in HEAD_DIMS[ver]:
+            for cfg in reachable(ver, D, dev):
+                smem = smem_bytes(ver, D, cfg)
+                for c in _CTYPE.values():
+                    for o in (c, "float"):
+                        out.append(device.KernelPlan(_FILE[ver], {}, _name(ver, c, D, cfg, o),
+                                                     0 if ver == "tc" else smem, smem if ver == "tc" else 0,
+                                                     cfg.threads))
+    return out
 
 
 def kernel_sources():
-    """(file, name expressions) of every kernel this module launches: CI compiles each for sm_80 and sm_90."""
-    return [(_FILE[ver], [_name(ver, c, D, o) for c in _CTYPE.values() for o in (c, "float") for D in HEAD_DIMS[ver]])
-            for ver in VERSIONS]
+    """(file, name expressions) of every kernel this module may launch on any architecture."""
+    plans = {p for a in device.ARCHS for p in kernel_plans(device.emulate(a))}
+    return [(f, sorted({p.name for p in plans if p.file == f})) for f in _FILE.values()]
 
 
 def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
@@ -95,27 +152,30 @@ def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
     dtype = np.dtype(q.dtype)
     if dtype not in _CTYPE:
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
-    nwarps, mt, bc = _config(version, D)[:3]
-    br = 16 * mt * nwarps
+    dev = device.device()
+    device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
+                   what=f"flash_v2 version {version!r} ({dtype})",
+                   instead="On this GPU use float32 inputs with version 'fp32' (CUDA cores)")
     if B * H > 65535:
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
+    cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br))
     odtype = np.dtype(out_dtype or dtype)
-    name = _name(version, _CTYPE[dtype], D, "float" if odtype == np.float32 else None)
+    name = _name(version, _CTYPE[dtype], D, cfg, "float" if odtype == np.float32 else None)
     # one module per (version, head dim, dtype, tiles): compiled once, then cached by load_module
     kern = load_module(_FILE[version], name_expressions=(name,)).get_function(name)
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
     o = empty(cupy, (B, H, Nq, D), odtype)  # (B, H, Nq, D)
     lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    Tr = -(-Nq // br)
+    Tr = -(-Nq // cfg.br)
     args = (q, k, v, o, lse, np.int32(Nq), np.int32(Nk))
     if version == "tc":  # one block per (Q tile i, head)
-        kern((Tr, B * H), (32 * nwarps,), args + (np.float32(scale), np.int32(causal)))
+        kern((Tr, B * H), (cfg.threads,), args + (np.float32(scale), np.int32(causal)))
     else:  # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel)
         grid = (B * H * Tr,) if causal else (Tr, B * H)
-        smem = smem_bytes(version, D)
+        smem = smem_bytes(version, D, cfg)
         if smem > 48 * 1024:  # more than 48 KB of dynamic shared memory must be asked for
             kern.max_dynamic_shared_size_bytes = smem
-        kern(grid, (32 * nwarps,), args + (np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(HEAD_GROUP)),
+        kern(grid, (cfg.threads,), args + (np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(HEAD_GROUP)),
              shared_mem=smem)
     return o, lse

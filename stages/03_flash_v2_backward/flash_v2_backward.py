@@ -16,7 +16,7 @@ order: dq, dk, dv are bit-identical across runs (dk, dv always are), at the cost
 import numpy as np
 
 from stages.common import (
-    bfloat16, check_backward_inputs, check_causal, check_out_dtype, empty, load_module, resolve_scale,
+    bfloat16, check_backward_inputs, check_causal, check_out_dtype, device, empty, load_module, resolve_scale,
 )
 
 from . import mirror
@@ -43,6 +43,21 @@ TC_CHUNK = {64: 64, 128: 64}  # query rows per chunk (BRC) of a Q tile: S^T, dP^
 # False: grid (BH, Tc), every head's j = 0 block first: under causal those have the most Q tiles, so the long
 # blocks start first and the short ones fill the tail.
 TC_J_FAST = {False: True, True: False}
+
+
+# The tc kernel's (Br, Bc) per head dim, first choice first (TC_BR[D], TC_BC[D]); the later ones are for GPUs with
+# less shared memory: (Br, Bc) = (128, 128) at d = 64 needs 178 KB and (64, 128) at d = 128 needs 173 KB, more than
+# an A100 allows a block (163 KB); Bc = 64 (4 warps) and Br = 64 / 32 fit an A100, then an RTX 3090 / 4090 (99 KB).
+TC_CANDIDATES = {64: [(128, 128), (64, 128), (64, 64)], 128: [(64, 128), (64, 64), (32, 64)]}
+FEATURES = {"fp32": (), "tc": ("mma_k16", "cp_async")}
+
+
+def tc_tiles(D, dev=None):
+    """(Br, Bc) of the tc kernel at head dim D on device dev (None: the first candidate)."""
+    cands = TC_CANDIDATES[D]
+    if dev is None:
+        return cands[0]
+    return device.pick(cands, lambda c: smem_bytes("tc", D, *c)[0], dev, what=f"flash_v2_backward version 'tc' d={D}")
 
 
 def resolve_version(version, dtype):
@@ -174,6 +189,10 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     BH = B * H
     dtype = np.dtype(q.dtype)
     ctype = _CTYPE[dtype]
+    dev = device.device()
+    device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
+                   what=f"flash_v2_backward version {version!r} ({dtype})",
+                   instead="On this GPU use float32 inputs (version 'fp32', CUDA cores)")
     q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
     i32, f32 = np.int32, np.float32
@@ -194,9 +213,17 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
 
     odtype = np.dtype(out_dtype)
     br, bc = tc_config.get("br"), tc_config.get("bc")
+    if version == "tc" and br is None and bc is None:
+        br, bc = tc_tiles(D, dev)
     names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc)
     mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
     smem_main, smem_dq = smem_bytes(version, D, br, bc)
+    for what, need in (("", smem_main), (" with deterministic=True (its dQ pass)", smem_dq if deterministic else 0)):
+        if not device.fits(dev, need):
+            raise device.UnsupportedDevice(
+                f"flash_v2_backward version {version!r} d={D}{what} needs {need // 1024} KB of shared memory per "
+                f"block; {dev.name} ({dev.arch.name}) allows {dev.smem_optin // 1024} KB"
+                + ("; use deterministic=False" if what else "; use head_dim 64 or less, or stage 00"))
     dk, dv = empty(cupy, k.shape, odtype), empty(cupy, v.shape, odtype)
     main = _function(mod, names[0] if not deterministic else names[1], smem_main)
     if version == "fp32":
@@ -230,16 +257,36 @@ def backward_flops(B, H, Nq, Nk, D, causal):
     return 2.5 * 4.0 * B * H * Nq * Nk * D * (0.5 if causal else 1.0)
 
 
-def kernel_sources():
-    """(file, name expressions) of every kernel this stage launches: CI compiles each for sm_80 and sm_90."""
-    out = [("flash_v2_backward_pre.cu", PRE_NAMES)]
+def kernel_plans(dev):
+    """[device.KernelPlan] of every kernel this stage may launch on dev (the tc kernels at dev's (Br, Bc); the
+    deterministic dQ pass and the fp32 kernels where their shared memory fits)."""
+    out = [device.KernelPlan("flash_v2_backward_pre.cu", {}, n, 0, 0, 256) for n in PRE_NAMES]
     for D in HEAD_DIMS["fp32"]:
-        out.append(("flash_v2_backward_fp32.cu", _names("fp32", "float", D)))
+        main, dq = smem_bytes("fp32", D)
+        names = _names("fp32", "float", D)
+        out += [device.KernelPlan("flash_v2_backward_fp32.cu", {}, n, sm, 0, 256)
+                for n, sm in zip(names, (main, main, dq)) if device.fits(dev, sm)]
+    if dev.arch.cc < 80:
+        return out
     for D in HEAD_DIMS["tc"]:
+        br, bc = tc_tiles(D, dev)
+        main, dq = smem_bytes("tc", D, br, bc)
         for ctype in ("__half", "__nv_bfloat16"):
-            # both orders of the atomic dQ (TC_DEFER_DQ True / False), so either compiles; float outputs too
-            names = _names("tc", ctype, D, defer=True) + [_names("tc", ctype, D, defer=False)[0]]
-            names += _names("tc", ctype, D, defer=True, otype="float")
-            out.append(("flash_v2_backward_tc.cu", names))
+            for otype in (ctype, "float"):
+                names = _names("tc", ctype, D, otype=otype, br=br, bc=bc)
+                out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, sm, 0, th)
+                        for n, sm, th in zip(names, (main, main, dq), (2 * bc, 2 * bc, 128)) if device.fits(dev, sm)]
     return out
 
+
+def kernel_sources():
+    """(file, name expressions) of every kernel this stage may launch on any architecture (both orders of the
+    atomic dQ for the first configurations, so the sweep's alternative compiles too)."""
+    plans = {p for a in device.ARCHS for p in kernel_plans(device.emulate(a))}
+    out = {}
+    for p in sorted(plans, key=lambda p: (p.file, p.name)):
+        out.setdefault(p.file, []).append(p.name)
+    for D in HEAD_DIMS["tc"]:
+        for ctype in ("__half", "__nv_bfloat16"):
+            out["flash_v2_backward_tc.cu"].append(_names("tc", ctype, D, defer=False)[0])
+    return list(out.items())

@@ -65,10 +65,41 @@ def compile_only(filename, *, arch="sm_90", defines=None, name_expressions=()):
 
     Raises RuntimeError with NVRTC's log when the source does not compile.
     """
+    return _compile(filename, arch, defines, name_expressions, verbose=False)[0]
+
+
+def resource_usage(filename, *, arch, defines=None, name_expressions=()):
+    """Compile like compile_only, with ptxas reporting; return {kernel: {"registers", "static_smem", "spill"}} for
+    every kernel of the module (spill: bytes of spill stores), keyed by the name expression (extern "C" kernels: by
+    their own name)."""
+    import re
+
+    _, log, lowered = _compile(filename, arch, defines, name_expressions, verbose=True)
+    names = {v: k for k, v in lowered.items()}
+    out, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
+        if m:
+            cur = names.get(m.group(1), m.group(1))
+            out.setdefault(cur, {"registers": 0, "static_smem": 0, "spill": 0})
+        if cur is None:
+            continue
+        if m := re.search(r"Used (\d+) registers", line):
+            out[cur]["registers"] = int(m.group(1))
+        if m := re.search(r"(\d+) bytes smem", line):
+            out[cur]["static_smem"] = int(m.group(1))
+        if m := re.search(r"(\d+) bytes spill stores", line):
+            out[cur]["spill"] = max(out[cur]["spill"], int(m.group(1)))
+    return out
+
+
+def _compile(filename, arch, defines, name_expressions, verbose):
+    """(cubin, log, {name expression: lowered name}) of one NVRTC compile."""
     from cupy_backends.cuda.libs import nvrtc
 
     opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{KERNELS_DIR}"]
     opts += [f"-I{d}" for d in _cuda_include_dirs()[:1]] + list(_define_options(defines))
+    opts += ["--ptxas-options=-v"] if verbose else []
     prog = nvrtc.createProgram(_source(filename), filename, [], [])
     try:
         for expr in name_expressions:
@@ -77,6 +108,7 @@ def compile_only(filename, *, arch="sm_90", defines=None, name_expressions=()):
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"{filename} does not compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
-        return nvrtc.getCUBIN(prog)
+        lowered = {e: nvrtc.getLoweredName(prog, e) for e in name_expressions}
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog), lowered
     finally:
         nvrtc.destroyProgram(prog)

@@ -31,9 +31,11 @@ So the rule takes the yardstick's error as the larger of
   (a) its measured error, in two summation orders of the head dim, natural and reversed (the columns of q and
       k permuted alike: the same Q K^T, other roundings), and
   (b) the first-order terms above with every rounding falling the worst way: |delta_ij| <= eps_i, the largest
-      S rounding the yardstick makes in row i (at least one ulp of the row's largest |S_ij|: a row with few
-      keys may be lucky in all of its roundings); |eps2| <= eps2_i, its largest dP - D rounding in row i (both
-      doubled for 16-bit inputs: tensor cores accumulate by truncation, see _accumulation_factor); the
+      S rounding the yardstick makes in row i, and at least one ulp of the row's largest sum of magnitudes
+      |scale| sum_d |Q_id K_jd| (a row with few keys, or a lucky order, may round well where another order of
+      the same sum does not: a matrix-vector product sums in other blocks than a matrix product);
+      |eps2| <= eps2_i, its largest dP - D rounding in row i, with the same kind of floor (both doubled for
+      16-bit inputs: tensor cores accumulate by truncation, see _accumulation_factor); the
       16-bit roundings of the float64 P and dS. (sum_j P_ij |V_jd - O_id| is bounded by the P-weighted spread
       sqrt(sum_j P_ij V_jd^2 - O_id^2).) At inputs x1 these terms are far below (a).
     bound = FACTOR * max(error(natural), error(reversed), first-order terms) + SLACK.
@@ -122,18 +124,25 @@ def _s_rounding(q, k, causal, scale):
     s_low = naive.scores(q, k, scale, causal, np).astype(np.float64)  # as the yardstick computes it
     with np.errstate(invalid="ignore"):
         eps = np.where(np.isinf(s64), 0.0, np.abs(s_low - s64)).max(axis=-1, keepdims=True)  # (B, H, Nq, 1)
-        # A row with few keys has few roundings to take the max over, and may be lucky in all of them; but any
-        # float32 S_ij is rounded at least twice at its own size (the dot product's last addition, the product
-        # with scale): the floor is one ulp of the row's largest |S_ij| (2 u |S|, u = 2^-24).
-        big = np.where(np.isinf(s64), 0.0, np.abs(s64)).max(axis=-1, keepdims=True)
     if np.dtype(q.dtype) != np.float64:
-        eps = np.maximum(eps, 2.0 ** -23 * big)
+        # A row with few keys has few roundings to take the max over, and the yardstick's order may be lucky in
+        # all of them where another order is not. The floor is one ulp of the row's largest sum of magnitudes
+        # |scale| sum_d |Q_id K_jd| (2 u sum, u = 2^-24): every summation order ends in additions whose partial
+        # sums are bounded by it (Higham, "Accuracy and Stability of Numerical Algorithms", section 3.1).
+        mag = scale * _masked(np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)).swapaxes(-1, -2),
+                              np.isinf(s64))
+        eps = np.maximum(eps, 2.0 ** -23 * mag.max(axis=-1, keepdims=True))
     eps = eps * _accumulation_factor(q.dtype)
     m = s64.max(axis=-1, keepdims=True)
     m = np.where(np.isinf(m), 0.0, m)
     p = np.exp(s64 - m)
     l = p.sum(axis=-1, keepdims=True)
     return p / np.where(l == 0, 1.0, l), eps, scale
+
+
+def _masked(x, hidden):
+    """x with the entries of hidden keys set to 0."""
+    return np.where(hidden, 0.0, x)
 
 
 def _accumulation_factor(dtype):
@@ -174,6 +183,9 @@ def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None):
     do_c, v_c, o_c = (to_numpy(x).astype(cd) for x in (do, v, o))
     low = (do_c @ v_c.swapaxes(-1, -2)) - (do_c * o_c).sum(axis=-1, keepdims=True)  # (B, H, Nq, Nk)
     eps2 = np.where(p > 0, np.abs(low.astype(np.float64) - (dp - d_i)), 0.0).max(axis=-1, keepdims=True)
+    if cd != np.float64:  # the same floor as for S: one ulp of the sums of magnitudes of dP_ij and of D_i
+        mag = np.abs(do64) @ np.abs(v64).swapaxes(-1, -2) + (np.abs(do64) * np.abs(o64)).sum(axis=-1, keepdims=True)
+        eps2 = np.maximum(eps2, 2.0 ** -23 * _masked(mag, p == 0).max(axis=-1, keepdims=True))
     eps2 = eps2 * _accumulation_factor(to_numpy(q).dtype)
     dtype = to_numpy(q).dtype  # 16 bits: P and dS rounded before their matmuls
     w = p * eps + _rounding16(p, dtype)  # (B, H, Nq, Nk): first-order |d P_ij|

@@ -1,0 +1,124 @@
+"""Every kernel runs on the GPUs learners have (sm_75 T4 to sm_90 H100), checked without owning them.
+
+For each architecture in stages.common.device.ARCHS, every kernel instantiation a launcher may pick there
+(`kernel_plans(dev)` of stages 01-03: the configuration chosen from that architecture's shared memory and, where
+the problem decides, every one it can reach) is compiled with NVRTC for that architecture, and ptxas's own report
+is held to the architecture's limits: static + dynamic shared memory within the opt-in limit per block, static
+shared memory within 48 KB, registers x threads within the 64K registers of a block. On a GPU, the
+same plans are what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from stages import flash_v1, flash_v2, flash_v2_backward
+from stages.common import device, kernels
+
+
+def _plans(dev):
+    return flash_v1.kernel_plans(dev) + flash_v2.kernel_plans(dev) + flash_v2_backward.kernel_plans(dev)
+
+
+def _groups(plans):
+    """{(file, defines): [plans]}: one NVRTC compile per module."""
+    out = {}
+    for p in plans:
+        out.setdefault((p.file, tuple(sorted(p.defines.items()))), []).append(p)
+    return out
+
+
+def _problems(arch, plans):
+    """[(plan, what is wrong)] after compiling every plan for arch."""
+    dev = device.emulate(arch)
+
+    def one(item):
+        (f, defines), ps = item
+        names = [p.name for p in ps if "<" in p.name]
+        usage = kernels.resource_usage(f, arch=arch, defines=dict(defines), name_expressions=names)
+        bad = []
+        for p in ps:
+            u = usage.get(p.name)
+            if u is None:
+                bad.append((p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(usage)})"))
+                continue
+            smem = u["static_smem"] + p.dynamic_smem
+            if smem > dev.smem_optin:
+                bad.append((p, f"shared memory {smem} B > {dev.smem_optin} B"))
+            if u["static_smem"] > device.STATIC_SMEM_LIMIT:
+                bad.append((p, f"static shared memory {u['static_smem']} B > 48 KB"))
+            if u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
+                bad.append((p, f"{u['registers']} registers x {p.threads} threads > 65536"))
+        return bad
+
+    with ThreadPoolExecutor(2) as pool:
+        return [b for bad in pool.map(one, _groups(plans).items()) for b in bad]
+
+
+@pytest.mark.parametrize("arch", list(device.ARCHS))
+def test_every_plan_compiles_within_the_architectures_limits(arch):
+    plans = _plans(device.emulate(arch))
+    assert plans
+    problems = _problems(arch, plans)
+    assert not problems, "\n".join(f"{arch} {p.file} {p.name} {p.defines}: {why}" for p, why in problems)
+
+
+def test_the_limit_check_fails_on_a_plan_over_the_limit():
+    """The check above is not vacuous: a pipelined d=128 plan at Br = 128 (102 KB) is refused on sm_86 (99 KB)."""
+    big = flash_v2.tc.Config(4, 2, 64, 64, 2, True)
+    name = flash_v2.tc._name("pipelined", "__half", 128, big)
+    plan = device.KernelPlan("flash_v2_forward_pipelined.cu", {}, name, flash_v2.tc.smem_bytes("pipelined", 128, big),
+                             0, big.threads)
+    problems = _problems("sm_86", [plan])
+    assert problems and "shared memory" in problems[0][1]
+
+
+@pytest.mark.parametrize("arch", list(device.ARCHS))
+def test_each_architecture_gets_plans_that_fit_it(arch):
+    """The launchers' choices (no compile): every version that exists on arch has a plan there at every head dim;
+    versions whose instructions arch lacks have none."""
+    dev = device.emulate(arch)
+    for D in flash_v2.head_dims("fp32"):
+        assert device.fits(dev, flash_v2.fp32_smem_bytes(D, flash_v2.fp32_config(D, dev)))
+    for version in ("tc", "pipelined"):
+        for D in flash_v2.head_dims(version):
+            assert bool(flash_v2.tc.reachable(version, D, dev)) == dev.arch.mma_k16
+    for D in (64, 128):
+        if dev.arch.mma_k16:
+            br, bc = flash_v2_backward.tc_tiles(D, dev)
+            assert device.fits(dev, flash_v2_backward.smem_bytes("tc", D, br, bc)[0])
+
+
+def test_emulated_architectures_and_clear_errors(monkeypatch):
+    assert device.emulate("sm_86").smem_optin == 99 * 1024
+    with pytest.raises(ValueError, match="choose one of"):
+        device.emulate("sm_61")
+    t4 = device.emulate("sm_75")
+    with pytest.raises(device.UnsupportedDevice, match="sm_80 or newer.*bfloat16.*instead"):
+        device.require(t4, ("mma_k16", "bf16"), what="x", instead="instead, use y")
+    with pytest.raises(device.UnsupportedDevice, match="64 KB"):
+        device.pick([1, 2], lambda c: 100 * 1024, t4, what="x")
+    assert device.arch_for(87).name == "sm_86" and device.arch_for(120).name == "sm_90"
+    with pytest.raises(device.UnsupportedDevice, match="sm_75"):
+        device.arch_for(70)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_86"])
+def test_emulated_architecture_refuses_what_it_lacks(arch, monkeypatch):
+    """On a GPU, under ATTN_ARCH: bf16 / tensor-core versions are refused on sm_75 with an error naming sm_80, before
+    any launch; elsewhere they run."""
+    import cupy
+
+    from stages.common import bfloat16, make_inputs
+
+    monkeypatch.setenv("ATTN_ARCH", arch)
+    q, k, v = make_inputs(1, 2, 64, 64, 64, dtype=bfloat16, xp=cupy)
+    if arch == "sm_75":
+        with pytest.raises(device.UnsupportedDevice, match="sm_80"):
+            flash_v2.forward(q, k, v)
+        o, _ = flash_v2.forward(*(x.astype(np.float32) for x in (q, k, v)))
+        assert bool(cupy.isfinite(o).all())
+    else:
+        o, _ = flash_v2.forward(q, k, v)
+        assert bool(cupy.isfinite(o.astype(np.float32)).all())
