@@ -124,10 +124,10 @@ def device():
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    attrs = cupy.cuda.Device(dev_id).attributes
-    cc = 10 * attrs["ComputeCapabilityMajor"] + attrs["ComputeCapabilityMinor"]
-    real = Device(arch_for(cc), attrs["MaxSharedMemoryPerBlockOptin"], attrs["MultiProcessorCount"],
-                  cupy.cuda.runtime.getDeviceProperties(dev_id)["name"].decode())
+    props = cupy.cuda.runtime.getDeviceProperties(dev_id)
+    cc = 10 * props["major"] + props["minor"]
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    real = Device(arch_for(cc), props["sharedMemPerBlockOptin"], props["multiProcessorCount"], name)
     if env is None:
         dev = real
     else:
