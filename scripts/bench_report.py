@@ -464,7 +464,8 @@ def _versions():
 
     return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),
             ("02", "`tc`", "bf16, fp16", tc_tiles("tc")), ("02", "`pipelined`", "bf16, fp16", tc_tiles("pipelined")),
-            ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32), ("03", "`tc`", "bf16, fp16", bw_tc)]
+            ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32),
+            ("03", "`tc`", "bf16, fp16", bw_tc)]
 
 
 def gpu_table():

@@ -34,16 +34,16 @@ import numpy as np  # noqa: E402
 
 from stages import ring as R  # noqa: E402
 from stages.common import PeakMemory, attention_flops, bfloat16, cast, gpu_name, make_inputs, time_ms  # noqa: E402
-from stages.common import to_numpy, verify  # noqa: E402
+from stages.common import device, to_numpy, verify  # noqa: E402
 from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
 
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
 HEADS = 4  # H (2 with --quick)
-HEAD_DIM = {"cpu": 64, "gpu": 128}  # D
+HEAD_DIM = {"cpu": 64, "gpu": 128, "gpu_sm75": 64}  # D (gpu_sm75: a GPU without bf16 tensor cores)
 CHECK_SEQ = 1000  # total N of the check (the fp64 oracle runs on rank 0's CPU; 256 with --quick)
-SEQ = {"cpu": 1000, "gpu": 16384}  # total N timed (256 CPU / 4096 GPU with --quick)
+SEQ = {"cpu": 1000, "gpu": 16384, "gpu_sm75": 16384}  # total N timed (256 CPU / 4096 GPU with --quick)
 LAYOUT = "zigzag"  # contiguous | zigzag
 REPEAT = 3  # timed repeats (median)
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": bfloat16}
@@ -59,7 +59,8 @@ def parse(argv):
                          "naive on the CPU")
     ap.add_argument("--fwd-version", default=None, help="flash blocks: stage 02 version (default: its auto)")
     ap.add_argument("--bwd-version", default=None, help="flash blocks: stage 03 version (default: its auto)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bfloat16 on GPUs, float32 on CPU")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="default bfloat16 on sm_80+ GPUs, float32 on CPU and older GPUs")
     ap.add_argument("--batch", type=positive_int, default=BATCH, help="batch size B")
     ap.add_argument("--heads", type=positive_int, default=None, help=f"heads H (default {HEADS}; 2 with --quick)")
     ap.add_argument("--head-dim", type=positive_int, default=None, help=f"head dimension D (default {HEAD_DIM})")
@@ -132,7 +133,9 @@ def main(argv=None):
     dev = "gpu" if gpu else "cpu"
     xp = __import__("cupy") if gpu else np
     block = args.block or ("flash" if gpu else "naive")
-    dtype = DTYPES[args.dtype or ("bfloat16" if gpu else "float32")]
+    if gpu and not device.device().arch.bf16:  # a T4: no bf16 tensor cores; float32 at d = 64 fits its 64 KB
+        dev = "gpu_sm75"
+    dtype = DTYPES[args.dtype or ("bfloat16" if dev == "gpu" else "float32")]
     D = args.head_dim if args.head_dim is not None else HEAD_DIM[dev]
     H = args.heads if args.heads is not None else (2 if args.quick else HEADS)
     n_check = args.check_seq if args.check_seq is not None else (256 if args.quick else CHECK_SEQ)
