@@ -1,7 +1,8 @@
 """Loading kernels/*.cu: cupy.RawModule on a GPU (cached), or NVRTC compile-only with no GPU.
 
-The compile-only path is what CI runs: every kernel is compiled for sm_80 and sm_90 with NVRTC,
-so a kernel that does not compile never lands, even though CI has no GPU.
+The compile-only path is what CI runs: every kernel configuration a launcher can pick is compiled with NVRTC for
+each architecture from sm_75 to sm_90 (resource_usage reports its registers and shared memory), so a kernel that
+does not compile or does not fit never lands, even though CI has no GPU.
 """
 import functools
 import os
