@@ -90,7 +90,7 @@ def config(version, D, dev=None, blocks=None):
     cands = CANDIDATES[version](D)
     if dev is None:
         return cands[0]
-    fitting = [c for c in cands if device.fits(dev, smem_bytes(version, D, c))]
+    fitting = reachable(version, D, dev)
     cfg = device.pick(cands, lambda c: smem_bytes(version, D, c), dev, what=f"flash_v2 version {version!r} d={D}")
     if blocks is not None and blocks(cfg) < dev.sm_count and len(fitting) > 1:
         cfg = fitting[-1]
