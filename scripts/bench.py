@@ -29,8 +29,13 @@ Method:
             column err_over_bound holds the worst output's error/bound for every row; a torch row past 1 is
             "torch outside the rule: ..." and still timed (it is the reference, not under test).
             tc-det must also give bit-identical dq, dk, dv on two runs.
-  timing    CUDA events around each call, the host running ahead (launch overhead hidden where the GPU
-            is the bottleneck), after warm-up; the median of repeats (enough for --target-ms of GPU time).
+  timing    two modes, after warm-up, each the median of repeats (enough for --target-ms of GPU time):
+            queued (ms, tflops): CUDA events around each call, the host running ahead, so its launch overhead
+              hides behind the GPU's work, as in a long run of kernels nobody waits on;
+            synced (ms_synced): the host's clock around the call and a wait for the GPU, every call starting on
+              an idle GPU, as in a training loop that reads its loss each step: host time adds to GPU time.
+            host_us: the host's time inside one call of the synced mode (input checks, configuration choice,
+            allocation, launches), the part a short sequence cannot hide.
             Torch gets q, k, v, dO in its own (B, N, H, d) memory layout, as (B, H, N, d) transposed views (no
             copies). Torch forward runs under torch.no_grad() (its inference path); torch backward is
             torch.autograd.grad(out, (q, k, v), dO, retain_graph=True) on a graph built once: the backward
@@ -61,12 +66,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # ---- configuration (each overridable on the command line)
 TOKENS = 16384  # B*N: B = TOKENS // N
 HEADS = 16  # H
-SEQS = (1024, 2048, 4096, 8192, 16384)  # N for bf16/fp16
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)  # N for bf16/fp16
 FP32_SEQS = (1024, 2048, 4096)  # N for fp32 (the fp32 kernels are ~10x slower)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16", "fp32")
 TARGET_MS = 300.0  # GPU time spent timing each (config, implementation), after warm-up
-QUICK = dict(seqs=[1024, 4096], fp32_seqs=[1024], head_dims=[64, 128], fp32_head_dims=[64], dtypes=["bf16", "fp32"],
+QUICK = dict(seqs=[512, 4096], fp32_seqs=[1024], head_dims=[64, 128], fp32_head_dims=[64], dtypes=["bf16", "fp32"],
              target_ms=40.0)
 REF_BYTES = 6e9  # memory the chunked reference (o, lse our backward starts from) may use for its N x N matrices
 CHECK_SHAPE = (1, 2, 256)  # B, H, N of the small problem every implementation is checked on before timing
@@ -167,7 +172,8 @@ class _Clock:
 
 
 def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200):
-    """Median ms of fn(): events around every call, all recorded before one wait, so the host runs ahead."""
+    """Queued timing: median ms of fn() from CUDA events around every call, all recorded before one wait, so the
+    host runs ahead and its launch overhead hides behind the GPU's work."""
     for _ in range(warmup):
         fn()
     cupy.cuda.Device().synchronize()
@@ -184,6 +190,30 @@ def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200)
         e.record()
     stops[-1].synchronize()
     return statistics.median(clock.elapsed(s, e) for s, e in zip(starts, stops))
+
+
+def time_synced(fn, cupy, *, target_ms, warmup=2, min_reps=5, max_reps=100):
+    """Synced timing: (median ms of fn() plus a wait for the GPU, on the host's clock; median us the host spends in
+    fn() itself). Each call starts on an idle GPU, as in a training loop that reads its loss every step, so the
+    host's time per call (input checks, configuration, allocation, launches) adds to the GPU's."""
+    for _ in range(warmup):
+        fn()
+    sync = cupy.cuda.Device().synchronize
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    reps = int(min(max_reps, max(min_reps, target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
+    total, host = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        total.append((t2 - t0) * 1e3)
+        host.append((t1 - t0) * 1e6)
+    return statistics.median(total), statistics.median(host)
 
 
 # ---------------------------------------------------------------------------------------------- data + reference
@@ -333,7 +363,7 @@ class Bench:
         self.mismatches = 0
         self.torch_outside = 0
 
-    def _row(self, cfg, direction, impl, version, ms=None, status="ok", ratio=None, worst=None):
+    def _row(self, cfg, direction, impl, version, ms=None, synced=None, status="ok", ratio=None, worst=None):
         from stages.common import attention_flops
 
         tflops = None
@@ -343,7 +373,9 @@ class Bench:
             tflops = round(f / (ms * 1e-3) / 1e12, 3)
         return dict(self.prov, gpu=self.gpu, direction=direction, impl=impl, version=version, dtype=cfg.dtype,
                     causal=cfg.causal, head_dim=cfg.head_dim, seq_len=cfg.seq_len, batch=cfg.batch,
-                    heads=cfg.heads, ms=None if ms is None else round(ms, 4), tflops=tflops, status=status,
+                    heads=cfg.heads, ms=None if ms is None else round(ms, 4), tflops=tflops,
+                    ms_synced=None if synced is None else round(synced[0], 4),
+                    host_us=None if synced is None else round(synced[1], 1), status=status,
                     err_over_bound=None if ratio is None else f"{ratio:.4g}", err_output=worst)
 
     def _sdpa(self, cfg, leaves):
@@ -507,7 +539,7 @@ class Bench:
             self.mismatches += bad
             self.torch_outside += outside
             for key, (_, setup, extra) in entries.items():
-                ms = None
+                ms = synced = None
                 if status[key] == "ok" or status[key].startswith("torch outside"):
                     progress.show(f"{direction} {cfg.label()} {key[0]}/{key[1]}")
                     try:
@@ -515,12 +547,13 @@ class Bench:
                             warnings.simplefilter("ignore")
                             fn = setup()
                             ms = time_call(fn, self.clocks[key[0]], cupy, target_ms=self.args.target_ms)
+                            synced = time_synced(fn, cupy, target_ms=self.args.target_ms / 3)
                         del fn
                     except Exception as e:
                         status[key] = f"error: timing: {_short(e)}"
                         self._recover()
-                rows.append(self._row(cfg, direction, key[0], key[1], ms=ms, status=status[key], ratio=ratio[key],
-                                      worst=worst[key]))
+                rows.append(self._row(cfg, direction, key[0], key[1], ms=ms, synced=synced, status=status[key],
+                                      ratio=ratio[key], worst=worst[key]))
             progress.step(f"{direction} {cfg.label()}")
         del data
         self._free()

@@ -26,7 +26,10 @@ BASE_COLUMNS = ["gpu", "direction", "impl", "version", "dtype", "causal", "head_
 # err_over_bound: the worst output's max error over its bound by the tolerance rule (stages/common/tolerance.py),
 # on the small check problem; err_output names that output. Then the run's provenance, the same on every row.
 PROVENANCE = ["git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"]
-COLUMNS = BASE_COLUMNS + ["err_over_bound", "err_output"] + PROVENANCE  # what bench.py writes
+# ms_synced: the synced timing mode (every call waited on, host time included); host_us: the host's time inside one
+# call. CSVs written before bench.py measured them lack them.
+TIMING = ["ms_synced", "host_us"]
+COLUMNS = BASE_COLUMNS + TIMING + ["err_over_bound", "err_output"] + PROVENANCE  # what bench.py writes
 OURS = ("fp32", "fp32x3", "tc", "pipelined", "tc-det")  # column order of our versions
 TORCH = ("flash", "cudnn", "efficient")  # column order of PyTorch's backends
 REFS = {"16-bit": ("flash", "cudnn"), "fp32": ("efficient",)}  # what our versions are divided by, per group
@@ -59,7 +62,8 @@ def read_csv(path):
         for r in reader:
             rows.append(dict(r, causal=_bool(r["causal"]), head_dim=int(r["head_dim"]), seq_len=int(r["seq_len"]),
                              batch=int(r["batch"]), heads=int(r["heads"]), ms=_float(r["ms"]),
-                             tflops=_float(r["tflops"])))
+                             tflops=_float(r["tflops"]), ms_synced=_float(r.get("ms_synced")),
+                             host_us=_float(r.get("host_us"))))
     return rows
 
 
@@ -314,6 +318,65 @@ def summary_markdown(rows):
     return "\n".join(out)
 
 
+# The comparison of both timing modes: (direction, our version, PyTorch backend) over every 16-bit config.
+MODE_PAIRS = [("fwd", "pipelined", "flash"), ("bwd", "tc", "flash")]
+
+
+def _modes(rows):
+    """{(dtype, causal, d, N): {direction: (queued ratio, synced ratio, our host us, torch host us)}} for
+    MODE_PAIRS, from rows that have both timings (ratios: PyTorch time / ours, so > 1 means ours is faster)."""
+    cells = {}
+    for r in rows:
+        if _group(r["dtype"]) == "16-bit":
+            key = (DTYPE_ORDER.get(r["dtype"], 9), r["dtype"], r["causal"], r["head_dim"], r["seq_len"])
+            cells.setdefault(key, {})[(r["direction"], r["impl"], r["version"])] = r
+    out = {}
+    for key, c in sorted(cells.items()):
+        for direction, ours, ref in MODE_PAIRS:
+            a, b = c.get((direction, "ours", ours)), c.get((direction, "torch", ref))
+            if _ok(a) and _ok(b) and a.get("ms_synced") and b.get("ms_synced"):
+                out.setdefault(key[1:], {})[direction] = (b["ms"] / a["ms"], b["ms_synced"] / a["ms_synced"],
+                                                          a["host_us"], b["host_us"])
+    return out
+
+
+def modes_markdown(rows):
+    """Markdown: per 16-bit config, ours / PyTorch flash in the queued and the synced timing modes (forward
+    pipelined, backward tc) and the host time per call of each; then the worst ratio per direction and mode."""
+    m = _modes(rows)
+    if not m:
+        return ""
+    head = ["dtype", "causal", "d", "N", "fwd queued", "fwd synced", "bwd queued", "bwd synced",
+            "host us fwd: ours / torch", "host us bwd: ours / torch"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 2 else "---:" for i in range(len(head))) + "|"]
+    worst = {}
+    for (dtype, causal, d, n), by_dir in m.items():
+        line = [dtype, "yes" if causal else "no", str(d), str(n)]
+        for direction, *_ in MODE_PAIRS:
+            x = by_dir.get(direction)
+            line += [f"{x[0]:.2f}", f"{x[1]:.2f}"] if x else ["-", "-"]
+            for i, mode in ((0, "queued"), (1, "synced")):
+                if x:
+                    worst.setdefault((direction, mode), []).append((x[i], (dtype, causal, d, n)))
+        for direction, *_ in MODE_PAIRS:
+            x = by_dir.get(direction)
+            line.append(f"{x[2]:.0f} / {x[3]:.0f}" if x else "-")
+        out.append("| " + " | ".join(line) + " |")
+    out.append("")
+    for direction, ours, ref in MODE_PAIRS:
+        for mode in ("queued", "synced"):
+            xs = worst.get((direction, mode))
+            if xs:
+                lo, (dtype, causal, d, n) = min(xs)
+                out.append(f"- {TITLES[direction]} {ours}/{ref}, {mode}: min **{lo:.2f}** ({dtype} "
+                           f"{'causal' if causal else 'non-causal'} d={d} N={n}), median "
+                           f"{statistics.median(x for x, _ in xs):.2f} over {len(xs)} configs")
+        hosts = [x[direction][2] for x in m.values() if direction in x]
+        if hosts:
+            out.append(f"- {TITLES[direction]} {ours}: host time per call {min(hosts):.0f} to {max(hosts):.0f} us")
+    return "\n".join(out)
+
+
 def ring_table(rows, *, full=False):
     """Per (GPUs in the ring, tokens per GPU): per-GPU throughput of the ring over one GPU's at the same total
     length, forward and backward, per (layout, mask); peak memory per GPU over one GPU's. full=True adds the
@@ -397,6 +460,16 @@ def results_readme(results_dir=None):
               f"summary lines take the configs with N >= {SUMMARY_MIN_SEQ}.", "",
               "![forward](bench_forward.png)", "", "![backward](bench_backward.png)", "",
               markdown(rows, min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), ""]
+    modes = modes_markdown(rows)
+    if modes:
+        lines += ["## Both timing modes, every N (`bench.csv`)", "",
+                  "Queued: CUDA events around each call while the host runs ahead, so launch overhead hides behind "
+                  "the GPU's work. Synced: the host's clock around the call and a wait for the GPU, each call "
+                  "starting on an idle GPU (a training loop that reads its loss every step), so the host's time "
+                  "per call adds to the GPU's. Ratios are PyTorch's time over ours (above 1: ours is faster), "
+                  "for the forward (`pipelined` / flash) and the backward (`tc` / flash); host us is the median "
+                  "host time inside one call (input checks, configuration, allocation, launches).", "",
+                  modes, ""]
     lines += ["## Ring attention", "",
               "`stages/04_ring/bench_ring.py` times the ring's forward and backward (the slowest rank) on P GPUs at "
               "total length N = P x tokens per GPU, and stages 02/03 on one GPU at the same N. Ratio columns: "

@@ -2,6 +2,7 @@
 exit when there is no GPU. The CSV here is SYNTHETIC (made-up TFLOP/s, GPU "synthetic-gpu"): it only
 exercises the report code and is never a measurement.
 """
+import csv
 import importlib.util
 import pathlib
 import subprocess
@@ -82,8 +83,8 @@ def test_csv_provenance_columns_are_kept_and_older_csvs_read(tmp_path):
     assert back[0]["git_commit"] == "abc1234" and back[0]["err_over_bound"] == "0.5"
     assert report.markdown(back) == report.markdown(_synthetic_rows())
     old = tmp_path / "old.csv"
-    old.write_text(",".join(report.BASE_COLUMNS) + "\n" + path.read_text().splitlines()[1].split(",abc1234")[0]
-                   .rsplit(",", 2)[0] + "\n")
+    first = next(csv.reader(path.read_text().splitlines()[1:2]))
+    old.write_text(",".join(report.BASE_COLUMNS) + "\n" + ",".join(first[:len(report.BASE_COLUMNS)]) + "\n")
     assert len(report.read_csv(old)) == 1
 
 
@@ -92,6 +93,24 @@ def test_csv_with_wrong_columns_is_a_clear_error(tmp_path):
     bad.write_text("gpu,impl,tflops\nx,ours,1\n")
     with pytest.raises(ValueError, match="not the bench CSV"):
         report.read_csv(bad)
+
+
+def test_timing_modes_table():
+    """The queued/synced table: ratios are PyTorch's time over ours in each mode, host time per call is shown, and
+    the summary names the worst config of each mode (SYNTHETIC numbers)."""
+    rows = []
+    for n, ours_synced in ((512, 1.25), (4096, 1.05)):
+        for impl, version, ms, synced, host in (("ours", "pipelined", 1.0, ours_synced, 15.0),
+                                                ("torch", "flash", 1.1, 1.1, 40.0)):
+            rows.append(dict(gpu=SYNTHETIC_GPU, direction="fwd", impl=impl, version=version, dtype="bf16",
+                             causal=False, head_dim=64, seq_len=n, batch=16384 // n, heads=16, ms=ms, tflops=1.0,
+                             ms_synced=synced, host_us=host, status="ok"))
+    md = report.modes_markdown(rows)
+    assert "| bf16 | no | 64 | 512 | 1.10 | 0.88 | - | - | 15 / 40 | - |" in md
+    assert "| bf16 | no | 64 | 4096 | 1.10 | 1.05 | - | - | 15 / 40 | - |" in md
+    assert "forward pipelined/flash, synced: min **0.88** (bf16 non-causal d=64 N=512)" in md
+    assert "forward pipelined/flash, queued: min **1.10**" in md
+    assert report.modes_markdown([dict(r, ms_synced=None) for r in rows]) == ""  # older CSVs: no table
 
 
 def test_markdown_ratios_and_exclusions(csv_path):

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import numpy as np
 
 from stages.common import (
-    bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, empty, load_module, resolve_scale,
+    bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
+    resolve_scale,
 )
 
 from . import mirror
@@ -29,6 +30,7 @@ from . import mirror
 VERSIONS = ("fp32", "tc", "pipelined", "fp32x3")
 DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16),
           "pipelined": (np.dtype(np.float16), bfloat16), "fp32x3": (np.dtype(np.float32),)}
+ALL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)  # what some version takes
 FP32_VERSIONS = ("fp32", "fp32x3")  # the versions that take float32
 FP32_MAX_HEAD_DIM = 128  # a lane keeps head_dim/8 columns of 4 or 8 rows of O_i in registers
 FP32_BC = 64  # Bc of the fp32 kernel: 8 column groups x 8 keys per lane (fixed by its thread layout)
@@ -175,8 +177,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     the float32 accumulators, not rounded to 16 bits (the ring merges such partial results).
     config: the fp32 CUDA kernel only, an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) instead
     of the device's choice (scripts/sweep_flash_v2.py times several); None: the device's choice."""
-    all_dtypes = sorted({d for ds in DTYPES.values() for d in ds}, key=str)
-    xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=all_dtypes, where="flash_v2.forward")
+    xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where="flash_v2.forward")
     causal = check_causal(causal, "flash_v2.forward")
     out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2.forward")
     version = resolve_version(version, q.dtype)
@@ -196,14 +197,22 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     return _fp32_forward(q, k, v, causal=causal, scale=scale, config=config)
 
 
-def _fp32_kernel(D, cfg):
-    """The compiled fp32 kernel for head dim D and configuration cfg (one NVRTC module each, cached), its smem."""
-    mod = load_module("flash_v2_forward_fp32.cu", defines=cfg.defines(D))
-    kern = mod.get_function("flash_v2_forward_fp32")
+_PLANS = {}  # (dims, causal, scale, config, device) -> kernels.Launch
+
+
+def _fp32_plan(B, H, Nq, Nk, D, causal, scale, config, dev):
+    """The fp32 kernel's launch for one problem on dev (made once per problem, through kernels.planned)."""
+    cfg = (_fp32_cfg(D, config) if config is not None else
+           fp32_config(D, dev, blocks=lambda c: B * H * -(-Nq // c.br)))
+    if cfg.async_v and not dev.arch.cp_async:
+        raise device.UnsupportedDevice(f"flash_v2 fp32: ASYNC_V needs cp.async (sm_80+); {dev.name} is "
+                                       f"{dev.arch.name}")
     smem = fp32_smem_bytes(D, cfg)
-    if smem > 48 * 1024:  # above 48 KB a block must opt in to more dynamic shared memory
-        kern.max_dynamic_shared_size_bytes = smem
-    return kern, smem
+    # one NVRTC module per (head dim, configuration), compiled once and cached
+    fn = kernels.function(load_module("flash_v2_forward_fp32.cu", defines=cfg.defines(D)), "flash_v2_forward_fp32",
+                          smem)
+    return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
+                          (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(causal)))
 
 
 def _fp32_forward(q, k, v, *, causal, scale, config=None):
@@ -215,18 +224,13 @@ def _fp32_forward(q, k, v, *, causal, scale, config=None):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dev = device.device()
-    cfg = (_fp32_cfg(D, config) if config is not None else
-           fp32_config(D, dev, blocks=lambda c: B * H * -(-Nq // c.br)))
-    if cfg.async_v and not dev.arch.cp_async:
-        raise device.UnsupportedDevice(f"flash_v2 fp32: ASYNC_V needs cp.async (sm_80+); {dev.name} is "
-                                       f"{dev.arch.name}")
+    config = None if config is None else tuple(config)
+    launch = kernels.planned(_PLANS, (B, H, Nq, Nk, D, causal, scale, config, dev),
+                             lambda: _fp32_plan(B, H, Nq, Nk, D, causal, scale, config, dev))
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
     o = empty(cupy, (B, H, Nq, D), np.float32)  # (B, H, Nq, D), NaN-poisoned under the tests
     lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    kern, smem = _fp32_kernel(D, cfg)
-    kern((-(-Nq // cfg.br), B * H), (cfg.threads,),  # grid (Tr, B*H): one block per (Q tile i, head)
-         (q, k, v, o, lse, np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(causal)),
-         shared_mem=smem)
+    launch(q, k, v, o, lse)
     return o, lse
 
 

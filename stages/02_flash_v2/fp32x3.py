@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import device, empty, load_module
+from stages.common import device, empty, kernels, load_module
 
 HEAD_DIMS = (32, 64, 96, 128)
 LOG2E = 1.4426950408889634
@@ -99,6 +99,24 @@ def kernel_sources():
     return [(FILE, sorted({p.name for a in device.ARCHS for p in kernel_plans(device.emulate(a))}))]
 
 
+_PLANS = {}  # (dims, causal, scale, config, device) -> kernels.Launch
+
+
+def _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev):
+    """The launch of one problem on dev (made once per problem, through kernels.planned)."""
+    device.require(dev, FEATURES, what="flash_v2 version 'fp32x3' (TF32 tensor cores)",
+                   instead="On this GPU use version 'fp32' (CUDA cores, float32 accuracy)")
+    cfg = Config(*cfg) if cfg is not None else config(D, causal, dev)
+    if B * H > 65535:
+        raise ValueError(f"flash_v2 version 'fp32x3': batch * heads = {B * H} is over the grid limit 65535; "
+                         "split the batch into several calls")
+    expr = name(D, cfg)
+    smem = smem_bytes(D, causal, cfg)
+    fn = kernels.function(load_module(FILE, name_expressions=(expr,)), expr, smem)  # compiled once per instantiation
+    return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
+                          (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(bool(causal))))
+
+
 def forward(q, k, v, *, causal=False, scale, cfg=None):
     """o (B, H, Nq, D) float32 and lse (B, H, Nq) float32 for CuPy float32 q, k, v already validated by
     flash_v2.forward; scale is a float. cfg: a Config to override the device's choice (tuning runs)."""
@@ -107,21 +125,11 @@ def forward(q, k, v, *, causal=False, scale, cfg=None):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dev = device.device()
-    device.require(dev, FEATURES, what="flash_v2 version 'fp32x3' (TF32 tensor cores)",
-                   instead="On this GPU use version 'fp32' (CUDA cores, float32 accuracy)")
-    cfg = Config(*cfg) if cfg is not None else config(D, causal, dev)
-    if B * H > 65535:
-        raise ValueError(f"flash_v2 version 'fp32x3': batch * heads = {B * H} is over the grid limit 65535; "
-                         "split the batch into several calls")
-    expr = name(D, cfg)
-    kern = load_module(FILE, name_expressions=(expr,)).get_function(expr)  # compiled once per instantiation
-    smem = smem_bytes(D, causal, cfg)
-    if smem > 48 * 1024:  # more than 48 KB of dynamic shared memory must be asked for
-        kern.max_dynamic_shared_size_bytes = smem
+    cfg = None if cfg is None else tuple(cfg)
+    launch = kernels.planned(_PLANS, (B, H, Nq, Nk, D, causal, scale, cfg, dev),
+                             lambda: _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev))
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
     o = empty(cupy, (B, H, Nq, D), np.float32)  # (B, H, Nq, D), NaN-poisoned under the tests
     lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    kern((-(-Nq // cfg.br), B * H), (cfg.threads,),  # grid (Tr, B*H): one block per (Q tile i, head)
-         (q, k, v, o, lse, np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(bool(causal))),
-         shared_mem=smem)
+    launch(q, k, v, o, lse)
     return o, lse

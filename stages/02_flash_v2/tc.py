@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import bfloat16, device, empty, load_module
+from stages.common import bfloat16, device, empty, kernels, load_module
 
 VERSIONS = ("tc", "pipelined")
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128)}
@@ -142,17 +142,14 @@ def kernel_sources():
     return [(f, sorted({p.name for p in plans if p.file == f})) for f in _FILE.values()]
 
 
-def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
-    """o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by flash_v2.forward
-    (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32."""
-    import cupy
+_PLANS = {}  # (version, dtypes, shapes, causal, scale, device) -> kernels.Launch
 
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    dtype = np.dtype(q.dtype)
+
+def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev):
+    """The launch of one problem on dev: the device check, the configuration, the compiled instantiation, its grid
+    and scalar arguments (made once per problem by forward, through kernels.planned)."""
     if dtype not in _CTYPE:
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
-    dev = device.device()
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
                    what=f"flash_v2 version {version!r} ({dtype})",
                    instead="On this GPU use float32 inputs with version 'fp32' (CUDA cores)")
@@ -160,22 +157,35 @@ def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
     cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br))
-    odtype = np.dtype(out_dtype or dtype)
     name = _name(version, _CTYPE[dtype], D, cfg, "float" if odtype == np.float32 else None)
-    # one module per (version, head dim, dtype, tiles): compiled once, then cached by load_module
-    kern = load_module(_FILE[version], name_expressions=(name,)).get_function(name)
+    Tr = -(-Nq // cfg.br)
+    if version == "tc":  # one block per (Q tile i, head); static shared memory
+        fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, 0)
+        return kernels.Launch(fn, (Tr, B * H), (cfg.threads,), 0,
+                              (np.int32(Nq), np.int32(Nk), np.float32(scale), np.int32(causal)))
+    # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel)
+    smem = smem_bytes(version, D, cfg)
+    fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, smem)
+    return kernels.Launch(fn, (B * H * Tr,) if causal else (Tr, B * H), (cfg.threads,), smem,
+                          (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(causal),
+                           np.int32(HEAD_GROUP)))
+
+
+def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
+    """o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by flash_v2.forward
+    (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32."""
+    import cupy
+
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dtype = q.dtype
+    odtype = np.dtype(out_dtype or dtype)
+    dev = device.device()
+    causal = bool(causal)
+    launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev),
+                             lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev))
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
     o = empty(cupy, (B, H, Nq, D), odtype)  # (B, H, Nq, D)
     lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    Tr = -(-Nq // cfg.br)
-    args = (q, k, v, o, lse, np.int32(Nq), np.int32(Nk))
-    if version == "tc":  # one block per (Q tile i, head)
-        kern((Tr, B * H), (cfg.threads,), args + (np.float32(scale), np.int32(causal)))
-    else:  # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel)
-        grid = (B * H * Tr,) if causal else (Tr, B * H)
-        smem = smem_bytes(version, D, cfg)
-        if smem > 48 * 1024:  # more than 48 KB of dynamic shared memory must be asked for
-            kern.max_dynamic_shared_size_bytes = smem
-        kern(grid, (cfg.threads,), args + (np.float32(scale * LOG2E), np.int32(bool(causal)), np.int32(HEAD_GROUP)),
-             shared_mem=smem)
+    launch(q, k, v, o, lse)
     return o, lse

@@ -13,10 +13,13 @@ every K/V tile: fast, but the order of the additions (so the last bits of dq) ch
 True: no atomics; a second kernel, parallel over Q tiles, recomputes dS_ij and sums dQ_i in a fixed
 order: dq, dk, dv are bit-identical across runs (dk, dv always are), at the cost of recomputing S and dP.
 """
+from typing import NamedTuple
+
 import numpy as np
 
 from stages.common import (
-    bfloat16, check_backward_inputs, check_causal, check_out_dtype, device, empty, load_module, resolve_scale,
+    bfloat16, check_backward_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
+    resolve_scale,
 )
 
 from . import mirror
@@ -174,44 +177,33 @@ def _mark(profile, name):
         profile.append((name, ev))
 
 
-def _function(module, name, smem):
-    fn = module.get_function(name)
-    if smem > 48 * 1024:  # more than 48 KB of dynamic shared memory must be asked for
-        fn.max_dynamic_shared_size_bytes = smem
-    return fn
+class _Plan(NamedTuple):
+    """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or the
+    dQ conversion; Nq_pad, the rows of D_i and L_i; the shape of the fp32 dQ accumulator."""
+    pre: kernels.Launch
+    main: kernels.Launch
+    last: kernels.Launch
+    nq_pad: int
+    acc_shape: tuple
 
 
-def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile):
-    import cupy
+_PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
 
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+
+def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev):
+    """The device check, tiles, compiled kernels, grids and scalar arguments of one problem on dev (made once per
+    problem, through kernels.planned)."""
     BH = B * H
-    dtype = np.dtype(q.dtype)
     ctype = _CTYPE[dtype]
-    dev = device.device()
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
                    what=f"flash_v2_backward version {version!r} ({dtype})",
                    instead="On this GPU use float32 inputs (version 'fp32', CUDA cores)")
-    q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
-    lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
     i32, f32 = np.int32, np.float32
-
-    # preprocess: D_i = rowsum(dO_i * O_i), L_i (times log2 e for the exp2 kernel), padded to Nq_pad rows
-    Nq_pad = -(-Nq // PAD) * PAD
-    Dvec = cupy.empty((BH, Nq_pad), np.float32)
-    Lvec = cupy.empty((BH, Nq_pad), np.float32)
-    pre = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
-    _mark(profile, "start")
-    # the fp32 dQ accumulator the atomics add to, zeroed by the preprocess kernel (deterministic mode never
-    # touches it: 1 element)
-    dq_acc = cupy.empty((B, H, Nq, D) if not deterministic else (1,), np.float32)
-    pre.get_function(f"bwd_preprocess<{ctype}>")(
-        (Nq_pad // 8, BH), (256,), (o, do, lse, Dvec, Lvec, dq_acc, i32(Nq), i32(Nq_pad), i32(D),
-                                    f32(1.0), i32(not deterministic)))
-    _mark(profile, "preprocess+zero")
-
-    odtype = np.dtype(out_dtype)
+    Nq_pad = -(-Nq // PAD) * PAD  # D_i, L_i (times log2 e for the exp2 kernel) padded to Nq_pad rows
+    pre_mod = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
+    # the preprocess also zeroes the fp32 dQ accumulator the atomics add to (deterministic mode never touches it)
+    pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad // 8, BH), (256,), 0,
+                         (i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(not deterministic)))
     br, bc = tc_config.get("br"), tc_config.get("bc")
     if version == "tc" and br is None and bc is None:
         br, bc = tc_tiles(D, dev)
@@ -224,30 +216,52 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
                 f"flash_v2_backward version {version!r} d={D}{what} needs {need // 1024} KB of shared memory per "
                 f"block; {dev.name} ({dev.arch.name}) allows {dev.smem_optin // 1024} KB"
                 + ("; use deterministic=False" if what else "; use head_dim 64 or less, or stage 00"))
-    dk, dv = empty(cupy, k.shape, odtype), empty(cupy, v.shape, odtype)
-    main = _function(mod, names[0] if not deterministic else names[1], smem_main)
+    fn = kernels.function(mod, names[0] if not deterministic else names[1], smem_main)
+    args = (i32(Nq), i32(Nk), i32(Nq_pad), f32(scale), i32(causal))
     if version == "fp32":
-        main((-(-Nk // 32), BH), (256,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk),
-                                           i32(Nq_pad), f32(scale), i32(causal)), shared_mem=smem_main)
+        main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
     else:
         bc, j_fast = bc or TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
-        grid = (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc))
-        main(grid, (2 * bc,), (q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, i32(Nq), i32(Nk), i32(Nq_pad), f32(scale),
-                               i32(causal), i32(j_fast)), shared_mem=smem_main)
+        main = kernels.Launch(fn, (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc)), (2 * bc,), smem_main,
+                              args + (i32(j_fast),))
+    if deterministic:  # the separate dQ pass, no atomics
+        fn = kernels.function(mod, names[2], smem_dq)
+        grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
+        last = kernels.Launch(fn, grid, block, smem_dq, args)
+    else:  # dQ = scale * dQ_accum, cast to the output dtype
+        n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
+        last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
+                              (min(-(-n // 1024), 65535),), (256,), 0, (f32(scale), np.int64(n)))
+    return _Plan(pre, main, last, Nq_pad, (B, H, Nq, D) if not deterministic else (1,))
+
+
+def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile):
+    import cupy
+
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dtype, odtype = q.dtype, np.dtype(out_dtype)
+    dev = device.device()
+    key = (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tuple(sorted(tc_config.items())),
+           dev)
+    plan = kernels.planned(_PLANS, key, lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale,
+                                                      deterministic, tc_config, dev))
+    q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
+    lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
+    Dvec = cupy.empty((B * H, plan.nq_pad), np.float32)  # D_i = rowsum(dO_i * O_i)
+    Lvec = cupy.empty((B * H, plan.nq_pad), np.float32)  # L_i
+    dq_acc = cupy.empty(plan.acc_shape, np.float32)  # the fp32 dQ accumulator (1 element in deterministic mode)
+    _mark(profile, "start")
+    plan.pre(o, do, lse, Dvec, Lvec, dq_acc)
+    _mark(profile, "preprocess+zero")
+    dk, dv = empty(cupy, k.shape, odtype), empty(cupy, v.shape, odtype)
+    plan.main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv)
     _mark(profile, "main")
     dq = empty(cupy, q.shape, odtype)
-    if deterministic:  # the separate dQ pass, no atomics
-        dq_fn = _function(mod, names[2], smem_dq)
-        if version == "fp32":
-            dq_fn((-(-Nq // 32), BH), (256,), (q, k, v, do, Lvec, Dvec, dq, i32(Nq), i32(Nk), i32(Nq_pad),
-                                               f32(scale), i32(causal)), shared_mem=smem_dq)
-        else:
-            dq_fn((BH, -(-Nq // 64)), (128,), (q, k, v, do, Lvec, Dvec, dq, i32(Nq), i32(Nk), i32(Nq_pad),
-                                               f32(scale), i32(causal)), shared_mem=smem_dq)
-    else:  # dQ = scale * dQ_accum, cast to the output dtype
-        n = dq.size  # a multiple of 4: the kernel converts 4 values per step
-        pre.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>")(
-            (min(-(-n // 1024), 65535),), (256,), (dq_acc, dq, f32(scale), np.int64(n)))
+    if deterministic:
+        plan.last(q, k, v, do, Lvec, Dvec, dq)
+    else:
+        plan.last(dq_acc, dq)
     _mark(profile, "dq pass" if deterministic else "convert")
     return dq, dk, dv
 

@@ -69,7 +69,7 @@ def check_attention_inputs(q, k, v, *, dtypes=SUPPORTED_FLOAT_DTYPES, head_dims=
         raise ValueError(f"{where}: empty input (q {tuple(q.shape)}, k {tuple(k.shape)}); every dim must be >= 1")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{where}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if np.dtype(q.dtype) not in [np.dtype(d) for d in dtypes]:
+    if q.dtype not in dtypes:  # np.dtype == np.dtype or == a scalar type
         raise TypeError(f"{where}: dtype {q.dtype} is not supported; use one of: {_dtype_names(dtypes)}")
     if head_dims is not None and D not in head_dims:
         raise ValueError(

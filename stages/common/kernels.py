@@ -7,6 +7,7 @@ does not compile or does not fit never lands, even though CI has no GPU.
 import functools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 BASE_OPTIONS = ("-std=c++17",)
@@ -42,6 +43,45 @@ def load_module(filename, *, defines=None, name_expressions=None):
     to look up later with module.get_function(expr).
     """
     return _load(filename, _define_options(defines), tuple(name_expressions) if name_expressions else None)
+
+
+def function(module, name, smem):
+    """module.get_function(name), allowed smem bytes of dynamic shared memory (above 48 KB a kernel must opt in)."""
+    fn = module.get_function(name)
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    return fn
+
+
+class Launch(NamedTuple):
+    """One kernel launch as a launcher plans it: the compiled function, grid, block, dynamic shared memory, and the
+    scalar arguments that follow the arrays. launch(*arrays) runs it on the current stream."""
+    fn: object
+    grid: tuple
+    block: tuple
+    smem: int
+    scalars: tuple
+
+    def __call__(self, *arrays):
+        self.fn(self.grid, self.block, arrays + self.scalars, shared_mem=self.smem)
+
+
+MAX_PLANS = 512  # launch plans kept per launcher (a training run with many shapes starts over when full)
+
+
+def planned(cache, key, build):
+    """cache[key], built by build() on the first call with this key.
+
+    A launcher's per-problem decisions (the device's configuration, the kernel's name, its compile, its grid) depend
+    only on the key: the device, dtypes, shapes and options. Keeping them per key leaves a call with its input
+    checks, its output allocations and its launches, which is what keeps small problems from waiting on the host
+    (scripts/bench.py reports the host time per call, host_us)."""
+    plan = cache.get(key)
+    if plan is None:
+        if len(cache) >= MAX_PLANS:
+            cache.clear()
+        plan = cache[key] = build()
+    return plan
 
 
 def _cuda_include_dirs():
