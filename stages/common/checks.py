@@ -1,4 +1,5 @@
 """Input validation shared by every stage: errors that say what is supported."""
+import functools
 import math
 
 import numpy as np
@@ -16,18 +17,7 @@ SUPPORTED_FLOAT_DTYPES = tuple(
 
 def array_module(*arrays):
     """numpy for numpy arrays, cupy for CuPy arrays; a clear error for anything else or a mix."""
-    kinds = set()
-    for a in arrays:
-        mod = type(a).__module__.split(".")[0]
-        if isinstance(a, np.ndarray):
-            kinds.add("numpy")
-        elif mod == "cupy":
-            kinds.add("cupy")
-        else:
-            raise TypeError(
-                f"expected numpy or CuPy arrays, got {type(a).__module__}.{type(a).__name__}; "
-                "convert with numpy.asarray(x) (CPU) or cupy.asarray(x) (GPU)"
-            )
+    kinds = {_kind(type(a)) for a in arrays}
     if len(kinds) > 1:
         raise TypeError(
             "mixed numpy and CuPy arrays: put every input on one device "
@@ -38,6 +28,19 @@ def array_module(*arrays):
 
         return cupy
     return np
+
+
+@functools.lru_cache(maxsize=None)
+def _kind(cls):
+    """"numpy" or "cupy" for an array class (cached per class: the launchers call this on every input)."""
+    if issubclass(cls, np.ndarray):
+        return "numpy"
+    if cls.__module__.split(".")[0] == "cupy":
+        return "cupy"
+    raise TypeError(
+        f"expected numpy or CuPy arrays, got {cls.__module__}.{cls.__name__}; "
+        "convert with numpy.asarray(x) (CPU) or cupy.asarray(x) (GPU)"
+    )
 
 
 def _dtype_names(dtypes):
