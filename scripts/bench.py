@@ -34,8 +34,8 @@ Method:
               hides behind the GPU's work, as in a long run of kernels nobody waits on;
             synced (ms_synced): the host's clock around the call and a wait for the GPU, every call starting on
               an idle GPU, as in a training loop that reads its loss each step: host time adds to GPU time.
-            host_us: the host's time inside one call of the synced mode (input checks, configuration choice,
-            allocation, launches), the part a short sequence cannot hide.
+            host_us: the host's time inside one call (input checks, configuration choice, allocation, launches),
+              the median over the queued mode's calls: the part of a call a short sequence cannot hide.
             Torch gets q, k, v, dO in its own (B, N, H, d) memory layout, as (B, H, N, d) transposed views (no
             copies). Torch forward runs under torch.no_grad() (its inference path); torch backward is
             torch.autograd.grad(out, (q, k, v), dO, retain_graph=True) on a graph built once: the backward
@@ -172,8 +172,8 @@ class _Clock:
 
 
 def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200):
-    """Queued timing: median ms of fn() from CUDA events around every call, all recorded before one wait, so the
-    host runs ahead and its launch overhead hides behind the GPU's work."""
+    """Queued timing: (median ms of fn() from CUDA events around every call, all recorded before one wait, so the
+    host runs ahead and its launch overhead hides behind the GPU's work; median us the host spends inside fn())."""
     for _ in range(warmup):
         fn()
     cupy.cuda.Device().synchronize()
@@ -184,18 +184,21 @@ def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200)
     b.synchronize()
     reps = int(min(max_reps, max(min_reps, target_ms / max(clock.elapsed(a, b), 1e-3))))
     starts, stops = [clock.event() for _ in range(reps)], [clock.event() for _ in range(reps)]
+    host = []
     for s, e in zip(starts, stops):
         s.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e6)
         e.record()
     stops[-1].synchronize()
-    return statistics.median(clock.elapsed(s, e) for s, e in zip(starts, stops))
+    return statistics.median(clock.elapsed(s, e) for s, e in zip(starts, stops)), statistics.median(host)
 
 
-def time_synced(fn, cupy, *, target_ms, warmup=2, min_reps=5, max_reps=100):
-    """Synced timing: (median ms of fn() plus a wait for the GPU, on the host's clock; median us the host spends in
-    fn() itself). Each call starts on an idle GPU, as in a training loop that reads its loss every step, so the
-    host's time per call (input checks, configuration, allocation, launches) adds to the GPU's."""
+def time_synced(fn, cupy, *, target_ms, warmup=2, min_reps=10, max_reps=200):
+    """Synced timing: median ms of fn() plus a wait for the GPU, on the host's clock. Each call starts on an idle
+    GPU, as in a training loop that reads its loss every step, so the host's time per call (input checks,
+    configuration, allocation, launches) adds to the GPU's."""
     for _ in range(warmup):
         fn()
     sync = cupy.cuda.Device().synchronize
@@ -204,16 +207,13 @@ def time_synced(fn, cupy, *, target_ms, warmup=2, min_reps=5, max_reps=100):
     fn()
     sync()
     reps = int(min(max_reps, max(min_reps, target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
-    total, host = [], []
+    total = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        t1 = time.perf_counter()
         sync()
-        t2 = time.perf_counter()
-        total.append((t2 - t0) * 1e3)
-        host.append((t1 - t0) * 1e6)
-    return statistics.median(total), statistics.median(host)
+        total.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(total)
 
 
 # ---------------------------------------------------------------------------------------------- data + reference
@@ -546,8 +546,8 @@ class Bench:
                         with self._context(key, extra, direction), warnings.catch_warnings():
                             warnings.simplefilter("ignore")
                             fn = setup()
-                            ms = time_call(fn, self.clocks[key[0]], cupy, target_ms=self.args.target_ms)
-                            synced = time_synced(fn, cupy, target_ms=self.args.target_ms / 3)
+                            ms, host = time_call(fn, self.clocks[key[0]], cupy, target_ms=self.args.target_ms)
+                            synced = (time_synced(fn, cupy, target_ms=self.args.target_ms / 2), host)
                         del fn
                     except Exception as e:
                         status[key] = f"error: timing: {_short(e)}"
