@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tests: ruff lint, then pytest (every stage's CPU tests, NVRTC compiles of every kernel for
-# sm_80 and sm_90, the mpirun ring tests, every notebook executed). `gpu` tests run when a GPU is
+# each architecture from sm_75 to sm_90 within its limits, the mpirun ring tests, every notebook executed). `gpu` tests run when a GPU is
 # there and skip with a reason otherwise. Sets up .venv on first use. Extra args go to pytest.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
