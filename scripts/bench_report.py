@@ -426,6 +426,11 @@ def readme_results(results_dir=None):
              f"N >= {SUMMARY_MIN_SEQ}, {_shape_note(rows)}, bf16/fp16 at d = "
              f"{'/'.join(str(d) for d in sorted({r['head_dim'] for r in rows}))}, causal and not:", "",
              summary_markdown(rows), ""]
+    modes = [line for line in modes_markdown(rows).splitlines() if line.startswith("- ")]
+    if modes:
+        lines += [f"Every N from {min(r['seq_len'] for r in rows)} (bf16/fp16), in both timing modes: queued (the host "
+                  "runs ahead) and synced (a wait after every call, so host time adds to GPU time); per-config table "
+                  "in [`results/README.md`](results/README.md):", ""] + modes + [""]
     for s in _ring_files(results_dir, sources.values()):
         ring = read_ring_csv(results_dir / s["file"])
         lines += [f"Ring attention (stage 04) on **{s['gpu']}** (`results/{s['file']}`; {_ring_shape(ring)}): "
