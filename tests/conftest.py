@@ -3,7 +3,8 @@ reproducible draws, poisoned outputs.
 
 Draws: every test restarts the shared generator (stages.common.rng) from the run's base seed and the test's
 id. The base seed is `pytest --seed N`, else the environment variable ATTN_SEED, else a fresh one; it is
-printed in the header, and a failing test's report says how to replay it.
+printed in the header, and a failing test's report says how to replay it. A test's draws depend only on the
+seed and its id, so they are the same whichever pytest-xdist worker runs it (`-n auto`, as test.sh does).
 """
 import os
 
@@ -58,12 +59,26 @@ def pytest_addoption(parser):
 
 def _base_seed(config):
     if not hasattr(config, "_attn_seed"):
-        seed = config.getoption("--seed")
+        seed = getattr(config, "workerinput", {}).get("attn_seed")  # a pytest-xdist worker: the controller's seed
+        seed = config.getoption("--seed") if seed is None else seed
         if seed is None:
             env = os.environ.get("ATTN_SEED")
             seed = int(env) if env else int(np.random.SeedSequence().entropy % 2**32)
         config._attn_seed = seed
     return config._attn_seed
+
+
+class _SeedToWorkers:
+    """pytest-xdist (test.sh runs the tests on every core): each worker is its own process, so the controller hands
+    its base seed to every worker and the whole run replays from the one seed printed in the header."""
+
+    def pytest_configure_node(self, node):
+        node.workerinput["attn_seed"] = _base_seed(node.config)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_SeedToWorkers())
 
 
 def pytest_report_header(config):
