@@ -209,7 +209,7 @@ def _qkv(nq=4, nk=4, d=8):
     [
         (lambda: (np.zeros((2, 4, 8), np.float32),) + _qkv()[1:], "rank 4"),
         (lambda: (_qkv()[0], _qkv(nk=5)[1], _qkv()[2]), "same shape"),
-        (lambda: (_qkv()[0], _qkv(d=16)[1], _qkv(d=16)[2]), "agree in batch, heads and head_dim"),
+        (lambda: (_qkv()[0], _qkv(d=16)[1], _qkv(d=16)[2]), "agree in batch and head_dim"),
         (lambda: (_qkv()[0].astype(np.float64),) + _qkv()[1:], "share one dtype"),
         (lambda: tuple(x.astype(np.int32) for x in _qkv()), "not supported"),
         (lambda: _qkv(nq=0), "empty"),

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from stages.common import (
-    bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
+    bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, kernels, load_module,
     resolve_scale,
 )
 
@@ -219,19 +219,13 @@ def _fp32_forward(q, k, v, *, causal, scale, config=None):
     """Launch kernels/flash_v2_forward_fp32.cu on CuPy float32 arrays (already checked).
     config: an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) to override the device's choice
     (scripts/sweep_flash_v2.py)."""
-    import cupy
-
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dev = device.device()
     config = None if config is None else tuple(config)
     launch = kernels.planned(_PLANS, (B, H, Nq, Nk, D, causal, scale, config, dev),
                              lambda: _fp32_plan(B, H, Nq, Nk, D, causal, scale, config, dev))
-    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
-    o = empty(cupy, (B, H, Nq, D), np.float32)  # (B, H, Nq, D), NaN-poisoned under the tests
-    lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    launch(q, k, v, o, lse)
-    return o, lse
+    return kernels.run_forward(launch, q, k, v, np.float32)
 
 
 # Head dims CI compiles the fp32 kernel at: each candidate configuration's range, odd dims, non-multiples of 4.

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import device, empty, kernels, load_module
+from stages.common import device, kernels, load_module
 
 HEAD_DIMS = (32, 64, 96, 128)
 LOG2E = 1.4426950408889634
@@ -120,16 +120,10 @@ def _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev):
 def forward(q, k, v, *, causal=False, scale, cfg=None):
     """o (B, H, Nq, D) float32 and lse (B, H, Nq) float32 for CuPy float32 q, k, v already validated by
     flash_v2.forward; scale is a float. cfg: a Config to override the device's choice (tuning runs)."""
-    import cupy
-
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dev = device.device()
     cfg = None if cfg is None else tuple(cfg)
     launch = kernels.planned(_PLANS, (B, H, Nq, Nk, D, causal, scale, cfg, dev),
                              lambda: _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev))
-    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
-    o = empty(cupy, (B, H, Nq, D), np.float32)  # (B, H, Nq, D), NaN-poisoned under the tests
-    lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    launch(q, k, v, o, lse)
-    return o, lse
+    return kernels.run_forward(launch, q, k, v, np.float32)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import bfloat16, device, empty, kernels, load_module
+from stages.common import bfloat16, device, kernels, load_module
 
 VERSIONS = ("tc", "pipelined")
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128)}
@@ -174,8 +174,6 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev):
 def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
     """o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by flash_v2.forward
     (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32."""
-    import cupy
-
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dtype = q.dtype
@@ -184,8 +182,4 @@ def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
     causal = bool(causal)
     launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev),
                              lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev))
-    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))  # (B, H, N, D) row-major
-    o = empty(cupy, (B, H, Nq, D), odtype)  # (B, H, Nq, D)
-    lse = empty(cupy, (B, H, Nq), np.float32)  # (B, H, Nq)
-    launch(q, k, v, o, lse)
-    return o, lse
+    return kernels.run_forward(launch, q, k, v, odtype)

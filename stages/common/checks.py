@@ -47,10 +47,12 @@ def _dtype_names(dtypes):
     return ", ".join(np.dtype(d).name for d in dtypes)
 
 
-def check_attention_inputs(q, k, v, *, dtypes=SUPPORTED_FLOAT_DTYPES, head_dims=None, where="attention"):
+def check_attention_inputs(q, k, v, *, dtypes=SUPPORTED_FLOAT_DTYPES, head_dims=None, where="attention",
+                           gqa=False):
     """Check q, k, v of shape (B, H, N, D); return (xp, B, H, Nq, Nk, D).
 
-    dtypes: the dtypes this implementation supports; head_dims: the supported head dims (None: any).
+    dtypes: the dtypes this implementation supports; head_dims: the supported head dims (None: any);
+    gqa: k and v may have fewer heads than q (grouped-query attention; variants.check says how many).
     """
     xp = array_module(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -62,10 +64,15 @@ def check_attention_inputs(q, k, v, *, dtypes=SUPPORTED_FLOAT_DTYPES, head_dims=
     B, H, Nq, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"{where}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
+    if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(
-            f"{where}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, heads and head_dim "
-            "(only the sequence length may differ)"
+            f"{where}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head_dim "
+            "(the sequence length may differ, and with grouped-query attention the heads)"
+        )
+    if k.shape[1] != H and not gqa:
+        raise ValueError(
+            f"{where}: q has {H} heads and k, v have {k.shape[1]}; this implementation needs the same number "
+            "(grouped-query attention, fewer k/v heads, is in stage 00 and the tile mirrors)"
         )
     Nk = k.shape[2]
     if min(B, H, D) == 0 or Nq == 0 or Nk == 0:

@@ -9,6 +9,10 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
+from .verify import empty
+
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 BASE_OPTIONS = ("-std=c++17",)
 
@@ -82,6 +86,20 @@ def planned(cache, key, build):
             cache.clear()
         plan = cache[key] = build()
     return plan
+
+
+def run_forward(launch, q, k, v, odtype):
+    """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
+    (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
+    kernel does not write fails the check), and the launch on the current stream with arguments (q, k, v, o, lse)."""
+    import cupy
+
+    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+    B, H, Nq, D = q.shape
+    o = empty(cupy, (B, H, Nq, D), odtype)
+    lse = empty(cupy, (B, H, Nq), np.float32)
+    launch(q, k, v, o, lse)
+    return o, lse
 
 
 def _cuda_include_dirs():

@@ -79,65 +79,101 @@ def _orders(D):
     return [np.arange(D), np.arange(D)[::-1]]
 
 
-def oracle(q, k, v, do=None, *, causal=False, scale=None):
-    """Stage 00 in float64 on the host: (o, lse) or, with do, (o, lse, dq, dk, dv)."""
+def oracle(q, k, v, do=None, *, causal=False, scale=None, **opts):
+    """Stage 00 in float64 on the host: (o, lse) or, with do, (o, lse, dq, dk, dv). opts: the variant options
+    (window, softcap, alibi_slopes, dropout_p, seed; stages/common/variants.py), passed to stage 00."""
     naive = _naive()
     q64, k64, v64 = (to_numpy(x).astype(np.float64) for x in (q, k, v))
-    o, lse = naive.forward(q64, k64, v64, causal=causal, scale=scale)
+    opts = _host(opts)
+    o, lse = naive.forward(q64, k64, v64, causal=causal, scale=scale, **opts)
     if do is None:
         return o, lse
     return (o, lse) + naive.backward(q64, k64, v64, o, lse, to_numpy(do).astype(np.float64), causal=causal,
-                                     scale=scale)
+                                     scale=scale, **opts)
 
 
-def forward_yardsticks(q, k, v, *, causal=False, scale=None):
+def _host(opts):
+    """The options with ALiBi slopes as a float64 host array (they may come as CuPy or float32)."""
+    if opts.get("alibi_slopes") is not None:
+        opts = dict(opts, alibi_slopes=to_numpy(opts["alibi_slopes"]).astype(np.float64))
+    return opts
+
+
+def forward_yardsticks(q, k, v, *, causal=False, scale=None, **opts):
     """[(o, lse), ...]: stage 00 in the inputs' dtype (host arrays), one per summation order."""
     naive = _naive()
     q, k, v = (to_numpy(x) for x in (q, k, v))
+    opts = _host(opts)
     out = []
     for perm in _orders(q.shape[-1]):
-        out.append(naive.forward(q[..., perm], k[..., perm], v, causal=causal, scale=scale))  # same Q K^T
+        out.append(naive.forward(q[..., perm], k[..., perm], v, causal=causal, scale=scale, **opts))  # same Q K^T
     return out
 
 
-def backward_yardsticks(q, k, v, o, lse, do, *, causal=False, scale=None):
+def backward_yardsticks(q, k, v, o, lse, do, *, causal=False, scale=None, **opts):
     """[(dq, dk, dv), ...]: stage 00's backward in the inputs' dtype from the given o, lse (host arrays), one per
     summation order of S; dq, dk come back in the natural column order."""
     naive = _naive()
     q, k, v, o, lse, do = (to_numpy(x) for x in (q, k, v, o, lse, do))
+    opts = _host(opts)
     out = []
     for perm in _orders(q.shape[-1]):
         inv = np.argsort(perm)
-        dq, dk, dv = naive.backward(q[..., perm], k[..., perm], v, o, lse, do, causal=causal, scale=scale)
+        dq, dk, dv = naive.backward(q[..., perm], k[..., perm], v, o, lse, do, causal=causal, scale=scale, **opts)
         out.append((dq[..., inv], dk[..., inv], dv))
     return out
 
 
-def _s_rounding(q, k, causal, scale):
-    """(P in float64 (B, H, Nq, Nk), eps (B, H, Nq, 1)): eps_i = max_j |S_ij of the yardstick - S_ij in float64|
-    over the keys row i sees (0 for a row that sees none)."""
+def _s_rounding(q, k, causal, scale, opts=None):
+    """(P in float64 (B, H, Nq, Nk), eps (B, H, Nq, 1), scale, zk): eps_i = max_j |S_ij of the yardstick - S_ij in
+    float64| over the keys row i sees (0 for a row that sees none); zk = Z / (1 - p) of dropout (B, H, Nq, Nk), or
+    1.0 without. Grouped-query attention: S with k expanded to q's heads."""
     naive = _naive()
+    from . import variants
+
     q, k = (to_numpy(x) for x in (q, k))
     D = q.shape[-1]
     scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
-    s64 = naive.scores(q.astype(np.float64), k.astype(np.float64), scale, causal, np)  # (B, H, Nq, Nk)
-    s_low = naive.scores(q, k, scale, causal, np).astype(np.float64)  # as the yardstick computes it
+    vopts = variants.check(q, k, causal=causal, where="tolerance", **_host(opts or {}))
+    k = np.repeat(k, vopts.group, axis=1) if vopts.group > 1 else k
+    vopts = vopts._replace(group=1)
+    s64 = naive.scores(q.astype(np.float64), k.astype(np.float64), scale, vopts, np)  # (B, H, Nq, Nk)
+    s_low = naive.scores(q, k, scale, vopts, np).astype(np.float64)  # as the yardstick computes it
     with np.errstate(invalid="ignore"):
         eps = np.where(np.isinf(s64), 0.0, np.abs(s_low - s64)).max(axis=-1, keepdims=True)  # (B, H, Nq, 1)
     if np.dtype(q.dtype) != np.float64:
         # A row with few keys has few roundings to take the max over, and the yardstick's order may be lucky in
         # all of them where another order is not. The floor is one ulp of the row's largest sum of magnitudes
         # |scale| sum_d |Q_id K_jd| (2 u sum, u = 2^-24): every summation order ends in additions whose partial
-        # sums are bounded by it (Higham, "Accuracy and Stability of Numerical Algorithms", section 3.1).
-        mag = scale * _masked(np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)).swapaxes(-1, -2),
-                              np.isinf(s64))
-        eps = np.maximum(eps, 2.0 ** -23 * mag.max(axis=-1, keepdims=True))
+        # sums are bounded by it (Higham, "Accuracy and Stability of Numerical Algorithms", section 3.1). A
+        # softcap's tanh has slope <= 1, so the floor holds through it; an ALiBi bias adds one more rounding, of
+        # at most one ulp of |S| (bounded by the same sum plus |bias|).
+        mag = scale * np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)).swapaxes(-1, -2)
+        if vopts.alibi_slopes is not None:
+            B, H, Nq, Nk = mag.shape
+            mag = mag + np.abs(variants.alibi_bias(variants.slopes_bh(vopts, B, H, np, np.float64), Nq, Nk))
+        eps = np.maximum(eps, 2.0 ** -23 * _masked(mag, np.isinf(s64)).max(axis=-1, keepdims=True))
     eps = eps * _accumulation_factor(q.dtype)
     m = s64.max(axis=-1, keepdims=True)
     m = np.where(np.isinf(m), 0.0, m)
     p = np.exp(s64 - m)
     l = p.sum(axis=-1, keepdims=True)
-    return p / np.where(l == 0, 1.0, l), eps, scale
+    zk = 1.0
+    if vopts.dropout_p:
+        B, H, Nq, Nk = p.shape
+        zk = variants.dropout_keep(B, H, Nq, Nk, vopts.dropout_p, vopts.seed) / (1.0 - vopts.dropout_p)
+    return p / np.where(l == 0, 1.0, l), eps, scale, zk
+
+
+def _expand(x, group):
+    return np.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _sum_groups(x, group):
+    if group == 1:
+        return x
+    B, H, N, D = x.shape
+    return x.reshape(B, H // group, group, N, D).sum(axis=2)
 
 
 def _masked(x, hidden):
@@ -160,38 +196,45 @@ def _rounding16(x, dtype):
     return np.abs(cast(cast(x, dtype), np.float64) - x)
 
 
-def forward_s_terms(q, k, v, *, causal=False, scale=None):
+def forward_s_terms(q, k, v, *, causal=False, scale=None, **opts):
     """(o, lse) of the first-order rounding terms of the forward (see the module docstring), float64 host
     arrays."""
-    p, eps, _ = _s_rounding(q, k, causal, scale)
-    v64 = to_numpy(v).astype(np.float64)
-    o = p @ v64  # (B, H, Nq, D)
-    spread = np.sqrt(np.maximum(p @ (v64 * v64) - o * o, 0.0))  # >= sum_j P_ij |V_jd - O_id|
-    r16 = _rounding16(p, to_numpy(q).dtype)  # P~ rounded to 16 bits before P~ V
+    p, eps, _, zk = _s_rounding(q, k, causal, scale, opts)
+    v64 = _expand(to_numpy(v).astype(np.float64), q.shape[1] // k.shape[1])
+    pz = p * zk  # dropout: what multiplies V
+    o = pz @ v64  # (B, H, Nq, D)
+    spread = np.sqrt(np.maximum(pz @ (v64 * v64) - o * o, 0.0))  # >= sum_j P_ij |V_jd - O_id| (without dropout)
+    if not np.isscalar(zk):  # with dropout, d O_id = sum_j P_ij (Z_ij V_jd / (1 - p) - O_id) delta_ij
+        spread = pz @ np.abs(v64) + np.abs(o)
+    r16 = _rounding16(p, to_numpy(q).dtype) * zk  # P~ rounded to 16 bits before P~ V
     return eps * spread + r16 @ np.abs(v64), eps[..., 0] * p.sum(axis=-1)
 
 
-def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None):
+def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None, **opts):
     """(dq, dk, dv) of the first-order rounding terms of the backward (see the module docstring), float64 host
-    arrays. o: the forward output the backward starts from (D_i = rowsum(dO_i * O_i) is computed from it)."""
-    p, eps, scale = _s_rounding(q, k, causal, scale)
+    arrays. o: the forward output the backward starts from (D_i = rowsum(dO_i * O_i) is computed from it).
+    Grouped-query attention: the terms of dK, dV sum over each group's query heads, as the gradients do."""
+    p, eps, scale, zk = _s_rounding(q, k, causal, scale, opts)
+    group = q.shape[1] // k.shape[1]
+    k, v = _expand(to_numpy(k), group), _expand(to_numpy(v), group)
     q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
-    dp = do64 @ v64.swapaxes(-1, -2)  # (B, H, Nq, Nk)
+    dp = do64 @ v64.swapaxes(-1, -2) * zk  # (B, H, Nq, Nk); dropout: dP = Z / (1 - p) dO V^T
     d_i = (do64 * o64).sum(axis=-1, keepdims=True)  # (B, H, Nq, 1)
     # the yardstick's own rounding of dP_ij - D_i (float32 for float32 and 16-bit inputs), per row: eps2_i
     cd = np.float64 if to_numpy(q).dtype == np.float64 else np.float32
     do_c, v_c, o_c = (to_numpy(x).astype(cd) for x in (do, v, o))
-    low = (do_c @ v_c.swapaxes(-1, -2)) - (do_c * o_c).sum(axis=-1, keepdims=True)  # (B, H, Nq, Nk)
+    low = ((do_c @ v_c.swapaxes(-1, -2)) * zk).astype(cd) - (do_c * o_c).sum(axis=-1, keepdims=True)  # (B, H, Nq, Nk)
     eps2 = np.where(p > 0, np.abs(low.astype(np.float64) - (dp - d_i)), 0.0).max(axis=-1, keepdims=True)
     if cd != np.float64:  # the same floor as for S: one ulp of the sums of magnitudes of dP_ij and of D_i
-        mag = np.abs(do64) @ np.abs(v64).swapaxes(-1, -2) + (np.abs(do64) * np.abs(o64)).sum(axis=-1, keepdims=True)
+        mag = (np.abs(do64) @ np.abs(v64).swapaxes(-1, -2) * zk
+               + (np.abs(do64) * np.abs(o64)).sum(axis=-1, keepdims=True))
         eps2 = np.maximum(eps2, 2.0 ** -23 * _masked(mag, p == 0).max(axis=-1, keepdims=True))
     eps2 = eps2 * _accumulation_factor(to_numpy(q).dtype)
     dtype = to_numpy(q).dtype  # 16 bits: P and dS rounded before their matmuls
-    w = p * eps + _rounding16(p, dtype)  # (B, H, Nq, Nk): first-order |d P_ij|
+    w = (p * eps + _rounding16(p, dtype)) * zk  # (B, H, Nq, Nk): first-order |d P'_ij| (P' = P Z / (1 - p))
     wds = p * eps * np.abs(dp - d_i) + p * eps2 + _rounding16(p * (dp - d_i), dtype)  # first-order |d dS_ij|
-    return (scale * wds @ np.abs(k64), scale * wds.swapaxes(-1, -2) @ np.abs(q64),
-            w.swapaxes(-1, -2) @ np.abs(do64))
+    return (scale * wds @ np.abs(k64), _sum_groups(scale * wds.swapaxes(-1, -2) @ np.abs(q64), group),
+            _sum_groups(w.swapaxes(-1, -2) @ np.abs(do64), group))
 
 
 def bounds(refs, yardsticks, terms=None, *, factor=FACTOR, slack=SLACK):

@@ -42,25 +42,28 @@ def _check_like(names, outs, likes):
                                  f"{like.dtype}")
 
 
-def check_forward(forward, q, k, v, *, causal=False, scale=None, **kw):
-    """Run forward(q, k, v, **kw) and check o and lse by the tolerance rule; return {"o": err, "lse": err}."""
-    o, lse = forward(q, k, v, causal=causal, scale=scale, **kw)
+def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, **kw):
+    """Run forward(q, k, v, **opts, **kw) and check o and lse by the tolerance rule; return {"o": err, "lse": err}.
+    opts: variant options (window, softcap, alibi_slopes, dropout_p, seed), given to the oracle too."""
+    opts = opts or {}
+    o, lse = forward(q, k, v, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_FORWARD, (o, lse), (q, np.empty(q.shape[:3], np.float32)))
-    refs = tolerance.oracle(q, k, v, causal=causal, scale=scale)
-    ys = tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale)
-    terms = tolerance.forward_s_terms(q, k, v, causal=causal, scale=scale)
+    refs = tolerance.oracle(q, k, v, causal=causal, scale=scale, **opts)
+    ys = tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale, **opts)
+    terms = tolerance.forward_s_terms(q, k, v, causal=causal, scale=scale, **opts)
     res = tolerance.check(tolerance.NAMES_FORWARD, (o, lse), refs, ys, terms)
     return {n: e for n, (e, _) in res.items()}
 
 
-def check_backward(backward, q, k, v, do, *, causal=False, scale=None, **kw):
+def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None, **kw):
     """Run backward from the oracle's o and lse (in the inputs' dtype) and check dq, dk, dv by the rule."""
-    o64, lse64, *refs = tolerance.oracle(q, k, v, do, causal=causal, scale=scale)
+    opts = opts or {}
+    o64, lse64, *refs = tolerance.oracle(q, k, v, do, causal=causal, scale=scale, **opts)
     o_in, lse_in = backward_start(q, o64, lse64)
-    grads = backward(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **kw)
+    grads = backward(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_BACKWARD, grads, (q, k, v))
-    ys = tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal, scale=scale)
-    terms = tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale)
+    ys = tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts)
+    terms = tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale, **opts)
     res = tolerance.check(tolerance.NAMES_BACKWARD, grads, refs, ys, terms)
     return {n: e for n, (e, _) in res.items()}
 

@@ -1,0 +1,168 @@
+"""The attention variants real models use, defined once: which keys a query sees, what is added to or done with a
+score, and which probabilities dropout keeps. Stage 00 computes them naively (the definition and the fp64 oracle);
+the tile mirrors and kernels compute the same functions tile by tile.
+
+For query i and key j (0-based), with shift = Nk - Nq (bottom-right alignment, as causal uses):
+
+    visible(i, j)  = (left  < 0 or j >= i + shift - left)       window=(left, right), FlashAttention's convention:
+                 and (right < 0 or j <= i + shift + right)       -1 = unbounded; causal=True is right = 0
+    S_ij  = scale * q_i . k_j                                     the scores
+    S_ij <- c * tanh(S_ij / c)                                    softcap=c (Gemma 2): |S| < c, smooth
+    S_ij <- S_ij - slope_h * |i + shift - j|                      alibi_slopes (BLOOM, MPT): a distance penalty
+    P     = softmax over the visible j of S_ij;  L_i = logsumexp   (the lse is taken before dropout)
+    O     = (P * Z / (1 - p)) V                                   dropout_p=p: Z_ij in {0, 1} kept with probability
+                                                                  1 - p, drawn by Philox from (seed, b, h, i, j)
+Grouped-query attention (GQA; MQA is Hkv = 1): k and v have Hkv heads, Hkv dividing H; query head h reads kv head
+h // (H / Hkv). The backward sums dK and dV over the H / Hkv query heads of each group.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Options(NamedTuple):
+    """The checked options of one call (Options.check builds it; PLAIN is plain attention)."""
+    causal: bool = False
+    left: int = -1  # keys before the diagonal a query sees (-1: all)
+    right: int = -1  # keys after the diagonal a query sees (-1: all; causal: 0)
+    softcap: float = 0.0  # 0: off
+    alibi_slopes: object = None  # (B, H) float array or None
+    dropout_p: float = 0.0
+    seed: int = 0
+    group: int = 1  # H / Hkv: query heads per kv head
+
+    @property
+    def windowed(self):
+        """True when some key may be hidden from some query (causal, or a bounded window side)."""
+        return self.left >= 0 or self.right >= 0
+
+    @property
+    def plain(self):
+        """No option beyond causal: what every kernel computes."""
+        return (self.left, self.softcap, self.alibi_slopes, self.dropout_p, self.group) == (-1, 0.0, None, 0.0, 1) \
+            and self.right == (0 if self.causal else -1)
+
+
+def _int(x, name, where):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{where}: {name} must be an integer, got {x!r}")
+    return int(x)
+
+
+def check(q, k, *, causal, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0,
+          where="attention"):
+    """Options for q (B, H, Nq, D) and k (B, Hkv, Nk, D), or a clear error that says what is supported."""
+    B, H = q.shape[0], q.shape[1]
+    Hkv = k.shape[1]
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"{where}: k and v have {Hkv} heads, which does not divide q's {H} heads; grouped-query "
+                         "attention needs H % Hkv == 0 (Hkv = H: plain, Hkv = 1: multi-query)")
+    left = right = -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"{where}: window must be a pair (left, right) of integers, -1 for unbounded; got "
+                            f"{window!r}")
+        left, right = (_int(w, "window", where) for w in window)
+        if left < -1 or right < -1:
+            raise ValueError(f"{where}: window {tuple(window)}: each side must be >= 0, or -1 for unbounded")
+    if causal:
+        if right > 0:
+            raise ValueError(f"{where}: causal=True sees no key after the diagonal (right = 0); window {window} "
+                             "asks for right > 0: drop causal, or set right to 0 or -1")
+        right = 0
+    cap = 0.0
+    if softcap is not None:
+        cap = float(softcap)
+        if not np.isfinite(cap) or cap <= 0:
+            raise ValueError(f"{where}: softcap must be a finite number > 0 (S -> c tanh(S / c)), or None for "
+                             f"off; got {softcap!r}")
+    slopes = None
+    if alibi_slopes is not None:
+        shape = tuple(getattr(alibi_slopes, "shape", np.shape(alibi_slopes)))
+        if shape not in ((H,), (B, H)):
+            raise ValueError(f"{where}: alibi_slopes has shape {shape}; expected (H,) = ({H},) or (B, H) = "
+                             f"({B}, {H}), one slope per head")
+        slopes = alibi_slopes
+    p = float(dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"{where}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    seed = _int(seed, "seed", where)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{where}: seed must be in [0, 2**64), got {seed}")
+    return Options(bool(causal), left, right, cap, slopes, p, seed, H // Hkv)
+
+
+def visible(Nq, Nk, opts, xp=np, rows=None, cols=None):
+    """(len(rows), len(cols)) boolean, True where query i may see key j (all rows/cols by default)."""
+    i = (xp.arange(Nq) if rows is None else xp.asarray(rows))[:, None]
+    j = (xp.arange(Nk) if cols is None else xp.asarray(cols))[None, :]
+    d = j - (i + (Nk - Nq))  # key position relative to the query's diagonal
+    ok = xp.ones(d.shape, bool)
+    if opts.left >= 0:
+        ok &= d >= -opts.left
+    if opts.right >= 0:
+        ok &= d <= opts.right
+    return ok
+
+
+def slopes_bh(opts, B, H, xp=np, dtype=np.float32):
+    """The ALiBi slopes as a (B, H) array of xp (or None)."""
+    if opts.alibi_slopes is None:
+        return None
+    s = xp.asarray(opts.alibi_slopes, dtype=dtype)
+    return xp.broadcast_to(s, (B, H))
+
+
+def alibi_bias(slopes, Nq, Nk, xp=np, rows=None, cols=None):
+    """(B, H, rows, cols): -slope_bh |i + shift - j| for slopes (B, H)."""
+    i = (xp.arange(Nq) if rows is None else xp.asarray(rows))[:, None]
+    j = (xp.arange(Nk) if cols is None else xp.asarray(cols))[None, :]
+    dist = xp.abs(i + (Nk - Nq) - j).astype(slopes.dtype)
+    return -slopes[:, :, None, None] * dist
+
+
+def keep_rate_threshold(p):
+    """A 32-bit Philox draw u keeps its probability when u < threshold = round((1 - p) 2^32) (p > 0)."""
+    return min(int(round((1.0 - p) * 2.0**32)), 2**32 - 1)
+
+
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a counter-based generator,
+# so the backward regenerates exactly the forward's mask from (seed, position) with nothing stored.
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+
+
+def philox4x32(c0, c1, c2, c3, seed):
+    """Philox4x32-10 of counter (c0, c1, c2, c3) (uint32 arrays of one shape) under the 64-bit key seed: four
+    uint32 arrays."""
+    m32 = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(x, dtype=np.uint64) & m32 for x in (c0, c1, c2, c3)]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(10):
+        p0 = np.uint64(_M0) * c[0]  # < 2^64: exact in uint64
+        p1 = np.uint64(_M1) * c[2]
+        c = [((p1 >> np.uint64(32)) ^ c[1] ^ k0) & m32, p1 & m32, ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & m32, p0 & m32]
+        k0, k1 = (k0 + np.uint64(_W0)) & m32, (k1 + np.uint64(_W1)) & m32
+    return [x.astype(np.uint32) for x in c]
+
+
+def dropout_keep(B, H, Nq, Nk, p, seed):
+    """Z (B, H, Nq, Nk) bool: True where dropout keeps P_ij (numpy; the kernels draw the same bits).
+
+    One Philox call draws the four bits of queries {i, i + 8} x keys {j, j + 8} inside a 16 x 16 block (i % 16 < 8,
+    j % 16 < 8): counter (16-block row index * 8 + i % 8, same for j, b * H + h, 0), outputs in the order (i, j),
+    (i, j + 8), (i + 8, j), (i + 8, j + 8). A tensor-core thread holds exactly such pairs (rows g, g + 8 and
+    columns 2t, 2t + 8 of its mma fragments, in S and in the backward's S^T), so it draws its own bits."""
+    if p == 0.0:
+        return np.ones((B, H, Nq, Nk), bool)
+    i = np.arange(Nq)
+    j = np.arange(Nk)
+    ci = (i // 16) * 8 + i % 8  # (Nq,)
+    cj = (j // 16) * 8 + j % 8  # (Nk,)
+    oi = (i % 16) // 8  # which of the pair
+    oj = (j % 16) // 8
+    bh = np.arange(B * H, dtype=np.uint64).reshape(B, H)[:, :, None, None]
+    outs = philox4x32(ci[None, None, :, None], cj[None, None, None, :], bh, 0, seed)
+    stack = np.stack(np.broadcast_arrays(*outs), axis=0)  # (4, B, H, Nq, Nk)
+    idx = (2 * oi[:, None] + oj[None, :])[None, None, None]  # (1, 1, 1, Nq, Nk)
+    u = np.take_along_axis(stack, np.broadcast_to(idx, (1,) + stack.shape[1:]), axis=0)[0]
+    return u < np.uint32(keep_rate_threshold(p))
