@@ -34,6 +34,51 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NC / 8][4], int r0, i
         }
 }
 
+// The variants' mask (stages/common/variants.py): key c is visible to row r iff c < Nk, c <= r + shift + right
+// (right >= 0) and c >= r + shift - left (left >= 0). Same fragment layout as mask_scores.
+template <int MT, int NC>
+__device__ __forceinline__ void mask_window(float (&s)[MT][NC / 8][4], int r0, int col0, int Nk, int left,
+                                            int right, int shift, int g, int t) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = r0 + m * 16 + g + 8 * h;
+            const int hi = min(Nk - 1, right < 0 ? Nk - 1 : r + shift + right);  // visible keys: lo <= c <= hi
+            const int lo = left < 0 ? 0 : r + shift - left;
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = col0 + n * 8 + 2 * t + e;
+                    if (c > hi || c < lo) s[m][n][2 * h + e] = -INF;
+                }
+        }
+}
+
+// The variants' scores in natural units: x = scale S, then softcap x -> c tanh(x / c) (c > 0), then ALiBi
+// x -> x - slope |r + shift - c| (slope != 0). Same fragment layout as mask_scores.
+template <int MT, int NC>
+__device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int r0, int col0, int shift, float scale,
+                                                 float softcap, float slope, int g, int t) {
+    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int diag = r0 + m * 16 + g + 8 * h + shift;  // the key on row r's diagonal
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = s[m][n][2 * h + e] * scale;
+                    if (softcap > 0.f) x = softcap * tanhf(x * inv_cap);
+                    if (slope != 0.f) x -= slope * (float)abs(diag - (col0 + n * 8 + 2 * t + e));
+                    s[m][n][2 * h + e] = x;
+                }
+        }
+}
+
 // Alg.1 L5 for one thread's rows of Q_i: O_i = 0 (its mma accumulator fragments, MT m-tiles x D columns),
 // m_i = -inf, l_i = 0 (rows g and g + 8 of each m-tile).
 template <int MT, int D>

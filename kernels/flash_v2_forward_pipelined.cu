@@ -41,11 +41,17 @@
 // SUB: keys per compute slice of a K/V tile; MINB: blocks per SM the registers must allow (64K / (MINB * threads)
 // per thread); SKIP: skip the rescale of O_i by alpha = 1 (see below). HG: heads per group of the causal block
 // order. Shared memory: (Br + 4 Bc) (D + 8) elements.
-template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP>
+// Grouped-query attention (every instantiation): q has H heads, k and v H / group; query head h reads kv head
+// h / group. VAR (the variants, stages/common/variants.py): a window (left, right) around the diagonal (-1:
+// unbounded) whose tiles outside are never visited; softcap x -> c tanh(x / c) (c = 0: off); ALiBi x -> x - slope |r +
+// shift - c| (slopes: one float per (batch, head), or null). With VAR the scores are scaled in natural units
+// first (x = scale S_ij), and scale_log2 is log2(e).
+template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, bool VAR>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                           TO* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
-                           int causal, int HG) {
+                           TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes, int Nq,
+                           int Nk, float scale_log2, int causal, int HG, int H, int group, int left, int right,
+                           float scale, float softcap) {
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
     constexpr int LD = D + 8;             // padded row (elements): +16 B puts consecutive rows in new banks
@@ -76,11 +82,24 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     }
     // This head's K and V (pointers the loop needs); q, o, lse are offset where they are used, so no register
     // holds them across the loop.
-    const T* kh = k + bh * Nk * D;
-    const T* vh = v + bh * Nk * D;
+    const long bkv = (bh / H) * (H / group) + (bh % H) / group;  // the kv head of query head bh (GQA)
+    const T* kh = k + bkv * Nk * D;
+    const T* vh = v + bkv * Nk * D;
     const int row0 = i * BR;  // first row of Q_i
     const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
-    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // Tc (causal: fewer)
+    const int last_row = min(row0 + BR, Nq) - 1;
+    // K/V tiles j_first <= j < n_tiles: Tc (causal: fewer); a window visits only the band of tiles holding a key
+    // some row of Q_i sees: from the first row's first key to the last row's last key.
+    int j_first = 0, n_tiles;
+    if constexpr (VAR) {
+        const int last_key = right < 0 ? Nk - 1 : min(Nk - 1, last_row + shift + right);
+        const int first_key = left < 0 ? 0 : max(0, row0 + shift - left);
+        j_first = first_key / BC;
+        n_tiles = last_key < 0 || first_key > last_key ? j_first : min((Nk + BC - 1) / BC, last_key / BC + 1);
+    } else {
+        n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
+    }
+    const float slope = VAR && slopes != nullptr ? slopes[bh] : 0.f;
 
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
     // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
@@ -107,9 +126,9 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
 
     // Alg.1 L4: load Q_i; Alg.1 L6 (j = 0): load K_0, V_0. One cp.async group.
     load_tile(Qs, q + bh * Nq * D, row0, BR, Nq);
-    if (n_tiles > 0) {
-        load_tile(Ks, kh, 0, BC, Nk);
-        load_tile(Vs, vh, 0, BC, Nk);
+    if (n_tiles > j_first) {
+        load_tile(Ks, kh, j_first * BC, BC, Nk);
+        load_tile(Vs, vh, j_first * BC, BC, Nk);
     }
     cp_async_commit();
 
@@ -129,8 +148,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     const u32 q_base = smem_u32(Qs + (wrow + lane % 16) * LD + (lane / 16) * 8);  // only this warp reads its rows
     const u32 k_base = smem_u32(Ks + (lane % 8 + (lane / 16) * 8) * LD + ((lane / 8) % 2) * 8);
     const u32 v_base = smem_u32(Vs + (lane % 16) * LD + (lane / 16) * 8);
-    for (int j = 0; j < n_tiles; ++j) {  // Alg.1 L6: loop over K/V tiles
-        const int buf = j & 1;
+    for (int j = j_first; j < n_tiles; ++j) {  // Alg.1 L6: loop over K/V tiles
+        const int buf = (j - j_first) & 1;
         cp_async_wait<0>();  // this thread's copies of K_j, V_j (and Q_i) have landed ...
         __syncthreads();     // ... everyone's too; and every warp has finished tile j-1, so buffer buf^1 is free
         if (j + 1 < n_tiles) {  // prefetch K_{j+1}, V_{j+1} into the other buffer while tile j is computed
@@ -148,7 +167,13 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 const u32 kj = k_base + (buf * BC + sb * SUB) * LD * 2;  // K_j rows sb*SUB.., in buffer buf
                 const u32 vj = v_base + (buf * BC + sb * SUB) * LD * 2;
                 const int col0 = j * BC + sb * SUB;  // first key of this slice
-                if (MASKED && causal && col0 > row0 + wrow + 16 * MT - 1 + shift) continue;  // no row of ours sees it
+                if constexpr (VAR) {  // a slice outside the window of every row of this warp
+                    if (MASKED && ((right >= 0 && col0 > row0 + wrow + 16 * MT - 1 + shift + right) ||
+                                   (left >= 0 && col0 + SUB - 1 < row0 + wrow + shift - left)))
+                        continue;
+                } else if (MASKED && causal && col0 > row0 + wrow + 16 * MT - 1 + shift) {
+                    continue;  // no row of ours sees it
+                }
                 // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x SUB per warp), fp32 accumulators in the C fragment layout.
                 float s[MT][SUB / 8][4];
 #pragma unroll
@@ -172,8 +197,12 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                     }
                 }
                 // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
-                if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift)))
+                if constexpr (VAR) {
+                    transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope, g, t);
+                    if (MASKED) mask_window<MT, SUB>(s, row0 + wrow, col0, Nk, left, right, shift, g, t);
+                } else if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
                     mask_scores<MT, SUB>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
+                }
                 // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij),
                 //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
                 // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the
@@ -238,8 +267,15 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 }
             }
         };
-        // Block-uniform: the tile holds Nk's tail, or keys right of the diagonal of Q_i's first row.
-        if ((j + 1) * BC > Nk || (causal && (j + 1) * BC - 1 > row0 + shift))
+        // Block-uniform: the tile holds Nk's tail, or keys right of the diagonal of Q_i's first row (VAR: right of
+        // its window, or left of the last row's window).
+        bool masked = (j + 1) * BC > Nk;
+        if constexpr (VAR)
+            masked = masked || (right >= 0 && (j + 1) * BC - 1 > row0 + shift + right) ||
+                     (left >= 0 && j * BC < last_row + shift - left);
+        else
+            masked = masked || (causal && (j + 1) * BC - 1 > row0 + shift);
+        if (masked)
             tile(true);
         else
             tile(false);

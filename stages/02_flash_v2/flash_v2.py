@@ -22,7 +22,7 @@ import numpy as np
 
 from stages.common import (
     bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, kernels, load_module,
-    resolve_scale,
+    resolve_scale, variants,
 )
 
 from . import mirror
@@ -170,16 +170,26 @@ def _check_head_dim(version, D):
                          f"(version {version!r}): use {', '.join(map(str, dims))}, or version='fp32' with float32")
 
 
-def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None, config=None):
+VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variant options (every version's mirror does)
+
+
+def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None, config=None, window=None,
+            alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0):
     """FlashAttention-2 forward. Returns o (B, H, Nq, D) and lse (B, H, Nq) float32.
 
     o is in the inputs' dtype, or in float32 with out_dtype=np.float32: O_i = diag(l_i)^-1 O_i straight from
     the float32 accumulators, not rounded to 16 bits (the ring merges such partial results).
     config: the fp32 CUDA kernel only, an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) instead
-    of the device's choice (scripts/sweep_flash_v2.py times several); None: the device's choice."""
-    xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where="flash_v2.forward")
-    causal = check_causal(causal, "flash_v2.forward")
-    out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2.forward")
+    of the device's choice (scripts/sweep_flash_v2.py times several); None: the device's choice.
+    Variants (stages/common/variants.py): k, v with fewer heads (grouped-query), window=(left, right),
+    alibi_slopes, softcap, dropout_p with seed. The mirrors take them all; on the GPU version 'pipelined' takes
+    grouped-query k and v, window, softcap and ALiBi."""
+    where = "flash_v2.forward"
+    xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where=where, gqa=True)
+    causal = check_causal(causal, where)
+    opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                          dropout_p=dropout_p, seed=seed, where=where)
+    out_dtype = check_out_dtype(out_dtype, q.dtype, where)
     version = resolve_version(version, q.dtype)
     _check_head_dim(version, D)
     scale = resolve_scale(scale, D)
@@ -189,7 +199,14 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     if xp is np:
         br, bc = tiles(version, D, causal)
         return mirror.forward(q, k, v, causal=causal, scale=scale, br=br, bc=bc, tf32x3=version == "fp32x3",
-                              out_dtype=out_dtype)
+                              out_dtype=out_dtype, opts=None if opts.plain else opts)
+    if not opts.plain:
+        if version not in VARIANT_VERSIONS or opts.dropout_p:
+            raise ValueError(f"{where}: on the GPU, grouped-query k/v, window, softcap and alibi_slopes run in "
+                             f"version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); dropout runs in the "
+                             f"CPU mirror only (numpy inputs). Got version {version!r}"
+                             f"{' with dropout' if opts.dropout_p else ''}")
+        return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
     if version == "fp32x3":
         return _fp32x3().forward(q, k, v, causal=causal, scale=scale)
     if version != "fp32":

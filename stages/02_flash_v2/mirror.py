@@ -24,7 +24,7 @@ Inputs are assumed checked (flash_v2.py checks them and picks the tiles).
 """
 import numpy as np
 
-from stages.common import cast, empty
+from stages.common import cast, empty, variants
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -61,68 +61,114 @@ def matmul_pv_tf32(p, v):
     return ((ps @ vh + pb @ vl) + pb @ vm) + pb @ vh
 
 
-def visited_tiles(i, Nq, Nk, br, bc, causal):
+def _window(opts, causal):
+    """(left, right) of the visible band around the diagonal (-1: unbounded): causal is right = 0."""
+    if opts is None:
+        return -1, (0 if causal else -1)
+    return opts.left, opts.right
+
+
+def visited_tiles(i, Nq, Nk, br, bc, causal, opts=None):
     """Tc for Q tile i: the K/V tiles the kernel visits (causal: up to the last key Q_i's last row sees)."""
+    return len(visited_range(i, Nq, Nk, br, bc, causal, opts))
+
+
+def visited_range(i, Nq, Nk, br, bc, causal, opts=None):
+    """range(j_first, j_end): the K/V tiles holding a key some row of Q_i sees. Causal or a window's right side:
+    up to the last key the last row sees; a window's left side: from the first key the first row sees. The tiles
+    outside are never loaded: time grows with the window, not with Nk."""
+    left, right = _window(opts, causal)
     Tc = -(-Nk // bc)
-    if not causal:
-        return Tc
-    last_key = min((i + 1) * br, Nq) - 1 + (Nk - Nq)  # bottom-right alignment: query R sees key C <= R + Nk - Nq
-    return 0 if last_key < 0 else min(Tc, last_key // bc + 1)
+    shift = Nk - Nq  # bottom-right alignment: query R's diagonal is key R + shift
+    last_key = Nk - 1 if right < 0 else min(Nk - 1, min((i + 1) * br, Nq) - 1 + shift + right)
+    first_key = 0 if left < 0 else max(0, i * br + shift - left)
+    if last_key < 0 or first_key > last_key:
+        return range(0)
+    return range(first_key // bc, min(Tc, last_key // bc + 1))
 
 
-def needs_mask(i, j, Nq, Nk, br, bc, causal):
-    """True for the tiles the kernel masks: some key right of Q_i's first row's diagonal, or keys >= Nk."""
-    return (causal and (j + 1) * bc - 1 > i * br + (Nk - Nq)) or (j + 1) * bc > Nk
+def needs_mask(i, j, Nq, Nk, br, bc, causal, opts=None):
+    """True for the tiles the kernel masks: some key right of Q_i's first row's diagonal (+ right), some key left of
+    its last row's window, or keys >= Nk."""
+    left, right = _window(opts, causal)
+    shift = Nk - Nq
+    last_row = min((i + 1) * br, Nq) - 1
+    return ((right >= 0 and (j + 1) * bc - 1 > i * br + shift + right) or
+            (left >= 0 and j * bc < last_row + shift - left) or (j + 1) * bc > Nk)
 
 
-def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dtype=None):
+def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dtype=None, opts=None):
     """Algorithm 1 of FlashAttention-2 on numpy arrays (B, H, N, D). Returns o (q's dtype, or out_dtype) and
     lse (float32).
 
     br, bc: the kernel's tiles. trace: a list to append (i, j, masked) to, for every tile visited.
     tf32x3: float32 inputs only; both matmuls by the 3xTF32 split (version "fp32x3").
     out_dtype: float32 keeps O_i unrounded (as the kernels' float output does).
+    opts: variants.Options (window, softcap, ALiBi, dropout, grouped-query k and v), or None for plain attention.
+    With a score option the kernel computes x = scale S_ij, then c tanh(x / c), then x - slope |i + shift - j|, and
+    takes exp2 of x log2(e) - m; without one, exp2 of S_ij (scale log2(e)) - m (one multiply).
     """
     mm, mm_pv = (matmul_3xtf32, matmul_pv_tf32) if tf32x3 else (np.matmul, np.matmul)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     f32 = np.float32
     low = q.dtype != np.float32  # float16 / bfloat16: emulate the tensor core's rounding
+    if opts is not None and opts.group > 1:  # grouped-query: query head h reads kv head h // group
+        k, v = (np.repeat(x, opts.group, axis=1) for x in (k, v))
     qf, kf, vf = (x.astype(f32) for x in (q, k, v))  # exact: every 16-bit value is a float32
     scale_log2 = f32(scale * LOG2E)
+    transform = opts is not None and (opts.softcap or opts.alibi_slopes is not None)
+    slopes = None if opts is None else variants.slopes_bh(opts, B, H)  # (B, H) float32 or None
+    keep = None
+    if opts is not None and opts.dropout_p:
+        keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed).astype(f32)  # Z, drawn per tile
+    if transform:
+        scale_log2 = f32(LOG2E)  # S is scaled (and capped, biased) in natural units before the base-2 softmax
     out_dtype = np.dtype(out_dtype or q.dtype)
     o = empty(np, (B, H, Nq, D), out_dtype)  # (B, H, Nq, D): every row is written below
     lse = empty(np, (B, H, Nq), f32)  # (B, H, Nq)
     Tr = -(-Nq // br)
+    window = opts if opts is not None else variants.Options(causal=causal, right=0 if causal else -1)
     for i in range(Tr):  # one thread block per Q tile (all of them at once on the GPU)
         rows = slice(i * br, min((i + 1) * br, Nq))
         Qi = qf[:, :, rows]  # Alg.1 L4: (B, H, br, D)
-        R = np.arange(rows.start, rows.stop)[:, None]  # (br, 1) global query rows
         acc = np.zeros(Qi.shape, f32)  # Alg.1 L5: O_i (unnormalised), l_i, m_i "on chip"
         l_i = np.zeros(Qi.shape[:3], f32)  # (B, H, br)
         m_i = np.full(Qi.shape[:3], -np.inf, f32)
-        for j in range(visited_tiles(i, Nq, Nk, br, bc, causal)):  # Alg.1 L6
+        for j in visited_range(i, Nq, Nk, br, bc, causal, opts):  # Alg.1 L6 (causal, window: a band of tiles)
             cols = slice(j * bc, min((j + 1) * bc, Nk))
             Kj_T = np.ascontiguousarray(kf[:, :, cols].swapaxes(-1, -2))  # Alg.1 L7: (B, H, D, bc), as in smem
             Vj = vf[:, :, cols]  # (B, H, bc, D)
-            S = mm(Qi, Kj_T) * scale_log2  # Alg.1 L8, base 2: (B, H, br, bc)
-            masked = needs_mask(i, j, Nq, Nk, br, bc, causal)
+            S = mm(Qi, Kj_T)  # Alg.1 L8: (B, H, br, bc)
+            if transform:
+                S = S * f32(scale)
+                if opts.softcap:
+                    S = f32(opts.softcap) * np.tanh(S * f32(1 / opts.softcap))
+                if slopes is not None:
+                    S = S + variants.alibi_bias(slopes, Nq, Nk, np, np.arange(rows.start, rows.stop),
+                                                np.arange(cols.start, cols.stop))
+            S = S * scale_log2  # base 2
+            masked = needs_mask(i, j, Nq, Nk, br, bc, causal, opts)
             if trace is not None:
                 trace.append((i, j, masked))
             if masked:
-                C = np.arange(cols.start, cols.stop)[None, :]  # (1, bc) global keys
-                visible = (C <= R + (Nk - Nq)) if causal else np.ones((R.size, C.size), bool)
+                visible = variants.visible(Nq, Nk, window, np, np.arange(rows.start, rows.stop),
+                                           np.arange(cols.start, cols.stop))
                 S = np.where(visible, S, f32(-np.inf))
             m_new = np.maximum(m_i, S.max(-1))  # Alg.1 L9: (B, H, br)
             m_use = np.where(np.isneginf(m_new), f32(0), m_new)  # nothing visible yet: P~ = 0, alpha = 0
             alpha = np.exp2(m_i - m_use)  # e^(m_i - m_new)
             P = np.exp2(S - m_use[..., None])  # P~_ij (B, H, br, bc), float32
             l_i = alpha * l_i + P.sum(-1)
+            if keep is not None:
+                P = P * keep[:, :, rows, cols]  # dropout: the dropped P~_ij are 0 in P~ V, not in l_i
             if low:
                 P = cast(cast(P, q.dtype), f32)  # the tensor core's A operand is 16-bit
             acc = alpha[..., None] * acc + mm_pv(P, Vj)  # Alg.1 L10: (B, H, br, D), float32 accumulate
             m_i = m_new
         seen = l_i > 0  # (B, H, br); False for a row with no visible key: O_i = 0, L_i = -inf
+        if keep is not None:
+            acc = acc * f32(1 / (1 - opts.dropout_p))  # the 1 / (1 - p) of the kept probabilities, once
         o[:, :, rows] = cast(acc / np.where(seen, l_i, f32(1))[..., None], out_dtype)  # Alg.1 L12
         with np.errstate(divide="ignore"):
             lse[:, :, rows] = np.where(seen, m_i * f32(LN2) + np.log(l_i), f32(-np.inf))  # Alg.1 L13

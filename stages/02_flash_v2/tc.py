@@ -82,15 +82,15 @@ def smem_bytes(version, D, cfg=None):
     return 2 * (cfg.br + 4 * cfg.bc) * (D + 8)
 
 
-def config(version, D, dev=None, blocks=None):
+def config(version, D, dev=None, blocks=None, var=False):
     """The configuration of `version` at head dim D on device dev (stages.common.device; None: the first
     candidate, what a GPU with room for it gets). blocks(cfg): the problem's block count under cfg; when the first
     candidate leaves SMs idle (blocks < SM count) a smaller Br that fits is taken instead."""
     _check(version, D)
-    cands = CANDIDATES[version](D)
+    cands = _candidates(version, D, var)
     if dev is None:
         return cands[0]
-    fitting = reachable(version, D, dev)
+    fitting = reachable(version, D, dev, var)
     cfg = device.pick(cands, lambda c: smem_bytes(version, D, c), dev, what=f"flash_v2 version {version!r} d={D}")
     if blocks is not None and blocks(cfg) < dev.sm_count and len(fitting) > 1:
         cfg = fitting[-1]
@@ -103,20 +103,27 @@ def tiles(version, D, causal=False):
     return cfg.br, cfg.bc
 
 
-def _name(version, ctype, D, cfg, otype=None):
+def _name(version, ctype, D, cfg, otype=None, var=False):
     """The template instantiation of one (version, input type, head dim, configuration, output type: the input
-    type, or float for a block's unrounded partial result)."""
+    type, or float for a block's unrounded partial result; var: the variants' window, softcap and ALiBi)."""
     otype = otype or ctype
     if version == "tc":
         return f"flash_v2_forward_tc<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps}>"
     skip = "true" if cfg.skip else "false"
     return (f"flash_v2_forward_pipelined<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps},{cfg.mt},{cfg.sub},{cfg.minb},"
-            f"{skip}>")
+            f"{skip},{'true' if var else 'false'}>")
 
 
-def reachable(version, D, dev):
+def _candidates(version, D, var=False):
+    """The candidates; with the variants (var) at d = 128 only Br = 64: the window, softcap and ALiBi code beside
+    two m-tiles of O_i at d = 128 would spill registers."""
+    cands = CANDIDATES[version](D)
+    return [c for c in cands if c.mt == 1] if var and D == 128 else cands
+
+
+def reachable(version, D, dev, var=False):
     """Every configuration config() can return on dev (for any problem): the candidates that fit."""
-    fit = [c for c in CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
+    fit = [c for c in _candidates(version, D, var) if device.fits(dev, smem_bytes(version, D, c))]
     return fit if not dev.arch.cc < 80 else []
 
 
@@ -126,13 +133,14 @@ def kernel_plans(dev):
     out = []
     for ver in VERSIONS:
         for D in HEAD_DIMS[ver]:
-            for cfg in reachable(ver, D, dev):
-                smem = smem_bytes(ver, D, cfg)
-                for c in _CTYPE.values():
-                    for o in (c, "float"):
-                        out.append(device.KernelPlan(_FILE[ver], {}, _name(ver, c, D, cfg, o),
-                                                     0 if ver == "tc" else smem, smem if ver == "tc" else 0,
-                                                     cfg.threads))
+            for var in (False, True) if ver in VARIANT_VERSIONS else (False,):
+                for cfg in reachable(ver, D, dev, var):
+                    smem = smem_bytes(ver, D, cfg)
+                    for c in _CTYPE.values():
+                        for o in ((c,) if var else (c, "float")):
+                            out.append(device.KernelPlan(_FILE[ver], {}, _name(ver, c, D, cfg, o, var),
+                                                         0 if ver == "tc" else smem, smem if ver == "tc" else 0,
+                                                         cfg.threads))
     return out
 
 
@@ -142,12 +150,14 @@ def kernel_sources():
     return [(f, sorted({p.name for p in plans if p.file == f})) for f in _FILE.values()]
 
 
-_PLANS = {}  # (version, dtypes, shapes, causal, scale, device) -> kernels.Launch
+_PLANS = {}  # (version, dtypes, shapes, causal, scale, options, device) -> kernels.Launch
+VARIANT_VERSIONS = ("pipelined",)  # the versions with the variants' window, softcap and ALiBi (VAR)
 
 
-def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev):
+def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None):
     """The launch of one problem on dev: the device check, the configuration, the compiled instantiation, its grid
-    and scalar arguments (made once per problem by forward, through kernels.planned)."""
+    and scalar arguments (made once per problem by forward, through kernels.planned). opts: the variants
+    (variants.Options without its ALiBi slopes, which come with each call), None for plain attention."""
     if dtype not in _CTYPE:
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
@@ -156,30 +166,56 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev):
     if B * H > 65535:
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
-    cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br))
-    name = _name(version, _CTYPE[dtype], D, cfg, "float" if odtype == np.float32 else None)
+    var = opts is not None and (opts.left >= 0 or (opts.right >= 0 and not causal) or opts.softcap > 0
+                                or opts.alibi_slopes is not None)  # else plain (or causal) attention, maybe GQA
+    if var and version not in VARIANT_VERSIONS:
+        raise ValueError(f"flash_v2 version {version!r}: window, softcap and alibi_slopes run in version "
+                         f"{' / '.join(VARIANT_VERSIONS)}")
+    if Hkv != H and version != "pipelined":
+        raise ValueError(f"flash_v2 version {version!r}: grouped-query k, v (fewer heads than q) run in version "
+                         "'pipelined'")
+    cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br), var=var)
+    name = _name(version, _CTYPE[dtype], D, cfg, "float" if odtype == np.float32 else None, var)
     Tr = -(-Nq // cfg.br)
     if version == "tc":  # one block per (Q tile i, head); static shared memory
         fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, 0)
         return kernels.Launch(fn, (Tr, B * H), (cfg.threads,), 0,
                               (np.int32(Nq), np.int32(Nk), np.float32(scale), np.int32(causal)))
-    # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel)
+    # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel); a window's Q tiles all
+    # have about the same work, so it takes the 2-D grid
+    left, right = (opts.left, opts.right) if var else (-1, -1)
+    ordered = causal and left < 0
     smem = smem_bytes(version, D, cfg)
     fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, smem)
-    return kernels.Launch(fn, (B * H * Tr,) if causal else (Tr, B * H), (cfg.threads,), smem,
-                          (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(causal),
-                           np.int32(HEAD_GROUP)))
+    return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem,
+                          (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var else scale * LOG2E),
+                           np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
+                           np.int32(right), np.float32(scale), np.float32(opts.softcap if var else 0.0)))
 
 
-def forward(q, k, v, *, causal=False, scale, version, out_dtype=None):
+def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None):
     """o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by flash_v2.forward
-    (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32."""
+    (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32.
+    opts: variants.Options (grouped-query k, v; window, softcap, ALiBi), None for plain attention."""
+    import cupy
+
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+    Hkv, Nk = k.shape[1], k.shape[2]
     dtype = q.dtype
     odtype = np.dtype(out_dtype or dtype)
     dev = device.device()
     causal = bool(causal)
-    launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev),
-                             lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, dev))
-    return kernels.run_forward(launch, q, k, v, odtype)
+    slopes = None if opts is None else opts.alibi_slopes
+    key_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True)
+    launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, key_opts, dev),
+                             lambda: _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev,
+                                           key_opts))
+    if version == "tc":
+        return kernels.run_forward(launch, q, k, v, odtype)
+    if slopes is None:
+        return kernels.run_forward(launch, q, k, v, odtype, NULL)
+    slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
+    return kernels.run_forward(launch, q, k, v, odtype, slopes)
+
+
+NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)

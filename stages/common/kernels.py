@@ -88,17 +88,18 @@ def planned(cache, key, build):
     return plan
 
 
-def run_forward(launch, q, k, v, odtype):
+def run_forward(launch, q, k, v, odtype, *extra):
     """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
     (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
-    kernel does not write fails the check), and the launch on the current stream with arguments (q, k, v, o, lse)."""
+    kernel does not write fails the check), and the launch on the current stream with arguments (q, k, v, o, lse,
+    *extra)."""
     import cupy
 
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
     B, H, Nq, D = q.shape
     o = empty(cupy, (B, H, Nq, D), odtype)
     lse = empty(cupy, (B, H, Nq), np.float32)
-    launch(q, k, v, o, lse)
+    launch(q, k, v, o, lse, *extra)
     return o, lse
 
 

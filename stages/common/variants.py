@@ -39,8 +39,8 @@ class Options(NamedTuple):
     @property
     def plain(self):
         """No option beyond causal: what every kernel computes."""
-        return (self.left, self.softcap, self.alibi_slopes, self.dropout_p, self.group) == (-1, 0.0, None, 0.0, 1) \
-            and self.right == (0 if self.causal else -1)
+        return (self.alibi_slopes is None and (self.left, self.softcap, self.dropout_p, self.group) == (-1, 0.0, 0.0, 1)
+                and self.right == (0 if self.causal else -1))
 
 
 def _int(x, name, where):

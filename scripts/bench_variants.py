@@ -1,0 +1,144 @@
+"""Time the variants of stage 02's forward (version 'pipelined') beside PyTorch on one GPU, in one run.
+
+    python scripts/bench_variants.py [--out results] [--seq 16384] [--heads 16] [--head-dim 128]
+
+Rows (bf16, B = 1, causal unless named):
+    plain            ours against SDPA's flash backend
+    window W         sliding window: query i sees keys i - W + 1 .. i (window=(W - 1, 0), causal), against
+                     FlexAttention (torch.compile'd) with the same mask; time should grow with W, not with N
+    softcap c        S -> c tanh(S / c), non-causal, against FlexAttention with the same score_mod; also as a ratio
+                     to our own plain non-causal forward
+    gqa H/Hkv        grouped-query k and v (H = 2 x heads, Hkv = H / 4), against our plain forward with H heads of
+                     k and v (the same FLOPs; GQA reads a quarter of the K/V bytes)
+Before timing, each variant of ours is checked by the tolerance rule against the fp64 oracle on a small problem with
+the same options (N = 1024, 1 head), and at full size against PyTorch's output (max difference reported).
+Writes <out>/bench_variants.csv (one run, provenance columns) and prints the table.
+"""
+import argparse
+import csv
+import os
+import sys
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench  # noqa: E402  (timing, provenance, DLPack helpers)
+
+from stages import flash_v2  # noqa: E402
+from stages.common import bfloat16, check_forward, make_inputs  # noqa: E402
+
+
+def _flex(torch):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return torch.compile(flex_attention), create_block_mask
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--windows", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--softcap", type=float, default=30.0)
+    ap.add_argument("--target-ms", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    cupy, torch = bench._environment()
+    flex, create_block_mask = _flex(torch)
+    N, H, D = args.seq, args.heads, args.head_dim
+    scale = D ** -0.5
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    prov = bench.provenance(cupy, torch, gpu)
+    clock_c, clock_t = bench._Clock("cupy", cupy), bench._Clock("torch", cupy)
+    rows = []
+
+    def tensors(h, hkv, n=N):
+        q = make_inputs(1, h, n, n, D, dtype=bfloat16, xp=cupy)[0]
+        _, k, v = make_inputs(1, hkv, n, n, D, dtype=bfloat16, xp=cupy)
+        return q, k, v
+
+    def gate(opts, causal, h=2, hkv=2):
+        q, k, v = tensors(h, hkv, 1024)
+        check_forward(flash_v2.forward, q, k, v, causal=causal, opts=opts, version="pipelined")
+
+    def ours(q, k, v, causal, **opts):
+        return lambda: flash_v2.forward(q, k, v, causal=causal, scale=scale, version="pipelined", **opts)[0]
+
+    def timed(fn, clock):
+        return bench.time_call(fn, clock, cupy, target_ms=args.target_ms)[0]
+
+    def add(name, ms_ours, ref_name, ms_ref, diff=""):
+        rows.append(dict(variant=name, seq=N, heads=H, head_dim=D, ms_ours=f"{ms_ours:.4f}", reference=ref_name,
+                         ms_reference=f"{ms_ref:.4f}", ratio=f"{ms_ref / ms_ours:.3f}", max_diff=diff, **prov))
+        print(f"{name:>16}: ours {ms_ours:8.3f} ms   {ref_name:>22} {ms_ref:8.3f} ms   ratio {ms_ref / ms_ours:5.2f}"
+              f"   {diff}")
+
+    def diff(a, b):
+        b = bench._to_cupy(b, cupy, torch)
+        return f"{float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max()):.3e}"
+
+    # plain, causal, against SDPA flash
+    q, k, v = tensors(H, H)
+    tq, tk, tv = (bench._to_torch(x, torch) for x in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(causal):
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, scale=scale)
+        return run
+
+    plain_causal = timed(ours(q, k, v, True), clock_c)
+    add("plain causal", plain_causal, "sdpa flash", timed(sdpa(True), clock_t),
+        diff(ours(q, k, v, True)(), sdpa(True)()))
+    plain_full = timed(ours(q, k, v, False), clock_c)
+    add("plain", plain_full, "sdpa flash", timed(sdpa(False), clock_t), diff(ours(q, k, v, False)(), sdpa(False)()))
+
+    # sliding windows, against FlexAttention
+    for W in args.windows:
+        gate({"window": (W // 8 - 1, 0)}, True)  # the same option at N = 1024 (a window of N / 8)
+
+        def mask_mod(b, h, qi, ki, W=W):
+            return (qi >= ki) & (qi - ki < W)
+
+        bm = create_block_mask(mask_mod, 1, 1, N, N, device="cuda")
+        run_flex = lambda bm=bm: flex(tq, tk, tv, block_mask=bm, scale=scale)  # noqa: E731
+        f = ours(q, k, v, True, window=(W - 1, 0))
+        add(f"window {W}", timed(f, clock_c), "flex_attention", timed(run_flex, clock_t), diff(f(), run_flex()))
+
+    # softcap, against FlexAttention and our plain non-causal forward
+    c = args.softcap
+    gate({"softcap": c / 10}, False)
+
+    def cap(score, b, h, qi, ki):
+        return c * torch.tanh(score / c)
+
+    run_cap = lambda: flex(tq, tk, tv, score_mod=cap, scale=scale)  # noqa: E731
+    f = ours(q, k, v, False, softcap=c)
+    ms_cap = timed(f, clock_c)
+    add(f"softcap {c:g}", ms_cap, "flex_attention", timed(run_cap, clock_t), diff(f(), run_cap()))
+    add(f"softcap {c:g}", ms_cap, "ours plain (no cap)", plain_full)
+
+    # GQA: H = 2 heads-worth of queries, Hkv = H / 4, against our plain forward with as many k/v heads as q
+    Hq = 2 * H
+    gate({}, True, h=8, hkv=2)
+    q2, k2, v2 = tensors(Hq, Hq // 4)
+    kr, vr = cupy.repeat(k2, 4, axis=1), cupy.repeat(v2, 4, axis=1)
+    f = ours(q2, k2, v2, True)
+    add(f"gqa {Hq}/{Hq // 4}", timed(f, clock_c), f"ours plain H={Hq}", timed(ours(q2, kr, vr, True), clock_c),
+        f"{float(cupy.abs(f().astype(cupy.float32) - ours(q2, kr, vr, True)().astype(cupy.float32)).max()):.3e}")
+
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_variants.csv")
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

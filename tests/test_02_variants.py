@@ -1,0 +1,116 @@
+"""Stage 02 with the variants (stages/common/variants.py): grouped-query k and v, sliding window, softcap, ALiBi and
+dropout.
+
+CPU (CI): every version's tile mirror against the fp64 oracle by the tolerance rule with each option, and the
+window's tile skipping (only the band of tiles that holds a visible key is visited). GPU (marker gpu): version
+'pipelined' with grouped-query k/v, window, softcap and ALiBi over a case list in float16 and bfloat16, inputs x1
+and x100, every head dim; the plain path unchanged by the options' plumbing; what the GPU does not take (dropout,
+other versions) is a clear error."""
+import numpy as np
+import pytest
+
+from stages import flash_v2
+from stages.common import bfloat16, check_forward, make_inputs, variants
+
+LOW = {"fp16": np.dtype(np.float16), "bf16": bfloat16}
+MIRROR_RUNS = [("fp32", np.dtype(np.float32)), ("pipelined", bfloat16), ("tc", np.dtype(np.float16)),
+               ("fp32x3", np.dtype(np.float32))]
+# (B, H, Hkv, Nq, Nk, causal, options): shapes that are not tile multiples, Nq != Nk both ways, windows narrower
+# and wider than a tile, rows with no visible key (window (0, 0) with Nq > Nk).
+OPTIONS = {
+    "gqa": (2, 4, 1, 100, 77, True, {}),
+    "window": (1, 2, 2, 300, 300, False, {"window": (70, 30)}),
+    "window-causal": (1, 2, 2, 200, 333, True, {"window": (100, -1)}),
+    "window-empty-rows": (1, 2, 2, 150, 90, False, {"window": (0, 0)}),
+    "softcap": (1, 2, 2, 130, 129, True, {"softcap": 5.0}),
+    "alibi": (2, 2, 2, 100, 150, False, {"alibi_slopes": np.array([0.25, 0.0625], np.float32)}),
+    "all": (1, 4, 2, 257, 200, True, {"window": (64, -1), "softcap": 20.0,
+                                      "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32)}),
+}
+DROPOUT = {"dropout": (1, 2, 2, 100, 90, False, {"dropout_p": 0.2, "seed": 99})}
+
+
+def _inputs(case, D, dtype, scale=1.0, xp=np):
+    B, H, Hkv, Nq, Nk, causal, opts = case
+    q = make_inputs(B, H, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale)[0]
+    _, k, v = make_inputs(B, Hkv, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale)
+    return q, k, v, causal, opts
+
+
+@pytest.mark.parametrize("version,dtype", MIRROR_RUNS, ids=[v for v, _ in MIRROR_RUNS])
+@pytest.mark.parametrize("name", list(OPTIONS) + list(DROPOUT))
+def test_mirror_with_options_against_oracle(name, version, dtype):
+    q, k, v, causal, opts = _inputs({**OPTIONS, **DROPOUT}[name], 64, dtype)
+    check_forward(flash_v2.forward, q, k, v, causal=causal, opts=opts, version=version)
+
+
+@pytest.mark.parametrize("window,causal", [((70, 30), False), ((0, 0), False), ((200, -1), True), ((-1, 5), False),
+                                          ((10, 10), False)])
+@pytest.mark.parametrize("Nq,Nk", [(300, 300), (150, 400), (400, 150)])
+def test_window_visits_only_its_band_of_tiles(Nq, Nk, window, causal):
+    """A tile is visited iff some (row, key) in it is visible, and masked where some is not: the work grows with
+    the window, not with Nk."""
+    q, k, v = make_inputs(1, 1, Nq, Nk, 64, dtype=np.float16)
+    opts = variants.check(q, k, causal=causal, window=window)
+    br, bc = flash_v2.tiles("pipelined", 64)
+    trace = []
+    flash_v2.mirror.forward(q, k, v, causal=causal, scale=0.125, br=br, bc=bc, trace=trace, opts=opts)
+    vis = variants.visible(Nq, Nk, opts)
+    expected = []
+    for i in range(-(-Nq // br)):
+        for j in range(-(-Nk // bc)):
+            tile = vis[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            if tile.any():
+                expected.append((i, j, not tile.all() or tile.shape[1] < bc))
+    assert [(i, j) for i, j, _ in trace] == [(i, j) for i, j, _ in expected]
+    for (_, _, masked), (_, _, needed) in zip(trace, expected):
+        assert masked or not needed
+
+
+# ---------------------------------------------------------------- GPU
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
+@pytest.mark.parametrize("dt", list(LOW))
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_gpu_pipelined_with_options_against_oracle(name, D, dt, x):
+    q, k, v, causal, opts = _inputs(OPTIONS[name], D, LOW[dt], scale=x, xp=_cupy())
+    check_forward(flash_v2.forward, q, k, v, causal=causal, opts=opts, version="pipelined")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_options_that_change_nothing_give_the_same_bits(causal):
+    """window (-1, -1), Hkv = H by repeated heads, zero ALiBi slopes: the same o as plain attention, bit for bit
+    where the same kernel path runs (GQA, the plain window), and within the rule where the variant path runs."""
+    cp = _cupy()
+    q, k, v = make_inputs(2, 4, 300, 300, 64, dtype=bfloat16, xp=cp)
+    o, lse = flash_v2.forward(q, k, v, causal=causal, version="pipelined")
+    o2, lse2 = flash_v2.forward(q, k, v, causal=causal, version="pipelined", window=(-1, -1))
+    assert bool((o2.view(cp.uint16) == o.view(cp.uint16)).all()) and bool((lse2 == lse).all())
+    kg, vg = k[:, :2], v[:, :2]
+    og, _ = flash_v2.forward(q, kg, vg, causal=causal, version="pipelined")
+    orep, _ = flash_v2.forward(q, cp.repeat(kg, 2, axis=1), cp.repeat(vg, 2, axis=1), causal=causal,
+                               version="pipelined")
+    assert bool((og.view(cp.uint16) == orep.view(cp.uint16)).all())
+    check_forward(flash_v2.forward, q, k, v, causal=causal, opts={"alibi_slopes": np.zeros(4, np.float32)},
+                  version="pipelined")
+
+
+@pytest.mark.gpu
+def test_gpu_options_the_kernels_do_not_take_are_clear_errors():
+    cp = _cupy()
+    q, k, v = make_inputs(1, 2, 64, 64, 64, dtype=np.float16, xp=cp)
+    with pytest.raises(ValueError, match="pipelined"):
+        flash_v2.forward(q, k, v, version="tc", window=(8, 8))
+    with pytest.raises(ValueError, match="dropout"):
+        flash_v2.forward(q, k, v, version="pipelined", dropout_p=0.1)
+    q32, k32, v32 = (x.astype(cp.float32) for x in (q, k, v))
+    with pytest.raises(ValueError, match="pipelined"):
+        flash_v2.forward(q32, k32[:, :1], v32[:, :1], version="fp32")
