@@ -16,8 +16,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED_FIGURES = {
     "00_naive": 1,               # memory against N
     "01_flash_v1": 2,            # tile visit order (full and causal), memory O(N) against O(N^2)
-    "02_flash_v2": 10,           # loop order, blocks vs SMs, split-K/Q, lanes, causal tiles, mma fragments,
-                                 # cp.async timeline, TF32 bits, 3xTF32 errors, benchmark
+    "02_flash_v2": 13,           # loop order, blocks vs SMs, split-K/Q, lanes, causal tiles, mma fragments,
+                                 # cp.async timeline, TF32 bits, 3xTF32 errors, benchmark; variants: masks,
+                                 # window tiles, softcap and ALiBi
     "03_flash_v2_backward": 3,   # memory (store vs recompute), causal tiles visited, benchmark
     "04_ring": 4,                # schedule, backward schedule, zigzag work, timeline
     "05_train_gpt": 1,           # loss curves of the kernels on the recall task
