@@ -111,6 +111,10 @@ def test_gpu_options_the_kernels_do_not_take_are_clear_errors():
         flash_v2.forward(q, k, v, version="tc", window=(8, 8))
     with pytest.raises(ValueError, match="dropout"):
         flash_v2.forward(q, k, v, version="pipelined", dropout_p=0.1)
+    with pytest.raises(ValueError, match="out_dtype"):
+        flash_v2.forward(q, k, v, version="pipelined", softcap=5.0, out_dtype=np.float32)
+    o32, _ = flash_v2.forward(q, k[:, :1], v[:, :1], version="pipelined", out_dtype=np.float32)  # GQA: allowed
+    assert o32.dtype == np.float32
     q32, k32, v32 = (x.astype(cp.float32) for x in (q, k, v))
     with pytest.raises(ValueError, match="pipelined"):
         flash_v2.forward(q32, k32[:, :1], v32[:, :1], version="fp32")

@@ -138,7 +138,7 @@ def kernel_plans(dev):
                 for cfg in reachable(ver, D, dev, var):
                     smem = smem_bytes(ver, D, cfg)
                     for c in _CTYPE.values():
-                        for o in ((c, "float") if var < 2 else (c,)):
+                        for o in ((c, "float") if var == 0 else (c,)):  # float O: the ring's plain blocks
                             out.append(device.KernelPlan(_FILE[ver], {}, _name(ver, c, D, cfg, o, var),
                                                          0 if ver == "tc" else smem, smem if ver == "tc" else 0,
                                                          cfg.threads))
