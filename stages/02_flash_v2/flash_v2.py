@@ -187,8 +187,11 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     where = "flash_v2.forward"
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where=where, gqa=True)
     causal = check_causal(causal, where)
-    opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                          dropout_p=dropout_p, seed=seed, where=where)
+    opts = None  # plain attention (the common call: no option to check, nothing added to its host time)
+    if window is not None or alibi_slopes is not None or softcap is not None or dropout_p or k.shape[1] != H:
+        opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                              dropout_p=dropout_p, seed=seed, where=where)
+        opts = None if opts.plain else opts
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
     version = resolve_version(version, q.dtype)
     _check_head_dim(version, D)
@@ -199,8 +202,8 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     if xp is np:
         br, bc = tiles(version, D, causal)
         return mirror.forward(q, k, v, causal=causal, scale=scale, br=br, bc=bc, tf32x3=version == "fp32x3",
-                              out_dtype=out_dtype, opts=None if opts.plain else opts)
-    if not opts.plain:
+                              out_dtype=out_dtype, opts=opts)
+    if opts is not None:
         if version not in VARIANT_VERSIONS or opts.dropout_p:
             raise ValueError(f"{where}: on the GPU, grouped-query k/v, window, softcap and alibi_slopes run in "
                              f"version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); dropout runs in the "
