@@ -19,7 +19,7 @@ import numpy as np
 
 from stages.common import (
     bfloat16, check_backward_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
-    resolve_scale,
+    resolve_scale, variants,
 )
 
 from . import mirror
@@ -98,15 +98,27 @@ def forward(q, k, v, *, causal=False, scale=None, **kw):
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False, out_dtype=None,
-             tc_config=None, profile=None):
+             tc_config=None, profile=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0):
     """Gradients (dq, dk, dv) of sum(O * dO), shaped like q, k, v, in their dtype, or in float32 with
     out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients).
 
     For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc,
     "defer_dq": bool} in place of TC_BR[D], TC_BC[D], TC_DEFER_DQ (None or a missing key: the default);
-    profile, a list that receives (name, cupy.cuda.Event) after each launch."""
-    xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where="flash_v2_backward")
-    causal = check_causal(causal, "flash_v2_backward")
+    profile, a list that receives (name, cupy.cuda.Event) after each launch.
+    Variants (stages/common/variants.py): grouped-query k, v (fewer heads), window, alibi_slopes, softcap,
+    dropout_p with seed; the mirror (numpy inputs) takes them all, the GPU kernels none yet (a clear error)."""
+    where = "flash_v2_backward"
+    xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, gqa=True)
+    causal = check_causal(causal, where)
+    opts = None
+    if window is not None or alibi_slopes is not None or softcap is not None or dropout_p or k.shape[1] != H:
+        opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                              dropout_p=dropout_p, seed=seed, where=where)
+        opts = None if opts.plain else opts
+    if opts is not None and xp is not np:
+        raise ValueError(f"{where}: the variants (grouped-query k/v, window, softcap, ALiBi, dropout) run in the "
+                         "backward's CPU mirror (numpy inputs) and in stage 00; the GPU backward kernels take plain "
+                         "attention only")
     out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2_backward")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"flash_v2_backward: deterministic must be True or False, got {deterministic!r}")
@@ -123,7 +135,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         raise ValueError("flash_v2_backward: profile= records CUDA events: CuPy arrays only")
     if xp is np:
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
-                               deterministic=bool(deterministic), out_dtype=out_dtype)
+                               deterministic=bool(deterministic), out_dtype=out_dtype, opts=opts)
     return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, bool(deterministic), out_dtype,
                          tc_config or {}, profile)
 

@@ -21,10 +21,19 @@ tiles, for j in K/V tiles, recompute dS_ij and sum dQ_i in a fixed order.
 
 The "tc" version computes as the tensor-core kernel does: fp32 accumulation, exp2 with log2(e)
 folded into the scale, and P_ij, dS_ij rounded to the input dtype before they enter a matmul.
+
+The variants (opts, stages/common/variants.py), tile by tile:
+    grouped-query   the block of kv head g loops over the H / Hkv query heads that read it: dK_j, dV_j sum
+                    over them (here: computed per query head, summed over each group when written)
+    window          the Q tiles that see no key of K_j are skipped (i from the first to the last that does)
+    softcap, ALiBi  x = c tanh(scale S_ij / c) - slope |i + shift - j|;  P_ij = exp(x - L_i);
+                    dS_ij <- dS_ij (1 - tanh^2): the softcap's derivative, before dQ and dK
+    dropout         Z_ij regenerated from the seed: dV_j += (P_ij Z_ij)^T dO_i / (1 - p),
+                    dS_ij = P_ij (Z_ij / (1 - p) dP_ij - D_i)
 """
 import numpy as np
 
-from stages.common import cast, empty
+from stages.common import cast, empty, variants
 
 LOG2E = 1.4426950408889634
 # (Br, Bc) of the main kernel and of the deterministic dQ pass, per version (as in kernels/*.cu).
@@ -66,8 +75,22 @@ def _visible(q0, q1, k0, k1, off, causal):
     return kv <= q + off
 
 
-def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic, out_dtype=None):
-    """(dq, dk, dv) for numpy inputs (B, H, N, D); computed in float32, returned in q's dtype (or out_dtype)."""
+def _tile_range(j, Bc, Br, Nq, Nk, causal, opts):
+    """range of the Q tiles i whose rows see some key of K_j (keys j Bc .. (j + 1) Bc - 1)."""
+    left, right = (opts.left, opts.right) if opts is not None else (-1, 0 if causal else -1)
+    off = Nk - Nq
+    k0, k1 = j * Bc, min(Nk, (j + 1) * Bc) - 1
+    first = 0 if right < 0 else max(0, k0 - off - right)  # first row with k0 <= .. within its right side
+    last = Nq - 1 if left < 0 else min(Nq - 1, k1 - off + left)  # last row whose window reaches k1
+    return range(first // Br, last // Br + 1) if first <= last else range(0)
+
+
+def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic, out_dtype=None, opts=None):
+    """(dq, dk, dv) for numpy inputs (B, H, N, D); computed in float32, returned in q's dtype (or out_dtype).
+    opts: variants.Options (grouped-query k/v, window, softcap, ALiBi, dropout), or None for plain attention."""
+    if opts is not None:
+        return _backward_variants(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
+                                  deterministic=deterministic, out_dtype=out_dtype, opts=opts)
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dtype = q.dtype
@@ -128,3 +151,69 @@ def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic, out_
     dq = empty(np, q.shape, odtype)
     dq[...] = cast(np.float32(scale) * dq_acc, odtype)
     return dq, dk, dv
+
+
+def _backward_variants(q, k, v, o, lse, do, *, causal, scale, version, deterministic, out_dtype, opts):
+    """Algorithm 2 with the variants (see the module docstring); dQ accumulated as in the main kernel (the
+    deterministic pass visits the same tiles in a fixed order, so it gives the same sums here)."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    g = opts.group
+    dtype = q.dtype
+    odtype = np.dtype(out_dtype or dtype)
+    f32 = np.float32
+    Q, O, dO = (cast(x, f32) for x in (q, o, do))
+    K, V = (np.repeat(cast(x, f32), g, axis=1) if g > 1 else cast(x, f32) for x in (k, v))  # (B, H, Nk, D)
+
+    def rnd(x):
+        return cast(cast(x, dtype), f32) if version == "tc" else x
+
+    Dvec = (dO * O).sum(axis=-1)  # (B, H, Nq)
+    L = lse.astype(f32)
+    L = np.where(np.isneginf(L), f32(np.inf), L)
+    slopes = variants.slopes_bh(opts, B, H)
+    keep = None
+    if opts.dropout_p:
+        keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed).astype(f32)
+    rp = f32(1 / (1 - opts.dropout_p))
+    Br, Bc = tiles(version, D)
+    Tc = -(-Nk // Bc)
+    dq_acc = np.zeros((B, H, Nq, D), f32)
+    dk_h, dv_h = np.zeros((B, H, Nk, D), f32), np.zeros((B, H, Nk, D), f32)  # per query head, then per group
+    for j in range(Tc):  # one thread block per (j, kv head): its group's query heads are the H axis here
+        k0, k1 = j * Bc, min(Nk, (j + 1) * Bc)
+        K_j, V_j = K[:, :, k0:k1], V[:, :, k0:k1]
+        cols = np.arange(k0, k1)
+        for i in _tile_range(j, Bc, Br, Nq, Nk, causal, opts):
+            q0, q1 = i * Br, min(Nq, (i + 1) * Br)
+            rows = np.arange(q0, q1)
+            Q_i, dO_i = Q[:, :, q0:q1], dO[:, :, q0:q1]
+            x = Q_i @ K_j.swapaxes(-1, -2) * f32(scale)  # (B, H, br, bc): scale S_ij
+            t = None
+            if opts.softcap:
+                t = np.tanh(x * f32(1 / opts.softcap))
+                x = f32(opts.softcap) * t
+            if slopes is not None:
+                x = x + variants.alibi_bias(slopes, Nq, Nk, np, rows, cols)
+            with np.errstate(over="ignore"):
+                P = np.exp2((x - L[:, :, q0:q1, None]) * f32(LOG2E))
+            P = np.where(variants.visible(Nq, Nk, opts, np, rows, cols), P, f32(0))
+            dP = dO_i @ V_j.swapaxes(-1, -2)
+            Pz = P
+            if keep is not None:
+                Z = keep[:, :, q0:q1, k0:k1]
+                Pz, dP = P * Z, dP * Z * rp
+            dS = P * (dP - Dvec[:, :, q0:q1, None])
+            if t is not None:
+                dS = dS * (f32(1) - t * t)
+            Pz, dS = rnd(Pz), rnd(dS)
+            dv_h[:, :, k0:k1] += Pz.swapaxes(-1, -2) @ dO_i
+            dk_h[:, :, k0:k1] += dS.swapaxes(-1, -2) @ Q_i
+            dq_acc[:, :, q0:q1] += dS @ K_j
+    dk_h *= f32(scale)
+    if keep is not None:
+        dv_h *= rp
+    if g > 1:
+        dk_h, dv_h = (x.reshape(B, Hkv, g, Nk, D).sum(axis=2) for x in (dk_h, dv_h))
+    dq = cast(f32(scale) * dq_acc, odtype)
+    return dq, cast(dk_h, odtype), cast(dv_h, odtype)

@@ -1,0 +1,88 @@
+"""Stage 03's tile mirror with the variants (stages/common/variants.py): grouped-query k and v, sliding window,
+softcap, ALiBi and dropout, against the fp64 oracle by the tolerance rule (the oracle gets the same options); the
+window's Q-tile range per K/V tile; and, on a GPU, the clear error the kernels give (they take plain attention)."""
+import numpy as np
+import pytest
+
+from stages import flash_v2_backward as fb
+from stages.common import bfloat16, check_backward, make_inputs, variants
+
+OPTIONS = {
+    "gqa": (2, 4, 1, 100, 77, True, {}),
+    "window": (1, 2, 2, 300, 300, False, {"window": (70, 30)}),
+    "window-causal": (1, 2, 2, 200, 333, True, {"window": (100, -1)}),
+    "window-empty-rows": (1, 2, 2, 150, 90, False, {"window": (0, 0)}),
+    "softcap": (1, 2, 2, 130, 129, True, {"softcap": 5.0}),
+    "alibi": (2, 2, 2, 100, 150, False, {"alibi_slopes": np.array([0.25, 0.0625], np.float32)}),
+    "dropout": (1, 2, 2, 100, 90, False, {"dropout_p": 0.2, "seed": 99}),
+    "all": (1, 4, 2, 257, 200, True, {"window": (64, -1), "softcap": 20.0, "dropout_p": 0.1, "seed": 5,
+                                      "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32)}),
+}
+RUNS = [("fp32", np.dtype(np.float32)), ("tc", np.dtype(np.float16)), ("tc", bfloat16)]
+
+
+def _inputs(case, D, dtype, scale=1.0, xp=np):
+    B, H, Hkv, Nq, Nk, causal, opts = case
+    q, _, _, do = make_inputs(B, H, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale, grad=True)
+    _, k, v = make_inputs(B, Hkv, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale)
+    return q, k, v, do, causal, opts
+
+
+@pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
+@pytest.mark.parametrize("version,dtype", RUNS, ids=["fp32", "tc-fp16", "tc-bf16"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_mirror_with_options_against_oracle(name, version, dtype, x):
+    q, k, v, do, causal, opts = _inputs(OPTIONS[name], 64, dtype, scale=x)
+    check_backward(fb.backward, q, k, v, do, causal=causal, opts=opts, version=version)
+
+
+@pytest.mark.parametrize("window,causal", [((70, 30), False), ((0, 0), False), ((200, -1), True), ((-1, 5), False)])
+@pytest.mark.parametrize("Nq,Nk", [(300, 300), (150, 400), (400, 150)])
+def test_window_q_tile_range_covers_exactly_the_visible_rows(Nq, Nk, window, causal):
+    """For each K/V tile j the mirror visits the Q tiles from the first to the last holding a row that sees a key
+    of K_j: none missed, and none outside that span."""
+    q = np.zeros((1, 1, Nq, 8))
+    k = np.zeros((1, 1, Nk, 8))
+    opts = variants.check(q, k, causal=causal, window=window)
+    vis = variants.visible(Nq, Nk, opts)
+    br, bc = fb.mirror.tiles("tc", 64)
+    for j in range(-(-Nk // bc)):
+        rows = np.flatnonzero(vis[:, j * bc:(j + 1) * bc].any(axis=1))
+        want = range(rows[0] // br, rows[-1] // br + 1) if rows.size else range(0)
+        assert fb.mirror._tile_range(j, bc, br, Nq, Nk, causal, opts) == want
+
+
+@pytest.mark.gpu
+def test_gpu_backward_variants_are_a_clear_error():
+    import cupy as cp
+
+    q, k, v, do = make_inputs(1, 2, 64, 64, 64, dtype=np.float16, xp=cp, grad=True)
+    o, lse = cp.zeros_like(q), cp.zeros((1, 2, 64), cp.float32)
+    with pytest.raises(ValueError, match="mirror"):
+        fb.backward(q, k, v, o, lse, do, window=(8, 8))
+    with pytest.raises(ValueError, match="mirror"):
+        fb.backward(q, k[:, :1], v[:, :1], o, lse, do)
+
+
+@pytest.mark.parametrize("mistake", ["softcap ignored", "kv group not summed", "dropout rescale dropped",
+                                     "window off by one"])
+def test_rule_catches_a_wrong_variant_backward(mistake):
+    """The check above fails a backward that applies an option wrongly."""
+    q, k, v, do, causal, opts = _inputs(OPTIONS["all"], 64, np.float32)
+
+    def wrong(q, k, v, o, lse, do, **kw):
+        if mistake == "softcap ignored":  # the backward of the uncapped scores, from the capped forward's o, lse
+            vo = variants.check(q, k, causal=kw["causal"], **{n: kw[n] for n in ("window", "alibi_slopes",
+                                                                                  "softcap", "dropout_p", "seed")})
+            return fb.mirror.backward(q, k, v, o, lse, do, causal=kw["causal"], scale=64 ** -0.5, version="fp32",
+                                      deterministic=False, opts=vo._replace(softcap=0.0))
+        if mistake == "kv group not summed":
+            dq, dk, dv = fb.backward(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), o, lse, do, **kw)
+            return dq, dk[:, ::2], dv[:, ::2]
+        if mistake == "dropout rescale dropped":
+            dq, dk, dv = fb.backward(q, k, v, o, lse, do, **kw)
+            return dq, dk, dv * (1 - kw["dropout_p"])
+        return fb.backward(q, k, v, o, lse, do, **{**kw, "window": (65, -1)})
+
+    with pytest.raises(AssertionError, match="exceeds the bound"):
+        check_backward(wrong, q, k, v, do, causal=causal, opts=opts, version="fp32")
