@@ -10,6 +10,8 @@ Rows (bf16, B = 1, causal unless named):
                      to our own plain non-causal forward
     gqa H/Hkv        grouped-query k and v (H = 2 x heads, Hkv = H / 4), against our plain forward with H heads of
                      k and v (the same FLOPs; GQA reads a quarter of the K/V bytes)
+Backward rows (bwd): ours (stage 03, version 'tc') against FlexAttention's backward (the same mask / score_mod), and
+grouped-query against our plain backward.
 Before timing, each variant of ours is checked by the tolerance rule against the fp64 oracle on a small problem with
 the same options (N = 1024, 2 heads). At full size the CSV reports the max difference from PyTorch's output, and for
 the windows the max difference of ours and of FlexAttention from stage 00 in float32 on the GPU (one head).
@@ -27,8 +29,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench  # noqa: E402  (timing, provenance, DLPack helpers)
 
-from stages import flash_v2  # noqa: E402
-from stages.common import bfloat16, check_forward, make_inputs  # noqa: E402
+from stages import flash_v2, flash_v2_backward  # noqa: E402
+from stages.common import bfloat16, check_backward, check_forward, make_inputs  # noqa: E402
 
 
 def _flex(torch):
@@ -64,6 +66,22 @@ def main(argv=None):
     def gate(opts, causal, h=2, hkv=2):
         q, k, v = tensors(h, hkv, 1024)
         check_forward(flash_v2.forward, q, k, v, causal=causal, opts=opts, version="pipelined")
+        do = make_inputs(1, h, 1024, 1024, D, dtype=bfloat16, xp=cupy)[0]
+        check_backward(flash_v2_backward.backward, q, k, v, do, causal=causal, opts=opts, version="tc")
+
+    def ours_bwd(q, k, v, causal, **opts):
+        o, lse = flash_v2.forward(q, k, v, causal=causal, scale=scale, version="pipelined", **opts)
+        do = make_inputs(*q.shape[:2], q.shape[2], q.shape[2], D, dtype=bfloat16, xp=cupy)[0]
+        return lambda: flash_v2_backward.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version="tc",
+                                                  **opts)
+
+    def torch_bwd(run):
+        """The backward of a torch attention call: run() once with grad, then backward(dO) timed alone."""
+        for t in (tq, tk, tv):
+            t.requires_grad_(True)
+        out = run()
+        do = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (tq, tk, tv), do, retain_graph=True)
 
     def ours(q, k, v, causal, **opts):
         return lambda: flash_v2.forward(q, k, v, causal=causal, scale=scale, version="pipelined", **opts)[0]
@@ -118,6 +136,10 @@ def main(argv=None):
         del ref
         add(f"window {W}", timed(f, clock_c), "flex_attention", timed(run_flex, clock_t),
             f"{diff(f(), run_flex())}; {vs_naive}")
+        add(f"window {W} bwd", timed(ours_bwd(q, k, v, True, window=(W - 1, 0)), clock_c), "flex_attention bwd",
+            timed(torch_bwd(run_flex), clock_t))
+        for t in (tq, tk, tv):
+            t.requires_grad_(False)
 
     # softcap, against FlexAttention and our plain non-causal forward
     c = args.softcap
@@ -131,6 +153,11 @@ def main(argv=None):
     ms_cap = timed(f, clock_c)
     add(f"softcap {c:g}", ms_cap, "flex_attention", timed(run_cap, clock_t), diff(f(), run_cap()))
     add(f"softcap {c:g}", ms_cap, "ours plain (no cap)", plain_full)
+    ms_cap_b = timed(ours_bwd(q, k, v, False, softcap=c), clock_c)
+    add(f"softcap {c:g} bwd", ms_cap_b, "flex_attention bwd", timed(torch_bwd(run_cap), clock_t))
+    for t in (tq, tk, tv):
+        t.requires_grad_(False)
+    add(f"softcap {c:g} bwd", ms_cap_b, "ours plain bwd (no cap)", timed(ours_bwd(q, k, v, False), clock_c))
 
     # GQA: H = 2 heads-worth of queries, Hkv = H / 4, against our plain forward with as many k/v heads as q
     Hq = 2 * H
@@ -140,6 +167,8 @@ def main(argv=None):
     f = ours(q2, k2, v2, True)
     add(f"gqa {Hq}/{Hq // 4}", timed(f, clock_c), f"ours plain H={Hq}", timed(ours(q2, kr, vr, True), clock_c),
         f"{float(cupy.abs(f().astype(cupy.float32) - ours(q2, kr, vr, True)().astype(cupy.float32)).max()):.3e}")
+    add(f"gqa {Hq}/{Hq // 4} bwd", timed(ours_bwd(q2, k2, v2, True), clock_c), f"ours plain bwd H={Hq}",
+        timed(ours_bwd(q2, kr, vr, True), clock_c))
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_variants.csv")

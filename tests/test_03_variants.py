@@ -1,6 +1,7 @@
-"""Stage 03's tile mirror with the variants (stages/common/variants.py): grouped-query k and v, sliding window,
-softcap, ALiBi and dropout, against the fp64 oracle by the tolerance rule (the oracle gets the same options); the
-window's Q-tile range per K/V tile; and, on a GPU, the clear error the kernels give (they take plain attention)."""
+"""Stage 03 with the variants (stages/common/variants.py): grouped-query k and v, sliding window, softcap, ALiBi and
+dropout. CPU: the tile mirror against the fp64 oracle by the tolerance rule (the oracle gets the same options), the
+window's Q-tile range per K/V tile, and wrong variant backwards caught. GPU: version 'tc' with every option but
+dropout, float16 and bfloat16, d = 64 and 128, inputs x1 and x100; what it does not take is a clear error."""
 import numpy as np
 import pytest
 
@@ -53,16 +54,32 @@ def test_window_q_tile_range_covers_exactly_the_visible_rows(Nq, Nk, window, cau
 
 
 @pytest.mark.gpu
-def test_gpu_backward_variants_are_a_clear_error():
+@pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", [n for n in OPTIONS if n not in ("dropout", "all")] + ["all-but-dropout"])
+def test_gpu_tc_backward_with_options_against_oracle(name, D, dt, x):
+    import cupy as cp
+
+    case = OPTIONS.get(name) or OPTIONS["all"][:-1] + ({k: v for k, v in OPTIONS["all"][-1].items()
+                                                        if k not in ("dropout_p", "seed")},)
+    q, k, v, do, causal, opts = _inputs(case, D, {"fp16": np.float16, "bf16": bfloat16}[dt], scale=x, xp=cp)
+    check_backward(fb.backward, q, k, v, do, causal=causal, opts=opts, version="tc")
+
+
+@pytest.mark.gpu
+def test_gpu_backward_variants_it_does_not_take_are_a_clear_error():
     import cupy as cp
 
     q, k, v, do = make_inputs(1, 2, 64, 64, 64, dtype=np.float16, xp=cp, grad=True)
     o, lse = cp.zeros_like(q), cp.zeros((1, 2, 64), cp.float32)
-    with pytest.raises(ValueError, match="mirror"):
-        fb.backward(q, k, v, o, lse, do, window=(8, 8))
-    with pytest.raises(ValueError, match="mirror"):
-        fb.backward(q, k[:, :1], v[:, :1], o, lse, do)
-
+    with pytest.raises(ValueError, match="deterministic=False"):
+        fb.backward(q, k, v, o, lse, do, window=(8, 8), deterministic=True)
+    with pytest.raises(ValueError, match="dropout"):
+        fb.backward(q, k, v, o, lse, do, dropout_p=0.1)
+    q32, k32, v32, o32, do32 = (x.astype(cp.float32) for x in (q, k, v, o, do))
+    with pytest.raises(ValueError, match="version 'tc'"):
+        fb.backward(q32, k32[:, :1], v32[:, :1], o32, lse, do32)
 
 @pytest.mark.parametrize("mistake", ["softcap ignored", "kv group not summed", "dropout rescale dropped",
                                      "window off by one"])

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from stages.common import (
-    bfloat16, check_backward_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
+    bfloat16, cast, check_backward_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
     resolve_scale, variants,
 )
 
@@ -115,10 +115,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                               dropout_p=dropout_p, seed=seed, where=where)
         opts = None if opts.plain else opts
-    if opts is not None and xp is not np:
-        raise ValueError(f"{where}: the variants (grouped-query k/v, window, softcap, ALiBi, dropout) run in the "
-                         "backward's CPU mirror (numpy inputs) and in stage 00; the GPU backward kernels take plain "
-                         "attention only")
+    if opts is not None and xp is not np and (opts.dropout_p or deterministic or q.dtype == np.float32):
+        raise ValueError(f"{where}: on the GPU the variants run in version 'tc' (float16 / bfloat16) with "
+                         "deterministic=False, and without dropout; the CPU mirror (numpy inputs) and stage 00 take "
+                         "them all")
     out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2_backward")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"flash_v2_backward: deterministic must be True or False, got {deterministic!r}")
@@ -137,7 +137,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
                                deterministic=bool(deterministic), out_dtype=out_dtype, opts=opts)
     return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, bool(deterministic), out_dtype,
-                         tc_config or {}, profile)
+                         tc_config or {}, profile, opts)
 
 
 def _dq_mt(D, br, bc):
@@ -149,16 +149,19 @@ def _dq_mt(D, br, bc):
     return mt if ok else 1
 
 
-def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None):
+def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=0):
     """Template instantiations of one (version, input type, head dim, output type): compiled together, once.
     [atomic main kernel, deterministic main kernel, deterministic dQ pass]. otype: the gradients' type (the
-    input type, or float for a ring block's unrounded partial gradients)."""
+    input type, or float for a ring block's unrounded partial gradients). var (tc, atomic only): the variants,
+    1 a window, 2 also softcap and ALiBi; their gradients are float (summed over a kv group, then cast)."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
     br, bc = br or TC_BR[D], bc or TC_BC[D]
     defer = "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
     extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)}"
     ot = otype or ctype
+    if var:
+        return [f"flash_bwd_tc<{ctype},float,{D},{br},{bc},true,{defer},{extra},{var}>"]
     return [f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},true,{defer},{extra}>",
             f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{ot},{D}>"]
 
@@ -202,9 +205,9 @@ class _Plan(NamedTuple):
 _PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
 
 
-def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev):
+def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev, opts=None):
     """The device check, tiles, compiled kernels, grids and scalar arguments of one problem on dev (made once per
-    problem, through kernels.planned)."""
+    problem, through kernels.planned). opts: the variants (variants.Options, slopes given per call) or None."""
     BH = B * H
     ctype = _CTYPE[dtype]
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
@@ -219,7 +222,10 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     br, bc = tc_config.get("br"), tc_config.get("bc")
     if version == "tc" and br is None and bc is None:
         br, bc = tc_tiles(D, dev)
-    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc)
+    var = 0
+    if opts is not None:
+        var = 2 if opts.softcap > 0 or opts.alibi_slopes is not None else 1
+    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, var=var)
     mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
     smem_main, smem_dq = smem_bytes(version, D, br, bc)
     for what, need in (("", smem_main), (" with deterministic=True (its dQ pass)", smem_dq if deterministic else 0)):
@@ -234,8 +240,9 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
     else:
         bc, j_fast = bc or TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
+        left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         main = kernels.Launch(fn, (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc)), (2 * bc,), smem_main,
-                              args + (i32(j_fast),))
+                              args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var == 2 else 0.0)))
     if deterministic:  # the separate dQ pass, no atomics
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
@@ -247,17 +254,21 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     return _Plan(pre, main, last, Nq_pad, (B, H, Nq, D) if not deterministic else (1,))
 
 
-def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile):
+def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile,
+                  opts=None):
     import cupy
 
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+    Hkv, Nk = k.shape[1], k.shape[2]
     dtype, odtype = q.dtype, np.dtype(out_dtype)
     dev = device.device()
+    key_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None)
     key = (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tuple(sorted(tc_config.items())),
-           dev)
+           dev, key_opts)
     plan = kernels.planned(_PLANS, key, lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale,
-                                                      deterministic, tc_config, dev))
+                                                      deterministic, tc_config, dev, key_opts))
+    if opts is not None and opts.group > 1:  # grouped-query: each query head's block reads its kv head's copy
+        k, v = (cupy.repeat(x, opts.group, axis=1) for x in (k, v))
     q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
     Dvec = cupy.empty((B * H, plan.nq_pad), np.float32)  # D_i = rowsum(dO_i * O_i)
@@ -266,8 +277,17 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     _mark(profile, "start")
     plan.pre(o, do, lse, Dvec, Lvec, dq_acc)
     _mark(profile, "preprocess+zero")
-    dk, dv = empty(cupy, k.shape, odtype), empty(cupy, v.shape, odtype)
-    plan.main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv)
+    gdtype = odtype if opts is None else np.dtype(np.float32)  # the variants' dK, dV: float, summed per group
+    dk, dv = empty(cupy, k.shape, gdtype), empty(cupy, v.shape, gdtype)
+    slopes = NULL
+    if opts is not None and opts.alibi_slopes is not None:
+        slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
+                                                          (B, H)))
+    plan.main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((slopes,) if version == "tc" else ()))
+    if opts is not None:
+        if opts.group > 1:
+            dk, dv = (x.reshape(B, Hkv, opts.group, Nk, D).sum(axis=2) for x in (dk, dv))
+        dk, dv = (x.astype(odtype) if odtype != bfloat16 else cast(x, odtype) for x in (dk, dv))
     _mark(profile, "main")
     dq = empty(cupy, q.shape, odtype)
     if deterministic:
@@ -276,6 +296,9 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
         plan.last(dq_acc, dq)
     _mark(profile, "dq pass" if deterministic else "convert")
     return dq, dk, dv
+
+
+NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)
 
 
 def backward_flops(B, H, Nq, Nk, D, causal):
@@ -302,6 +325,10 @@ def kernel_plans(dev):
                 names = _names("tc", ctype, D, otype=otype, br=br, bc=bc)
                 out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, sm, 0, th)
                         for n, sm, th in zip(names, (main, main, dq), (2 * bc, 2 * bc, 128)) if device.fits(dev, sm)]
+            for var in (1, 2):  # the variants' atomic main kernel (float dK, dV)
+                if device.fits(dev, main):
+                    out.append(device.KernelPlan("flash_v2_backward_tc.cu", {},
+                                                 _names("tc", ctype, D, br=br, bc=bc, var=var)[0], main, 0, 2 * bc))
     return out
 
 
