@@ -44,6 +44,33 @@ def case_inputs(case, dtype=np.float32, xp=np, D=None, grad=True):
     return make_inputs(B, H, Nq, Nk, D or D0, dtype=dtype, xp=xp, scale=s, grad=grad), causal
 
 
+# The variants' case list (stages/common/variants.py): (B, H, Hkv, Nq, Nk, causal, options). Shapes that are not tile
+# multiples, Nq != Nk both ways, grouped-query k/v, windows narrower and wider than a tile, rows with no visible key
+# (window (0, 0) with Nq > Nk), softcap, ALiBi, all at once. DROPOUT_CASES: the same with dropout (mirrors only).
+VARIANT_CASES = {
+    "gqa": (2, 4, 1, 100, 77, True, {}),
+    "window": (1, 2, 2, 300, 300, False, {"window": (70, 30)}),
+    "window-causal": (1, 2, 2, 200, 333, True, {"window": (100, -1)}),
+    "window-empty-rows": (1, 2, 2, 150, 90, False, {"window": (0, 0)}),
+    "softcap": (1, 2, 2, 130, 129, True, {"softcap": 5.0}),
+    "alibi": (2, 2, 2, 100, 150, False, {"alibi_slopes": np.array([0.25, 0.0625], np.float32)}),
+    "all": (1, 4, 2, 257, 200, True, {"window": (64, -1), "softcap": 20.0,
+                                      "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32)}),
+}
+DROPOUT_CASES = {
+    "dropout": (1, 2, 2, 100, 90, False, {"dropout_p": 0.2, "seed": 99}),
+    "all-dropout": VARIANT_CASES["all"][:-1] + ({**VARIANT_CASES["all"][-1], "dropout_p": 0.1, "seed": 5},),
+}
+
+
+def variant_inputs(case, D, dtype, *, scale=1.0, xp=np, grad=False):
+    """(q, k, v[, do]), causal, options for a VARIANT_CASES row at head dim D: k, v with Hkv heads."""
+    B, H, Hkv, Nq, Nk, causal, opts = case
+    q, _, _, do = make_inputs(B, H, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale, grad=True)
+    _, k, v = make_inputs(B, Hkv, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale)
+    return ((q, k, v, do) if grad else (q, k, v)), causal, opts
+
+
 def with_head_dim(cases, ids, dims):
     """[(case with head dim D, id)] for every case and every D in dims."""
     return [((B, H, Nq, Nk, D, c, s), cid.replace("-d64-", f"-d{D}-"))

@@ -11,36 +11,21 @@ import pytest
 
 from stages import flash_v2
 from stages.common import bfloat16, check_forward, make_inputs, variants
+from tests.conftest import DROPOUT_CASES, VARIANT_CASES, variant_inputs
 
 LOW = {"fp16": np.dtype(np.float16), "bf16": bfloat16}
 MIRROR_RUNS = [("fp32", np.dtype(np.float32)), ("pipelined", bfloat16), ("tc", np.dtype(np.float16)),
                ("fp32x3", np.dtype(np.float32))]
-# (B, H, Hkv, Nq, Nk, causal, options): shapes that are not tile multiples, Nq != Nk both ways, windows narrower
-# and wider than a tile, rows with no visible key (window (0, 0) with Nq > Nk).
-OPTIONS = {
-    "gqa": (2, 4, 1, 100, 77, True, {}),
-    "window": (1, 2, 2, 300, 300, False, {"window": (70, 30)}),
-    "window-causal": (1, 2, 2, 200, 333, True, {"window": (100, -1)}),
-    "window-empty-rows": (1, 2, 2, 150, 90, False, {"window": (0, 0)}),
-    "softcap": (1, 2, 2, 130, 129, True, {"softcap": 5.0}),
-    "alibi": (2, 2, 2, 100, 150, False, {"alibi_slopes": np.array([0.25, 0.0625], np.float32)}),
-    "all": (1, 4, 2, 257, 200, True, {"window": (64, -1), "softcap": 20.0,
-                                      "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32)}),
-}
-DROPOUT = {"dropout": (1, 2, 2, 100, 90, False, {"dropout_p": 0.2, "seed": 99})}
 
 
 def _inputs(case, D, dtype, scale=1.0, xp=np):
-    B, H, Hkv, Nq, Nk, causal, opts = case
-    q = make_inputs(B, H, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale)[0]
-    _, k, v = make_inputs(B, Hkv, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale)
+    (q, k, v), causal, opts = variant_inputs(case, D, dtype, scale=scale, xp=xp)
     return q, k, v, causal, opts
 
-
 @pytest.mark.parametrize("version,dtype", MIRROR_RUNS, ids=[v for v, _ in MIRROR_RUNS])
-@pytest.mark.parametrize("name", list(OPTIONS) + list(DROPOUT))
+@pytest.mark.parametrize("name", list(VARIANT_CASES) + list(DROPOUT_CASES))
 def test_mirror_with_options_against_oracle(name, version, dtype):
-    q, k, v, causal, opts = _inputs({**OPTIONS, **DROPOUT}[name], 64, dtype)
+    q, k, v, causal, opts = _inputs({**VARIANT_CASES, **DROPOUT_CASES}[name], 64, dtype)
     check_forward(flash_v2.forward, q, k, v, causal=causal, opts=opts, version=version)
 
 
@@ -78,9 +63,9 @@ def _cupy():
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", list(LOW))
 @pytest.mark.parametrize("D", [32, 64, 96, 128])
-@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
 def test_gpu_pipelined_with_options_against_oracle(name, D, dt, x):
-    q, k, v, causal, opts = _inputs(OPTIONS[name], D, LOW[dt], scale=x, xp=_cupy())
+    q, k, v, causal, opts = _inputs(VARIANT_CASES[name], D, LOW[dt], scale=x, xp=_cupy())
     check_forward(flash_v2.forward, q, k, v, causal=causal, opts=opts, version="pipelined")
 
 

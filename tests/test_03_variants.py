@@ -7,27 +7,15 @@ import pytest
 
 from stages import flash_v2_backward as fb
 from stages.common import bfloat16, check_backward, make_inputs, variants
+from tests.conftest import DROPOUT_CASES, VARIANT_CASES, variant_inputs
 
-OPTIONS = {
-    "gqa": (2, 4, 1, 100, 77, True, {}),
-    "window": (1, 2, 2, 300, 300, False, {"window": (70, 30)}),
-    "window-causal": (1, 2, 2, 200, 333, True, {"window": (100, -1)}),
-    "window-empty-rows": (1, 2, 2, 150, 90, False, {"window": (0, 0)}),
-    "softcap": (1, 2, 2, 130, 129, True, {"softcap": 5.0}),
-    "alibi": (2, 2, 2, 100, 150, False, {"alibi_slopes": np.array([0.25, 0.0625], np.float32)}),
-    "dropout": (1, 2, 2, 100, 90, False, {"dropout_p": 0.2, "seed": 99}),
-    "all": (1, 4, 2, 257, 200, True, {"window": (64, -1), "softcap": 20.0, "dropout_p": 0.1, "seed": 5,
-                                      "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32)}),
-}
+OPTIONS = {**VARIANT_CASES, **DROPOUT_CASES}
 RUNS = [("fp32", np.dtype(np.float32)), ("tc", np.dtype(np.float16)), ("tc", bfloat16)]
 
 
 def _inputs(case, D, dtype, scale=1.0, xp=np):
-    B, H, Hkv, Nq, Nk, causal, opts = case
-    q, _, _, do = make_inputs(B, H, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale, grad=True)
-    _, k, v = make_inputs(B, Hkv, Nq, Nk, D, dtype=dtype, xp=xp, scale=scale)
+    (q, k, v, do), causal, opts = variant_inputs(case, D, dtype, scale=scale, xp=xp, grad=True)
     return q, k, v, do, causal, opts
-
 
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("version,dtype", RUNS, ids=["fp32", "tc-fp16", "tc-bf16"])
@@ -57,13 +45,12 @@ def test_window_q_tile_range_covers_exactly_the_visible_rows(Nq, Nk, window, cau
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("name", [n for n in OPTIONS if n not in ("dropout", "all")] + ["all-but-dropout"])
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
 def test_gpu_tc_backward_with_options_against_oracle(name, D, dt, x):
     import cupy as cp
 
-    case = OPTIONS.get(name) or OPTIONS["all"][:-1] + ({k: v for k, v in OPTIONS["all"][-1].items()
-                                                        if k not in ("dropout_p", "seed")},)
-    q, k, v, do, causal, opts = _inputs(case, D, {"fp16": np.float16, "bf16": bfloat16}[dt], scale=x, xp=cp)
+    q, k, v, do, causal, opts = _inputs(VARIANT_CASES[name], D, {"fp16": np.float16, "bf16": bfloat16}[dt], scale=x,
+                                        xp=cp)
     check_backward(fb.backward, q, k, v, do, causal=causal, opts=opts, version="tc")
 
 
@@ -85,7 +72,7 @@ def test_gpu_backward_variants_it_does_not_take_are_a_clear_error():
                                      "window off by one"])
 def test_rule_catches_a_wrong_variant_backward(mistake):
     """The check above fails a backward that applies an option wrongly."""
-    q, k, v, do, causal, opts = _inputs(OPTIONS["all"], 64, np.float32)
+    q, k, v, do, causal, opts = _inputs(OPTIONS["all-dropout"], 64, np.float32)
 
     def wrong(q, k, v, o, lse, do, **kw):
         if mistake == "softcap ignored":  # the backward of the uncapped scores, from the capped forward's o, lse
