@@ -134,12 +134,12 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T, P^T, dS^T of one chunk live in
 // registers); the barrier, the Q_i / dO_i load and the dQ step are per Br rows. DQ_MT: m-tiles (16 rows) of dQ_i
 // per warp in the dQ step. KREG: this warp's A fragments of K_j, V_j stay in registers for the whole kernel.
-// VAR, the variants (stages/common/variants.py): 0 plain attention. 1: a window (left, right) around the diagonal
-// (-1: unbounded): the block visits only the Q tiles with a row that sees a key of K_j. 2: as 1, with the scores
-// x = scale S_ij capped (softcap c > 0: x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope
-// |q + off - kv|, slopes one float per (batch, head), or null). Grouped-query k, v are expanded by the launcher.
+// VAR, the variants (stages/common/variants.py): a window (left, right) around the diagonal (-1: unbounded): the
+// block visits only the Q tiles with a row that sees a key of K_j; the scores x = scale S_ij capped (softcap c > 0:
+// x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off - kv|, slopes one float per
+// (batch, head), or null). Grouped-query k, v are expanded by the launcher.
 template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG,
-          int BRC, int VAR = 0>
+          int BRC, bool VAR = false>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
@@ -174,13 +174,13 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 
     int Tr = (Nq + Br - 1) / Br;  // the loop's end: Q tiles i_begin <= i < Tr
     int i_begin = causal ? max(0, j * Bc - off) / Br : 0;  // earlier Q tiles see none of K_j
-    if constexpr (VAR > 0) {  // a window: from the first row whose right side reaches K_j's first key to the last
+    if constexpr (VAR) {  // a window: from the first row whose right side reaches K_j's first key to the last
         const int first = right < 0 ? 0 : max(0, j * Bc - off - right);  // row whose left side reaches its last
         const int last = left < 0 ? Nq - 1 : min(Nq - 1, min(Nk, j * Bc + Bc) - 1 - off + left);
         i_begin = first / Br;
         Tr = first <= last ? last / Br + 1 : i_begin;
     }
-    const float slope = VAR == 2 && slopes != nullptr ? slopes[bh] : 0.f;
+    const float slope = VAR && slopes != nullptr ? slopes[bh] : 0.f;
 
     // Q_i, dO_i (zero-filled past Nq) and L_i, D_i (padded to Nq_pad: always in range) into buffer b
     auto load_q_tile = [&](int i, int b) {
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
             // pack to 16-bit in place (FA2's register reuse).
             bool need_mask = (j * Bc + Bc > Nk) || (causal && q0 + off < j * Bc + Bc - 1);
-            if constexpr (VAR > 0)  // keys right of the first row's window, or left of the last row's
+            if constexpr (VAR)  // keys right of the first row's window, or left of the last row's
                 need_mask = (j * Bc + Bc > Nk) || (right >= 0 && q0 + off + right < j * Bc + Bc - 1) ||
                             (left >= 0 && j * Bc < q0 + BRC - 1 + off - left);
             u32 pa[BRC / 16][4], dsa[BRC / 16][4];
@@ -269,23 +269,19 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                 for (int e = 0; e < 4; ++e) {
                     const int ql = n * 8 + 2 * t + (e % 2);  // local query column
                     const int kv = j * Bc + 16 * warp + g + (e / 2) * 8;
-                    if constexpr (VAR > 0) {
+                    if constexpr (VAR) {
                         const int diag = q0 + ql + off;  // the key on this query's diagonal
                         const bool visible = !need_mask || !(kv >= Nk || (right >= 0 && kv > diag + right) ||
                                                              (left >= 0 && kv < diag - left));
-                        if constexpr (VAR == 2) {
-                            float x = s[n][e] * scale, dcap = 1.f;
-                            if (softcap > 0.f) {  // tanh(y) = 1 - 2 / (e^{2y} + 1), as the forward computes it
-                                const float th = 1.f - __fdividef(2.f, fast_exp2(x / softcap * (2.f * LOG2E_F)) + 1.f);
-                                x = softcap * th;
-                                dcap = 1.f - th * th;
-                            }
-                            x -= slope * (float)abs(diag - kv);
-                            p[e] = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
-                            ds[e] = p[e] * (dp[n][e] - Db[ql]) * dcap;
-                        } else {
-                            p_and_ds(p[e], ds[e], s[n][e], dp[n][e], Lb[ql], Db[ql], scale, visible);
+                        float x = s[n][e] * scale, dcap = 1.f;
+                        if (softcap > 0.f) {  // tanh(y) = 1 - 2 / (e^{2y} + 1), as the forward computes it
+                            const float th = 1.f - __fdividef(2.f, fast_exp2(x / softcap * (2.f * LOG2E_F)) + 1.f);
+                            x = softcap * th;
+                            dcap = 1.f - th * th;
                         }
+                        x -= slope * (float)abs(diag - kv);
+                        p[e] = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
+                        ds[e] = p[e] * (dp[n][e] - Db[ql]) * dcap;
                     } else {
                         const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q0 + ql + off));
                         p_and_ds(p[e], ds[e], s[n][e], dp[n][e], Lb[ql], Db[ql], scale, visible);

@@ -42,11 +42,11 @@
 // per thread); SKIP: skip the rescale of O_i by alpha = 1 (see below). HG: heads per group of the causal block
 // order. Shared memory: (Br + 4 Bc) (D + 8) elements.
 // Grouped-query attention (every instantiation): q has H heads, k and v H / group; query head h reads kv head
-// h / group. VAR, the variants (stages/common/variants.py): 0 plain attention (causal or not). 1: a window (left,
-// right) around the diagonal (-1: unbounded; causal is (-1, 0)) whose tiles outside are never visited. 2: as 1, and
-// the scores in natural units first (x = scale S_ij; scale_log2 is then log2(e)), softcap x -> c tanh(x / c)
-// (c = 0: off), ALiBi x -> x - slope |r + shift - c| (slopes: one float per (batch, head), or null).
-template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, int VAR>
+// h / group. VAR, the variants (stages/common/variants.py): a window (left, right) around the diagonal (-1:
+// unbounded; causal is (-1, 0)) whose tiles outside are never visited, and the scores in natural units first
+// (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off), ALiBi x -> x - slope
+// |r + shift - c| (slopes: one float per (batch, head), or null).
+template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, bool VAR>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes, int Nq,
@@ -91,7 +91,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     // K/V tiles j_first <= j < n_tiles: Tc (causal: fewer); a window visits only the band of tiles holding a key
     // some row of Q_i sees: from the first row's first key to the last row's last key.
     int j_first = 0, n_tiles;
-    if constexpr (VAR > 0) {
+    if constexpr (VAR) {
         const int last_key = right < 0 ? Nk - 1 : min(Nk - 1, last_row + shift + right);
         const int first_key = left < 0 ? 0 : max(0, row0 + shift - left);
         j_first = first_key / BC;
@@ -99,7 +99,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     } else {
         n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
     }
-    const float slope = VAR == 2 && slopes != nullptr ? slopes[bh] : 0.f;
+    const float slope = VAR && slopes != nullptr ? slopes[bh] : 0.f;
 
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
     // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
@@ -167,7 +167,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 const u32 kj = k_base + (buf * BC + sb * SUB) * LD * 2;  // K_j rows sb*SUB.., in buffer buf
                 const u32 vj = v_base + (buf * BC + sb * SUB) * LD * 2;
                 const int col0 = j * BC + sb * SUB;  // first key of this slice
-                if constexpr (VAR > 0) {  // a slice outside the window of every row of this warp
+                if constexpr (VAR) {  // a slice outside the window of every row of this warp
                     if (MASKED && ((right >= 0 && col0 > row0 + wrow + 16 * MT - 1 + shift + right) ||
                                    (left >= 0 && col0 + SUB - 1 < row0 + wrow + shift - left)))
                         continue;
@@ -197,9 +197,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                     }
                 }
                 // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
-                if constexpr (VAR > 0) {
-                    if constexpr (VAR == 2)
-                        transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope, g, t);
+                if constexpr (VAR) {
+                    transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope, g, t);
                     if (MASKED) mask_window<MT, SUB>(s, row0 + wrow, col0, Nk, left, right, shift, g, t);
                 } else if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
                     mask_scores<MT, SUB>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
@@ -271,7 +270,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
         // Block-uniform: the tile holds Nk's tail, or keys right of the diagonal of Q_i's first row (VAR: right of
         // its window, or left of the last row's window).
         bool masked = (j + 1) * BC > Nk;
-        if constexpr (VAR > 0)
+        if constexpr (VAR)
             masked = masked || (right >= 0 && (j + 1) * BC - 1 > row0 + shift + right) ||
                      (left >= 0 && j * BC < last_row + shift - left);
         else

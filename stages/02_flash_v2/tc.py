@@ -82,7 +82,7 @@ def smem_bytes(version, D, cfg=None):
     return 2 * (cfg.br + 4 * cfg.bc) * (D + 8)
 
 
-def config(version, D, dev=None, blocks=None, var=0):
+def config(version, D, dev=None, blocks=None, var=False):
     """The configuration of `version` at head dim D on device dev (stages.common.device; None: the first
     candidate, what a GPU with room for it gets). blocks(cfg): the problem's block count under cfg; when the first
     candidate leaves SMs idle (blocks < SM count) a smaller Br that fits is taken instead."""
@@ -103,26 +103,27 @@ def tiles(version, D, causal=False):
     return cfg.br, cfg.bc
 
 
-def _name(version, ctype, D, cfg, otype=None, var=0):
+def _name(version, ctype, D, cfg, otype=None, var=False):
     """The template instantiation of one (version, input type, head dim, configuration, output type: the input
-    type, or float for a block's unrounded partial result; var: the variants, 0 none, 1 a window, 2 also softcap
-    and ALiBi; every instantiation takes grouped-query k/v)."""
+    type, or float for a block's unrounded partial result; var: the variants' window, softcap and ALiBi; every
+    instantiation takes grouped-query k/v)."""
     otype = otype or ctype
     if version == "tc":
         return f"flash_v2_forward_tc<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps}>"
     skip = "true" if cfg.skip else "false"
     return (f"flash_v2_forward_pipelined<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps},{cfg.mt},{cfg.sub},{cfg.minb},"
-            f"{skip},{var}>")
+            f"{skip},{'true' if var else 'false'}>")
 
 
-def _candidates(version, D, var=0):
-    """The candidates; with the variants (var 1, 2) at d = 128 only Br = 64: the window's bounds (and softcap,
-    ALiBi) beside two m-tiles of O_i at d = 128 would spill registers."""
+def _candidates(version, D, var=False):
+    """The candidates; with the variants (var) only Br = 64, one m-tile per warp: the window's bounds, softcap and
+    ALiBi beside two m-tiles of O_i spill registers at d = 128, and one configuration per head dim keeps the
+    variants' compiles few."""
     cands = CANDIDATES[version](D)
-    return [c for c in cands if c.mt == 1] if var and D == 128 else cands
+    return [c for c in cands if c.mt == 1] if var else cands
 
 
-def reachable(version, D, dev, var=0):
+def reachable(version, D, dev, var=False):
     """Every configuration config() can return on dev (for any problem): the candidates that fit."""
     fit = [c for c in _candidates(version, D, var) if device.fits(dev, smem_bytes(version, D, c))]
     return fit if not dev.arch.cc < 80 else []
@@ -134,11 +135,11 @@ def kernel_plans(dev):
     out = []
     for ver in VERSIONS:
         for D in HEAD_DIMS[ver]:
-            for var in (0, 1, 2) if ver in VARIANT_VERSIONS else (0,):
+            for var in (False, True) if ver in VARIANT_VERSIONS else (False,):
                 for cfg in reachable(ver, D, dev, var):
                     smem = smem_bytes(ver, D, cfg)
                     for c in _CTYPE.values():
-                        for o in ((c, "float") if var == 0 else (c,)):  # float O: the ring's plain blocks
+                        for o in ((c,) if var else (c, "float")):  # float O: the ring's plain blocks
                             out.append(device.KernelPlan(_FILE[ver], {}, _name(ver, c, D, cfg, o, var),
                                                          0 if ver == "tc" else smem, smem if ver == "tc" else 0,
                                                          cfg.threads))
@@ -167,12 +168,8 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     if B * H > 65535:
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
-    var = 0  # plain (or causal) attention
-    if opts is not None:
-        if opts.softcap > 0 or opts.alibi_slopes is not None:
-            var = 2
-        elif opts.left >= 0 or (opts.right >= 0 and not causal):
-            var = 1
+    var = opts is not None and (opts.softcap > 0 or opts.alibi_slopes is not None or opts.left >= 0
+                                or (opts.right >= 0 and not causal))  # else plain (or causal), maybe grouped-query
     if var and version not in VARIANT_VERSIONS:
         raise ValueError(f"flash_v2 version {version!r}: grouped-query k/v, window, softcap and alibi_slopes run "
                          f"in version {' / '.join(VARIANT_VERSIONS)}")
@@ -190,9 +187,9 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     smem = smem_bytes(version, D, cfg)
     fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, smem)
     return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem,
-                          (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var == 2 else scale * LOG2E),
+                          (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var else scale * LOG2E),
                            np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
-                           np.int32(right), np.float32(scale), np.float32(opts.softcap if var == 2 else 0.0)))
+                           np.int32(right), np.float32(scale), np.float32(opts.softcap if var else 0.0)))
 
 
 def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None):

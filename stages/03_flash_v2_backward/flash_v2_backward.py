@@ -149,11 +149,11 @@ def _dq_mt(D, br, bc):
     return mt if ok else 1
 
 
-def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=0):
+def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=False):
     """Template instantiations of one (version, input type, head dim, output type): compiled together, once.
     [atomic main kernel, deterministic main kernel, deterministic dQ pass]. otype: the gradients' type (the
-    input type, or float for a ring block's unrounded partial gradients). var (tc, atomic only): the variants,
-    1 a window, 2 also softcap and ALiBi; their gradients are float (summed over a kv group, then cast)."""
+    input type, or float for a ring block's unrounded partial gradients). var (tc, atomic only): the variants'
+    window, softcap and ALiBi; their gradients are float (summed over a kv group, then cast)."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
     br, bc = br or TC_BR[D], bc or TC_BC[D]
@@ -161,7 +161,7 @@ def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=0):
     extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)}"
     ot = otype or ctype
     if var:
-        return [f"flash_bwd_tc<{ctype},float,{D},{br},{bc},true,{defer},{extra},{var}>"]
+        return [f"flash_bwd_tc<{ctype},float,{D},{br},{bc},true,{defer},{extra},true>"]
     return [f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},true,{defer},{extra}>",
             f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{ot},{D}>"]
 
@@ -222,9 +222,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     br, bc = tc_config.get("br"), tc_config.get("bc")
     if version == "tc" and br is None and bc is None:
         br, bc = tc_tiles(D, dev)
-    var = 0
-    if opts is not None:
-        var = 2 if opts.softcap > 0 or opts.alibi_slopes is not None else 1
+    var = opts is not None
     names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, var=var)
     mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
     smem_main, smem_dq = smem_bytes(version, D, br, bc)
@@ -242,7 +240,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         bc, j_fast = bc or TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         main = kernels.Launch(fn, (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc)), (2 * bc,), smem_main,
-                              args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var == 2 else 0.0)))
+                              args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0)))
     if deterministic:  # the separate dQ pass, no atomics
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
@@ -325,10 +323,9 @@ def kernel_plans(dev):
                 names = _names("tc", ctype, D, otype=otype, br=br, bc=bc)
                 out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, sm, 0, th)
                         for n, sm, th in zip(names, (main, main, dq), (2 * bc, 2 * bc, 128)) if device.fits(dev, sm)]
-            for var in (1, 2):  # the variants' atomic main kernel (float dK, dV)
-                if device.fits(dev, main):
-                    out.append(device.KernelPlan("flash_v2_backward_tc.cu", {},
-                                                 _names("tc", ctype, D, br=br, bc=bc, var=var)[0], main, 0, 2 * bc))
+            if device.fits(dev, main):  # the variants' atomic main kernel (float dK, dV)
+                out.append(device.KernelPlan("flash_v2_backward_tc.cu", {},
+                                             _names("tc", ctype, D, br=br, bc=bc, var=True)[0], main, 0, 2 * bc))
     return out
 
 
