@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from stages import naive, ring
-from stages.common import bfloat16, check_backward, check_forward, make_inputs
+from stages.common import bfloat16, check_backward, check_forward, make_inputs, variants
 from stages.common.launch import mpi_env, mpirun_command
-from tests.conftest import CASE_IDS, CASES
+from tests.conftest import CASE_IDS, CASES, VARIANT_CASES, variant_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "stages" / "04_ring" / "run.py"
@@ -81,37 +81,103 @@ def test_zigzag_holds_chunks_r_and_2p_minus_1_minus_r():
 
 
 def _visible_from_plan(calls, Lq, Lk):
+    """How often each (row, key) of the block is computed by the calls, each under its own kernel mask."""
     seen = np.zeros((Lq, Lk), int)
-    for a, b, m, causal in calls:
-        block = naive.causal_mask(b - a, m) if causal else np.ones((b - a, m), bool)
-        seen[a:b, :m] += block
+    for c in calls:
+        opts = variants.Options(left=c.left, right=c.right)  # the kernel's mask: bottom-right on its sub-problem
+        seen[c.a:c.b, c.c:c.m] += variants.visible(c.b - c.a, c.m - c.c, opts)
     return seen
 
 
+WINDOWS = [None, (3, -1), (0, 0), (2, 5), (-1, 4), (40, -1)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk,P", [(16, 16, 4), (13, 13, 2), (37, 100, 3), (100, 60, 4), (5, 1, 2), (1, 1, 3)])
-def test_plan_covers_exactly_the_visible_keys(nq, nk, P, causal, layout):
-    """Over all P blocks, the calls cover each (real query, real key) pair once iff the mask allows it."""
-    full = naive.causal_mask(nq, nk) if causal else np.ones((nq, nk), bool)
+def test_plan_covers_exactly_the_visible_keys(nq, nk, P, causal, layout, window):
+    """Over all P blocks, the calls cover each (real query, real key) pair once iff the mask allows it (causal and
+    a sliding window, each call under its own kernel mask), padded keys never; the steps with work are exactly the
+    steps at which some call exists."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    opts = variants.Options(causal, *(window or (-1, -1)))
+    full = variants.visible(nq, nk, opts._replace(right=0) if causal else opts)
+    busy = set()
     for r in range(P):
         qpos = ring.positions(r, P, nq, layout)
         for src in range(P):
             kpos = ring.positions(src, P, nk, layout)
-            seen = _visible_from_plan(ring.plan(qpos, kpos, nq, nk, causal), len(qpos), len(kpos))
+            calls = ring.plan(qpos, kpos, nq, nk, causal, window)
+            seen = _visible_from_plan(calls, len(qpos), len(kpos))
             real_q, real_k = qpos < nq, kpos < nk
             want = full[np.ix_(qpos[real_q], kpos[real_k])].astype(int)
             np.testing.assert_array_equal(seen[np.ix_(real_q, real_k)], want)
-            if not causal:  # padded keys are never computed with
-                assert (seen[:, ~real_k] == 0).all()
+            assert (seen[:, ~real_k] == 0).all()  # padded keys are never computed with
+            if calls:
+                busy.add((r - src) % P)
+    assert ring.steps(P, nq, nk, layout, causal, window) == sorted(busy)
 
 
 def test_contiguous_causal_is_full_diagonal_or_skipped():
     P, n = 4, 64
     q2 = ring.positions(2, P, n, "contiguous")
-    assert ring.plan(q2, ring.positions(0, P, n, "contiguous"), n, n, True) == [(0, 16, 16, False)]  # before: full
-    assert ring.plan(q2, ring.positions(2, P, n, "contiguous"), n, n, True) == [(0, 16, 16, True)]  # same: diagonal
+    full, diag = ring.BlockCall(0, 16, 0, 16, -1, -1), ring.BlockCall(0, 16, 0, 16, -1, 0)
+    assert ring.plan(q2, ring.positions(0, P, n, "contiguous"), n, n, True) == [full]  # before: full
+    assert ring.plan(q2, ring.positions(2, P, n, "contiguous"), n, n, True) == [diag]  # same: diagonal
     assert ring.plan(q2, ring.positions(3, P, n, "contiguous"), n, n, True) == []  # after: skipped
+    assert diag.mask() == {"causal": True, "window": None} and full.mask() == {"causal": False, "window": None}
+
+
+def test_a_window_is_a_band_of_calls_and_skips_far_blocks():
+    """Contiguous, causal, window (5, -1): the block before sees a lower triangle (a window call), the own block a
+    band, every other block nothing."""
+    P, n = 4, 64
+    q2 = ring.positions(2, P, n, "contiguous")
+    before = ring.plan(q2, ring.positions(1, P, n, "contiguous"), n, n, True, (5, -1))
+    own = ring.plan(q2, ring.positions(2, P, n, "contiguous"), n, n, True, (5, -1))
+    assert before == [ring.BlockCall(0, 5, 11, 16, 0, -1)]  # row i sees keys 11+i..15 of block 1
+    assert own == [ring.BlockCall(0, 6, 0, 6, -1, 0), ring.BlockCall(6, 16, 1, 16, 5, 0)]  # a causal corner, a band
+    assert own[1].mask() == {"causal": False, "window": (5, 0)}
+    assert ring.plan(q2, ring.positions(0, P, n, "contiguous"), n, n, True, (5, -1)) == []
+
+
+@pytest.mark.parametrize("layout,window,causal,want", [
+    ("contiguous", None, True, [0, 1, 2, 3]),
+    ("contiguous", (100, -1), True, [0, 1]),  # a window shorter than a shard: the own block and the one before
+    ("contiguous", (100, 100), False, [0, 1, 3]),  # and the one after: rank r + 1 holds it, step P - 1
+    ("contiguous", (300, -1), True, [0, 1, 2]),
+    ("zigzag", (100, -1), True, [0, 1, 3]),  # chunk r needs chunk r - 1, chunk 2P-1-r needs chunk 2P-2-r (rank r+1)
+    ("zigzag", None, False, [0, 1, 2, 3]),
+])
+def test_the_ring_visits_only_the_steps_with_work(layout, window, causal, want):
+    """schedule(): the steps with work, the hops K, V and the dK, dV accumulators make, and the timeline shows
+    that only those steps ran (N = 1024, P = 4: shards of 256 rows)."""
+    P, n = 4, 1024
+    sched = ring.schedule(P, n, n, layout=layout, causal=causal, window=window)
+    assert sched["steps"] == want
+    assert sched["kv_hops"] == len(want) - 1 and sched["dkv_hops"] == len(want) - (want[-1] == 0)
+    q, k, v = make_inputs(1, 1, n, n, 8, dtype=np.float32)
+    lines = []
+
+    def body(comm):
+        tl = []
+        ring.ring_forward(*(ring.shard(x, comm.rank, P, layout) for x in (q, k, v)), ring=comm, causal=causal,
+                          layout=layout, block="naive", timeline=tl, window=window)
+        lines.append([t["step"] for t in tl])
+
+    ring.simulate(body, P)
+    assert lines == [want] * P
+
+
+def test_grouped_query_kv_travel_with_their_own_heads():
+    """The bytes of one hop: K and V with Hkv heads (H / Hkv times fewer than H heads), dK and dV in float32."""
+    B, H, Hkv, L, D = 2, 32, 8, 512, 128
+    plain = ring.schedule(4, 4 * L, 4 * L, kv_shape=(B, H, L, D), dtype=bfloat16)
+    gqa = ring.schedule(4, 4 * L, 4 * L, kv_shape=(B, Hkv, L, D), dtype=bfloat16)
+    assert gqa["kv_bytes_per_hop"] == 2 * B * Hkv * L * D * 2 == plain["kv_bytes_per_hop"] // (H // Hkv)
+    assert gqa["dkv_bytes_per_hop"] == 2 * B * Hkv * L * D * 4
 
 
 def test_zigzag_balances_causal_work():
@@ -120,11 +186,8 @@ def test_zigzag_balances_causal_work():
 
     def work(layout, r):
         qpos = ring.positions(r, P, n, layout)
-        total = 0
-        for src in range(P):
-            for a, b, m, c in ring.plan(qpos, ring.positions(src, P, n, layout), n, n, True):
-                total += (b - a) * m - (((b - a) * (b - a - 1)) // 2 if c else 0)
-        return total
+        return sum(c.pairs() for src in range(P) for c in ring.plan(qpos, ring.positions(src, P, n, layout), n, n,
+                                                                     True))
 
     zig = [work("zigzag", r) for r in range(P)]
     con = [work("contiguous", r) for r in range(P)]
@@ -186,6 +249,50 @@ def test_ring_with_stage_02_03_tile_mirrors(dtype, layout, causal):
     version names), run by the stages' numpy tile mirrors. Odd lengths, Nq != Nk."""
     q, k, v, do = make_inputs(1, 2, 77, 90, 64, dtype=dtype, grad=True)
     _check_ring(q, k, v, do, causal, layout=layout, ranks=3, block="flash")
+
+
+# The variants the ring takes: grouped-query k, v (they travel with their Hkv heads), a sliding window (steps with no
+# visible key skipped) and softcap; one case combines all three. ALiBi and dropout are refused (check_ring_options).
+RING_VARIANTS = {name: VARIANT_CASES[name] for name in ("gqa", "window", "window-causal", "window-empty-rows",
+                                                           "softcap")}
+RING_VARIANTS["gqa-window-softcap"] = (1, 4, 2, 300, 300, True, {"window": (40, -1), "softcap": 10.0})
+
+
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("name", list(RING_VARIANTS))
+def test_ring_simulated_with_options(name, layout):
+    """float32 with stage 00 blocks, 2 to 4 ranks, against the fp64 oracle with the same options."""
+    i = list(RING_VARIANTS).index(name)
+    (q, k, v, do), causal, opts = variant_inputs(RING_VARIANTS[name], 32, np.float32, grad=True)
+    _check_ring(q, k, v, do, causal, layout=layout, ranks=2 + i % 3, opts=opts)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("name", ["gqa", "window-causal", "gqa-window-softcap"])
+def test_ring_with_options_through_the_tile_mirrors(name, layout, dtype):
+    """16 bits through the stage 02/03 mirrors (block="flash"), 3 ranks: the one-device rule with the options."""
+    (q, k, v, do), causal, opts = variant_inputs(RING_VARIANTS[name], 64, dtype, grad=True)
+    _check_ring(q, k, v, do, causal, layout=layout, ranks=3, block="flash", opts=opts)
+
+
+@pytest.mark.parametrize("api", ["forward", "backward"])
+@pytest.mark.parametrize("bad,match", [
+    (dict(alibi_slopes=np.ones(2, np.float32)), r"alibi_slopes is not supported by the ring: ALiBi's bias depends"),
+    (dict(dropout_p=0.1), r"dropout_p is not supported by the ring"),
+    (dict(window=(-2, 0)), r"window \(-2, 0\): each side must be >= 0, or -1"),
+    (dict(softcap=0.0), r"softcap must be a finite number > 0"),
+])
+def test_ring_options_it_does_not_take_are_clear_errors(api, bad, match):
+    q, k, v, do = make_inputs(1, 2, 10, 10, 8, dtype=np.float32, grad=True)
+    o, lse = naive.forward(q, k, v)
+    args = (q, k, v) if api == "forward" else (q, k, v, o, lse, do)
+    with pytest.raises(ValueError, match=match):
+        getattr(ring, api)(*args, **bad)
+    _, k3, v3 = make_inputs(1, 3, 10, 10, 8, dtype=np.float32)
+    q4 = make_inputs(1, 4, 10, 10, 8, dtype=np.float32)[0]
+    with pytest.raises(ValueError, match=r"k and v have 3 heads, which does not divide q's 4 heads"):
+        ring.forward(q4, k3, v3)
 
 
 def test_one_rank_is_plain_attention():
@@ -353,6 +460,17 @@ def test_mpirun_bfloat16_with_stage_02_03_blocks():
 
 
 @pytest.mark.mpi
+def test_mpirun_with_grouped_query_window_and_softcap():
+    """MPI point-to-point with the window's skipped steps (a hop of two ranks, and the dK, dV hop home): 4 ranks,
+    zigzag, N = 256 (shards of 64), window (30, -1): steps 0, 1 and 3 have work. One k, v head for 4 query heads."""
+    rc, out = _launch(4, "--quick", "--backend", "numpy", "--heads", "4", "--kv-heads", "1", "--window", "30", "-1",
+                      "--softcap", "20", "--check-seq", "256", "--seq", "256")
+    assert rc == 0, out
+    assert "steps with work [0, 1, 3] of 4" in out and "All results match" in out, out
+    assert "SUMMARY 04_ring PASS 4 ranks numpy" in out, out
+
+
+@pytest.mark.mpi
 def test_mpirun_auto_backend_says_what_it_picked():
     rc, out = _launch(2, "--quick", "--check-seq", "64", "--seq", "64")
     assert rc == 0, out
@@ -452,6 +570,22 @@ def test_gpu_ring_simulated_with_flash_blocks(case, layout, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("name", list(RING_VARIANTS))
+def test_gpu_ring_with_options_and_flash_blocks(name, layout, D, dtype):
+    """Grouped-query k, v, window and softcap through the stage 02/03 kernels (float32 partial results), 2 to 4
+    simulated ranks, inputs x1 and x10 alternating."""
+    import cupy
+
+    i = list(RING_VARIANTS).index(name)
+    (q, k, v, do), causal, opts = variant_inputs(RING_VARIANTS[name], D, dtype, xp=cupy, scale=(1.0, 10.0)[i % 2],
+                                                 grad=True)
+    _check_ring(q, k, v, do, causal, layout=layout, ranks=2 + i % 3, block="flash", opts=opts)
+
+
+@pytest.mark.gpu
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
 def test_gpu_mpirun_mpi_backend_four_ranks_one_gpu(layout, causal):
@@ -460,6 +594,17 @@ def test_gpu_mpirun_mpi_backend_four_ranks_one_gpu(layout, causal):
                       *extra, timeout=240)
     assert rc == 0, out
     assert "NOTICE" not in out, out  # the blocks ran stages 02/03, not a fallback
+    assert "SUMMARY 04_ring PASS 4 ranks mpi" in out, out
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_gpu_mpirun_mpi_backend_with_grouped_query_and_window():
+    """The mpi backend (CuPy staged through the host) with hops of more than one rank: 4 ranks on one GPU."""
+    rc, out = _launch(4, "--quick", "--backend", "mpi", "--heads", "8", "--kv-heads", "2", "--window", "300", "-1",
+                      "--check-seq", "2048", "--seq", "8192", timeout=240)
+    assert rc == 0, out
+    assert "steps with work [0, 1, 3] of 4" in out and "NOTICE" not in out, out
     assert "SUMMARY 04_ring PASS 4 ranks mpi" in out, out
 
 

@@ -209,9 +209,6 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
                              f"version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); dropout runs in the "
                              f"CPU mirror only (numpy inputs). Got version {version!r}"
                              f"{' with dropout' if opts.dropout_p else ''}")
-        if out_dtype != q.dtype and (opts.left, opts.right, opts.softcap, opts.alibi_slopes) != (-1, -1, 0.0, None):
-            raise ValueError(f"{where}: out_dtype=float32 (a ring block's partial result) is for plain attention "
-                             "and grouped-query k/v; with window, softcap or alibi_slopes o comes in the inputs' dtype")
         return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
     if version == "fp32x3":
         return _fp32x3().forward(q, k, v, causal=causal, scale=scale)

@@ -139,7 +139,7 @@ def kernel_plans(dev):
                 for cfg in reachable(ver, D, dev, var):
                     smem = smem_bytes(ver, D, cfg)
                     for c in _CTYPE.values():
-                        for o in ((c,) if var else (c, "float")):  # float O: the ring's plain blocks
+                        for o in (c, "float"):  # float O: a ring block's unrounded partial result
                             out.append(device.KernelPlan(_FILE[ver], {}, _name(ver, c, D, cfg, o, var),
                                                          0 if ver == "tc" else smem, smem if ver == "tc" else 0,
                                                          cfg.threads))

@@ -190,13 +190,14 @@ class NumpyRing:
 
     def __init__(self, comm):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
-    def start(self, sends, recvs, tag=0):
+    def start(self, sends, recvs, tag=0, shift=1):
+        """Post sends to rank + shift and receives from rank - shift (shift 1: the ring's neighbours)."""
         reqs = []
+        src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
         for i, (s, r) in enumerate(zip(sends, recvs)):
-            reqs.append(self.comm.Irecv(_bytes(r), source=self.prev, tag=8 * tag + i))
-            reqs.append(self.comm.Isend(_bytes(s), dest=self.next, tag=8 * tag + i))
+            reqs.append(self.comm.Irecv(_bytes(r), source=src, tag=8 * tag + i))
+            reqs.append(self.comm.Isend(_bytes(s), dest=dst, tag=8 * tag + i))
         return reqs
 
     def wait(self, reqs):
@@ -216,20 +217,16 @@ class MpiRing(NumpyRing):
     while they run, then queues the host -> device copies behind them. More ranks than GPUs work.
     """
 
-    def start(self, sends, recvs, tag=0):
+    def start(self, sends, recvs, tag=0, shift=1):
         host_sends = [_bytes(s).get() for s in sends]  # (nbytes,) uint8 on the host
         host_recvs = [np.empty(r.nbytes, np.uint8) for r in recvs]
-        reqs = []
-        for i, (hs, hr) in enumerate(zip(host_sends, host_recvs)):
-            reqs.append(self.comm.Irecv(hr, source=self.prev, tag=8 * tag + i))
-            reqs.append(self.comm.Isend(hs, dest=self.next, tag=8 * tag + i))
-        return reqs, host_sends, host_recvs, recvs
+        return super().start(host_sends, host_recvs, tag, shift), host_sends, host_recvs, recvs
 
     def wait(self, handle):
         from mpi4py import MPI
 
         reqs, _, host_recvs, recvs = handle
-        MPI.Request.Waitall(reqs)
+        MPI.Request.Waitall(reqs)  # the host arrays stay referenced by handle until here
         for hr, r in zip(host_recvs, recvs):
             _bytes(r).set(hr)  # host -> device on the compute stream
 
@@ -242,23 +239,23 @@ class NcclRing:
 
         nccl = _nccl_module()
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = comm.bcast(uid, root=0)  # the NCCL id travels over MPI
         self.nccl = nccl
         self.nc = nccl.NcclCommunicator(self.size, uid, self.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)  # transfers overlap the compute stream's kernels
 
-    def start(self, sends, recvs, tag=0):  # one stream: every transfer arrives in the order started
+    def start(self, sends, recvs, tag=0, shift=1):  # one stream: every transfer arrives in the order started
         import cupy
 
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(cupy.cuda.get_current_stream())  # the sends are written and the recv buffers free...
         self.stream.wait_event(ready)  # ...in compute-stream order, before the transfer may start
-        self.nccl.groupStart()  # one group: every rank's send to r+1 pairs with r+1's recv from r
+        src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
+        self.nccl.groupStart()  # one group: every rank's send to r+shift pairs with r+shift's recv from r
         for s, r in zip(sends, recvs):
-            self.nc.send(s.data.ptr, s.nbytes, self.nccl.NCCL_INT8, self.next, self.stream.ptr)
-            self.nc.recv(r.data.ptr, r.nbytes, self.nccl.NCCL_INT8, self.prev, self.stream.ptr)
+            self.nc.send(s.data.ptr, s.nbytes, self.nccl.NCCL_INT8, dst, self.stream.ptr)
+            self.nc.recv(r.data.ptr, r.nbytes, self.nccl.NCCL_INT8, src, self.stream.ptr)
         self.nccl.groupEnd()
         done = cupy.cuda.Event(disable_timing=True)
         done.record(self.stream)
@@ -282,7 +279,7 @@ class ThreadRing:
 
     def __init__(self, rank, shared):
         self.rank, self.size, self.shared = rank, shared["P"], shared
-        self.next, self.calls = (rank + 1) % self.size, 0
+        self.calls = 0
 
     def _get(self, box):
         while True:  # poll, so that one failed rank ends every rank instead of hanging them
@@ -293,17 +290,18 @@ class ThreadRing:
             except queue.Empty:
                 pass
 
-    def _box(self, rank, tag):
-        with self.shared["cond"]:
-            return self.shared["boxes"].setdefault((rank, tag), queue.Queue())  # one FIFO per (receiver, tag)
+    def _box(self, rank, tag, sender):
+        with self.shared["cond"]:  # one FIFO per (receiver, tag, sender), as MPI matches source and tag
+            return self.shared["boxes"].setdefault((rank, tag, sender), queue.Queue())
 
-    def start(self, sends, recvs, tag=0):
-        self._box(self.next, tag).put([s.copy() for s in sends])  # "send": a copy into rank+1's mailbox
-        return recvs, tag
+    def start(self, sends, recvs, tag=0, shift=1):
+        dst = (self.rank + shift) % self.size
+        self._box(dst, tag, self.rank).put([s.copy() for s in sends])  # "send": a copy into rank+shift's mailbox
+        return recvs, tag, (self.rank - shift) % self.size
 
     def wait(self, handle):
-        recvs, tag = handle
-        for r, got in zip(recvs, self._get(self._box(self.rank, tag))):
+        recvs, tag, src = handle
+        for r, got in zip(recvs, self._get(self._box(self.rank, tag, src))):
             r[...] = got
 
     def allgather(self, obj):

@@ -9,8 +9,11 @@ Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; a 
     positions(rank, P, n, layout) global positions of a rank's rows, in local order
     shard(x, rank, P, layout)     a rank's rows of x (B, H, N, ...), zero-padded
     unshard(shards, n, layout)    the global array back from the P shards
-    plan(qpos, kpos, nq, nk, causal)  the kernel calls that cover exactly the visible (query, key) pairs
+    plan(qpos, kpos, nq, nk, causal, window)  the kernel calls that cover exactly the visible (query, key) pairs
+    steps(P, nq, nk, layout, causal, window)  the ring steps at which some rank has work (a window skips the rest)
 """
+from typing import NamedTuple
+
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -68,42 +71,109 @@ def unshard(shards, n, layout):
 
 
 # ----------------------------------------------------------------------------- which keys each query sees
-def plan(qpos, kpos, nq, nk, causal):
-    """Split one (query shard, key block) pair into kernel calls [(a, b, m, causal)]:
-    rows a:b of the query shard attend keys 0:m of the block, with or without the causal diagonal.
+class BlockCall(NamedTuple):
+    """One kernel call of a (query shard, key block) pair: rows a:b of the query shard attend keys c:m of the block
+    under the kernel's own mask (left, right): a window around the kernel's bottom-right diagonal, -1 unbounded,
+    so (-1, -1) is full attention and (-1, 0) causal (stages/common/variants.py)."""
+    a: int
+    b: int
+    c: int
+    m: int
+    left: int = -1
+    right: int = -1
 
-    n_i = how many keys of the block row i sees. Positions increase in local order in both layouts,
-    so row i sees a prefix of the block and n_i never decreases: a staircase. A flat run of the
-    staircase is a full (non-causal) call; a run rising by one key per row is a causal call, since
-    the kernels align the diagonal bottom-right (row b-1 sees all m keys); rows with n_i = 0 are skipped.
+    def mask(self):
+        """The call's mask as the kernels' options: {"causal": ..., "window": (left, right) or None}."""
+        if self.left < 0 and self.right < 0:
+            return {"causal": False, "window": None}
+        if self.left < 0 and self.right == 0:
+            return {"causal": True, "window": None}
+        return {"causal": False, "window": (self.left, self.right)}
+
+    def pairs(self):
+        """How many (query, key) pairs the call computes."""
+        rows, keys = self.b - self.a, self.m - self.c
+        i = np.arange(rows)[:, None]
+        j = np.arange(keys)[None, :]
+        d = j - (i + keys - rows)
+        return int((((self.left < 0) | (d >= -self.left)) & ((self.right < 0) | (d <= self.right))).sum())
+
+
+def visible_range(qpos, kpos, nq, nk, causal, window=None):
+    """(lo, hi): query row i of the shard sees keys lo[i]:hi[i] of the block (empty when hi <= lo).
+
+    Query position p sees key position t iff p + shift - left <= t <= p + shift + right (shift = nk - nq,
+    bottom-right as every stage; -1 unbounded; causal is right = 0) and t < nk. Positions increase in local order in
+    both layouts, so each row sees one interval of the block and lo, hi never decrease down the rows."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    shift = nk - nq
+    valid = int((kpos < nk).sum())  # padding keys are a suffix of the block
+    hi = np.full(len(qpos), valid)
+    if right >= 0:
+        hi = np.minimum(np.searchsorted(kpos, qpos + shift + right, side="right"), valid)
+    lo = np.zeros(len(qpos), dtype=hi.dtype)
+    if left >= 0:
+        lo = np.searchsorted(kpos, qpos + shift - left, side="left")
+    return lo, np.maximum(hi, lo)
+
+
+def plan(qpos, kpos, nq, nk, causal, window=None):
+    """Split one (query shard, key block) pair into kernel calls [BlockCall]: together they cover exactly the
+    visible (query, key) pairs, each once.
+
+    Row i sees keys lo_i:hi_i (visible_range). Down the rows each edge either stays (a flat edge) or moves by one key
+    per row (a diagonal edge), except at a jump; a run of rows whose two edges keep one behaviour is one call:
+        both flat             full attention on keys lo:hi
+        hi diagonal           causal (the kernel's diagonal is bottom-right: row b-1 sees up to key m-1)
+        lo diagonal           a window (m - c - (b - a), -1): row i' starts at key i'
+        both diagonal         a band (m - c - (b - a), 0)
+    A lone row between two jumps is a full call on its own keys; rows that see no key are skipped.
+    With no window lo = 0 and this is the causal staircase: full calls, diagonal calls and skipped rows.
     """
-    if causal:  # query i sees key j iff j <= i + (nk - nq)  (bottom-right, as every stage)
-        n = np.searchsorted(kpos, qpos + (nk - nq), side="right")  # padded keys lie after every real query
-    else:
-        n = np.full(len(qpos), int((kpos < nk).sum()))  # every valid key: a prefix, padding is a suffix
-    # Walk the staircase run by run, not row by row: a Python loop over 16k rows costs ~4 ms of host time
-    # per call, during which the GPU would sit idle. d[p] = n[p+1] - n[p]; a run is a stretch of equal d.
-    L = len(n)
-    d = np.diff(n)  # (L-1,)
-    change = np.flatnonzero(d[1:] != d[:-1]) + 1  # p where d[p] != d[p-1]: where a run of d starts
+    lo, hi = visible_range(qpos, kpos, nq, nk, causal, window)
+    L = len(lo)
+    busy = hi > lo
+    dl, dh = np.diff(lo), np.diff(hi)  # (L-1,): how each edge moves from row p to row p+1
+    ok = (dl >= 0) & (dl <= 1) & (dh >= 0) & (dh <= 1) & busy[:-1] & busy[1:]
+    kind = np.where(ok, 2 * dl + dh, -1)  # 0 both flat, 1 hi diagonal, 2 lo diagonal, 3 both; -1 a jump
+    # Walk run by run, not row by row: a Python loop over 16k rows costs ms of host time per call, during which the
+    # GPU would sit idle. change[k]: where a run of equal kind starts.
+    change = np.flatnonzero(kind[1:] != kind[:-1]) + 1
 
-    def run_end(i):  # one past the last row of the run of rows that starts at row i (d == d[i] from i on)
+    def run_end(i):  # one past the last row of the run that starts at row i (kind == kind[i] from i on)
         k = np.searchsorted(change, i, side="right")
         return int(change[k]) + 1 if k < len(change) else L
 
     calls, i = [], 0
     while i < L:
-        if n[i] == 0:  # rows that see no key of this block: skip them all at once
-            nz = np.flatnonzero(n[i:])
+        if not busy[i]:  # rows that see no key of this block: skip them all at once
+            nz = np.flatnonzero(busy[i:])
             if len(nz) == 0:
                 break
             i += int(nz[0])
             continue
-        if i + 1 < L and d[i] == 1:  # a diagonal run: one causal call
-            j = run_end(i)
-            calls.append((i, j, int(n[j - 1]), True))
-        else:  # a flat run (d == 0), or a lone row before a jump: one full call
-            j = run_end(i) if i + 1 < L and d[i] == 0 else i + 1
-            calls.append((i, j, int(n[i]), False))
+        k = int(kind[i]) if i + 1 < L else -1
+        j = run_end(i) if k >= 0 else i + 1
+        c, m = int(lo[i]), int(hi[j - 1])
+        delta = (m - c) - (j - i)  # the kernel's diagonal shift on this sub-problem
+        calls.append(BlockCall(i, j, c, m, delta if k in (2, 3) else -1, 0 if k in (1, 3) else -1))
         i = j
     return calls
+
+
+def steps(P, nq, nk, layout, causal, window=None):
+    """The ring steps s (rank r computes with the block of rank r - s) at which some rank has work, in order.
+
+    Without a window every step has work. With a sliding window most blocks lie outside every query's window: the
+    ring skips those steps, their compute and their transfers (K, V go straight to the next step with work)."""
+    out = []
+    for s in range(P):
+        for r in range(P):
+            lo, hi = visible_range(positions(r, P, nq, layout), positions((r - s) % P, P, nk, layout), nq, nk,
+                                   causal, window)
+            if (hi > lo).any():
+                out.append(s)
+                break
+    return out

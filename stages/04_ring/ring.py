@@ -28,12 +28,15 @@ import time
 import numpy as np
 
 from stages import naive
-from stages.common import cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale
+from stages.common import (
+    cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale, variants,
+)
 
-from .layout import LAYOUTS, check_layout, check_ranks, plan, positions, shard, shard_len, unshard
+from .layout import LAYOUTS, check_layout, check_ranks, plan, positions, shard, shard_len, steps, unshard
 
 __all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version",
-           "RingMismatch", "check_same_everywhere", "LAYOUTS", "plan", "positions", "shard", "shard_len", "unshard"]
+           "RingMismatch", "check_same_everywhere", "LAYOUTS", "plan", "positions", "shard", "shard_len", "unshard",
+           "steps", "schedule"]
 
 
 # ----------------------------------------------------------------------------- block kernels
@@ -49,26 +52,29 @@ def _partial_dtype(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def _flash_forward(q, k, v, *, causal, scale, version=None):
+def _flash_forward(q, k, v, *, causal, scale, window=None, softcap=None, version=None):
     from stages import flash_v2
 
-    return flash_v2.forward(q, k, v, causal=causal, scale=scale, version=version or "auto",
-                            out_dtype=_partial_dtype(q.dtype))
+    return flash_v2.forward(q, k, v, causal=causal, scale=scale, version=version or "auto", window=window,
+                            softcap=softcap, out_dtype=_partial_dtype(q.dtype))
 
 
-def _flash_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
+def _flash_backward(q, k, v, o, lse, do, *, causal, scale, window=None, softcap=None, version=None):
     from stages import flash_v2_backward
 
     return flash_v2_backward.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale,
-                                      version=version or "auto", out_dtype=_partial_dtype(q.dtype))
+                                      version=version or "auto", window=window, softcap=softcap,
+                                      out_dtype=_partial_dtype(q.dtype))
 
 
-def _naive_forward(q, k, v, *, causal, scale, version=None):
-    return naive.forward(q, k, v, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype))
+def _naive_forward(q, k, v, *, causal, scale, window=None, softcap=None, version=None):
+    return naive.forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                         out_dtype=_partial_dtype(q.dtype))
 
 
-def _naive_backward(q, k, v, o, lse, do, *, causal, scale, version=None):
-    return naive.backward(q, k, v, o, lse, do, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype))
+def _naive_backward(q, k, v, o, lse, do, *, causal, scale, window=None, softcap=None, version=None):
+    return naive.backward(q, k, v, o, lse, do, causal=causal, scale=scale, window=window, softcap=softcap,
+                          out_dtype=_partial_dtype(q.dtype))
 
 
 BLOCKS = {
@@ -171,12 +177,14 @@ def check_same_everywhere(ring, **facts):
 @dataclasses.dataclass(frozen=True)
 class Call:
     """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the
-    shard shapes (B, H, Lq, Lk, D), the global lengths and the resolved mask and scale."""
+    shard shapes (B, H, Hkv, Lq, Lk, D), the global lengths, the resolved mask, scale and softcap, and the steps
+    with work (layout.steps)."""
     P: int
     r: int
     xp: object
     B: int
     H: int
+    Hkv: int
     Lq: int
     Lk: int
     D: int
@@ -184,6 +192,13 @@ class Call:
     nk: int
     causal: bool
     scale: float
+    window: object  # (left, right) or None
+    softcap: object  # c or None
+    todo: tuple  # the steps at which some rank has work
+
+    def calls(self, qpos, src, layout):
+        """The kernel calls of this rank's queries against the block of rank src."""
+        return plan(qpos, positions(src, self.P, self.nk, layout), self.nq, self.nk, self.causal, self.window)
 
 
 def check_block(block, version, where="ring attention"):
@@ -196,7 +211,27 @@ def check_block(block, version, where="ring attention"):
     return block
 
 
-def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra):
+def check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, where):
+    """(window, softcap) as the ring uses them (window None when unbounded), after checking every variant: the
+    ring takes grouped-query k, v, window and softcap, and refuses ALiBi and dropout with a clear error.
+
+    ALiBi and dropout depend on each (query, key) pair's global positions (the bias -slope |i - j|, the Philox
+    counter of (i, j)), while a block kernel sees positions relative to its own block."""
+    if alibi_slopes is not None:
+        raise ValueError(f"{where}: alibi_slopes is not supported by the ring: ALiBi's bias depends on the global "
+                         "distance i - j, and each block kernel sees only positions within its block; use one device "
+                         "(stages 00, 02, 03)")
+    if dropout_p:
+        raise ValueError(f"{where}: dropout_p is not supported by the ring: the dropout mask is drawn from each "
+                         "pair's global (i, j), and each block kernel sees only positions within its block; use one "
+                         "device (stages 00, 02, 03)")
+    opts = variants.check(q, k, causal=causal, window=window, softcap=softcap, where=where)
+    window = None if opts.left < 0 and opts.right < 0 else (opts.left, -1 if causal else opts.right)
+    return window, (opts.softcap or None)
+
+
+def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra, window, softcap, alibi_slopes,
+              dropout_p):
     """Checks shared by forward and backward, agreed by every rank; returns a Call.
 
     The local checks run first and their error (if any) is shared with the agreement check, so a bad input on
@@ -205,76 +240,106 @@ def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extr
     where = "ring attention backward" if extra else "ring attention"
     call = None
     try:
-        xp, B, H, Lq, Lk, D = (check_backward_inputs(q, k, v, *extra, where=where) if extra
-                               else check_attention_inputs(q, k, v, where=where))
+        xp, B, H, Lq, Lk, D = (check_backward_inputs(q, k, v, *extra, where=where, gqa=True) if extra
+                               else check_attention_inputs(q, k, v, where=where, gqa=True))
         check_block(block, version, where)
         check_layout(layout, where)
         causal = check_causal(causal, where)
+        window, softcap = check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, where)
         nq, nk = nq or P * Lq, nk or P * Lk
         if Lq != shard_len(nq, P, layout) or Lk != shard_len(nk, P, layout):
             raise ValueError(f"{where}: shards have {Lq} query / {Lk} key rows; with {P} ranks, layout {layout}, "
                              f"nq={nq} and nk={nk} they must have {shard_len(nq, P, layout)} / "
                              f"{shard_len(nk, P, layout)} (cut them with ring.shard)")
         scale = resolve_scale(scale, D)
-        call = Call(P, r, xp, B, H, Lq, Lk, D, nq, nk, causal, scale)
-        facts = _facts(q, k, v, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, extra=extra)
+        call = Call(P, r, xp, B, H, k.shape[1], Lq, Lk, D, nq, nk, causal, scale, window, softcap,
+                    tuple(steps(P, nq, nk, layout, causal, window)))
+        facts = _facts(q, k, v, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, extra=extra,
+                       window=window, softcap=softcap)
     except (TypeError, ValueError) as e:
         facts = {"problem": f"{type(e).__name__}: {e}"}
     check_same_everywhere(ring, **facts)
     return call
 
 
-def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=()):
+def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=(), window=None, softcap=None):
     return dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
                 device=type(q).__module__.split(".")[0], nq=nq, nk=nk, causal=bool(causal), scale=float(scale),
-                layout=layout, **{f"arg{i}": (tuple(t.shape), str(t.dtype)) for i, t in enumerate(extra)})
+                layout=layout, window=window, softcap=softcap,
+                **{f"arg{i}": (tuple(t.shape), str(t.dtype)) for i, t in enumerate(extra)})
+
+
+def schedule(P, nq, nk, *, layout="zigzag", causal=False, window=None, kv_shape=None, dtype=None):
+    """What the ring will do, as a dict: the steps with work (layout.steps) out of P, the hops K, V make (forward
+    and backward) and the hops the dK, dV accumulators make (backward; the last one takes them home), and, given
+    one rank's K shard shape (B, Hkv, Lk, D) and dtype, the bytes of one hop: K and V, dK and dV (float32).
+    Grouped-query k, v travel with their Hkv heads: H / Hkv times fewer bytes than H heads."""
+    todo = steps(P, nq, nk, layout, causal, window)
+    out = {"steps": todo, "of": P,
+           "kv_hops": len(todo) - 1 + (1 if todo and todo[0] > 0 else 0) if todo else 0,
+           "dkv_hops": len(todo) - 1 + (1 if todo and todo[-1] > 0 else 0) if todo else 0}
+    if kv_shape is not None:
+        n = int(np.prod(kv_shape))
+        out["kv_bytes_per_hop"] = 2 * n * np.dtype(dtype).itemsize
+        out["dkv_bytes_per_hop"] = 2 * n * _partial_dtype(dtype).itemsize
+    return out
 
 
 # ----------------------------------------------------------------------------- forward
 def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, layout="contiguous",
-                 block="flash", version=None, timeline=None):
+                 block="flash", version=None, timeline=None, window=None, softcap=None, alibi_slopes=None,
+                 dropout_p=0.0):
     """This rank's part of ring attention: (o, lse) for its query shard.
 
-    q (B, H, Lq, D), k and v (B, H, Lk, D): this rank's shards in `layout` (see shard()); nq, nk: the
-    global unpadded lengths (default P*Lq, P*Lk). ring: a communicator from comm.py. timeline: a list
-    that receives one dict per step {compute_ms, exposed_ms} (exposed = time waiting on the ring).
+    q (B, H, Lq, D), k and v (B, Hkv, Lk, D): this rank's shards in `layout` (see shard()); Hkv divides H
+    (grouped-query attention: the ring sends the Hkv heads). nq, nk: the global unpadded lengths (default P*Lq,
+    P*Lk). window=(left, right) and softcap as in stage 00 (variants.py). ring: a communicator from comm.py.
+    timeline: a list that receives one dict per step with work {step, compute_ms, exposed_ms} (exposed = time
+    waiting on the ring).
     """
-    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, ())
-    P, r, xp, B, H, Lq, D, nq, nk = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq, call.nk
-    causal, scale = call.causal, call.scale
+    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (), window, softcap,
+                     alibi_slopes, dropout_p)
+    P, r, xp, B, H, Lq, D, nq = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq
     fwd, _ = BLOCKS[block]
     acc = np.float64 if q.dtype == np.float64 else np.float32
     o_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # O_r: normalised over the keys merged so far
     lse_acc = xp.full((B, H, Lq), -np.inf, dtype=acc)  # L_r
     qpos = positions(r, P, nq, layout)
     mark, ms = _marker(xp)
-    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, H, Lk, D) row-major: transfers move raw bytes
+    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, Hkv, Lk, D) row-major: transfers move raw bytes
     k_cur, v_cur, spare = k, v, None  # double buffers: the block in use and the one arriving
+
+    def receive(shift):  # post the transfer of the block in use to rank r + shift (ours comes from r - shift)
+        nxt = spare if spare is not None else (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
+        return nxt, ring.start([k_cur, v_cur], list(nxt), shift=shift)
+
     seen = np.zeros(Lq, dtype=bool)  # rows that already hold a partial result
-    marks = []
-    for s in range(P):
+    marks, todo = [], call.todo
+    if todo and todo[0] > 0:  # the first step with work is not our own block's: fetch that block first
+        nxt, handle = receive(todo[0])
+        ring.wait(handle)
+        k_cur, v_cur = nxt
+    for idx, s in enumerate(todo):
         src = (r - s) % P  # Alg.: at step s rank r holds the block of rank r - s
-        if s < P - 1:  # post the next block's transfer before computing on this one
-            if spare is None:
-                spare = (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
-            nxt = spare
-            handle = ring.start([k_cur, v_cur], list(nxt))
+        last = idx == len(todo) - 1
+        if not last:  # post the next block's transfer before computing on this one (steps without work skipped)
+            nxt, handle = receive(todo[idx + 1] - s)
         t0 = mark()
-        for a, b, m, c in plan(qpos, positions(src, P, nk, layout), nq, nk, causal):
-            o_b, lse_b = fwd(_rows(q, a, b), _rows(k_cur, 0, m), _rows(v_cur, 0, m), causal=c, scale=scale,
-                             version=version)  # O_rj, L_rj: (B, H, b-a, D), (B, H, b-a)
-            if seen[a:b].any():
-                merge(o_acc[:, :, a:b], lse_acc[:, :, a:b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
+        for c in call.calls(qpos, src, layout):
+            o_b, lse_b = fwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m), scale=call.scale,
+                             softcap=call.softcap, version=version, **c.mask())  # O_rj, L_rj (B, H, b-a, [D])
+            if seen[c.a:c.b].any():  # (a row not seen yet holds O = 0, L = -inf: the merge takes the new block)
+                merge(o_acc[:, :, c.a:c.b], lse_acc[:, :, c.a:c.b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
             else:  # first block these rows see: nothing to merge with
-                xp.copyto(o_acc[:, :, a:b], o_b)  # upcast into the accumulator, no temporary
-                lse_acc[:, :, a:b] = lse_b
-                seen[a:b] = True
+                xp.copyto(o_acc[:, :, c.a:c.b], o_b)  # upcast into the accumulator, no temporary
+                lse_acc[:, :, c.a:c.b] = lse_b
+            seen[c.a:c.b] = True
         t1 = mark()
-        if s < P - 1:
+        if not last:
             ring.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
-            spare = (k_cur, v_cur) if s > 0 else None  # step 0's buffers are the caller's k, v: never reuse
+            spare = (k_cur, v_cur) if k_cur is not k else None  # the caller's k, v are never overwritten
             k_cur, v_cur = nxt
-        marks.append((t0, t1, mark()))
+        marks.append((s, t0, t1, mark()))
     o = cast(o_acc, q.dtype)
     lse = lse_acc.astype(np.float64 if acc == np.float64 else np.float32)  # (B, H, Lq): float32 by the API
     _record(timeline, marks, ms, xp)
@@ -286,22 +351,24 @@ def _record(timeline, marks, ms, xp):
         return
     if xp is not np:
         xp.cuda.get_current_stream().synchronize()
-    for t0, t1, t2 in marks:
-        timeline.append({"compute_ms": ms(t0, t1), "exposed_ms": ms(t1, t2)})
+    for s, t0, t1, t2 in marks:
+        timeline.append({"step": s, "compute_ms": ms(t0, t1), "exposed_ms": ms(t1, t2)})
 
 
 # ----------------------------------------------------------------------------- backward
 def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, scale=None,
-                  layout="contiguous", block="flash", version=None, timeline=None):
+                  layout="contiguous", block="flash", version=None, timeline=None, window=None, softcap=None,
+                  alibi_slopes=None, dropout_p=0.0):
     """This rank's part of the ring backward: (dq, dk, dv) for its own shards.
 
-    o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in
-    the forward; the dK, dV accumulators of each block follow one step behind and come home at the end.
+    o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in the forward;
+    the dK, dV accumulators of each block follow one step behind, and after the last step with work s_last they go
+    home to the block's rank (a hop of P - s_last). With grouped-query k, v the accumulators have Hkv heads: each
+    block's backward has already summed its group's H / Hkv query heads.
     """
-    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do))
-    P, r, xp, B, H, Lq, Lk, D = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.Lk, call.D
-    nq, nk = call.nq, call.nk
-    causal, scale = call.causal, call.scale
+    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do), window, softcap,
+                     alibi_slopes, dropout_p)
+    P, r, xp, B, H, Lq, D, nq = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq
     _, bwd = BLOCKS[block]
     acc = np.float64 if q.dtype == np.float64 else np.float32
     valid = int((positions(r, P, nq, layout) < nq).sum())  # padding rows are a suffix of the shard
@@ -309,97 +376,111 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
         do = do.copy()
         do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
     dq_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # dQ_r stays home
-    travel = [(xp.zeros((B, H, Lk, D), dtype=acc), xp.zeros((B, H, Lk, D), dtype=acc)), None]  # dK_j, dV_j: 2 buffers
+    travel = [(xp.zeros(k.shape, dtype=acc), xp.zeros(k.shape, dtype=acc)), None]  # dK_j, dV_j: 2 buffers
     qpos = positions(r, P, nq, layout)
     mark, ms = _marker(xp)
-    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, H, Lk, D) row-major: transfers move raw bytes
+    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, Hkv, Lk, D) row-major: transfers move raw bytes
     k_cur, v_cur, spare = k, v, None  # double buffers
-    marks, dkv_handle = [], None
-    for s in range(P):
+
+    def receive(shift):
+        nxt = spare if spare is not None else (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
+        return nxt, ring.start([k_cur, v_cur], list(nxt), tag=0, shift=shift)
+
+    marks, dkv_handle, todo = [], None, call.todo
+    if todo and todo[0] > 0:  # the first step with work is not our own block's: fetch that block first
+        nxt, kv_handle = receive(todo[0])
+        ring.wait(kv_handle)
+        k_cur, v_cur = nxt
+    for idx, s in enumerate(todo):
         src = (r - s) % P
-        if s < P - 1:  # K_j, V_j for the next step, in flight during this step's compute
-            if spare is None:
-                spare = (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
-            nxt = spare
-            kv_handle = ring.start([k_cur, v_cur], list(nxt), tag=0)
+        last = idx == len(todo) - 1
+        if not last:  # K_j, V_j for the next step with work, in flight during this step's compute
+            nxt, kv_handle = receive(todo[idx + 1] - s)
         t0 = mark()
-        block_grads = []  # this step's dK_j, dV_j parts, in the block's dtype, until block j's accumulator arrives
-        for a, b, m, c in plan(qpos, positions(src, P, nk, layout), nq, nk, causal):
-            dq_b, dk_b, dv_b = bwd(_rows(q, a, b), _rows(k_cur, 0, m), _rows(v_cur, 0, m), _rows(o, a, b),
-                                   _rows(lse, a, b), _rows(do, a, b), causal=c, scale=scale, version=version)
-            _accumulate(dq_acc[:, :, a:b], dq_b)  # dQ_r += dS_rj K_j   (scale included)
-            block_grads.append((m, dk_b, dv_b))
+        block_grads = []  # this step's dK_j, dV_j parts, until block j's accumulator arrives
+        for c in call.calls(qpos, src, layout):
+            dq_b, dk_b, dv_b = bwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m),
+                                   _rows(o, c.a, c.b), _rows(lse, c.a, c.b), _rows(do, c.a, c.b), scale=call.scale,
+                                   softcap=call.softcap, version=version, **c.mask())
+            _accumulate(dq_acc[:, :, c.a:c.b], dq_b)  # dQ_r += dS_rj K_j   (scale included)
+            block_grads.append((c, dk_b, dv_b))
         t1 = mark()
-        if s > 0:
-            ring.wait(dkv_handle)  # block j's accumulator from rank r-1 has arrived in travel[0]
-        for m, dk_b, dv_b in block_grads:  # (step 0: travel[0] starts at zero)
-            _accumulate(travel[0][0][:, :, :m], dk_b)  # dK_j += dS_rj^T Q_r
-            _accumulate(travel[0][1][:, :, :m], dv_b)  # dV_j += P_rj^T dO_r
-        if P > 1:
+        if idx > 0:
+            ring.wait(dkv_handle)  # block j's accumulator, from the rank that computed with block j last, is here
+        for c, dk_b, dv_b in block_grads:  # (first step: travel[0] starts at zero)
+            _accumulate(travel[0][0][:, :, c.c:c.m], dk_b)  # dK_j += dS_rj^T Q_r
+            _accumulate(travel[0][1][:, :, c.c:c.m], dv_b)  # dV_j += P_rj^T dO_r
+        hop = todo[idx + 1] - s if not last else (P - s) % P  # on to the next step with work, or home
+        if hop:
             if travel[1] is None:
                 travel[1] = (xp.empty_like(travel[0][0]), xp.empty_like(travel[0][1]))
-            dkv_handle = ring.start(list(travel[0]), list(travel[1]), tag=1)  # dK_j, dV_j follow K_j, V_j
+            dkv_handle = ring.start(list(travel[0]), list(travel[1]), tag=1, shift=hop)  # dK_j, dV_j follow K_j, V_j
             travel.reverse()  # the buffer just received into is next step's accumulator
-        if s < P - 1:
+        if not last:
             ring.wait(kv_handle)
-            spare = (k_cur, v_cur) if s > 0 else None
+            spare = (k_cur, v_cur) if k_cur is not k else None
             k_cur, v_cur = nxt
-        marks.append((t0, t1, mark()))
-    if P > 1:
-        ring.wait(dkv_handle)  # after P hops our own dK_r, dV_r are home, in travel[0]
+        marks.append((s, t0, t1, mark()))
+    if todo and todo[-1] > 0:
+        ring.wait(dkv_handle)  # our own dK_r, dV_r are home, in travel[0]
     dk, dv = travel[0]
     _record(timeline, marks, ms, xp)
     return cast(dq_acc, q.dtype), cast(dk, k.dtype), cast(dv, v.dtype)
 
 
 # ----------------------------------------------------------------------------- P ranks in one process
-def _check_api(causal, scale, D, layout, ranks, block, version, where):
+def _check_api(q, k, causal, scale, D, layout, ranks, block, version, where, window, softcap, alibi_slopes,
+               dropout_p):
     """The options of the one-process API, checked before any shard is cut."""
     check_causal(causal, where)
     resolve_scale(scale, D)
     check_layout(layout, where)
     check_ranks(ranks, where)
     check_block(block, version, where)
+    check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, where)
 
 
-def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive", version=None):
+def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive", version=None,
+            window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=0):
     """The one API: ring attention of full (B, H, N, D) arrays with `ranks` simulated ranks (threads).
 
     layout: "contiguous" or "zigzag"; block: "naive" (stage 00) or "flash" (stages 02/03); version: the block
-    kernel's version (stage 02/03 `version=`; None picks the fastest for the dtype).
-    Each thread runs ring_forward on its shard, exactly as an MPI rank would; the shards are gathered.
-    Inputs are checked here first, so an error quotes the caller's arrays, not a shard.
+    kernel's version (stage 02/03 `version=`; None picks the fastest for the dtype). k, v may have Hkv heads
+    (grouped-query); window and softcap as in stage 00; alibi_slopes and dropout_p are clear errors
+    (check_ring_options says why). Each thread runs ring_forward on its shard, exactly as an MPI rank would; the
+    shards are gathered. Inputs are checked here first, so an error quotes the caller's arrays, not a shard.
     """
     from .comm import simulate
 
-    _, _, _, nq, nk, D = check_attention_inputs(q, k, v, where="ring.forward")
-    _check_api(causal, scale, D, layout, ranks, block, version, "ring.forward")
+    _, _, _, nq, nk, D = check_attention_inputs(q, k, v, where="ring.forward", gqa=True)
+    _check_api(q, k, causal, scale, D, layout, ranks, block, version, "ring.forward", window, softcap, alibi_slopes,
+               dropout_p)
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
         return ring_forward(shard(q, r, P, layout), shard(k, r, P, layout), shard(v, r, P, layout), ring=ring,
                             nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, block=block,
-                            version=version)
+                            version=version, window=window, softcap=softcap)
 
     outs = simulate(rank_fn, ranks)
     return unshard([o for o, _ in outs], nq, layout), unshard([lse for _, lse in outs], nq, layout)
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive",
-             version=None):
+             version=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=0):
     """The one API's backward: ring_backward on `ranks` simulated ranks; returns full (dq, dk, dv).
     Inputs are checked here first, so an error quotes the caller's arrays, not a shard."""
     from .comm import simulate
 
-    _, _, _, nq, nk, D = check_backward_inputs(q, k, v, o, lse, do, where="ring.backward")
-    _check_api(causal, scale, D, layout, ranks, block, version, "ring.backward")
+    _, _, _, nq, nk, D = check_backward_inputs(q, k, v, o, lse, do, where="ring.backward", gqa=True)
+    _check_api(q, k, causal, scale, D, layout, ranks, block, version, "ring.backward", window, softcap,
+               alibi_slopes, dropout_p)
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
         cut = [shard(x, r, P, layout) for x in (q, k, v, o, lse, do)]
         return ring_backward(*cut, ring=ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout,
-                             block=block, version=version)
+                             block=block, version=version, window=window, softcap=softcap)
 
     outs = simulate(rank_fn, ranks)
     return tuple(unshard([g[i] for g in outs], n, layout) for i, n in enumerate((nq, nk, nk)))
-

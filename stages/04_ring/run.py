@@ -69,23 +69,32 @@ def parse(argv):
     ap.add_argument("--seq", type=positive_int, default=None,
                     help=f"total sequence length timed (default {SEQ}; 256 CPU / 4096 GPU with --quick)")
     ap.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
+    ap.add_argument("--kv-heads", type=positive_int, default=None,
+                    help="k, v heads Hkv (grouped-query attention; must divide --heads; default: the same as q)")
+    ap.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"), default=None,
+                    help="sliding window (left, right) around the diagonal, -1 unbounded: the ring skips the steps "
+                         "whose block no query sees")
+    ap.add_argument("--softcap", type=float, default=None, help="S -> c tanh(S / c)")
     ap.add_argument("--repeat", type=positive_int, default=REPEAT, help="timed repeats (median)")
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for scripts/run_all.py")
     return ap.parse_args(argv)
 
 
-def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, versions, xp):
+def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, versions, xp, Hkv=None, opts=None):
     """Every rank of `comm`: the ring forward, and the ring backward from the oracle's o and lse, at total length
-    n on fresh inputs; gathered to rank 0 and checked there exactly as stages.common.verify checks one device
-    (stages.common.verify.rule and check_outputs). Returns {name: (error, bound)}
+    n on fresh inputs (k, v with Hkv heads; opts: window, softcap); gathered to rank 0 and checked there exactly
+    as stages.common.verify checks one device (stages.common.verify.rule and check_outputs). Returns
+    {name: (error, bound)}
     on rank 0, None elsewhere; raises AssertionError on rank 0 when a result is out of tolerance."""
     rank, P = comm.Get_rank(), comm.Get_size()
     seed = comm.bcast(int(np.random.default_rng().integers(2**31)) if rank == 0 else None, root=0)
     q, k, v, do = make_inputs(B, H, n, n, D, dtype=dtype, seed=seed, grad=True)  # the same on every rank
-    rule = verify.rule(q, k, v, do, causal=causal) if rank == 0 else None  # oracle, bounds, backward start
+    k, v = k[:, :Hkv], v[:, :Hkv]  # grouped-query: Hkv heads
+    opts = opts or {}
+    rule = verify.rule(q, k, v, do, causal=causal, opts=opts) if rank == 0 else None  # oracle, bounds, start
     start = rule[2] if rank == 0 else None
     o_in, lse_in = comm.bcast(start, root=0)
-    kw = dict(ring=ring, nq=n, nk=n, causal=causal, layout=layout, block=block)
+    kw = dict(ring=ring, nq=n, nk=n, causal=causal, layout=layout, block=block, **opts)
     mine = [xp.asarray(R.shard(x, rank, P, layout)) for x in (q, k, v, do, o_in, lse_in)]  # (B, H, L, ...)
     o, lse = R.ring_forward(*mine[:3], version=versions[0], **kw)
     grads = R.ring_backward(*mine[:3], mine[4], mine[5], mine[3], version=versions[1], **kw)
@@ -141,19 +150,27 @@ def main(argv=None):
     n_check = args.check_seq if args.check_seq is not None else (256 if args.quick else CHECK_SEQ)
     n_time = args.seq if args.seq is not None else ((4096 if gpu else 256) if args.quick else SEQ[dev])
     causal, layout = not args.no_causal, args.layout
+    Hkv = args.kv_heads or H
+    if H % Hkv:
+        if rank == 0:
+            print(f"run.py: error: --kv-heads {Hkv} must divide --heads {H} (grouped-query attention: each k, v head "
+                  "serves H / Hkv query heads)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    opts = {key: val for key, val in (("window", tuple(args.window) if args.window else None),
+                                      ("softcap", args.softcap)) if val is not None}
     versions = _versions(block, dtype, D, args, rank)
     where = f"GPU {gpu_name()}" if gpu else "CPU"
     if rank == 0:
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
         print(f"   blocks {block}" + (f" (stage 02 version {versions[0]}, stage 03 version {versions[1]})"
                                       if block == "flash" else " (stage 00)")
-              + f", layout {layout}, causal={causal}, {np.dtype(dtype).name}, B={args.batch} H={H} D={D}, "
-              f"on {where} (rank 0)", flush=True)
+              + f", layout {layout}, causal={causal}, {np.dtype(dtype).name}, B={args.batch} H={H} Hkv={Hkv} D={D}"
+              + "".join(f", {key}={val}" for key, val in opts.items()) + f", on {where} (rank 0)", flush=True)
 
     # 1. check, before any timing
     try:
         errs = check_on_ranks(world, ring, B=args.batch, H=H, n=n_check, D=D, dtype=dtype, causal=causal,
-                              layout=layout, block=block, versions=versions, xp=xp)
+                              layout=layout, block=block, versions=versions, xp=xp, Hkv=Hkv, opts=opts)
         ok = True
         if rank == 0:
             print(f"check on the full sequence (N={n_check}) against the fp64 oracle (tolerance rule): "
@@ -169,24 +186,31 @@ def main(argv=None):
         print("All results match. Timing.", flush=True)
 
     # 2. time: the ring on every rank, then one device on the whole sequence (rank 0 alone)
-    kw_f = dict(ring=ring, nq=n_time, nk=n_time, causal=causal, layout=layout, block=block, version=versions[0])
+    kw_f = dict(ring=ring, nq=n_time, nk=n_time, causal=causal, layout=layout, block=block, version=versions[0],
+                **opts)
     kw_b = dict(kw_f, version=versions[1])
     shape = (args.batch, H, R.shard_len(n_time, P, layout), D)
-    rows = world.gather(_time(R.ring_forward, R.ring_backward, shape, dtype, xp, gpu, args.repeat, kw_f, kw_b),
+    if rank == 0:
+        plan = R.schedule(P, n_time, n_time, layout=layout, causal=causal, window=opts.get("window"),
+                          kv_shape=(args.batch, Hkv) + shape[2:], dtype=dtype)
+        print(f"ring schedule at N={n_time}: steps with work {plan['steps']} of {P}; K, V hops "
+              f"{plan['kv_hops']} x {plan['kv_bytes_per_hop'] / 2**20:.2f} MB (Hkv={Hkv} heads); backward dK, dV hops "
+              f"{plan['dkv_hops']} x {plan['dkv_bytes_per_hop'] / 2**20:.2f} MB (float32)", flush=True)
+    rows = world.gather(_time(R.ring_forward, R.ring_backward, shape, dtype, xp, gpu, args.repeat, kw_f, kw_b, Hkv),
                         root=0)
     if rank == 0:
         fwd, bwd = _one_device(block)
         vf, vb = ({"version": v} if block == "flash" else {} for v in versions)
-        single = _time(fwd, bwd, (args.batch, H, n_time, D), dtype, xp, gpu, args.repeat, dict(vf, causal=causal),
-                       dict(vb, causal=causal))
+        single = _time(fwd, bwd, (args.batch, H, n_time, D), dtype, xp, gpu, args.repeat,
+                       dict(vf, causal=causal, **opts), dict(vb, causal=causal, **opts), Hkv)
     comm_mod.quiet_barrier(world)  # the other ranks sleep while rank 0 times one device alone
     if rank == 0:
-        flops = attention_flops(args.batch, H, n_time, n_time, D, causal=causal)
+        flops = attention_flops(args.batch, H, n_time, n_time, D, causal=causal)  # (the window's skipped pairs too)
         print(f"\ntimed on {where}: total N={n_time} ({shape[2]} rows per rank), median of {args.repeat}")
         print(f"{'rank':>4} {'fwd ms':>9} {'bwd ms':>9} {'fwd compute/step':>17} {'fwd exposed/step':>17} "
               f"{'bwd compute/step':>17} {'bwd exposed/step':>17} {'peak MB':>9}")
         for r, row in enumerate(rows):
-            steps = [np.mean([t[key] for t in row[tl]]) for tl in ("tl_f", "tl_b")
+            steps = [np.mean([t[key] for t in row[tl]] or [0.0]) for tl in ("tl_f", "tl_b")
                      for key in ("compute_ms", "exposed_ms")]
             print(f"{r:>4} {row['fwd']:>9.2f} {row['bwd']:>9.2f} " + " ".join(f"{x:>14.2f} ms" for x in steps)
                   + f" {row['peak'] / 2**20:>9.1f}")
@@ -215,12 +239,14 @@ def _one_device(block):
     return naive.forward, naive.backward
 
 
-def _time(fwd, bwd, shape, dtype, xp, gpu, repeat, kw_f, kw_b):
-    """Peak memory and median times of fwd and bwd on fresh (B, H, L, D) inputs made on the device; with a ring
-    (kw_f has "ring"), also the per-step timeline."""
+def _time(fwd, bwd, shape, dtype, xp, gpu, repeat, kw_f, kw_b, Hkv):
+    """Peak memory and median times of fwd and bwd on fresh (B, H, L, D) inputs made on the device (k, v with Hkv
+    heads); with a ring (kw_f has "ring"), also the per-step timeline."""
     rng = xp.random.default_rng()
+    kv_shape = (shape[0], Hkv) + tuple(shape[2:])
     with PeakMemory(gpu) as mem:  # inputs included: the activations plus the kernels' (or ring's) buffers
-        q, k, v, do = (cast(rng.standard_normal(shape, dtype=np.float32), dtype) for _ in range(4))
+        q, do = (cast(rng.standard_normal(shape, dtype=np.float32), dtype) for _ in range(2))
+        k, v = (cast(rng.standard_normal(kv_shape, dtype=np.float32), dtype) for _ in range(2))
         o, lse = fwd(q, k, v, **kw_f)
         bwd(q, k, v, o, lse, do, **kw_b)
     out = dict(fwd=time_ms(lambda: fwd(q, k, v, **kw_f), gpu=gpu, warmup=1, repeat=repeat),

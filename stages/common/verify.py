@@ -68,19 +68,19 @@ def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None
     return {n: e for n, (e, _) in res.items()}
 
 
-def rule(q, k, v, do=None, *, causal=False, scale=None):
+def rule(q, k, v, do=None, *, causal=False, scale=None, opts=None):
     """Everything the rule needs for these inputs, computed once: (refs, bounds, start) where refs are the
     oracle's (o, lse[, dq, dk, dv]), bounds the matching bounds, and start = (o, lse) a backward under test
-    must start from (backward_start), or None without do."""
-    o64, lse64, *grads = tolerance.oracle(q, k, v, do, causal=causal, scale=scale)
-    bounds = tolerance.bounds((o64, lse64), tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale),
-                              tolerance.forward_s_terms(q, k, v, causal=causal, scale=scale))
+    must start from (backward_start), or None without do. opts: variant options, as check_forward takes them."""
+    kw = dict(causal=causal, scale=scale, **(opts or {}))
+    o64, lse64, *grads = tolerance.oracle(q, k, v, do, **kw)
+    bounds = tolerance.bounds((o64, lse64), tolerance.forward_yardsticks(q, k, v, **kw),
+                              tolerance.forward_s_terms(q, k, v, **kw))
     if do is None:
         return (o64, lse64), bounds, None
     o_in, lse_in = backward_start(q, o64, lse64)
-    bounds += tolerance.bounds(grads, tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal,
-                                                                    scale=scale),
-                               tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale))
+    bounds += tolerance.bounds(grads, tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, **kw),
+                               tolerance.backward_s_terms(q, k, v, o_in, do, **kw))
     return (o64, lse64, *grads), bounds, (o_in, lse_in)
 
 
