@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stages import flash_v2
-from stages.common import bfloat16, check_forward, make_inputs, variants
+from stages.common import bfloat16, cast, check_forward, make_inputs, variants
 from tests.conftest import DROPOUT_CASES, VARIANT_CASES, variant_inputs
 
 LOW = {"fp16": np.dtype(np.float16), "bf16": bfloat16}
@@ -89,6 +89,20 @@ def test_gpu_options_that_change_nothing_give_the_same_bits(causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dt", list(LOW))
+def test_gpu_float_output_with_options_is_the_unrounded_result(dt):
+    """out_dtype=float32 (a ring block's partial result) with window, softcap and ALiBi: the same float32 O the
+    16-bit output is rounded from (bit for bit once rounded), and the same lse."""
+    cp = _cupy()
+    (q, k, v), causal, opts = variant_inputs(VARIANT_CASES["all"], 64, LOW[dt], xp=cp)
+    o16, lse16 = flash_v2.forward(q, k, v, causal=causal, version="pipelined", **opts)
+    o32, lse32 = flash_v2.forward(q, k, v, causal=causal, version="pipelined", out_dtype=np.float32, **opts)
+    assert o32.dtype == np.float32 and o16.dtype == LOW[dt]
+    assert bool((cast(o32, LOW[dt]).view(cp.uint16) == o16.view(cp.uint16)).all())
+    assert bool((lse32 == lse16).all())
+
+
+@pytest.mark.gpu
 def test_gpu_options_the_kernels_do_not_take_are_clear_errors():
     cp = _cupy()
     q, k, v = make_inputs(1, 2, 64, 64, 64, dtype=np.float16, xp=cp)
@@ -96,8 +110,6 @@ def test_gpu_options_the_kernels_do_not_take_are_clear_errors():
         flash_v2.forward(q, k, v, version="tc", window=(8, 8))
     with pytest.raises(ValueError, match="dropout"):
         flash_v2.forward(q, k, v, version="pipelined", dropout_p=0.1)
-    with pytest.raises(ValueError, match="out_dtype"):
-        flash_v2.forward(q, k, v, version="pipelined", softcap=5.0, out_dtype=np.float32)
     o32, _ = flash_v2.forward(q, k[:, :1], v[:, :1], version="pipelined", out_dtype=np.float32)  # GQA: allowed
     assert o32.dtype == np.float32
     q32, k32, v32 = (x.astype(cp.float32) for x in (q, k, v))

@@ -127,7 +127,7 @@ def test_contiguous_causal_is_full_diagonal_or_skipped():
     assert ring.plan(q2, ring.positions(0, P, n, "contiguous"), n, n, True) == [full]  # before: full
     assert ring.plan(q2, ring.positions(2, P, n, "contiguous"), n, n, True) == [diag]  # same: diagonal
     assert ring.plan(q2, ring.positions(3, P, n, "contiguous"), n, n, True) == []  # after: skipped
-    assert diag.mask() == {"causal": True, "window": None} and full.mask() == {"causal": False, "window": None}
+    assert diag.mask() == {"causal": True} and full.mask() == {"causal": False}
 
 
 def test_a_window_is_a_band_of_calls_and_skips_far_blocks():

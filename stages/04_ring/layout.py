@@ -12,6 +12,7 @@ Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; a 
     plan(qpos, kpos, nq, nk, causal, window)  the kernel calls that cover exactly the visible (query, key) pairs
     steps(P, nq, nk, layout, causal, window)  the ring steps at which some rank has work (a window skips the rest)
 """
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -83,11 +84,12 @@ class BlockCall(NamedTuple):
     right: int = -1
 
     def mask(self):
-        """The call's mask as the kernels' options: {"causal": ..., "window": (left, right) or None}."""
+        """The call's mask as keyword options of the kernels: {"causal": ...}, plus "window": (left, right) only when
+        the call needs one (so a block kernel without windows serves every plain call)."""
         if self.left < 0 and self.right < 0:
-            return {"causal": False, "window": None}
+            return {"causal": False}
         if self.left < 0 and self.right == 0:
-            return {"causal": True, "window": None}
+            return {"causal": True}
         return {"causal": False, "window": (self.left, self.right)}
 
     def pairs(self):
@@ -167,7 +169,13 @@ def steps(P, nq, nk, layout, causal, window=None):
     """The ring steps s (rank r computes with the block of rank r - s) at which some rank has work, in order.
 
     Without a window every step has work. With a sliding window most blocks lie outside every query's window: the
-    ring skips those steps, their compute and their transfers (K, V go straight to the next step with work)."""
+    ring skips those steps, their compute and their transfers (K, V go straight to the next step with work).
+    Computed once per problem (P^2 interval searches), then remembered."""
+    return list(_steps(P, nq, nk, layout, bool(causal), None if window is None else tuple(window)))
+
+
+@functools.lru_cache(maxsize=256)
+def _steps(P, nq, nk, layout, causal, window):
     out = []
     for s in range(P):
         for r in range(P):
@@ -176,4 +184,4 @@ def steps(P, nq, nk, layout, causal, window=None):
             if (hi > lo).any():
                 out.append(s)
                 break
-    return out
+    return tuple(out)

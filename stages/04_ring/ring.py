@@ -196,6 +196,11 @@ class Call:
     softcap: object  # c or None
     todo: tuple  # the steps at which some rank has work
 
+    @property
+    def extra(self):
+        """The options every block call takes besides its mask: softcap when set (none for plain attention)."""
+        return {} if self.softcap is None else {"softcap": self.softcap}
+
     def calls(self, qpos, src, layout):
         """The kernel calls of this rank's queries against the block of rank src."""
         return plan(qpos, positions(src, self.P, self.nk, layout), self.nq, self.nk, self.causal, self.window)
@@ -327,7 +332,7 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
         t0 = mark()
         for c in call.calls(qpos, src, layout):
             o_b, lse_b = fwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m), scale=call.scale,
-                             softcap=call.softcap, version=version, **c.mask())  # O_rj, L_rj (B, H, b-a, [D])
+                             version=version, **c.mask(), **call.extra)  # O_rj, L_rj (B, H, b-a, [D])
             if seen[c.a:c.b].any():  # (a row not seen yet holds O = 0, L = -inf: the merge takes the new block)
                 merge(o_acc[:, :, c.a:c.b], lse_acc[:, :, c.a:c.b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
             else:  # first block these rows see: nothing to merge with
@@ -401,7 +406,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
         for c in call.calls(qpos, src, layout):
             dq_b, dk_b, dv_b = bwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m),
                                    _rows(o, c.a, c.b), _rows(lse, c.a, c.b), _rows(do, c.a, c.b), scale=call.scale,
-                                   softcap=call.softcap, version=version, **c.mask())
+                                   version=version, **c.mask(), **call.extra)
             _accumulate(dq_acc[:, :, c.a:c.b], dq_b)  # dQ_r += dS_rj K_j   (scale included)
             block_grads.append((c, dk_b, dv_b))
         t1 = mark()

@@ -2,8 +2,10 @@
 
 Same parameters (model.init_params, copied into torch), same layout of every weight (y = x W + b with W stored
 (in, out)), same data order (data.py's batches), same AdamW and the same learning-rate schedule and gradient
-clipping as train.py. Attention is torch's scaled_dot_product_attention ("sdpa"), or our stage 02/03 kernels
-through the autograd.Function of torch_attention.py ("ours"): the drop-in of a kernel into a PyTorch model.
+clipping as train.py. Attention is torch's scaled_dot_product_attention ("sdpa": the backend torch picks;
+"sdpa_math": its plain math backend, a second trusted implementation that sums in another order), or our stage
+02/03 kernels through the autograd.Function of torch_attention.py ("ours"): the drop-in of a kernel into a PyTorch
+model.
 Mixed precision (dtype "bfloat16"): torch.autocast, which keeps float32 weights and runs the matmuls and
 attention in bfloat16, LayerNorm and the loss in float32, as our layers do.
 """
@@ -39,9 +41,14 @@ def forward(p, cfg, tokens, targets, attention="sdpa", amp=False):
         h = F.layer_norm(x, (C,), w("ln1_w"), w("ln1_b"), eps=1e-5)
         qkv = h @ w("qkv_w") + w("qkv_b")  # (B, N, 3C)
         q, k, v = qkv.view(B, N, 3, H, D).unbind(2)  # each (B, N, H, D)
-        if attention == "sdpa":
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True).transpose(1, 2)  # (B, N, H, D)
+        if attention in ("sdpa", "sdpa_math"):
+            import contextlib
+
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.MATH]) if attention == "sdpa_math" else contextlib.nullcontext():
+                a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=True).transpose(1, 2)  # (B, N, H, D)
         else:
             from .torch_attention import flash_attention
 
