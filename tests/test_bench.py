@@ -195,8 +195,9 @@ def test_generator_check_mode_catches_a_stale_readme(tmp_path):
     import shutil
 
     shutil.copytree(ROOT / "results", tmp_path / "results")
-    (tmp_path / "stages" / "04_ring").mkdir(parents=True)
-    shutil.copy(ROOT / "stages" / "04_ring" / "README.md", tmp_path / "stages" / "04_ring" / "README.md")
+    for stage in ("04_ring", "05_train_gpt"):  # the stage READMEs with generated tables
+        (tmp_path / "stages" / stage).mkdir(parents=True)
+        shutil.copy(ROOT / "stages" / stage / "README.md", tmp_path / "stages" / stage / "README.md")
     text = (ROOT / "README.md").read_text()
     begin, end = report.MARKERS["results"]
     inside = text.split(begin, 1)[1].split(end, 1)[0]
