@@ -239,13 +239,7 @@ def _fp32_forward(q, k, v, *, causal, scale, config=None):
     """Launch kernels/flash_v2_forward_fp32.cu on CuPy float32 arrays (already checked).
     config: an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) to override the device's choice
     (scripts/sweep_flash_v2.py)."""
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    dev = device.device()
-    config = None if config is None else tuple(config)
-    launch = kernels.planned(_PLANS, (B, H, Nq, Nk, D, causal, scale, config, dev),
-                             lambda: _fp32_plan(B, H, Nq, Nk, D, causal, scale, config, dev))
-    return kernels.run_forward(launch, q, k, v, np.float32)
+    return kernels.planned_forward(_PLANS, _fp32_plan, q, k, v, causal=causal, scale=scale, config=config)
 
 
 # Head dims CI compiles the fp32 kernel at: each candidate configuration's range, odd dims, non-multiples of 4.

@@ -120,10 +120,4 @@ def _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev):
 def forward(q, k, v, *, causal=False, scale, cfg=None):
     """o (B, H, Nq, D) float32 and lse (B, H, Nq) float32 for CuPy float32 q, k, v already validated by
     flash_v2.forward; scale is a float. cfg: a Config to override the device's choice (tuning runs)."""
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    dev = device.device()
-    cfg = None if cfg is None else tuple(cfg)
-    launch = kernels.planned(_PLANS, (B, H, Nq, Nk, D, causal, scale, cfg, dev),
-                             lambda: _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev))
-    return kernels.run_forward(launch, q, k, v, np.float32)
+    return kernels.planned_forward(_PLANS, _plan, q, k, v, causal=causal, scale=scale, config=cfg)

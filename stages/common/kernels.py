@@ -88,6 +88,21 @@ def planned(cache, key, build):
     return plan
 
 
+def planned_forward(cache, make_plan, q, k, v, *, causal, scale, config=None):
+    """o, lse (float32) of a float32 forward kernel whose launch depends on (B, H, Nq, Nk, D, causal, scale,
+    config, device): the plan made once per key by make_plan(B, H, Nq, Nk, D, causal, scale, config, dev), then
+    run_forward. config: a tuple overriding the device's choice (tuning runs), or None."""
+    from . import device
+
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dev = device.device()
+    config = None if config is None else tuple(config)
+    launch = planned(cache, (B, H, Nq, Nk, D, causal, scale, config, dev),
+                     lambda: make_plan(B, H, Nq, Nk, D, causal, scale, config, dev))
+    return run_forward(launch, q, k, v, np.float32)
+
+
 def run_forward(launch, q, k, v, odtype, *extra):
     """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
     (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
