@@ -128,7 +128,7 @@ __host__ __device__ constexpr int smem_bytes_main() {
     return 2 * (2 * Bc * (HD + 8) + 2 * 2 * Br * (HD + 8) + 2 * Bc * (Br + 8)) + 4 * 2 * 2 * Br;
 }
 
-// Q, dO: (BH, Nq, HD); K, V, dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
+// Q, dO: (BH, Nq, HD); K, V: (BH / group, Nk, HD); dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
 // +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed. grid = (BH, ceil(Nk / Bc)) or, with j_fast,
 // (ceil(Nk / Bc), BH); 2 * Bc threads.
 // A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T, P^T, dS^T of one chunk live in
@@ -137,14 +137,15 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // VAR, the variants (stages/common/variants.py): a window (left, right) around the diagonal (-1: unbounded): the
 // block visits only the Q tiles with a row that sees a key of K_j; the scores x = scale S_ij capped (softcap c > 0:
 // x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off - kv|, slopes one float per
-// (batch, head), or null). Grouped-query k, v are expanded by the launcher.
+// (batch, head), or null). Grouped-query k, v (VAR): K, V have H / group heads and query head h reads kv head
+// h / group; dK, dV are still written per query head (float), and the launcher sums each group's heads.
 template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG,
           int BRC, bool VAR = false>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
     TO* __restrict__ dK, TO* __restrict__ dV, const float* __restrict__ slopes, int Nq, int Nk, int Nq_pad,
-    float scale, int causal, int j_fast, int left, int right, float softcap) {
+    float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
     constexpr int LDS = Br + 8;  // row stride of dS^T
@@ -169,7 +170,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const long bh = j_fast ? blockIdx.y : blockIdx.x;
     const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
     Q += bh * Nq * HD; dO += bh * Nq * HD; dQacc += bh * Nq * HD;
-    K += bh * Nk * HD; V += bh * Nk * HD; dK += bh * Nk * HD; dV += bh * Nk * HD;
+    const long kvh = VAR ? (bh / H) * (H / group) + (bh % H) / group : bh;  // the kv head query head bh reads
+    K += kvh * Nk * HD; V += kvh * Nk * HD; dK += bh * Nk * HD; dV += bh * Nk * HD;
     L2g += bh * Nq_pad; Dg += bh * Nq_pad;
 
     int Tr = (Nq + Br - 1) / Br;  // the loop's end: Q tiles i_begin <= i < Tr

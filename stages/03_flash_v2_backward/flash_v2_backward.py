@@ -239,8 +239,10 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     else:
         bc, j_fast = bc or TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
+        group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         main = kernels.Launch(fn, (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc)), (2 * bc,), smem_main,
-                              args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0)))
+                              args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0), i32(H),
+                                      i32(group)))
     if deterministic:  # the separate dQ pass, no atomics
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
@@ -265,8 +267,6 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
            dev, key_opts)
     plan = kernels.planned(_PLANS, key, lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale,
                                                       deterministic, tc_config, dev, key_opts))
-    if opts is not None and opts.group > 1:  # grouped-query: each query head's block reads its kv head's copy
-        k, v = (cupy.repeat(x, opts.group, axis=1) for x in (k, v))
     q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
     Dvec = cupy.empty((B * H, plan.nq_pad), np.float32)  # D_i = rowsum(dO_i * O_i)
@@ -276,7 +276,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     plan.pre(o, do, lse, Dvec, Lvec, dq_acc)
     _mark(profile, "preprocess+zero")
     gdtype = odtype if opts is None else np.dtype(np.float32)  # the variants' dK, dV: float, summed per group
-    dk, dv = empty(cupy, k.shape, gdtype), empty(cupy, v.shape, gdtype)
+    dk, dv = empty(cupy, (B, H, Nk, D), gdtype), empty(cupy, (B, H, Nk, D), gdtype)  # per query head: summed below
     slopes = NULL
     if opts is not None and opts.alibi_slopes is not None:
         slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
