@@ -54,7 +54,9 @@ kinds of proof are accepted, and nothing else:
       mistake's effect is, for every output, at most REACH times the rule's whole bound (its slack included) plus
       half an ulp of the output's dtype. With one key, scale x 1.05 moves lse by 5% of S and dv by 5% of S times
       dO (P = exp(1.05 S - L) = exp(0.05 S)): on a draw where |S| is small, the move is within the bound's 1e-5
-      slack (lse) or within the 16-bit rounding of P, which puts P back to exactly 1 (dv). On every other draw the
+      slack (lse) or within the 16-bit rounding of P, which puts P back to exactly 1 (dv). Under the causal mask at
+      Nk = 64 t + 1 keys, dropping the last tile drops the single key Nk - 1, which only the last query sees: every
+      output moves by that one weight, about 1 / Nk, less on draws where its score is low. On every other draw the
       check must catch it.
 A miss is reported with the bounds, the mistake's effect in float64 and the rounding terms.
 
@@ -178,6 +180,9 @@ VANISHES = {
     ("reads o x 1.1", "one key"): _ONE_KEY_D + "0.1 D plus the 16-bit rounding of 1.1 o summed over d terms, which "
                                   "cancel on draws where D is small (D is a sum of 64 products of either sign)",
     ("reads o = 0", "one key"): _ONE_KEY_D + "D itself, as small as a draw makes it",
+    ("last key tile dropped", "causal, last tile of one key"): "the last tile is the single key Nk - 1, and under "
+        "the causal mask only the last query sees it: o, lse and dq of that one row and the key's own dk, dv move by "
+        "its weight P = exp(S - L), about 1 / Nk, and by less on draws where S is below the row's typical score",
 }
 
 CONDITIONS = {
@@ -185,6 +190,7 @@ CONDITIONS = {
     "one key": lambda Nq, Nk, causal: Nk == 1,
     "Nq = Nk = 1, causal": lambda Nq, Nk, causal: causal and Nq == 1 and Nk == 1,
     "not causal": lambda Nq, Nk, causal: not causal,
+    "causal, last tile of one key": lambda Nq, Nk, causal: causal and Nk > TILE and Nk % TILE == 1,
 }
 CANNOT_SHOW = {
     ("o row swapped", "one query"): "o has a single row: there is no other row to swap it with",
