@@ -16,8 +16,11 @@ softmax restricted to block j, so each block's backward gives exact partial dQ_r
 dQ_r stays home; dK_j, dV_j are accumulators that travel WITH K_j, V_j (one step behind) and
 arrive back at rank j after P steps.
 
-Causal across shards, the layouts (contiguous, zigzag), padding to any length and `plan` (which
-kernel calls cover exactly the visible (query, key) pairs) live in layout.py.
+Causal across shards, sliding windows, the layouts (contiguous, zigzag), padding to any length, `plan` (which
+kernel calls cover exactly the visible (query, key) pairs) and `steps` (the steps at which some rank has work) live
+in layout.py. With a window most steps have no work: the loops above run over `steps` only, K_j, V_j hop straight
+to the next such step, and dK_j, dV_j go home in one hop after the last. Grouped-query K, V travel with their own
+Hkv heads.
 
 The communication (comm.py) and the block kernels (BLOCKS) are pluggable; this file holds the
 schedule and the merge. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
