@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from stages.common import variants
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -94,11 +96,8 @@ class BlockCall(NamedTuple):
 
     def pairs(self):
         """How many (query, key) pairs the call computes."""
-        rows, keys = self.b - self.a, self.m - self.c
-        i = np.arange(rows)[:, None]
-        j = np.arange(keys)[None, :]
-        d = j - (i + keys - rows)
-        return int((((self.left < 0) | (d >= -self.left)) & ((self.right < 0) | (d <= self.right))).sum())
+        opts = variants.Options(left=self.left, right=self.right)  # the kernel's own mask on its sub-problem
+        return int(variants.visible(self.b - self.a, self.m - self.c, opts).sum())
 
 
 def visible_range(qpos, kpos, nq, nk, causal, window=None):
