@@ -36,6 +36,7 @@
 // Run: python stages/03_flash_v2_backward/run.py --version tc --dtype bf16   (tests: pytest
 //      tests/test_03_flash_v2_backward.py; timings beside PyTorch: python scripts/bench.py --direction bwd)
 #include "common.cuh"
+#include "dropout.cuh"
 
 // Copy a tile of `ROWS` rows x HD 16-bit values (rows row0.. of a (N, HD) matrix) to shared memory with row
 // stride LD, 16 bytes per cp.async; rows >= N are zero-filled (their source address is clamped to row 0).
@@ -139,13 +140,18 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off - kv|, slopes one float per
 // (batch, head), or null). Grouped-query k, v (VAR): K, V have H / group heads and query head h reads kv head
 // h / group; dK, dV are still written per query head (float), and the launcher sums each group's heads.
+// DROP (with VAR), dropout (dropout.cuh; an instantiation of its own, so the other variants carry none of its
+// registers): the forward's Z_ij regenerated from the seed; dV_j += (P_ij Z_ij)^T dO_i and dP_ij -> Z_ij dP_ij /
+// (1 - p) (the gradient through P~ = P Z / (1 - p)); D_i = rowsum(dO_i O_i) is unchanged, and dV_j is scaled by
+// rp = 1 / (1 - p) once, at the end.
 template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG,
-          int BRC, bool VAR = false>
+          int BRC, bool VAR = false, bool DROP = false>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
     TO* __restrict__ dK, TO* __restrict__ dV, const float* __restrict__ slopes, int Nq, int Nk, int Nq_pad,
-    float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group) {
+    float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, unsigned int keep,
+    float rp, unsigned int seed_lo, unsigned int seed_hi) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
     constexpr int LDS = Br + 8;  // row stride of dS^T
@@ -264,9 +270,21 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                 need_mask = (j * Bc + Bc > Nk) || (right >= 0 && q0 + off + right < j * Bc + Bc - 1) ||
                             (left >= 0 && j * Bc < q0 + BRC - 1 + off - left);
             u32 pa[BRC / 16][4], dsa[BRC / 16][4];
+            u32 zb = 0u;  // DROP: the keep bits of n-tiles n, n + 1 (n even), bit 2 o + x = output o of the Philox
+                          // call for query column x (one register, not the eight draws)
 #pragma unroll
             for (int n = 0; n < NS; ++n) {
                 float p[4], ds[4];
+                if (DROP && n % 2 == 0) {  // queries q0 + 8 n + 2t + x (+8), keys 16 w + g (+8) of K_j
+                    const Dropout drop{keep, seed_lo, seed_hi, rp};
+                    zb = 0u;
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const uint4 u = dropout_draws(drop, q0 + 8 * n + 2 * t + x, j * Bc + 16 * warp + g, bh);
+                        zb |= (u32)(u.x < keep) << x | (u32)(u.y < keep) << (2 + x) | (u32)(u.z < keep) << (4 + x) |
+                              (u32)(u.w < keep) << (6 + x);
+                    }
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int ql = n * 8 + 2 * t + (e % 2);  // local query column
@@ -282,8 +300,16 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                             dcap = 1.f - th * th;
                         }
                         x -= slope * (float)abs(diag - kv);
-                        p[e] = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
-                        ds[e] = p[e] * (dp[n][e] - Db[ql]) * dcap;
+                        const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
+                        float dpe = dp[n][e];
+                        p[e] = pe;
+                        if constexpr (DROP) {  // Z_ij for (query q, key kv): S^T entry e of n-tile n is output
+                            // o = 2 (n % 2) + e / 2 of the call for column x = e % 2 (dropout.cuh's order)
+                            const bool kept = (zb >> (2 * (2 * (n % 2) + e / 2) + e % 2)) & 1u;
+                            dpe = kept ? dpe * rp : 0.f;  // dP Z / (1 - p)
+                            p[e] = kept ? pe : 0.f;       // P Z: the operand of dV_j (rp at the end)
+                        }
+                        ds[e] = pe * (dpe - Db[ql]) * dcap;
                     } else {
                         const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q0 + ql + off));
                         p_and_ds(p[e], ds[e], s[n][e], dp[n][e], Lb[ql], Db[ql], scale, visible);
@@ -338,7 +364,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 const long idx = (long)kv * HD + n * 8 + 2 * t;
-                store2(dV + idx, dv[n][2 * h], dv[n][2 * h + 1]);
+                store2(dV + idx, (DROP ? rp : 1.f) * dv[n][2 * h], (DROP ? rp : 1.f) * dv[n][2 * h + 1]);
                 store2(dK + idx, scale * dk[n][2 * h], scale * dk[n][2 * h + 1]);
             }
         }

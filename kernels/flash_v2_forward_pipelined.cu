@@ -35,6 +35,7 @@
 // Run: python stages/02_flash_v2/run.py --version pipelined   (tests: pytest tests/test_02_flash_v2.py;
 //      timings beside PyTorch: python scripts/bench.py --direction fwd)
 #include "attention_tiles.cuh"
+#include "dropout.cuh"
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16. D: head dim (multiple of 16);
 // BC: keys per K/V tile (Bc); NWARPS warps, each owning MT m-tiles of 16 rows, so Br = 16 * MT * NWARPS;
@@ -45,13 +46,15 @@
 // h / group. VAR, the variants (stages/common/variants.py): a window (left, right) around the diagonal (-1:
 // unbounded; causal is (-1, 0)) whose tiles outside are never visited, and the scores in natural units first
 // (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off), ALiBi x -> x - slope
-// |r + shift - c| (slopes: one float per (batch, head), or null).
+// |r + shift - c| (slopes: one float per (batch, head), or null); dropout (keep != 0, dropout.cuh): P~_ij is zeroed
+// where Z_ij = 0 before P~_ij V_j (l_i, and so the lse, keeps every P~_ij) and O_i is scaled by rp = 1 / (1 - p).
 template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, bool VAR>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes, int Nq,
                            int Nk, float scale_log2, int causal, int HG, int H, int group, int left, int right,
-                           float scale, float softcap) {
+                           float scale, float softcap, unsigned int keep, float rp, unsigned int seed_lo,
+                           unsigned int seed_hi) {
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
     constexpr int LD = D + 8;             // padded row (elements): +16 B puts consecutive rows in new banks
@@ -244,6 +247,26 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                         l_i[m][h] = l_i[m][h] * alpha[h] + rs;  // the quad's 4 partial sums add up at the end
                     }
                 }
+                // Dropout: P~_ij Z_ij. Rows r = first + 16 m + g (+8), keys col0 + 16 kk + 2t + e (+8): the four
+                // draws of one Philox call are exactly entries e and 2 + e of n-tiles 2kk and 2kk + 1.
+                if constexpr (VAR) {
+                    if (keep != 0u) {
+                        const Dropout drop{keep, seed_lo, seed_hi, rp};
+#pragma unroll
+                        for (int m = 0; m < MT; ++m)
+#pragma unroll
+                            for (int kk = 0; kk < SUB / 16; ++kk)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e) {
+                                    const uint4 u = dropout_draws(drop, row0 + wrow + 16 * m + g,
+                                                                  col0 + 16 * kk + 2 * t + e, bh);
+                                    if (u.x >= keep) s[m][2 * kk][e] = 0.f;          // (r, c)
+                                    if (u.y >= keep) s[m][2 * kk + 1][e] = 0.f;      // (r, c + 8)
+                                    if (u.z >= keep) s[m][2 * kk][2 + e] = 0.f;      // (r + 8, c)
+                                    if (u.w >= keep) s[m][2 * kk + 1][2 + e] = 0.f;  // (r + 8, c + 8)
+                                }
+                    }
+                }
                 // Alg.1 L10 (second half): O_i += P_ij V_j.
 #pragma unroll
                 for (int kk = 0; kk < SUB / 16; ++kk) {  // keys 16kk..16kk+15
@@ -293,7 +316,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float l;
-            const float inv_l = inverse_row_sum(l_i[m][h], l);  // fully masked row: O = 0
+            // fully masked row: O = 0; dropout: the kept probabilities' 1 / (1 - p), once (rp = 1 without dropout)
+            const float inv_l = inverse_row_sum(l_i[m][h], l) * (VAR ? rp : 1.f);
             const int rl = m * 16 + g + 8 * h;            // row inside the warp's rows
             // Alg.1 L13, natural log: m_i is in base 2. The product in fp64: with huge logits m_i is ~1e4 and an
             // fp32 product would add its own rounding (~1e-3) to the lse.

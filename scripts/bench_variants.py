@@ -10,8 +10,10 @@ Rows (bf16, B = 1, causal unless named):
                      to our own plain non-causal forward
     gqa H/Hkv        grouped-query k and v (H = 2 x heads, Hkv = H / 4), against our plain forward with H heads of
                      k and v (the same FLOPs; GQA reads a quarter of the K/V bytes)
-Backward rows (bwd): ours (stage 03, version 'tc') against FlexAttention's backward (the same mask / score_mod), and
-grouped-query against our plain backward.
+    dropout p        causal, dropout_p = p, against SDPA's flash backend with the same dropout_p (its own Philox
+                     mask, so no output difference is reported) and against our plain causal forward
+Backward rows (bwd): ours (stage 03, version 'tc') against FlexAttention's backward (the same mask / score_mod),
+grouped-query against our plain backward, dropout against SDPA flash's backward with dropout and our plain one.
 Before timing, each variant of ours is checked by the tolerance rule against the fp64 oracle on a small problem with
 the same options (N = 1024, 2 heads). At full size the CSV reports the max difference from PyTorch's output, and for
 the windows the max difference of ours and of FlexAttention from stage 00 in float32 on the GPU (one head).
@@ -47,6 +49,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--windows", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--softcap", type=float, default=30.0)
+    ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--target-ms", type=float, default=300.0)
     args = ap.parse_args(argv)
     cupy, torch = bench._environment()
@@ -169,6 +172,25 @@ def main(argv=None):
         f"{float(cupy.abs(f().astype(cupy.float32) - ours(q2, kr, vr, True)().astype(cupy.float32)).max()):.3e}")
     add(f"gqa {Hq}/{Hq // 4} bwd", timed(ours_bwd(q2, k2, v2, True), clock_c), f"ours plain bwd H={Hq}",
         timed(ours_bwd(q2, kr, vr, True), clock_c))
+
+    # dropout, causal: against SDPA flash with the same dropout_p, and against our plain causal forward / backward
+    p = args.dropout
+    gate({"dropout_p": p, "seed": 3}, True)
+
+    def sdpa_drop():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale,
+                                                                    dropout_p=p)
+
+    f = ours(q, k, v, True, dropout_p=p, seed=3)
+    ms_drop = timed(f, clock_c)
+    add(f"dropout {p:g}", ms_drop, "sdpa flash dropout", timed(sdpa_drop, clock_t))
+    add(f"dropout {p:g}", ms_drop, "ours plain causal", plain_causal)
+    ms_drop_b = timed(ours_bwd(q, k, v, True, dropout_p=p, seed=3), clock_c)
+    add(f"dropout {p:g} bwd", ms_drop_b, "sdpa flash dropout bwd", timed(torch_bwd(sdpa_drop), clock_t))
+    for t in (tq, tk, tv):
+        t.requires_grad_(False)
+    add(f"dropout {p:g} bwd", ms_drop_b, "ours plain causal bwd", timed(ours_bwd(q, k, v, True), clock_c))
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_variants.csv")

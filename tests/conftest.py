@@ -46,7 +46,7 @@ def case_inputs(case, dtype=np.float32, xp=np, D=None, grad=True):
 
 # The variants' case list (stages/common/variants.py): (B, H, Hkv, Nq, Nk, causal, options). Shapes that are not tile
 # multiples, Nq != Nk both ways, grouped-query k/v, windows narrower and wider than a tile, rows with no visible key
-# (window (0, 0) with Nq > Nk), softcap, ALiBi, all at once. DROPOUT_CASES: the same with dropout (mirrors only).
+# (window (0, 0) with Nq > Nk), softcap, ALiBi, all at once. DROPOUT_CASES: dropout alone and with all the rest.
 VARIANT_CASES = {
     "gqa": (2, 4, 1, 100, 77, True, {}),
     "window": (1, 2, 2, 300, 300, False, {"window": (70, 30)}),

@@ -3,9 +3,10 @@ dropout.
 
 CPU (CI): every version's tile mirror against the fp64 oracle by the tolerance rule with each option, and the
 window's tile skipping (only the band of tiles that holds a visible key is visited). GPU (marker gpu): version
-'pipelined' with grouped-query k/v, window, softcap and ALiBi over a case list in float16 and bfloat16, inputs x1
-and x100, every head dim; the plain path unchanged by the options' plumbing; what the GPU does not take (dropout,
-other versions) is a clear error."""
+'pipelined' with grouped-query k/v, window, softcap, ALiBi and dropout over a case list in float16 and bfloat16,
+inputs x1 and x100, every head dim; dropout's mask read back from the kernel equal to the numpy definition bit for
+bit, and a function of the seed only; the plain path unchanged by the options' plumbing; what the GPU does not take
+(other versions) is a clear error."""
 import numpy as np
 import pytest
 
@@ -70,6 +71,57 @@ def test_gpu_pipelined_with_options_against_oracle(name, D, dt, x):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
+@pytest.mark.parametrize("dt", list(LOW))
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", list(DROPOUT_CASES))
+def test_gpu_pipelined_with_dropout_against_oracle(name, D, dt, x):
+    q, k, v, causal, opts = _inputs(DROPOUT_CASES[name], D, LOW[dt], scale=x, xp=_cupy())
+    check_forward(flash_v2.forward, q, k, v, causal=causal, opts=opts, version="pipelined")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_dropout_draws_the_definitions_bits(causal):
+    """q = k = 0 makes P uniform over the visible keys and V = I (Nk = D = 128) puts P~_ij Z_ij / (1 - p) in o_ij:
+    the kernel's mask, read back from o, equals variants.dropout_keep at every visible (i, j) of several heads,
+    Q tiles and K/V tiles, for two seeds (one above 2^32: both key words)."""
+    cp = _cupy()
+    B, H, Nq, D, p = 2, 3, 200, 128, 0.25
+    q = cp.zeros((B, H, Nq, D), bfloat16)
+    k = cp.zeros((B, H, D, D), bfloat16)
+    v = cast(cp.broadcast_to(cp.eye(D, dtype=cp.float32), (B, H, D, D)), bfloat16)
+    for seed in (7, 3 * 2**32 + 11):
+        o, _ = flash_v2.forward(q, k, v, causal=causal, version="pipelined", dropout_p=p, seed=seed)
+        o = cast(o, np.float32).get()
+        vis = variants.visible(Nq, D, variants.check(np.zeros((1, 1, Nq, 1)), np.zeros((1, 1, D, 1)), causal=causal))
+        n_vis = vis.sum(axis=1)[None, None, :, None]  # keys each row sees: P = 1 / n_vis
+        z = o * (1 - p) * np.maximum(n_vis, 1)
+        assert np.all((np.abs(z) < 1e-3) | (np.abs(z - 1) < 1e-2)), "o is not a 0/1 mask times 1 / ((1 - p) n)"
+        want = variants.dropout_keep(B, H, Nq, D, p, seed)
+        got = z > 0.5
+        assert np.array_equal(got & vis, want & vis), f"seed {seed}: {int(((got ^ want) & vis).sum())} bits differ"
+        assert not got[..., ~vis].any()  # masked keys stay 0
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_is_a_function_of_the_seed():
+    """Same seed, same o bit for bit (also after other seeds went through the same launch plan); another seed, another
+    o; p = 0 is plain attention bit for bit."""
+    cp = _cupy()
+    q, k, v = make_inputs(1, 4, 300, 300, 64, dtype=bfloat16, xp=cp)
+
+    def run(**kw):
+        return flash_v2.forward(q, k, v, causal=True, version="pipelined", **kw)[0].view(cp.uint16)
+
+    a = run(dropout_p=0.1, seed=1)
+    b = run(dropout_p=0.1, seed=2)
+    assert not bool((a == b).all())
+    assert bool((run(dropout_p=0.1, seed=1) == a).all())
+    assert bool((run(dropout_p=0.0, seed=1) == run()).all())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_options_that_change_nothing_give_the_same_bits(causal):
     """window (-1, -1), Hkv = H by repeated heads, zero ALiBi slopes: the same o as plain attention, bit for bit
@@ -108,8 +160,10 @@ def test_gpu_options_the_kernels_do_not_take_are_clear_errors():
     q, k, v = make_inputs(1, 2, 64, 64, 64, dtype=np.float16, xp=cp)
     with pytest.raises(ValueError, match="pipelined"):
         flash_v2.forward(q, k, v, version="tc", window=(8, 8))
-    with pytest.raises(ValueError, match="dropout"):
-        flash_v2.forward(q, k, v, version="pipelined", dropout_p=0.1)
+    with pytest.raises(ValueError, match="pipelined"):
+        flash_v2.forward(q, k, v, version="tc", dropout_p=0.1)
+    with pytest.raises(ValueError, match="keeps no probability"):
+        flash_v2.forward(q, k, v, version="pipelined", dropout_p=1 - 2.0**-40)
     o32, _ = flash_v2.forward(q, k[:, :1], v[:, :1], version="pipelined", out_dtype=np.float32)  # GQA: allowed
     assert o32.dtype == np.float32
     q32, k32, v32 = (x.astype(cp.float32) for x in (q, k, v))

@@ -1,7 +1,8 @@
 """Stage 03 with the variants (stages/common/variants.py): grouped-query k and v, sliding window, softcap, ALiBi and
 dropout. CPU: the tile mirror against the fp64 oracle by the tolerance rule (the oracle gets the same options), the
-window's Q-tile range per K/V tile, and wrong variant backwards caught. GPU: version 'tc' with every option but
-dropout, float16 and bfloat16, d = 64 and 128, inputs x1 and x100; what it does not take is a clear error."""
+window's Q-tile range per K/V tile, and wrong variant backwards caught. GPU: version 'tc' with every option,
+dropout included, float16 and bfloat16, d = 64 and 128, inputs x1 and x100; the backward's regenerated dropout mask
+equal to the definition bit for bit; what it does not take is a clear error."""
 import numpy as np
 import pytest
 
@@ -45,13 +46,40 @@ def test_window_q_tile_range_covers_exactly_the_visible_rows(Nq, Nk, window, cau
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("name", list(VARIANT_CASES))
+@pytest.mark.parametrize("name", list(OPTIONS))
 def test_gpu_tc_backward_with_options_against_oracle(name, D, dt, x):
     import cupy as cp
 
-    q, k, v, do, causal, opts = _inputs(VARIANT_CASES[name], D, {"fp16": np.float16, "bf16": bfloat16}[dt], scale=x,
+    q, k, v, do, causal, opts = _inputs(OPTIONS[name], D, {"fp16": np.float16, "bf16": bfloat16}[dt], scale=x,
                                         xp=cp)
     check_backward(fb.backward, q, k, v, do, causal=causal, opts=opts, version="tc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_backward_regenerates_the_definitions_dropout_bits(causal):
+    """q = k = 0 (P uniform over the visible keys) and dO = I (Nq = D = 128): dV = (P Z)^T dO / (1 - p) puts
+    Z_ij / ((1 - p) n_i) in dV_ji, so the mask the backward regenerated is read back from dV and equals
+    variants.dropout_keep at every visible (i, j), for two seeds."""
+    import cupy as cp
+
+    from stages.common import cast
+
+    B, H, Nk, D, p = 2, 3, 200, 128, 0.25
+    q = cp.zeros((B, H, D, D), bfloat16)
+    k = cp.zeros((B, H, Nk, D), bfloat16)
+    v = cast(cp.asarray(make_inputs(B, H, D, Nk, D, dtype=np.float32)[2]), bfloat16)
+    do = cast(cp.broadcast_to(cp.eye(D, dtype=cp.float32), (B, H, D, D)), bfloat16)
+    vis = variants.visible(D, Nk, variants.check(np.zeros((1, 1, D, 1)), np.zeros((1, 1, Nk, 1)), causal=causal))
+    n_vis = np.maximum(vis.sum(axis=1), 1)
+    for seed in (7, 3 * 2**32 + 11):
+        o, lse = fb.forward(q, k, v, causal=causal, dropout_p=p, seed=seed)
+        _, _, dv = fb.backward(q, k, v, o, lse, do, causal=causal, dropout_p=p, seed=seed)
+        z = np.swapaxes(cast(dv, np.float32).get(), -1, -2) * (1 - p) * n_vis[None, None, :, None]  # (B, H, D, Nk)
+        assert np.all((np.abs(z) < 1e-3) | (np.abs(z - 1) < 1e-2)), "dV is not a 0/1 mask times 1 / ((1 - p) n)"
+        want = variants.dropout_keep(B, H, D, Nk, p, seed)
+        got = z > 0.5
+        assert np.array_equal(got & vis, want & vis), f"seed {seed}: {int(((got ^ want) & vis).sum())} bits differ"
 
 
 @pytest.mark.gpu
@@ -62,8 +90,8 @@ def test_gpu_backward_variants_it_does_not_take_are_a_clear_error():
     o, lse = cp.zeros_like(q), cp.zeros((1, 2, 64), cp.float32)
     with pytest.raises(ValueError, match="deterministic=False"):
         fb.backward(q, k, v, o, lse, do, window=(8, 8), deterministic=True)
-    with pytest.raises(ValueError, match="dropout"):
-        fb.backward(q, k, v, o, lse, do, dropout_p=0.1)
+    with pytest.raises(ValueError, match="deterministic=False"):
+        fb.backward(q, k, v, o, lse, do, dropout_p=0.1, deterministic=True)
     q32, k32, v32, o32, do32 = (x.astype(cp.float32) for x in (q, k, v, o, do))
     with pytest.raises(ValueError, match="version 'tc'"):
         fb.backward(q32, k32[:, :1], v32[:, :1], o32, lse, do32)

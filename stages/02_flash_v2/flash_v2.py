@@ -183,7 +183,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     of the device's choice (scripts/sweep_flash_v2.py times several); None: the device's choice.
     Variants (stages/common/variants.py): k, v with fewer heads (grouped-query), window=(left, right),
     alibi_slopes, softcap, dropout_p with seed. The mirrors take them all; on the GPU version 'pipelined' takes
-    grouped-query k and v, window, softcap and ALiBi."""
+    them all too (dropout draws the same bits as the mirrors: same seed, same o, bit for bit)."""
     where = "flash_v2.forward"
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where=where, gqa=True)
     causal = check_causal(causal, where)
@@ -204,11 +204,10 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
         return mirror.forward(q, k, v, causal=causal, scale=scale, br=br, bc=bc, tf32x3=version == "fp32x3",
                               out_dtype=out_dtype, opts=opts)
     if opts is not None:
-        if version not in VARIANT_VERSIONS or opts.dropout_p:
-            raise ValueError(f"{where}: on the GPU, grouped-query k/v, window, softcap and alibi_slopes run in "
-                             f"version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); dropout runs in the "
-                             f"CPU mirror only (numpy inputs). Got version {version!r}"
-                             f"{' with dropout' if opts.dropout_p else ''}")
+        if version not in VARIANT_VERSIONS:
+            raise ValueError(f"{where}: on the GPU, grouped-query k/v, window, softcap, alibi_slopes and dropout run "
+                             f"in version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); every version's CPU "
+                             f"mirror (numpy inputs) takes them all. Got version {version!r}")
         return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
     if version == "fp32x3":
         return _fp32x3().forward(q, k, v, causal=causal, scale=scale)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import bfloat16, device, kernels, load_module
+from stages.common import bfloat16, device, kernels, load_module, variants
 
 VERSIONS = ("tc", "pipelined")
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128)}
@@ -169,10 +169,11 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
     var = opts is not None and (opts.softcap > 0 or opts.alibi_slopes is not None or opts.left >= 0
-                                or (opts.right >= 0 and not causal))  # else plain (or causal), maybe grouped-query
+                                or (opts.right >= 0 and not causal) or opts.dropout_p > 0)  # else plain (or
+    # causal), maybe grouped-query
     if var and version not in VARIANT_VERSIONS:
-        raise ValueError(f"flash_v2 version {version!r}: grouped-query k/v, window, softcap and alibi_slopes run "
-                         f"in version {' / '.join(VARIANT_VERSIONS)}")
+        raise ValueError(f"flash_v2 version {version!r}: grouped-query k/v, window, softcap, alibi_slopes and "
+                         f"dropout run in version {' / '.join(VARIANT_VERSIONS)}")
     cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br), var=var)
     name = _name(version, _CTYPE[dtype], D, cfg, "float" if odtype == np.float32 else None, var)
     Tr = -(-Nq // cfg.br)
@@ -189,7 +190,8 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem,
                           (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var else scale * LOG2E),
                            np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
-                           np.int32(right), np.float32(scale), np.float32(opts.softcap if var else 0.0)))
+                           np.int32(right), np.float32(scale), np.float32(opts.softcap if var else 0.0))
+                          + variants.dropout_scalars(opts))
 
 
 def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None):
@@ -205,10 +207,12 @@ def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None)
     dev = device.device()
     causal = bool(causal)
     slopes = None if opts is None else opts.alibi_slopes
-    key_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True)
+    key_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
     launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, key_opts, dev),
                              lambda: _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev,
                                            key_opts))
+    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
+        launch = launch._replace(scalars=launch.scalars[:-2] + variants.seed_scalars(opts.seed))
     if version == "tc":
         return kernels.run_forward(launch, q, k, v, odtype)
     if slopes is None:
@@ -218,3 +222,4 @@ def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None)
 
 
 NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)
+

@@ -106,7 +106,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     "defer_dq": bool} in place of TC_BR[D], TC_BC[D], TC_DEFER_DQ (None or a missing key: the default);
     profile, a list that receives (name, cupy.cuda.Event) after each launch.
     Variants (stages/common/variants.py): grouped-query k, v (fewer heads), window, alibi_slopes, softcap,
-    dropout_p with seed; the mirror (numpy inputs) takes them all, the GPU kernels none yet (a clear error)."""
+    dropout_p with seed; the mirror (numpy inputs) takes them all, and so does version 'tc' on the GPU with
+    deterministic=False (dropout regenerates the forward's mask from the seed: pass the forward's dropout_p, seed)."""
     where = "flash_v2_backward"
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, gqa=True)
     causal = check_causal(causal, where)
@@ -115,10 +116,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                               dropout_p=dropout_p, seed=seed, where=where)
         opts = None if opts.plain else opts
-    if opts is not None and xp is not np and (opts.dropout_p or deterministic or q.dtype == np.float32):
-        raise ValueError(f"{where}: on the GPU the variants run in version 'tc' (float16 / bfloat16) with "
-                         "deterministic=False, and without dropout; the CPU mirror (numpy inputs) and stage 00 take "
-                         "them all")
+    if opts is not None and xp is not np and (deterministic or q.dtype == np.float32):
+        raise ValueError(f"{where}: on the GPU the variants (dropout included) run in version 'tc' (float16 / "
+                         "bfloat16) with deterministic=False; the CPU mirror (numpy inputs) and stage 00 take them "
+                         "all")
     out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2_backward")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"flash_v2_backward: deterministic must be True or False, got {deterministic!r}")
@@ -149,11 +150,12 @@ def _dq_mt(D, br, bc):
     return mt if ok else 1
 
 
-def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=False):
+def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=False, drop=False):
     """Template instantiations of one (version, input type, head dim, output type): compiled together, once.
     [atomic main kernel, deterministic main kernel, deterministic dQ pass]. otype: the gradients' type (the
     input type, or float for a ring block's unrounded partial gradients). var (tc, atomic only): the variants'
-    window, softcap and ALiBi; their gradients are float (summed over a kv group, then cast)."""
+    window, softcap and ALiBi; their gradients are float (summed over a kv group, then cast); drop (with var):
+    dropout too."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
     br, bc = br or TC_BR[D], bc or TC_BC[D]
@@ -161,7 +163,7 @@ def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=Fals
     extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)}"
     ot = otype or ctype
     if var:
-        return [f"flash_bwd_tc<{ctype},float,{D},{br},{bc},true,{defer},{extra},true>"]
+        return [f"flash_bwd_tc<{ctype},float,{D},{br},{bc},true,{defer},{extra},true,{'true' if drop else 'false'}>"]
     return [f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},true,{defer},{extra}>",
             f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{ot},{D}>"]
 
@@ -223,7 +225,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     if version == "tc" and br is None and bc is None:
         br, bc = tc_tiles(D, dev)
     var = opts is not None
-    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, var=var)
+    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, var=var,
+                   drop=var and opts.dropout_p > 0)
     mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
     smem_main, smem_dq = smem_bytes(version, D, br, bc)
     for what, need in (("", smem_main), (" with deterministic=True (its dQ pass)", smem_dq if deterministic else 0)):
@@ -242,7 +245,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         main = kernels.Launch(fn, (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc)), (2 * bc,), smem_main,
                               args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0), i32(H),
-                                      i32(group)))
+                                      i32(group)) + variants.dropout_scalars(opts))
     if deterministic:  # the separate dQ pass, no atomics
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
@@ -262,7 +265,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     Hkv, Nk = k.shape[1], k.shape[2]
     dtype, odtype = q.dtype, np.dtype(out_dtype)
     dev = device.device()
-    key_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None)
+    key_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
     key = (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tuple(sorted(tc_config.items())),
            dev, key_opts)
     plan = kernels.planned(_PLANS, key, lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale,
@@ -281,7 +284,10 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     if opts is not None and opts.alibi_slopes is not None:
         slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
                                                           (B, H)))
-    plan.main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((slopes,) if version == "tc" else ()))
+    main = plan.main
+    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
+        main = main._replace(scalars=main.scalars[:-2] + variants.seed_scalars(opts.seed))
+    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((slopes,) if version == "tc" else ()))
     if opts is not None:
         if opts.group > 1:
             dk, dv = (x.reshape(B, Hkv, opts.group, Nk, D).sum(axis=2) for x in (dk, dv))
@@ -323,9 +329,10 @@ def kernel_plans(dev):
                 names = _names("tc", ctype, D, otype=otype, br=br, bc=bc)
                 out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, sm, 0, th)
                         for n, sm, th in zip(names, (main, main, dq), (2 * bc, 2 * bc, 128)) if device.fits(dev, sm)]
-            if device.fits(dev, main):  # the variants' atomic main kernel (float dK, dV)
-                out.append(device.KernelPlan("flash_v2_backward_tc.cu", {},
-                                             _names("tc", ctype, D, br=br, bc=bc, var=True)[0], main, 0, 2 * bc))
+            if device.fits(dev, main):  # the variants' atomic main kernels (float dK, dV), without and with dropout
+                out += [device.KernelPlan("flash_v2_backward_tc.cu", {},
+                                          _names("tc", ctype, D, br=br, bc=bc, var=True, drop=drop)[0], main, 0, 2 * bc)
+                        for drop in (False, True)]
     return out
 
 

@@ -126,6 +126,24 @@ def keep_rate_threshold(p):
     return min(int(round((1.0 - p) * 2.0**32)), 2**32 - 1)
 
 
+def seed_scalars(seed):
+    """The 64-bit dropout seed as the kernels' two uint32 arguments (Philox's key: low word, high word)."""
+    return np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+
+
+def dropout_scalars(opts):
+    """(keep, rp, seed_lo, seed_hi), the kernels' dropout arguments (kernels/dropout.cuh): keep = 0 is off; a draw u
+    keeps P_ij when u < keep = round((1 - p) 2^32); rp = 1 / (1 - p)."""
+    p = 0.0 if opts is None else opts.dropout_p
+    if not p:
+        return (np.uint32(0), np.float32(1.0)) + seed_scalars(0)
+    keep = keep_rate_threshold(p)
+    if keep == 0:
+        raise ValueError(f"dropout_p = {p!r} keeps no probability at 32-bit resolution: the kernels take p with "
+                         "round((1 - p) 2^32) >= 1")
+    return (np.uint32(keep), np.float32(1.0 / (1.0 - p))) + seed_scalars(opts.seed)
+
+
 # Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a counter-based generator,
 # so the backward regenerates exactly the forward's mask from (seed, position) with nothing stored.
 _M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
