@@ -144,12 +144,19 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // registers): the forward's Z_ij regenerated from the seed; dV_j += (P_ij Z_ij)^T dO_i and dP_ij -> Z_ij dP_ij /
 // (1 - p) (the gradient through P~ = P Z / (1 - p)); D_i = rowsum(dO_i O_i) is unchanged, and dV_j is scaled by
 // rp = 1 / (1 - p) once, at the end.
+// Variable-length packed batches (VAR, cu_q != null): Q, dO, dQacc are (H, total_q, HD), K, V (H / group, total_k,
+// HD), dK, dV (H, total_k, HD), L2g, Dg (H, Nq_pad) with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..
+// cu_q[s + 1] - 1 (keys: cu_k). The BH axis of the grid runs over (sequence, head), the Tc axis over the K/V tiles
+// of the longest sequence; a block past its sequence's last key returns at once. L_i, D_i of a sequence start at
+// any row, so they are read with plain loads (not 16-byte cp.async), rows past the sequence's end as L = +inf
+// (P = 0), D = 0.
 template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG,
           int BRC, bool VAR = false, bool DROP = false>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
-    TO* __restrict__ dK, TO* __restrict__ dV, const float* __restrict__ slopes, int Nq, int Nk, int Nq_pad,
+    TO* __restrict__ dK, TO* __restrict__ dV, const float* __restrict__ slopes, const int* __restrict__ cu_q,
+    const int* __restrict__ cu_k, int Nq, int Nk, int Nq_pad,
     float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, unsigned int keep,
     float rp, unsigned int seed_lo, unsigned int seed_hi) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
@@ -174,11 +181,28 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     // add to the same dQ_i rows at about the same time: those stay in L2.
     const int j = j_fast ? blockIdx.x : blockIdx.y;
     const long bh = j_fast ? blockIdx.y : blockIdx.x;
-    const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
-    Q += bh * Nq * HD; dO += bh * Nq * HD; dQacc += bh * Nq * HD;
     const long kvh = VAR ? (bh / H) * (H / group) + (bh % H) / group : bh;  // the kv head query head bh reads
-    K += kvh * Nk * HD; V += kvh * Nk * HD; dK += bh * Nk * HD; dV += bh * Nk * HD;
-    L2g += bh * Nq_pad; Dg += bh * Nq_pad;
+    long q_row0 = bh * Nq, kv_row0 = kvh * Nk, dkv_row0 = bh * Nk, l_row0 = bh * Nq_pad;  // this head's first rows
+    long hd = bh;  // the (batch, head) of the ALiBi slope and of dropout's counter
+    bool varlen = false;
+    if constexpr (VAR) {
+        if (cu_q != nullptr) {  // varlen: this block's sequence s and head h
+            const int sq = (int)bh / H, h = (int)bh % H;
+            q_row0 = (long)h * Nq + cu_q[sq];
+            kv_row0 = (long)(h / group) * Nk + cu_k[sq];
+            dkv_row0 = (long)h * Nk + cu_k[sq];
+            l_row0 = (long)h * Nq_pad + cu_q[sq];
+            Nq = cu_q[sq + 1] - cu_q[sq];
+            Nk = cu_k[sq + 1] - cu_k[sq];
+            hd = h;
+            varlen = true;
+            if (j * Bc >= Nk) return;  // past this sequence's last K/V tile (the whole block: before any barrier)
+        }
+    }
+    const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
+    Q += q_row0 * HD; dO += q_row0 * HD; dQacc += q_row0 * HD;
+    K += kv_row0 * HD; V += kv_row0 * HD; dK += dkv_row0 * HD; dV += dkv_row0 * HD;
+    L2g += l_row0; Dg += l_row0;
 
     int Tr = (Nq + Br - 1) / Br;  // the loop's end: Q tiles i_begin <= i < Tr
     int i_begin = causal ? max(0, j * Bc - off) / Br : 0;  // earlier Q tiles see none of K_j
@@ -188,14 +212,23 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         i_begin = first / Br;
         Tr = first <= last ? last / Br + 1 : i_begin;
     }
-    const float slope = VAR && slopes != nullptr ? slopes[bh] : 0.f;
+    const float slope = VAR && slopes != nullptr ? slopes[hd] : 0.f;
 
     // Q_i, dO_i (zero-filled past Nq) and L_i, D_i (padded to Nq_pad: always in range) into buffer b
     auto load_q_tile = [&](int i, int b) {
         load_tile_async<T, Br, HD, LDK, NT>(Qs + b * Br * LDK, Q, i * Br, Nq, tid);
         load_tile_async<T, Br, HD, LDK, NT>(dOs + b * Br * LDK, dO, i * Br, Nq, tid);
-        if (tid < Br / 4) cp_async_16(Ls + b * Br + 4 * tid, L2g + i * Br + 4 * tid, true);
-        else if (tid < Br / 2) cp_async_16(Ds + b * Br + 4 * (tid - Br / 4), Dg + i * Br + 4 * (tid - Br / 4), true);
+        if (VAR && varlen) {  // plain loads: rows past the sequence's end see no key (L = +inf: P = 0)
+            if (tid < Br) {
+                const bool in = i * Br + tid < Nq;
+                Ls[b * Br + tid] = in ? L2g[i * Br + tid] : INF;
+                Ds[b * Br + tid] = in ? Dg[i * Br + tid] : 0.f;
+            }
+        } else if (tid < Br / 4) {
+            cp_async_16(Ls + b * Br + 4 * tid, L2g + i * Br + 4 * tid, true);
+        } else if (tid < Br / 2) {
+            cp_async_16(Ds + b * Br + 4 * (tid - Br / 4), Dg + i * Br + 4 * (tid - Br / 4), true);
+        }
     };
 
     // Alg.2 L6: K_j, V_j to shared memory, once; the first Q tile with them
@@ -280,7 +313,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                     zb = 0u;
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
-                        const uint4 u = dropout_draws(drop, q0 + 8 * n + 2 * t + x, j * Bc + 16 * warp + g, bh);
+                        const uint4 u = dropout_draws(drop, q0 + 8 * n + 2 * t + x, j * Bc + 16 * warp + g, hd);
                         zb |= (u32)(u.x < keep) << x | (u32)(u.y < keep) << (2 + x) | (u32)(u.z < keep) << (4 + x) |
                               (u32)(u.w < keep) << (6 + x);
                     }

@@ -48,11 +48,16 @@
 // (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off), ALiBi x -> x - slope
 // |r + shift - c| (slopes: one float per (batch, head), or null); dropout (keep != 0, dropout.cuh): P~_ij is zeroed
 // where Z_ij = 0 before P~_ij V_j (l_i, and so the lse, keeps every P~_ij) and O_i is scaled by rp = 1 / (1 - p).
+// Variable-length packed batches (VAR, cu_q != null): q, o are (H, total_q, D) and lse (H, total_q), k and v
+// (H / group, total_k, D), with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..cu_q[s + 1] - 1 of q (keys:
+// cu_k). grid.y runs over (sequence, head), grid.x over the Q tiles of the longest sequence; a block past its own
+// sequence's end returns at once. Inside a block everything is that one sequence's attention (its own Nq, Nk and
+// bottom-right alignment; ALiBi and dropout take head h alone, each sequence being batch entry 0 of its own).
 template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, bool VAR>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                           TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes, int Nq,
-                           int Nk, float scale_log2, int causal, int HG, int H, int group, int left, int right,
+                           TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes,
+                           const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Nq, int Nk, float scale_log2, int causal, int HG, int H, int group, int left, int right,
                            float scale, float softcap, unsigned int keep, float rp, unsigned int seed_lo,
                            unsigned int seed_hi) {
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
@@ -86,8 +91,21 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     // This head's K and V (pointers the loop needs); q, o, lse are offset where they are used, so no register
     // holds them across the loop.
     const int bkv = (int)bh / H * (H / group) + (int)bh % H / group;  // the kv head of query head bh (GQA)
-    const T* kh = k + (long)bkv * Nk * D;
-    const T* vh = v + (long)bkv * Nk * D;
+    long q_row0 = bh * Nq, kv_row0 = (long)bkv * Nk;  // this head's first row of q, o, lse and of k, v
+    long hd = bh;  // the (batch, head) of the ALiBi slope and of dropout's counter
+    if constexpr (VAR) {
+        if (cu_q != nullptr) {  // varlen: this block's sequence s and head h
+            const int sq = (int)bh / H, h = (int)bh % H;
+            q_row0 = (long)h * Nq + cu_q[sq];
+            kv_row0 = (long)(h / group) * Nk + cu_k[sq];
+            Nq = cu_q[sq + 1] - cu_q[sq];
+            Nk = cu_k[sq + 1] - cu_k[sq];
+            hd = h;
+            if (i * BR >= Nq) return;  // past this sequence's last Q tile (the whole block: before any barrier)
+        }
+    }
+    const T* kh = k + kv_row0 * D;
+    const T* vh = v + kv_row0 * D;
     const int row0 = i * BR;  // first row of Q_i
     const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
     const int last_row = min(row0 + BR, Nq) - 1;
@@ -102,7 +120,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     } else {
         n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
     }
-    const float slope = VAR && slopes != nullptr ? slopes[bh] : 0.f;
+    const float slope = VAR && slopes != nullptr ? slopes[hd] : 0.f;
 
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
     // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
@@ -128,7 +146,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     };
 
     // Alg.1 L4: load Q_i; Alg.1 L6 (j = 0): load K_0, V_0. One cp.async group.
-    load_tile(Qs, q + bh * Nq * D, row0, BR, Nq);
+    load_tile(Qs, q + q_row0 * D, row0, BR, Nq);
     if (n_tiles > j_first) {
         load_tile(Ks, kh, j_first * BC, BC, Nk);
         load_tile(Vs, vh, j_first * BC, BC, Nk);
@@ -259,7 +277,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
 #pragma unroll
                                 for (int e = 0; e < 2; ++e) {
                                     const uint4 u = dropout_draws(drop, row0 + wrow + 16 * m + g,
-                                                                  col0 + 16 * kk + 2 * t + e, bh);
+                                                                  col0 + 16 * kk + 2 * t + e, hd);
                                     if (u.x >= keep) s[m][2 * kk][e] = 0.f;          // (r, c)
                                     if (u.y >= keep) s[m][2 * kk + 1][e] = 0.f;      // (r, c + 8)
                                     if (u.z >= keep) s[m][2 * kk][2 + e] = 0.f;      // (r + 8, c)
@@ -322,7 +340,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
             // Alg.1 L13, natural log: m_i is in base 2. The product in fp64: with huge logits m_i is ~1e4 and an
             // fp32 product would add its own rounding (~1e-3) to the lse.
             if (t == 0 && row0 + wrow + rl < Nq)
-                lse[bh * Nq + row0 + wrow + rl] =
+                lse[q_row0 + row0 + wrow + rl] =
                     l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
             if constexpr (STAGE_O) {
 #pragma unroll
@@ -331,7 +349,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
             } else if (row0 + wrow + rl < Nq) {
 #pragma unroll
                 for (int d = 0; d < D / 8; ++d)
-                    store2(o + (long)(bh * Nq + row0 + wrow + rl) * D + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l,
+                    store2(o + (q_row0 + row0 + wrow + rl) * D + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l,
                            acc_o[m][d][2 * h + 1] * inv_l);
             }
         }
@@ -340,7 +358,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     for (int c = lane; c < 16 * MT * CH; c += 32) {
         const int r = c / CH, ch = c % CH;
         if (row0 + wrow + r < Nq)
-            *reinterpret_cast<uint4*>(o + (bh * Nq + row0 + wrow + r) * D + ch * 8) =
+            *reinterpret_cast<uint4*>(o + (q_row0 + row0 + wrow + r) * D + ch * 8) =
                 *reinterpret_cast<const uint4*>(Ow + r * LD + ch * 8);
     }
 }

@@ -12,6 +12,8 @@ Rows (bf16, B = 1, causal unless named):
                      k and v (the same FLOPs; GQA reads a quarter of the K/V bytes)
     dropout p        causal, dropout_p = p, against SDPA's flash backend with the same dropout_p (its own Philox
                      mask, so no output difference is reported) and against our plain causal forward
+    varlen S         a packed batch of S causal sequences of different lengths (total about N), one launch, against
+                     our plain forward on the same sequences padded to the longest (B = S): the work padding wastes
 Backward rows (bwd): ours (stage 03, version 'tc') against FlexAttention's backward (the same mask / score_mod),
 grouped-query against our plain backward, dropout against SDPA flash's backward with dropout and our plain one.
 Before timing, each variant of ours is checked by the tolerance rule against the fp64 oracle on a small problem with
@@ -23,6 +25,8 @@ import argparse
 import csv
 import os
 import sys
+
+import numpy as np
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,6 +195,21 @@ def main(argv=None):
     for t in (tq, tk, tv):
         t.requires_grad_(False)
     add(f"dropout {p:g} bwd", ms_drop_b, "ours plain causal bwd", timed(ours_bwd(q, k, v, True), clock_c))
+
+    # varlen: a packed batch against the same sequences padded to the longest
+    lens = [N // 4, N // 8, N // 16, N // 32, 3 * N // 16, 5 * N // 32, N // 8, N // 16]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # checked by the gpu tests, not gated here
+    qp, kp, vp = (x[0].swapaxes(0, 1).copy() for x in tensors(H, H, int(cu[-1])))  # packed (total, H, D)
+    qpad, kpad, vpad = tensors(H, H, max(lens))
+    qpad, kpad, vpad = (cupy.concatenate([x] * len(lens)) for x in (qpad, kpad, vpad))  # (S, H, max, D)
+    f = lambda: flash_v2.forward_varlen(qp, kp, vp, cu, cu, causal=True, scale=scale)[0]  # noqa: E731
+    add(f"varlen {len(lens)}", timed(f, clock_c), f"ours padded B={len(lens)}", timed(ours(qpad, kpad, vpad, True),
+                                                                                       clock_c))
+    o, lse = flash_v2.forward_varlen(qp, kp, vp, cu, cu, causal=True, scale=scale)
+    dop = cupy.ones_like(qp)
+    fb = lambda: flash_v2_backward.backward_varlen(qp, kp, vp, o, lse, dop, cu, cu, causal=True, scale=scale)  # noqa
+    add(f"varlen {len(lens)} bwd", timed(fb, clock_c), f"ours padded bwd B={len(lens)}",
+        timed(ours_bwd(qpad, kpad, vpad, True), clock_c))
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_variants.csv")

@@ -63,6 +63,26 @@ DROPOUT_CASES = {
 }
 
 
+# Packed variable-length batches (stages/common/varlen.py): (query lengths, key lengths, H, Hkv, causal, options).
+# Empty sequences on either side, one-row sequences, lengths on and off tile multiples, Nq != Nk per sequence.
+VARLEN_CASES = {
+    "mixed": ((0, 1, 70, 130, 5), (3, 0, 90, 129, 64), 4, 2, False, {}),
+    "causal-window": ((100, 17, 64), (100, 40, 200), 2, 2, True, {"window": (30, -1)}),
+    "all": ((65, 130), (64, 130), 4, 1, True, {"softcap": 10.0, "dropout_p": 0.1, "seed": 5,
+                                               "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32)}),
+}
+
+
+def varlen_inputs(case, D, dtype, *, scale=1.0, xp=np):
+    """(q, k, v, do) packed ((total, heads, D)), cu_seqlens_q, cu_seqlens_k (int32 numpy), causal, options."""
+    lq, lk, H, Hkv, causal, opts = case
+    cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lq, lk))
+    q, _, _, do = make_inputs(1, H, int(cq[-1]), int(ck[-1]), D, dtype=dtype, xp=xp, scale=scale, grad=True)
+    _, k, v = make_inputs(1, Hkv, int(cq[-1]), int(ck[-1]), D, dtype=dtype, xp=xp, scale=scale)
+    packed = [xp.ascontiguousarray(x[0].swapaxes(0, 1)) for x in (q, k, v, do)]
+    return packed, cq, ck, causal, opts
+
+
 def variant_inputs(case, D, dtype, *, scale=1.0, xp=np, grad=False):
     """(q, k, v[, do]), causal, options for a VARIANT_CASES row at head dim D: k, v with Hkv heads."""
     B, H, Hkv, Nq, Nk, causal, opts = case

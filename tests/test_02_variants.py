@@ -12,7 +12,8 @@ import pytest
 
 from stages import flash_v2
 from stages.common import bfloat16, cast, check_forward, make_inputs, variants
-from tests.conftest import DROPOUT_CASES, VARIANT_CASES, variant_inputs
+from stages.common.verify import check_varlen
+from tests.conftest import DROPOUT_CASES, VARIANT_CASES, VARLEN_CASES, variant_inputs, varlen_inputs
 
 LOW = {"fp16": np.dtype(np.float16), "bf16": bfloat16}
 MIRROR_RUNS = [("fp32", np.dtype(np.float32)), ("pipelined", bfloat16), ("tc", np.dtype(np.float16)),
@@ -51,6 +52,31 @@ def test_window_visits_only_its_band_of_tiles(Nq, Nk, window, causal):
     assert [(i, j) for i, j, _ in trace] == [(i, j) for i, j, _ in expected]
     for (_, _, masked), (_, _, needed) in zip(trace, expected):
         assert masked or not needed
+
+
+@pytest.mark.parametrize("version,dtype", [("pipelined", bfloat16), ("fp32", np.dtype(np.float32))],
+                         ids=["pipelined-bf16", "fp32"])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_mirror_varlen_is_each_sequence_by_the_rule(name, version, dtype):
+    (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES[name], 64, dtype)
+    check_varlen(flash_v2.forward_varlen, None, q, k, v, do, cq, ck, causal=causal, opts=opts, version=version)
+
+
+@pytest.mark.parametrize("mistake", ["attends across sequences", "last sequence's keys dropped"])
+def test_varlen_check_catches_a_wrong_packed_forward(mistake):
+    """The per-sequence rule fails a forward_varlen that lets sequences see each other's keys, or drops a key."""
+    (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES["causal-window"], 64, bfloat16)
+
+    def wrong(q, k, v, cu_q, cu_k, **kw):
+        if mistake == "attends across sequences":
+            o, lse = flash_v2.forward(q.swapaxes(0, 1)[None], k.swapaxes(0, 1)[None], v.swapaxes(0, 1)[None], **kw)
+            return np.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]
+        cu_k = cu_k.copy()
+        cu_k[-2] += 1  # the last sequence starts one key late
+        return flash_v2.forward_varlen(q, k, v, cu_q, cu_k, **kw)
+
+    with pytest.raises(AssertionError, match="varlen sequence"):
+        check_varlen(wrong, None, q, k, v, do, cq, ck, causal=causal, opts=opts)
 
 
 # ---------------------------------------------------------------- GPU
@@ -102,6 +128,51 @@ def test_gpu_dropout_draws_the_definitions_bits(causal):
         got = z > 0.5
         assert np.array_equal(got & vis, want & vis), f"seed {seed}: {int(((got ^ want) & vis).sum())} bits differ"
         assert not got[..., ~vis].any()  # masked keys stay 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
+@pytest.mark.parametrize("dt", list(LOW))
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_gpu_varlen_is_each_sequence_by_the_rule(name, D, dt, x):
+    """One launch for the packed batch; each sequence's rows checked against the rule for that sequence alone."""
+    (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES[name], D, LOW[dt], scale=x, xp=_cupy())
+    check_varlen(flash_v2.forward_varlen, None, q, k, v, do, cq, ck, causal=causal, opts=opts)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_equals_separate_calls_bit_for_bit():
+    """Each sequence's o and lse from the packed launch are the bits of a call on that sequence alone (the same
+    kernel, tiles and summation order)."""
+    cp = _cupy()
+    (q, k, v, _), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES["causal-window"], 64, bfloat16, xp=cp)
+    o, lse = flash_v2.forward_varlen(q, k, v, cq, ck, causal=causal, **opts)
+    for s in range(cq.size - 1):
+        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
+        os_, ls = flash_v2.forward(*(x[lo:hi].swapaxes(0, 1)[None] for x, lo, hi in ((q, a, b), (k, c, d),
+                                                                                      (v, c, d))),
+                                   causal=causal, version="pipelined", **opts)
+        assert bool((o[a:b].view(cp.uint16) == os_[0].swapaxes(0, 1).view(cp.uint16)).all())
+        assert bool((lse[:, a:b] == ls[0]).all())
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_clear_errors():
+    cp = _cupy()
+    (q, k, v, _), cq, ck, _, _ = varlen_inputs(VARLEN_CASES["mixed"], 64, np.float16, xp=cp)
+    bad = cq.copy()
+    bad[2], bad[3] = bad[3], bad[2]  # a negative length
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flash_v2.forward_varlen(q, k, v, bad, ck)
+    with pytest.raises(ValueError, match="ends at"):
+        flash_v2.forward_varlen(q, k, v, cq[:-1], ck[:-1])
+    with pytest.raises(ValueError, match="longer than max_seqlen"):
+        flash_v2.forward_varlen(q, k, v, cq, ck, max_seqlen_q=2)
+    with pytest.raises(ValueError, match="pipelined"):
+        flash_v2.forward_varlen(q, k, v, cq, ck, version="tc")
+    with pytest.raises(ValueError, match="packed"):
+        flash_v2.forward_varlen(q[None], k, v, cq, ck)
 
 
 @pytest.mark.gpu

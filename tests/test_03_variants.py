@@ -8,7 +8,8 @@ import pytest
 
 from stages import flash_v2_backward as fb
 from stages.common import bfloat16, check_backward, make_inputs, variants
-from tests.conftest import DROPOUT_CASES, VARIANT_CASES, variant_inputs
+from stages.common.verify import check_varlen
+from tests.conftest import DROPOUT_CASES, VARIANT_CASES, VARLEN_CASES, variant_inputs, varlen_inputs
 
 OPTIONS = {**VARIANT_CASES, **DROPOUT_CASES}
 RUNS = [("fp32", np.dtype(np.float32)), ("tc", np.dtype(np.float16)), ("tc", bfloat16)]
@@ -40,6 +41,27 @@ def test_window_q_tile_range_covers_exactly_the_visible_rows(Nq, Nk, window, cau
         rows = np.flatnonzero(vis[:, j * bc:(j + 1) * bc].any(axis=1))
         want = range(rows[0] // br, rows[-1] // br + 1) if rows.size else range(0)
         assert fb.mirror._tile_range(j, bc, br, Nq, Nk, causal, opts) == want
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), np.dtype(np.float32)], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_mirror_varlen_backward_is_each_sequence_by_the_rule(name, dtype):
+    (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES[name], 64, dtype)
+    check_varlen(fb.forward_varlen, fb.backward_varlen, q, k, v, do, cq, ck, causal=causal, opts=opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_gpu_varlen_backward_is_each_sequence_by_the_rule(name, D, dt, x):
+    """One backward launch for the packed batch (version 'tc'); each sequence's dq, dk, dv against its own rule."""
+    import cupy as cp
+
+    (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES[name], D, {"fp16": np.float16,
+                                                                                "bf16": bfloat16}[dt], scale=x, xp=cp)
+    check_varlen(fb.forward_varlen, fb.backward_varlen, q, k, v, do, cq, ck, causal=causal, opts=opts)
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ forward_varlen / backward_varlen run packed sequences of different lengths (cu_s
 import numpy as np
 
 from stages.common import (
-    cast, check_attention_inputs, check_backward_inputs, check_causal, check_out_dtype, resolve_scale, variants,
+    cast, check_attention_inputs, check_backward_inputs, check_causal, check_out_dtype, resolve_scale, varlen, variants,
 )
 
 
@@ -171,81 +171,27 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None, alib
     return cast(dq, out_dtype), cast(dk, out_dtype), cast(dv, out_dtype)
 
 
-def check_cu_seqlens(cu_q, cu_k, total_q, total_k, where="varlen", max_seqlen_q=None, max_seqlen_k=None):
-    """The sequence boundaries of a packed batch, as host integer arrays: sequence s is rows cu[s]:cu[s + 1]."""
-    out = []
-    for name, cu, total, mx in (("cu_seqlens_q", cu_q, total_q, max_seqlen_q),
-                                ("cu_seqlens_k", cu_k, total_k, max_seqlen_k)):
-        a = np.asarray(cu.get() if hasattr(cu, "get") else cu)
-        if a.ndim != 1 or a.size < 2 or not np.issubdtype(a.dtype, np.integer):
-            raise TypeError(f"{where}: {name} must be a 1-D array of integers (batch + 1 entries), got "
-                            f"{a.dtype} of shape {a.shape}")
-        if a[0] != 0:
-            raise ValueError(f"{where}: {name} must start at 0, got {a[0]}")
-        if (np.diff(a) < 0).any():
-            raise ValueError(f"{where}: {name} must be non-decreasing, got {a.tolist()}")
-        if a[-1] != total:
-            raise ValueError(f"{where}: {name} ends at {a[-1]} but the packed input has {total} rows")
-        if mx is not None and np.diff(a).max() > mx:
-            raise ValueError(f"{where}: a sequence of {np.diff(a).max()} rows is longer than max_seqlen {mx}")
-        out.append(a.astype(np.int64))
-    if out[0].size != out[1].size:
-        raise ValueError(f"{where}: cu_seqlens_q and cu_seqlens_k must have the same number of entries (one "
-                         f"sequence each), got {out[0].size} and {out[1].size}")
-    return out
-
-
-def _packed(x, where, name):
-    if x.ndim != 3:
-        raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}; expected packed (total_tokens, heads, "
-                         "head_dim)")
-    return x
-
-
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, **opts):
     """Attention over a packed batch of sequences of different lengths, none attending across sequences.
 
     q (total_q, H, D), k and v (total_k, Hkv, D); sequence s is rows cu_seqlens_q[s]:cu_seqlens_q[s + 1] of q and
     cu_seqlens_k[s]:cu_seqlens_k[s + 1] of k, v (causal and windows are aligned bottom-right per sequence).
     Returns o (total_q, H, D) and lse (H, total_q). opts: those of forward (scale, causal, window, ...); dropout
-    draws per sequence as batch entry 0 of a call of its own."""
-    where = "naive.forward_varlen"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _packed(x, where, name)
-    cq, ck = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where, max_seqlen_q,
-                              max_seqlen_k)
-    xp = check_attention_inputs(*(x.swapaxes(0, 1)[None] for x in (q, k, v)), where=where, gqa=True)[0]
-    o = xp.zeros(q.shape, q.dtype)
-    lse = xp.full((q.shape[1], q.shape[0]), -xp.inf, np.float64 if q.dtype == np.float64 else np.float32)
-    for s in range(cq.size - 1):
-        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
-        if b == a or d == c:
-            continue  # an empty query range, or no keys: o = 0, lse = -inf
-        o_s, lse_s = forward(*(x[lo:hi].swapaxes(0, 1)[None] for x, lo, hi in ((q, a, b), (k, c, d), (v, c, d))),
-                             **opts)
-        o[a:b], lse[:, a:b] = o_s[0].swapaxes(0, 1), lse_s[0]
-    return o, lse
+    draws per sequence as batch entry 0 of a call of its own. The definition: forward on each sequence
+    (stages/common/varlen.py)."""
+    return varlen.per_sequence_forward(forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                       max_seqlen_k=max_seqlen_k, where="naive.forward_varlen", **opts)
 
 
 def backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                     **opts):
     """The gradients of forward_varlen: dq (total_q, H, D), dk and dv (total_k, Hkv, D)."""
-    where = "naive.backward_varlen"
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
-        _packed(x, where, name)
-    cq, ck = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where, max_seqlen_q,
-                              max_seqlen_k)
-    xp = check_backward_inputs(*(x.swapaxes(0, 1)[None] for x in (q, k, v, o)), lse[None],
-                               do.swapaxes(0, 1)[None], where=where, gqa=True)[0]
-    dq, dk, dv = (xp.zeros(x.shape, x.dtype) for x in (q, k, v))
-    for s in range(cq.size - 1):
-        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
-        if b == a or d == c:
-            continue
-        seq = [x[lo:hi].swapaxes(0, 1)[None] for x, lo, hi in ((q, a, b), (k, c, d), (v, c, d), (o, a, b))]
-        g = backward(*seq, lse[None, :, a:b], do[a:b].swapaxes(0, 1)[None], **opts)
-        dq[a:b], dk[c:d], dv[c:d] = (x[0].swapaxes(0, 1) for x in g)
-    return dq, dk, dv
+    return varlen.per_sequence_backward(backward, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                        where="naive.backward_varlen", **opts)
+
+
+check_cu_seqlens = varlen.check_cu_seqlens  # the boundaries' checks (stages/common/varlen.py)
 
 
 def score_matrix_bytes(B, H, Nq, Nk, dtype=np.float32):

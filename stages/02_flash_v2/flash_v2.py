@@ -1,6 +1,7 @@
 """Stage 02 launcher: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), four versions.
 
     o, lse = forward(q, k, v, causal=False, scale=None, version="auto")   # numpy -> mirror.py, CuPy -> kernel
+    o, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)          # packed sequences of different lengths
 
 Versions (all runnable, each checked against the one before it):
     fp32       float32, CUDA cores: kernels/flash_v2_forward_fp32.cu, any head_dim 1..128
@@ -22,7 +23,7 @@ import numpy as np
 
 from stages.common import (
     bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, kernels, load_module,
-    resolve_scale, variants,
+    resolve_scale, variants, varlen,
 )
 
 from . import mirror
@@ -214,6 +215,50 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     if version != "fp32":
         return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
     return _fp32_forward(q, k, v, causal=causal, scale=scale, config=config)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                   scale=None, version="auto", out_dtype=None, window=None, alibi_slopes=None, softcap=None,
+                   dropout_p=0.0, seed=0):
+    """Attention over a packed batch of sequences of different lengths, none attending across sequences (the
+    definition: stages/common/varlen.py, stage 00's naive.forward_varlen). q (total_q, H, D), k and v (total_k, Hkv,
+    D), cu_seqlens_q and cu_seqlens_k (sequences + 1,) integers; returns o (total_q, H, D) and lse (H, total_q).
+
+    numpy: the mirror on each sequence. CuPy: version 'pipelined' once for the whole batch: q, k, v are laid out
+    head by head ((H, total, D): each sequence's rows of a head are contiguous), and each block finds its sequence's
+    rows from cu_seqlens (one int32 load each), so no padding is computed and one launch covers every length. Takes
+    every option of forward."""
+    where = "flash_v2.forward_varlen"
+    xp = check_attention_inputs(*(varlen.as_batch(varlen.check_packed(x, where, n)) for x, n in
+                                  ((q, "q"), (k, "k"), (v, "v"))), dtypes=ALL_DTYPES, where=where, gqa=True)[0]
+    opts = dict(causal=causal, scale=scale, version=version, out_dtype=out_dtype, window=window,
+                alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed)
+    if xp is np:
+        return varlen.per_sequence_forward(forward, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                           max_seqlen_k=max_seqlen_k, where=where, **opts)
+    import cupy
+
+    cq, ck = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where, max_seqlen_q,
+                                     max_seqlen_k)
+    if max(q.shape[0], k.shape[0]) * q.shape[1] > varlen.INT32_MAX:
+        raise ValueError(f"{where}: total rows x heads = {max(q.shape[0], k.shape[0]) * q.shape[1]} overflows the "
+                         "kernels' 32-bit row index; split the batch")
+    version = resolve_version(version, q.dtype)
+    if version not in VARIANT_VERSIONS:
+        raise ValueError(f"{where}: on the GPU packed batches run in version {' / '.join(VARIANT_VERSIONS)} "
+                         f"(float16 / bfloat16); got version {version!r} ({q.dtype}). The CPU mirror (numpy inputs) "
+                         "takes every version")
+    qb, kb, vb = (cupy.ascontiguousarray(varlen.as_batch(x)) for x in (q, k, v))  # (1, H, total, D)
+    D = q.shape[2]
+    _check_head_dim(version, D)
+    causal = check_causal(causal, where)
+    opts = variants.check(qb, kb, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                          dropout_p=dropout_p, seed=seed, where=where)
+    out_dtype = check_out_dtype(out_dtype, q.dtype, where)
+    cu = tuple(cupy.asarray(c, dtype=cupy.int32) for c in (cq, ck))
+    o, lse = _tc().forward(qb, kb, vb, causal=causal, scale=resolve_scale(scale, D), version=version,
+                           out_dtype=out_dtype, opts=opts, varlen=cu + (int(np.diff(cq).max()),))
+    return cupy.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]
 
 
 _PLANS = {}  # (dims, causal, scale, config, device) -> kernels.Launch

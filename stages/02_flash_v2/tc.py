@@ -156,10 +156,11 @@ _PLANS = {}  # (version, dtypes, shapes, causal, scale, options, device) -> kern
 VARIANT_VERSIONS = ("pipelined",)  # the versions with the variants' window, softcap and ALiBi (VAR)
 
 
-def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None):
+def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None, varlen=None):
     """The launch of one problem on dev: the device check, the configuration, the compiled instantiation, its grid
     and scalar arguments (made once per problem by forward, through kernels.planned). opts: the variants
-    (variants.Options without its ALiBi slopes, which come with each call), None for plain attention."""
+    (variants.Options without its ALiBi slopes, which come with each call), None for plain attention. varlen: (number
+    of sequences, longest query sequence) of a packed batch (B = 1, Nq and Nk the totals), or None."""
     if dtype not in _CTYPE:
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
@@ -169,35 +170,40 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
     var = opts is not None and (opts.softcap > 0 or opts.alibi_slopes is not None or opts.left >= 0
-                                or (opts.right >= 0 and not causal) or opts.dropout_p > 0)  # else plain (or
-    # causal), maybe grouped-query
+                                or (opts.right >= 0 and not causal) or opts.dropout_p > 0) or varlen is not None
+    # else plain (or causal), maybe grouped-query
     if var and version not in VARIANT_VERSIONS:
         raise ValueError(f"flash_v2 version {version!r}: grouped-query k/v, window, softcap, alibi_slopes and "
                          f"dropout run in version {' / '.join(VARIANT_VERSIONS)}")
     cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br), var=var)
     name = _name(version, _CTYPE[dtype], D, cfg, "float" if odtype == np.float32 else None, var)
     Tr = -(-Nq // cfg.br)
+    if varlen is not None:  # grid: the Q tiles of the longest sequence x (sequence, head)
+        B, Tr = varlen[0], -(-varlen[1] // cfg.br)
     if version == "tc":  # one block per (Q tile i, head); static shared memory
         fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, 0)
         return kernels.Launch(fn, (Tr, B * H), (cfg.threads,), 0,
                               (np.int32(Nq), np.int32(Nk), np.float32(scale), np.int32(causal)))
     # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel); a window's Q tiles all
     # have about the same work, so it takes the 2-D grid
-    left, right = (opts.left, opts.right) if var else (-1, 0 if causal else -1)
-    ordered = causal and left < 0
+    left, right = (opts.left, opts.right) if opts is not None and var else (-1, 0 if causal else -1)
+    cap = opts.softcap if opts is not None and var else 0.0
+    ordered = causal and left < 0 and varlen is None
     smem = smem_bytes(version, D, cfg)
     fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, smem)
     return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem,
                           (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var else scale * LOG2E),
                            np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
-                           np.int32(right), np.float32(scale), np.float32(opts.softcap if var else 0.0))
+                           np.int32(right), np.float32(scale), np.float32(cap))
                           + variants.dropout_scalars(opts))
 
 
-def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None):
+def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, varlen=None):
     """o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by flash_v2.forward
     (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32.
-    opts: variants.Options (grouped-query k, v; window, softcap, ALiBi), None for plain attention."""
+    opts: variants.Options (grouped-query k, v; window, softcap, ALiBi), None for plain attention.
+    varlen: (cu_q, cu_k, max_seqlen_q), int32 device arrays of a packed batch: then B = 1 and q, k, v hold every
+    sequence's rows head by head ((1, H, total, D)); sequence s is rows cu[s]:cu[s + 1] (flash_v2.forward_varlen)."""
     import cupy
 
     B, H, Nq, D = q.shape
@@ -208,17 +214,19 @@ def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None)
     causal = bool(causal)
     slopes = None if opts is None else opts.alibi_slopes
     key_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
-    launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, key_opts, dev),
+    vl = None if varlen is None else (varlen[0].size - 1, int(varlen[2]))  # (sequences, longest query sequence)
+    launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, key_opts, dev, vl),
                              lambda: _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev,
-                                           key_opts))
+                                           key_opts, vl))
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         launch = launch._replace(scalars=launch.scalars[:-2] + variants.seed_scalars(opts.seed))
     if version == "tc":
         return kernels.run_forward(launch, q, k, v, odtype)
+    cu = (NULL, NULL) if varlen is None else varlen[:2]
     if slopes is None:
-        return kernels.run_forward(launch, q, k, v, odtype, NULL)
+        return kernels.run_forward(launch, q, k, v, odtype, NULL, *cu)
     slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
-    return kernels.run_forward(launch, q, k, v, odtype, slopes)
+    return kernels.run_forward(launch, q, k, v, odtype, slopes, *cu)
 
 
 NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)

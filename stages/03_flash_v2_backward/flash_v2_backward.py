@@ -19,7 +19,7 @@ import numpy as np
 
 from stages.common import (
     bfloat16, cast, check_backward_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
-    resolve_scale, variants,
+    resolve_scale, variants, varlen,
 )
 
 from . import mirror
@@ -141,6 +141,56 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
                          tc_config or {}, profile, opts)
 
 
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+    """Stage 02's forward_varlen, the packed-batch forward this backward_varlen pairs with."""
+    from stages import flash_v2
+
+    return flash_v2.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
+
+
+def backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                    causal=False, scale=None, version="auto", out_dtype=None, window=None, alibi_slopes=None,
+                    softcap=None, dropout_p=0.0, seed=0):
+    """The gradients of a packed batch (flash_v2.forward_varlen; the definition: stages/common/varlen.py):
+    dq (total_q, H, D), dk and dv (total_k, Hkv, D).
+
+    numpy: the mirror on each sequence. CuPy: version 'tc' once for the whole batch (deterministic=False): the
+    inputs laid out head by head ((H, total, D)), one block per (sequence, head, K/V tile of the longest sequence),
+    each finding its rows from cu_seqlens; dK, dV float per query head, summed over each kv group, then rounded."""
+    where = "flash_v2_backward.backward_varlen"
+    packed = [varlen.check_packed(x, where, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (do, "do"))]
+    xp = check_backward_inputs(*(varlen.as_batch(x) for x in packed[:4]), lse[None], varlen.as_batch(do),
+                               where=where, gqa=True)[0]
+    kw = dict(causal=causal, scale=scale, version=version, out_dtype=out_dtype, window=window,
+              alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed)
+    if xp is np:
+        return varlen.per_sequence_backward(backward, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, where=where, **kw)
+    import cupy
+
+    cq, ck = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where, max_seqlen_q,
+                                     max_seqlen_k)
+    if max(q.shape[0], k.shape[0]) * q.shape[1] > varlen.INT32_MAX:
+        raise ValueError(f"{where}: total rows x heads = {max(q.shape[0], k.shape[0]) * q.shape[1]} overflows the "
+                         "kernels' 32-bit row index; split the batch")
+    version = resolve_version(version, q.dtype)
+    if version != "tc":
+        raise ValueError(f"{where}: on the GPU packed batches run in version 'tc' (float16 / bfloat16); got version "
+                         f"{version!r} ({q.dtype}). The CPU mirror (numpy inputs) takes every version")
+    D = q.shape[2]
+    if D not in HEAD_DIMS[version]:
+        raise ValueError(f"{where}: head_dim {D} is not supported by version 'tc'; use one of {HEAD_DIMS['tc']}")
+    qb, kb, vb, ob, dob = (cupy.ascontiguousarray(varlen.as_batch(x)) for x in packed)  # (1, H, total, D)
+    causal = check_causal(causal, where)
+    opts = variants.check(qb, kb, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+                          dropout_p=dropout_p, seed=seed, where=where)
+    out_dtype = check_out_dtype(out_dtype, q.dtype, where)
+    cu = tuple(cupy.asarray(c, dtype=cupy.int32) for c in (cq, ck))
+    dq, dk, dv = _gpu_backward(qb, kb, vb, ob, lse[None], dob, causal, resolve_scale(scale, D), version, False,
+                               out_dtype, {}, None, opts, varlen=cu + (int(np.diff(ck).max()),))
+    return tuple(cupy.ascontiguousarray(x[0].swapaxes(0, 1)) for x in (dq, dk, dv))
+
+
 def _dq_mt(D, br, bc):
     """TC_DQ_MT[D] where the Bc / 16 warps can split dQ_i (Br x D) into tiles of 16 MT rows and a multiple of 16
     columns (tc_config may set other Br, Bc); 1 otherwise."""
@@ -207,9 +257,11 @@ class _Plan(NamedTuple):
 _PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
 
 
-def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev, opts=None):
+def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev, opts=None,
+          varlen=None):
     """The device check, tiles, compiled kernels, grids and scalar arguments of one problem on dev (made once per
-    problem, through kernels.planned). opts: the variants (variants.Options, slopes given per call) or None."""
+    problem, through kernels.planned). opts: the variants (variants.Options, slopes given per call) or None.
+    varlen: (number of sequences, longest key sequence) of a packed batch (B = 1, Nq and Nk the totals), or None."""
     BH = B * H
     ctype = _CTYPE[dtype]
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
@@ -240,10 +292,13 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     if version == "fp32":
         main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
     else:
-        bc, j_fast = bc or TC_BC[D], TC_J_FAST[bool(causal)] and BH <= 65535  # gridDim.y <= 65535
+        # varlen: the grid runs over (sequence, head) x the K/V tiles of the longest sequence
+        bc = bc or TC_BC[D]
+        blocks, Tc = (BH, -(-Nk // bc)) if varlen is None else (varlen[0] * H, -(-varlen[1] // bc))
+        j_fast = TC_J_FAST[bool(causal)] and blocks <= 65535  # gridDim.y <= 65535
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
-        main = kernels.Launch(fn, (-(-Nk // bc), BH) if j_fast else (BH, -(-Nk // bc)), (2 * bc,), smem_main,
+        main = kernels.Launch(fn, (Tc, blocks) if j_fast else (blocks, Tc), (2 * bc,), smem_main,
                               args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0), i32(H),
                                       i32(group)) + variants.dropout_scalars(opts))
     if deterministic:  # the separate dQ pass, no atomics
@@ -258,7 +313,9 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
 
 
 def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile,
-                  opts=None):
+                  opts=None, varlen=None):
+    """The launches of one backward on CuPy arrays (checked by backward). varlen: (cu_q, cu_k, max_seqlen_k), int32
+    device arrays of a packed batch laid out head by head ((1, H, total, D), backward_varlen), or None."""
     import cupy
 
     B, H, Nq, D = q.shape
@@ -266,10 +323,11 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     dtype, odtype = q.dtype, np.dtype(out_dtype)
     dev = device.device()
     key_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
+    vl = None if varlen is None else (varlen[0].size - 1, int(varlen[2]))  # (sequences, longest key sequence)
     key = (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tuple(sorted(tc_config.items())),
-           dev, key_opts)
+           dev, key_opts, vl)
     plan = kernels.planned(_PLANS, key, lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale,
-                                                      deterministic, tc_config, dev, key_opts))
+                                                      deterministic, tc_config, dev, key_opts, vl))
     q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
     Dvec = cupy.empty((B * H, plan.nq_pad), np.float32)  # D_i = rowsum(dO_i * O_i)
@@ -287,7 +345,8 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main._replace(scalars=main.scalars[:-2] + variants.seed_scalars(opts.seed))
-    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((slopes,) if version == "tc" else ()))
+    cu = (NULL, NULL) if varlen is None else varlen[:2]
+    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((slopes,) + cu if version == "tc" else ()))
     if opts is not None:
         if opts.group > 1:
             dk, dv = (x.reshape(B, Hkv, opts.group, Nk, D).sum(axis=2) for x in (dk, dv))

@@ -89,3 +89,51 @@ def check_outputs(outs, refs, bounds, *, what=""):
     (refs, bounds) from rule(); returns {name: (error, bound)}."""
     names = (tolerance.NAMES_FORWARD + tolerance.NAMES_BACKWARD)[:len(outs)]
     return tolerance.assert_within(names, outs, refs, bounds, what=what)
+
+
+def check_varlen(forward_varlen, backward_varlen, q, k, v, do, cu_seqlens_q, cu_seqlens_k, *, causal=False,
+                 scale=None, opts=None, **kw):
+    """A packed batch (stages/common/varlen.py) checked sequence by sequence: forward_varlen once for the batch,
+    then each sequence's rows of o and lse against the rule for that sequence alone (a batch of one); with
+    backward_varlen (not None), the backward once from the per-sequence oracle starts, each sequence's dq, dk, dv
+    against its rule. Rows of an empty sequence pair must come out as o = 0, lse = -inf, zero gradients."""
+    from . import varlen
+
+    opts = dict(opts or {})
+    cq, ck = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    o, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, **opts, **kw)
+    _check_like(tolerance.NAMES_FORWARD, (o, lse), (q, np.empty((q.shape[1], q.shape[0]), np.float32)))
+    seqs = [(cq[s], cq[s + 1], ck[s], ck[s + 1]) for s in range(cq.size - 1)]
+    rules = []
+    for a, b, c, d in seqs:
+        qs, ks, vs, dos = (varlen.as_batch(x[lo:hi]) for x, lo, hi in ((q, a, b), (k, c, d), (v, c, d), (do, a, b)))
+        if b == a or d == c:  # nothing to attend: the definition's zeros and -inf
+            rules.append(None)
+            tolerance.assert_within(("o",), (varlen.as_batch(o[a:b]),), (np.zeros(qs.shape),), (0.0,),
+                                    what=f"varlen sequence rows {a}:{b} with keys {c}:{d}")
+            if b > a and not bool((lse[:, a:b] == -np.inf).all()):
+                raise AssertionError(f"varlen: rows {a}:{b} see no key but their lse is not -inf")
+            continue
+        rules.append(rule(qs, ks, vs, dos if backward_varlen is not None else None, causal=causal, scale=scale,
+                          opts=opts))
+        refs, bounds, _ = rules[-1]
+        check_outputs((varlen.as_batch(o[a:b]), lse[None, :, a:b]), refs[:2], bounds[:2],
+                      what=f"varlen sequence rows {a}:{b}, keys {c}:{d}")
+    if backward_varlen is None:
+        return
+    xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+    o_in, lse_in = xp.zeros_like(o), xp.full(lse.shape, -np.inf, np.float32)
+    for (a, b, c, d), r in zip(seqs, rules):
+        if r is not None:
+            o_in[a:b], lse_in[:, a:b] = r[2][0][0].swapaxes(0, 1), r[2][1][0]
+    grads = backward_varlen(q, k, v, o_in, lse_in, do, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale,
+                            **opts, **kw)
+    _check_like(tolerance.NAMES_BACKWARD, grads, (q, k, v))
+    for (a, b, c, d), r in zip(seqs, rules):
+        g = [varlen.as_batch(x[lo:hi]) for x, lo, hi in zip(grads, (a, c, c), (b, d, d))]
+        what = f"varlen sequence rows {a}:{b}, keys {c}:{d} (backward)"
+        if r is None:  # no (query, key) pair: zero gradients
+            tolerance.assert_within(tolerance.NAMES_BACKWARD, g, [np.zeros(x.shape) for x in g], (0.0,) * 3,
+                                    what=what)
+        else:
+            tolerance.assert_within(tolerance.NAMES_BACKWARD, g, r[0][2:], r[1][2:], what=what)
