@@ -238,11 +238,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, ma
                                            max_seqlen_k=max_seqlen_k, where=where, **opts)
     import cupy
 
-    cq, ck = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where, max_seqlen_q,
-                                     max_seqlen_k)
-    if max(q.shape[0], k.shape[0]) * q.shape[1] > varlen.INT32_MAX:
-        raise ValueError(f"{where}: total rows x heads = {max(q.shape[0], k.shape[0]) * q.shape[1]} overflows the "
-                         "kernels' 32-bit row index; split the batch")
+    cq, ck, cu = varlen.kernel_bounds(q, k, cu_seqlens_q, cu_seqlens_k, where, max_seqlen_q, max_seqlen_k)
     version = resolve_version(version, q.dtype)
     if version not in VARIANT_VERSIONS:
         raise ValueError(f"{where}: on the GPU packed batches run in version {' / '.join(VARIANT_VERSIONS)} "
@@ -255,7 +251,6 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, ma
     opts = variants.check(qb, kb, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, seed=seed, where=where)
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
-    cu = tuple(cupy.asarray(c, dtype=cupy.int32) for c in (cq, ck))
     o, lse = _tc().forward(qb, kb, vb, causal=causal, scale=resolve_scale(scale, D), version=version,
                            out_dtype=out_dtype, opts=opts, varlen=cu + (int(np.diff(cq).max()),))
     return cupy.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]

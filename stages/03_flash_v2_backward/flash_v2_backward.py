@@ -168,11 +168,7 @@ def backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seql
                                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, where=where, **kw)
     import cupy
 
-    cq, ck = varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where, max_seqlen_q,
-                                     max_seqlen_k)
-    if max(q.shape[0], k.shape[0]) * q.shape[1] > varlen.INT32_MAX:
-        raise ValueError(f"{where}: total rows x heads = {max(q.shape[0], k.shape[0]) * q.shape[1]} overflows the "
-                         "kernels' 32-bit row index; split the batch")
+    cq, ck, cu = varlen.kernel_bounds(q, k, cu_seqlens_q, cu_seqlens_k, where, max_seqlen_q, max_seqlen_k)
     version = resolve_version(version, q.dtype)
     if version != "tc":
         raise ValueError(f"{where}: on the GPU packed batches run in version 'tc' (float16 / bfloat16); got version "
@@ -185,7 +181,6 @@ def backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seql
     opts = variants.check(qb, kb, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, seed=seed, where=where)
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
-    cu = tuple(cupy.asarray(c, dtype=cupy.int32) for c in (cq, ck))
     dq, dk, dv = _gpu_backward(qb, kb, vb, ob, lse[None], dob, causal, resolve_scale(scale, D), version, False,
                                out_dtype, {}, None, opts, varlen=cu + (int(np.diff(ck).max()),))
     return tuple(cupy.ascontiguousarray(x[0].swapaxes(0, 1)) for x in (dq, dk, dv))

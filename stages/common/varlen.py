@@ -39,6 +39,20 @@ def check_cu_seqlens(cu_q, cu_k, total_q, total_k, where="varlen", max_seqlen_q=
     return out
 
 
+def kernel_bounds(q, k, cu_seqlens_q, cu_seqlens_k, where, max_seqlen_q=None, max_seqlen_k=None):
+    """check_cu_seqlens for a kernel launch over the whole packed batch: (cq, ck) on the host and (cu_q, cu_k) as
+    int32 arrays on q's device, or a clear error when rows x heads overflow the kernels' 32-bit row index."""
+    import cupy
+
+    cq, ck = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], where, max_seqlen_q,
+                              max_seqlen_k)
+    rows = max(q.shape[0], k.shape[0]) * q.shape[1]
+    if rows > INT32_MAX:
+        raise ValueError(f"{where}: total rows x heads = {rows} overflows the kernels' 32-bit row index; split the "
+                         "batch")
+    return cq, ck, tuple(cupy.asarray(c, dtype=cupy.int32) for c in (cq, ck))
+
+
 def check_packed(x, where, name):
     if x.ndim != 3:
         raise ValueError(f"{where}: {name} has shape {tuple(x.shape)}; expected packed (total_tokens, heads, "
