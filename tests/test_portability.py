@@ -122,3 +122,18 @@ def test_emulated_architecture_refuses_what_it_lacks(arch, monkeypatch):
     else:
         o, _ = flash_v2.forward(q, k, v)
         assert bool(cupy.isfinite(o.astype(np.float32)).all())
+
+
+def test_a_header_edit_changes_the_compiled_source(tmp_path):
+    """CuPy caches compiled modules by source text: the text of a .cu file must change when a header it includes
+    does (kernels._source appends the headers' digest), or an edited header would run from a stale cached module."""
+    import shutil
+
+    work = tmp_path / "kernels"
+    shutil.copytree(kernels.KERNELS_DIR, work)
+    before = kernels._source("flash_v2_forward_pipelined.cu", work)
+    assert before.startswith((work / "flash_v2_forward_pipelined.cu").read_text())
+    assert kernels._source("flash_v2_forward_pipelined.cu", work) == before
+    header = work / "common.cuh"
+    header.write_text(header.read_text() + "\n// an edit\n")
+    assert kernels._source("flash_v2_forward_pipelined.cu", work) != before

@@ -5,6 +5,7 @@ each architecture from sm_75 to sm_90 (resource_usage reports its registers and 
 does not compile or does not fit never lands, even though CI has no GPU.
 """
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -17,11 +18,25 @@ KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 BASE_OPTIONS = ("-std=c++17",)
 
 
-def _source(filename):
-    path = KERNELS_DIR / filename
+def _headers_digest(kernels_dir):
+    """sha256 (16 hex digits) of every header in kernels_dir: name and contents, in name order."""
+    h = hashlib.sha256()
+    for p in sorted(Path(kernels_dir).glob("*.cuh")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _source(filename, kernels_dir=None):
+    """The text compiled for kernels/<filename>: the file, then a comment with the digest of the headers.
+
+    CuPy keeps compiled modules on disk keyed by the source text and the options, and the text of a .cu file does not
+    change when a header it includes does. The digest line makes every header edit a new key, so a learner who edits
+    common.cuh gets a fresh compile instead of a cached module built from the old header."""
+    kernels_dir = Path(kernels_dir or KERNELS_DIR)
+    path = kernels_dir / filename
     if not path.exists():
         raise FileNotFoundError(f"no kernel source {path}")
-    return path.read_text()
+    return path.read_text() + f"\n// headers kernels/*.cuh: sha256 {_headers_digest(kernels_dir)}\n"
 
 
 def _define_options(defines):
