@@ -9,7 +9,8 @@ Versions (the layouts, --layout):
   zigzag      rank r holds chunks r and 2P-1-r of 2P: every rank does the same causal work.
 Backends (--backend; auto picks and says why): nccl (a GPU per rank), mpi (CuPy staged through the host: more
 ranks than GPUs), numpy (CPU). Blocks (--block): flash (stage 02 forward, stage 03 backward; the GPU default)
-or naive (stage 00; the CPU default, where the stage 02/03 tile mirrors are exact but slow).
+or naive (stage 00; the CPU default, where the stage 02/03 tile mirrors are exact but slow, and the GPU default where
+the flash kernels cannot take --kv-heads, --window or --softcap in the chosen dtype, as float32 on a T4).
 
 1. Check: fresh inputs cut into shards, the ring forward and the ring backward (from the fp64 oracle's o and
    lse, as stages.common.check_backward does), gathered to rank 0 and held to the tolerance rule against the
@@ -56,7 +57,8 @@ def parse(argv):
     ap.add_argument("--layout", choices=R.LAYOUTS, default=LAYOUT, help="how the sequence is cut into shards")
     ap.add_argument("--block", choices=sorted(R.BLOCKS), default=None,
                     help="per-block kernels: flash (stages 02/03) or naive (stage 00); default flash on GPUs, "
-                         "naive on the CPU")
+                         "naive on the CPU and where the GPU's flash kernels cannot take --kv-heads, --window or "
+                         "--softcap in the chosen dtype")
     ap.add_argument("--fwd-version", default=None, help="flash blocks: stage 02 version (default: its auto)")
     ap.add_argument("--bwd-version", default=None, help="flash blocks: stage 03 version (default: its auto)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -109,9 +111,30 @@ def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, vers
     return res
 
 
-def _versions(block, dtype, D, args, rank):
-    """(stage 02 version, stage 03 version) of the flash blocks, checked against dtype and head dim; (None, None)
-    for naive blocks. A bad choice ends every rank with the same message (printed once)."""
+def _blocks(args, gpu, dtype, variants):
+    """The per-block kernels: args.block, else flash (stages 02/03) on GPUs and naive (stage 00) on the CPU.
+
+    On the GPU the flash kernels take grouped-query k/v, window and softcap in stage 02 version pipelined only
+    (float16 / bfloat16 tensor cores, sm_80 or newer); every version's CPU mirror takes them. So where the variant
+    options meet a dtype whose flash version cannot take them (float32, the default on a T4), the default blocks are
+    naive ones on the same GPU, and the reason is returned for the header line; an explicit --block flash is checked
+    in _versions."""
+    if args.block or not gpu or not variants:
+        return args.block or ("flash" if gpu else "naive"), ""
+    from stages import flash_v2
+
+    vf = R.flash_version(dtype, args.fwd_version)
+    if vf in flash_v2.VARIANT_VERSIONS:
+        return "flash", ""
+    return "naive", (f"on the GPU the flash blocks take --kv-heads, --window and --softcap in stage 02 "
+                     f"version {' / '.join(flash_v2.VARIANT_VERSIONS)} (float16 / bfloat16, sm_80 or newer), "
+                     f"not {vf} ({np.dtype(dtype).name})")
+
+
+def _versions(block, dtype, D, args, rank, gpu=False, variants=False):
+    """(stage 02 version, stage 03 version) of the flash blocks, checked against dtype, head dim and, on the GPU, the
+    variant options; (None, None) for naive blocks. A bad choice ends every rank with the same message (printed
+    once)."""
     try:
         if block == "naive":
             if args.fwd_version or args.bwd_version:
@@ -127,6 +150,11 @@ def _versions(block, dtype, D, args, rank):
             if D not in dims:
                 raise ValueError(f"--head-dim {D}: {opt} {v} takes head dims {dims[0]}..{dims[-1]}" if len(dims) > 4
                                  else f"--head-dim {D}: {opt} {v} takes head dims {', '.join(map(str, dims))}")
+        if gpu and variants and vf not in flash_v2.VARIANT_VERSIONS:
+            raise ValueError(f"--block flash on the GPU takes --kv-heads, --window and --softcap in stage 02 version "
+                             f"{' / '.join(flash_v2.VARIANT_VERSIONS)} (--dtype float16 or bfloat16, sm_80 or newer); "
+                             f"got version {vf} ({np.dtype(dtype).name}). Use --dtype bfloat16 on an sm_80+ GPU, or "
+                             "--block naive (stage 00 on the same GPU)")
         return vf, vb
     except (TypeError, ValueError) as e:
         if rank == 0:
@@ -141,7 +169,6 @@ def main(argv=None):
     gpu = backend in ("nccl", "mpi")
     dev = "gpu" if gpu else "cpu"
     xp = __import__("cupy") if gpu else np
-    block = args.block or ("flash" if gpu else "naive")
     if gpu and not device.device().arch.bf16:  # a T4: no bf16 tensor cores; float32 at d = 64 fits its 64 KB
         dev = "gpu_sm75"
     dtype = DTYPES[args.dtype or ("bfloat16" if dev == "gpu" else "float32")]
@@ -158,12 +185,14 @@ def main(argv=None):
         raise SystemExit(2)
     opts = {key: val for key, val in (("window", tuple(args.window) if args.window else None),
                                       ("softcap", args.softcap)) if val is not None}
-    versions = _versions(block, dtype, D, args, rank)
+    variants = bool(opts) or Hkv != H
+    block, why = _blocks(args, gpu, dtype, variants)
+    versions = _versions(block, dtype, D, args, rank, gpu, variants)
     where = f"GPU {gpu_name()}" if gpu else "CPU"
     if rank == 0:
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
         print(f"   blocks {block}" + (f" (stage 02 version {versions[0]}, stage 03 version {versions[1]})"
-                                      if block == "flash" else " (stage 00)")
+                                      if block == "flash" else f" (stage 00{'; ' + why if why else ''})")
               + f", layout {layout}, causal={causal}, {np.dtype(dtype).name}, B={args.batch} H={H} Hkv={Hkv} D={D}"
               + "".join(f", {key}={val}" for key, val in opts.items()) + f", on {where} (rank 0)", flush=True)
 
