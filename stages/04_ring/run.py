@@ -111,24 +111,31 @@ def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, vers
     return res
 
 
-def _blocks(args, gpu, dtype, variants):
-    """The per-block kernels: args.block, else flash (stages 02/03) on GPUs and naive (stage 00) on the CPU.
+def _options_missed(args, gpu, dtype, variants):
+    """Why the flash blocks cannot take the variant options here, or "" when they can.
 
     On the GPU the flash kernels take grouped-query k/v, window and softcap in stage 02 version pipelined only
-    (float16 / bfloat16 tensor cores, sm_80 or newer); every version's CPU mirror takes them. So where the variant
-    options meet a dtype whose flash version cannot take them (float32, the default on a T4), the default blocks are
-    naive ones on the same GPU, and the reason is returned for the header line; an explicit --block flash is checked
-    in _versions."""
-    if args.block or not gpu or not variants:
-        return args.block or ("flash" if gpu else "naive"), ""
+    (float16 / bfloat16 tensor cores, sm_80 or newer); every version's CPU mirror takes them."""
+    if not (gpu and variants):
+        return ""
     from stages import flash_v2
 
     vf = R.flash_version(dtype, args.fwd_version)
     if vf in flash_v2.VARIANT_VERSIONS:
-        return "flash", ""
-    return "naive", (f"on the GPU the flash blocks take --kv-heads, --window and --softcap in stage 02 "
-                     f"version {' / '.join(flash_v2.VARIANT_VERSIONS)} (float16 / bfloat16, sm_80 or newer), "
-                     f"not {vf} ({np.dtype(dtype).name})")
+        return ""
+    return (f"on the GPU the flash blocks take --kv-heads, --window and --softcap in stage 02 version "
+            f"{' / '.join(flash_v2.VARIANT_VERSIONS)} (float16 / bfloat16, sm_80 or newer), not {vf} "
+            f"({np.dtype(dtype).name})")
+
+
+def _blocks(args, gpu, dtype, variants):
+    """The per-block kernels and why: args.block, else flash (stages 02/03) on GPUs and naive (stage 00) on the CPU,
+    and naive on the GPU where the flash blocks cannot take the variant options (float32, the default on a T4); an
+    explicit --block flash there is an error (_versions)."""
+    why = "" if args.block else _options_missed(args, gpu, dtype, variants)
+    if why:
+        return "naive", why
+    return args.block or ("flash" if gpu else "naive"), ""
 
 
 def _versions(block, dtype, D, args, rank, gpu=False, variants=False):
@@ -150,11 +157,9 @@ def _versions(block, dtype, D, args, rank, gpu=False, variants=False):
             if D not in dims:
                 raise ValueError(f"--head-dim {D}: {opt} {v} takes head dims {dims[0]}..{dims[-1]}" if len(dims) > 4
                                  else f"--head-dim {D}: {opt} {v} takes head dims {', '.join(map(str, dims))}")
-        if gpu and variants and vf not in flash_v2.VARIANT_VERSIONS:
-            raise ValueError(f"--block flash on the GPU takes --kv-heads, --window and --softcap in stage 02 version "
-                             f"{' / '.join(flash_v2.VARIANT_VERSIONS)} (--dtype float16 or bfloat16, sm_80 or newer); "
-                             f"got version {vf} ({np.dtype(dtype).name}). Use --dtype bfloat16 on an sm_80+ GPU, or "
-                             "--block naive (stage 00 on the same GPU)")
+        if why := _options_missed(args, gpu, dtype, variants):
+            raise ValueError(f"--block flash: {why}. Use --dtype bfloat16 on an sm_80+ GPU, or --block naive (stage 00 "
+                             "on the same GPU)")
         return vf, vb
     except (TypeError, ValueError) as e:
         if rank == 0:
