@@ -35,7 +35,8 @@ Method:
             synced (ms_synced): the host's clock around the call and a wait for the GPU, every call starting on
               an idle GPU, as in a training loop that reads its loss each step: host time adds to GPU time.
             host_us: the host's time inside one call (input checks, configuration choice, allocation, launches),
-              the median over the queued mode's calls: the part of a call a short sequence cannot hide.
+              the median over the queued mode's first 32 calls (before the launch queue can fill and make a
+              launch wait for the GPU): the part of a call a short sequence cannot hide.
             Torch gets q, k, v, dO in its own (B, N, H, d) memory layout, as (B, H, N, d) transposed views (no
             copies). Torch forward runs under torch.no_grad() (its inference path); torch backward is
             torch.autograd.grad(out, (q, k, v), dO, retain_graph=True) on a graph built once: the backward
@@ -171,9 +172,16 @@ class _Clock:
         return a.elapsed_time(b) if self.lib == "torch" else self.cupy.cuda.get_elapsed_time(a, b)
 
 
+HOST_CALLS = 32  # host_us: the first calls of the queued mode, before the launch queue can fill
+
+
 def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200):
     """Queued timing: (median ms of fn() from CUDA events around every call, all recorded before one wait, so the
-    host runs ahead and its launch overhead hides behind the GPU's work; median us the host spends inside fn())."""
+    host runs ahead and its launch overhead hides behind the GPU's work; median us the host spends inside fn()).
+
+    The host time is the median over the first HOST_CALLS calls only. The driver queues about a thousand launches
+    and events; past that a launch waits for the GPU to retire earlier work, and that wait is the GPU's time, not
+    the launcher's (a long problem's later calls would all report it)."""
     for _ in range(warmup):
         fn()
     cupy.cuda.Device().synchronize()
@@ -185,11 +193,12 @@ def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200)
     reps = int(min(max_reps, max(min_reps, target_ms / max(clock.elapsed(a, b), 1e-3))))
     starts, stops = [clock.event() for _ in range(reps)], [clock.event() for _ in range(reps)]
     host = []
-    for s, e in zip(starts, stops):
+    for i, (s, e) in enumerate(zip(starts, stops)):
         s.record()
         t0 = time.perf_counter()
         fn()
-        host.append((time.perf_counter() - t0) * 1e6)
+        if i < HOST_CALLS:
+            host.append((time.perf_counter() - t0) * 1e6)
         e.record()
     stops[-1].synchronize()
     return statistics.median(clock.elapsed(s, e) for s, e in zip(starts, stops)), statistics.median(host)

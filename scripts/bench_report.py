@@ -373,9 +373,11 @@ def modes_markdown(rows):
                 out.append(f"- {TITLES[direction]} {ours}/{ref}, {mode}: min **{lo:.2f}** ({dtype} "
                            f"{'causal' if causal else 'non-causal'} d={d} N={n}), median "
                            f"{statistics.median(x for x, _ in xs):.2f} over {len(xs)} configs")
-        hosts = [x[direction][2] for x in m.values() if direction in x]
+        hosts = [x[direction][2:] for x in m.values() if direction in x]
         if hosts:
-            out.append(f"- {TITLES[direction]} {ours}: host time per call {min(hosts):.0f} to {max(hosts):.0f} us")
+            ours_us, torch_us = zip(*hosts)
+            out.append(f"- {TITLES[direction]} {ours}: host time per call {min(ours_us):.0f} to {max(ours_us):.0f} "
+                       f"us (PyTorch {ref}, same run: {min(torch_us):.0f} to {max(torch_us):.0f} us)")
     return "\n".join(out)
 
 

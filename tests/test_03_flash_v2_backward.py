@@ -7,7 +7,7 @@ import pytest
 from stages import flash_v2_backward as fb
 from stages import naive
 from stages.common import (
-    bfloat16, cast, check_backward, check_forward, make_inputs, max_error, to_numpy, tolerance, verify,
+    bfloat16, cast, check_backward, check_forward, kernels, make_inputs, max_error, to_numpy, tolerance, verify,
 )
 from tests.conftest import CASE_IDS, CASES, case_inputs
 
@@ -158,15 +158,49 @@ def test_kernel_against_oracle(case, combo):
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
-def test_tc_other_dq_order(case, D, dtype, monkeypatch):
-    """The tc kernel with the non-default order of its atomic dQ (launcher.TC_DEFER_DQ flipped) still passes."""
+def test_tc_other_dq_order(case, D, dtype):
+    """The tc kernel with the non-default order of its atomic dQ (tc_config defer_dq: not TC_DEFER_DQ) still passes.
+    tc_config is part of the launch plan's key, so this is the other instantiation, not a plan kept from another
+    test of the same shapes."""
     import cupy
 
     from stages.flash_v2_backward import flash_v2_backward as launcher
 
-    monkeypatch.setattr(launcher, "TC_DEFER_DQ", not launcher.TC_DEFER_DQ)
     (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
-    check_backward(fb.backward, q, k, v, do, causal=causal, version="tc")
+    check_backward(fb.backward, q, k, v, do, causal=causal, version="tc",
+                   tc_config={"defer_dq": not launcher.TC_DEFER_DQ})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=["fp32", "bf16"])
+def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
+    """backward keeps each checked plain GPU call's resolved arguments under kernels.call_key. A repeat gives the same
+    gradients (deterministic mode: bit for bit); a call that differs in one argument, or new values of the same shape,
+    is right by the rule; and bad input is still refused after a good call with the same shapes."""
+    import cupy
+
+    from stages.flash_v2_backward import flash_v2_backward as launcher
+
+    q, k, v, do = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True)
+    o, lse = verify.backward_start(q, *tolerance.oracle(q, k, v))
+    first = fb.backward(q, k, v, o, lse, do, deterministic=True)
+    assert launcher._CHECKED.get(kernels.call_key((q, k, v, o, lse, do), False, None, "auto", True, None)) is not None
+    again = fb.backward(q, k, v, o, lse, do, deterministic=True)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))
+    for causal, scale, det in ((True, None, False), (False, 0.05, True), (True, 0.3, False), (False, None, False)):
+        for _ in range(2):  # the first call checks, the second goes straight to the launches
+            check_backward(fb.backward, q, k, v, do, causal=causal, scale=scale, deterministic=det)
+    q2, k2, v2, do2 = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True, scale=10.0)
+    check_backward(fb.backward, q2, k2, v2, do2)
+    with pytest.raises(TypeError, match="mixed numpy and CuPy"):
+        fb.backward(q, k, v, o, lse, cupy.asnumpy(do))
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        fb.backward(q, k, v, o, lse, do, causal="no")
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        fb.backward(q, k, v, o, lse, do, deterministic="yes")
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        fb.backward(q, k, v, o, lse, do, scale=0.0)
 
 
 @pytest.mark.gpu

@@ -110,6 +110,7 @@ def test_timing_modes_table():
     assert "| bf16 | no | 64 | 4096 | 1.10 | 1.05 | - | - | 15 / 40 | - |" in md
     assert "forward pipelined/flash, synced: min **0.88** (bf16 non-causal d=64 N=512)" in md
     assert "forward pipelined/flash, queued: min **1.10**" in md
+    assert "forward pipelined: host time per call 15 to 15 us (PyTorch flash, same run: 40 to 40 us)" in md
     assert report.modes_markdown([dict(r, ms_synced=None) for r in rows]) == ""  # older CSVs: no table
 
 

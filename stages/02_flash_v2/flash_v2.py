@@ -17,6 +17,7 @@ in natural log.
 Stage 02 is the FORWARD pass only; the FlashAttention-2 backward is stage 03. `backward` is here only so
 that every stage has the same API: it hands over to stage 03.
 """
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -38,12 +39,14 @@ FP32_BC = 64  # Bc of the fp32 kernel: 8 column groups x 8 keys per lane (fixed 
 LOG2E = mirror.LOG2E
 
 
+@functools.cache  # one import, then a dictionary lookup per call
 def _tc():
     from . import tc  # the tensor-core launcher (imported when a tensor-core version is asked for)
 
     return tc
 
 
+@functools.cache
 def _fp32x3():
     from . import fp32x3  # the 3xTF32 launcher
 
@@ -185,6 +188,12 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     Variants (stages/common/variants.py): k, v with fewer heads (grouped-query), window=(left, right),
     alibi_slopes, softcap, dropout_p with seed. The mirrors take them all; on the GPU version 'pipelined' takes
     them all too (dropout draws the same bits as the mirrors: same seed, same o, bit for bit)."""
+    plain = window is None and alibi_slopes is None and softcap is None and not dropout_p and config is None
+    key = kernels.call_key((q, k, v), causal, scale, version, out_dtype) if plain else None
+    if key is not None:  # a plain GPU call seen before: its checks passed and its Call is planned
+        call = _CALLS.get(key)
+        if call is not None:
+            return call(q, k, v)
     where = "flash_v2.forward"
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where=where, gqa=True)
     causal = check_causal(causal, where)
@@ -211,10 +220,17 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
                              f"mirror (numpy inputs) takes them all. Got version {version!r}")
         return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
     if version == "fp32x3":
-        return _fp32x3().forward(q, k, v, causal=causal, scale=scale)
-    if version != "fp32":
-        return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
-    return _fp32_forward(q, k, v, causal=causal, scale=scale, config=config)
+        call = _fp32x3().call(q, k, v, causal=causal, scale=scale)
+    elif version != "fp32":
+        call = _tc().call(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
+    else:
+        call = kernels.planned_call(_PLANS, _fp32_plan, q, k, v, causal=causal, scale=scale, config=config)
+    if key is not None:  # plain attention (grouped-query k, v took the opts path above)
+        kernels.remember(_CALLS, key, call)
+    return call(q, k, v)
+
+
+_CALLS = {}  # kernels.call_key of a plain GPU call -> its kernels.Call
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
@@ -272,13 +288,6 @@ def _fp32_plan(B, H, Nq, Nk, D, causal, scale, config, dev):
                           smem)
     return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
                           (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(causal)))
-
-
-def _fp32_forward(q, k, v, *, causal, scale, config=None):
-    """Launch kernels/flash_v2_forward_fp32.cu on CuPy float32 arrays (already checked).
-    config: an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) to override the device's choice
-    (scripts/sweep_flash_v2.py)."""
-    return kernels.planned_forward(_PLANS, _fp32_plan, q, k, v, causal=causal, scale=scale, config=config)
 
 
 # Head dims CI compiles the fp32 kernel at: each candidate configuration's range, odd dims, non-multiples of 4.

@@ -117,7 +117,12 @@ def _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev):
                           (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(bool(causal))))
 
 
+def call(q, k, v, *, causal=False, scale, cfg=None):
+    """The kernels.Call of CuPy float32 q, k, v already validated by flash_v2.forward; scale is a float. cfg: a Config
+    to override the device's choice (tuning runs)."""
+    return kernels.planned_call(_PLANS, _plan, q, k, v, causal=causal, scale=scale, config=cfg)
+
+
 def forward(q, k, v, *, causal=False, scale, cfg=None):
-    """o (B, H, Nq, D) float32 and lse (B, H, Nq) float32 for CuPy float32 q, k, v already validated by
-    flash_v2.forward; scale is a float. cfg: a Config to override the device's choice (tuning runs)."""
-    return kernels.planned_forward(_PLANS, _plan, q, k, v, causal=causal, scale=scale, config=cfg)
+    """o (B, H, Nq, D) float32 and lse (B, H, Nq) float32 (call's launch, run once)."""
+    return call(q, k, v, causal=causal, scale=scale, cfg=cfg)(q, k, v)

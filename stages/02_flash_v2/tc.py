@@ -198,9 +198,9 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
                           + variants.dropout_scalars(opts))
 
 
-def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, varlen=None):
-    """o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by flash_v2.forward
-    (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32.
+def call(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, varlen=None):
+    """The kernels.Call that gives o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by
+    flash_v2.forward (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32.
     opts: variants.Options (grouped-query k, v; window, softcap, ALiBi), None for plain attention.
     varlen: (cu_q, cu_k, max_seqlen_q), int32 device arrays of a packed batch: then B = 1 and q, k, v hold every
     sequence's rows head by head ((1, H, total, D)); sequence s is rows cu[s]:cu[s + 1] (flash_v2.forward_varlen)."""
@@ -219,14 +219,19 @@ def forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None,
                              lambda: _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev,
                                            key_opts, vl))
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
-        launch = launch._replace(scalars=launch.scalars[:-2] + variants.seed_scalars(opts.seed))
+        launch = launch.with_scalars(launch.scalars[:-2] + variants.seed_scalars(opts.seed))
     if version == "tc":
-        return kernels.run_forward(launch, q, k, v, odtype)
+        return kernels.Call(launch, odtype)
     cu = (NULL, NULL) if varlen is None else varlen[:2]
     if slopes is None:
-        return kernels.run_forward(launch, q, k, v, odtype, NULL, *cu)
+        return kernels.Call(launch, odtype, (NULL, *cu))
     slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
-    return kernels.run_forward(launch, q, k, v, odtype, slopes, *cu)
+    return kernels.Call(launch, odtype, (slopes, *cu))
+
+
+def forward(q, k, v, **kw):
+    """o, lse: call(q, k, v, **kw), run once."""
+    return call(q, k, v, **kw)(q, k, v)
 
 
 NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)

@@ -108,6 +108,13 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     Variants (stages/common/variants.py): grouped-query k, v (fewer heads), window, alibi_slopes, softcap,
     dropout_p with seed; the mirror (numpy inputs) takes them all, and so does version 'tc' on the GPU with
     deterministic=False (dropout regenerates the forward's mask from the seed: pass the forward's dropout_p, seed)."""
+    plain = (window is None and alibi_slopes is None and softcap is None and not dropout_p and tc_config is None
+             and profile is None)
+    key = kernels.call_key((q, k, v, o, lse, do), causal, scale, version, deterministic, out_dtype) if plain else None
+    if key is not None:  # a plain GPU call seen before: its checks passed; the same resolved arguments
+        checked = _CHECKED.get(key)
+        if checked is not None:
+            return _gpu_backward(q, k, v, o, lse, do, *checked)
     where = "flash_v2_backward"
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, gqa=True)
     causal = check_causal(causal, where)
@@ -137,8 +144,13 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     if xp is np:
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
                                deterministic=bool(deterministic), out_dtype=out_dtype, opts=opts)
-    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, bool(deterministic), out_dtype,
-                         tc_config or {}, profile, opts)
+    checked = (causal, scale, version, bool(deterministic), out_dtype, tc_config or {}, profile, opts)
+    if key is not None and opts is None:  # plain attention (grouped-query k, v has opts)
+        kernels.remember(_CHECKED, key, checked)
+    return _gpu_backward(q, k, v, o, lse, do, *checked)
+
+
+_CHECKED = {}  # kernels.call_key of a plain GPU call -> its checked arguments, as _gpu_backward takes them
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -241,12 +253,13 @@ def _mark(profile, name):
 
 class _Plan(NamedTuple):
     """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or the
-    dQ conversion; Nq_pad, the rows of D_i and L_i; the shape of the fp32 dQ accumulator."""
+    dQ conversion; rows, the length of D_i and of L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the
+    elements of the fp32 dQ accumulator."""
     pre: kernels.Launch
     main: kernels.Launch
     last: kernels.Launch
-    nq_pad: int
-    acc_shape: tuple
+    rows: int
+    acc: int
 
 
 _PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
@@ -304,7 +317,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
         last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
                               (min(-(-n // 1024), 65535),), (256,), 0, (f32(scale), np.int64(n)))
-    return _Plan(pre, main, last, Nq_pad, (B, H, Nq, D) if not deterministic else (1,))
+    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1)
 
 
 def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile,
@@ -325,9 +338,10 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
                                                       deterministic, tc_config, dev, key_opts, vl))
     q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
-    Dvec = cupy.empty((B * H, plan.nq_pad), np.float32)  # D_i = rowsum(dO_i * O_i)
-    Lvec = cupy.empty((B * H, plan.nq_pad), np.float32)  # L_i
-    dq_acc = cupy.empty(plan.acc_shape, np.float32)  # the fp32 dQ accumulator (1 element in deterministic mode)
+    # the scratch, in one float32 allocation: D_i = rowsum(dO_i * O_i) and L_i, (B H, Nq_pad) each, then the fp32 dQ
+    # accumulator (1 element in deterministic mode); the kernels get the three device addresses
+    scratch = cupy.empty(2 * plan.rows + plan.acc, np.float32)
+    Dvec, Lvec, dq_acc = (scratch.data.ptr + 4 * offset for offset in (0, plan.rows, 2 * plan.rows))
     _mark(profile, "start")
     plan.pre(o, do, lse, Dvec, Lvec, dq_acc)
     _mark(profile, "preprocess+zero")
@@ -339,7 +353,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, ou
                                                           (B, H)))
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
-        main = main._replace(scalars=main.scalars[:-2] + variants.seed_scalars(opts.seed))
+        main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
     cu = (NULL, NULL) if varlen is None else varlen[:2]
     main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((slopes,) + cu if version == "tc" else ()))
     if opts is not None:

@@ -7,11 +7,15 @@ does not compile or does not fit never lands, even though CI has no GPU.
 import functools
 import hashlib
 import os
+import struct
+import sys
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from . import device
 from .verify import empty
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
@@ -72,20 +76,105 @@ def function(module, name, smem):
     return fn
 
 
-class Launch(NamedTuple):
+def scalar_slot(x):
+    """The 8-byte kernel-parameter slot of a numpy scalar argument (int32, uint32, float32, int64, uint64, ...): its
+    bytes, little-endian, zero-padded to 8. The driver reads as many bytes from the slot as the kernel's parameter
+    has (4 for int and float, 8 for a pointer or long long), so one 8-byte slot holds any of them."""
+    if not isinstance(x, np.generic) or x.dtype.itemsize > 8:
+        raise TypeError(f"a kernel's scalar argument must be a numpy scalar of at most 8 bytes (np.int32(n), "
+                        f"np.float32(x), ...), got {type(x).__name__}")
+    return int.from_bytes(x.tobytes().ljust(8, b"\0"), "little")
+
+
+class Launch:
     """One kernel launch as a launcher plans it: the compiled function, grid, block, dynamic shared memory, and the
-    scalar arguments that follow the arrays. launch(*arrays) runs it on the current stream."""
-    fn: object
-    grid: tuple
-    block: tuple
-    smem: int
-    scalars: tuple
+    scalar arguments that follow the arrays. launch(*arrays) runs it on the current stream; an array is a CuPy
+    array or a device address (an int, np.uint64(0) for a null pointer).
+
+    How a launch reaches the GPU: cuLaunchKernel takes kernelParams, an array of one pointer per kernel parameter,
+    each pointing at that parameter's value. A plan's scalars are the same on every call, so their values are
+    written once, into 8-byte slots after the arrays' slots (scalar_slot), with the array of their addresses beside
+    them. A call writes only the arrays' device addresses into their slots and launches: a few microseconds of host
+    time, where a general launcher (cupy.RawKernel) converts every argument again on every call. The lock keeps two
+    threads from writing one plan's slots at once; the driver copies the values when the launch is queued, so the
+    slots are free again as soon as cuLaunchKernel returns."""
+
+    def __init__(self, fn, grid, block, smem, scalars):
+        self.fn, self.smem, self.scalars = fn, int(smem), tuple(scalars)
+        self.grid, self.block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+        self._slots = {}  # number of arrays -> _slots_for(number)
+        self._lock = threading.Lock()
+
+    def with_scalars(self, scalars):
+        """The same launch with other scalar arguments (a call's dropout seed)."""
+        return Launch(self.fn, self.grid, self.block, self.smem, scalars)
+
+    def _slots_for(self, n):
+        """(slot values, pointer array, its address, a packer of the n array addresses) for a call with n arrays."""
+        hit = self._slots.get(n)
+        if hit is None:
+            values = np.zeros(n + len(self.scalars), np.uint64)
+            values[n:] = [scalar_slot(x) for x in self.scalars]
+            pointers = values.ctypes.data + 8 * np.arange(values.size, dtype=np.uint64)
+            hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), struct.Struct(f"<{n}Q").pack_into)
+        return hit
 
     def __call__(self, *arrays):
-        self.fn(self.grid, self.block, arrays + self.scalars, shared_mem=self.smem)
+        ndarray, driver, current_stream = _cuda()
+        values, _, params, pack = self._slots.get(len(arrays)) or self._slots_for(len(arrays))
+        addresses = [a.data.ptr if isinstance(a, ndarray) else int(a) for a in arrays]
+        with self._lock:
+            pack(values, 0, *addresses)
+            try:
+                # fn is a cupy.RawKernel; fn.kernel, its compiled function on the current device
+                driver.launchKernel(self.fn.kernel.ptr, *self.grid, *self.block, self.smem, current_stream().ptr,
+                                    params, 0)
+                return
+            except driver.CUDADriverError as e:
+                if e.status != _CUDA_ERROR_INVALID_CONTEXT:
+                    raise
+        # a host thread whose CUDA context was never made current: CuPy's launch sets it up (once per thread)
+        self.fn(self.grid, self.block, tuple(arrays) + self.scalars, shared_mem=self.smem)
+
+
+@functools.cache
+def _cuda():
+    """(cupy.ndarray, CuPy's CUDA driver module, cupy.cuda.get_current_stream), imported on the first launch."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    return cupy.ndarray, driver, cupy.cuda.get_current_stream
+
+
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 MAX_PLANS = 512  # launch plans kept per launcher (a training run with many shapes starts over when full)
+
+
+def call_key(arrays, *args):
+    """What the checks and the launch plan of a call on CuPy arrays depend on: each array's type, shape and dtype,
+    the other arguments and their types (1 == True, but a check may take one and refuse the other), and the device.
+    A launcher keeps what a checked call resolved to under this key (remember), and a later call with an equal key
+    passed the same checks and gets the same plan, so it skips straight to its launches: a few microseconds of host
+    time instead of a few tens. None for numpy inputs, and for arguments that cannot be part of a key (the checks
+    then run and say what is wrong)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None or not isinstance(arrays[0], cupy.ndarray):
+        return None
+    try:
+        key = (*args, *map(type, args), device.device(), *[x for a in arrays for x in (type(a), a.shape, a.dtype)])
+        hash(key)
+    except (AttributeError, TypeError):  # not an array, or an argument such as a CuPy scalar array
+        return None
+    return key
+
+
+def remember(cache, key, value):
+    """cache[key] = value, starting over when the cache holds MAX_PLANS entries."""
+    if len(cache) >= MAX_PLANS:
+        cache.clear()
+    cache[key] = value
 
 
 def planned(cache, key, build):
@@ -97,25 +186,34 @@ def planned(cache, key, build):
     (scripts/bench.py reports the host time per call, host_us)."""
     plan = cache.get(key)
     if plan is None:
-        if len(cache) >= MAX_PLANS:
-            cache.clear()
-        plan = cache[key] = build()
+        plan = build()
+        remember(cache, key, plan)
     return plan
 
 
-def planned_forward(cache, make_plan, q, k, v, *, causal, scale, config=None):
-    """o, lse (float32) of a float32 forward kernel whose launch depends on (B, H, Nq, Nk, D, causal, scale,
-    config, device): the plan made once per key by make_plan(B, H, Nq, Nk, D, causal, scale, config, dev), then
-    run_forward. config: a tuple overriding the device's choice (tuning runs), or None."""
-    from . import device
-
+def planned_call(cache, make_plan, q, k, v, *, causal, scale, config=None):
+    """The Call of a float32 forward kernel whose launch depends on (B, H, Nq, Nk, D, causal, scale, config, device):
+    the plan made once per key by make_plan(B, H, Nq, Nk, D, causal, scale, config, dev). config: a tuple overriding
+    the device's choice (tuning runs), or None."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dev = device.device()
     config = None if config is None else tuple(config)
     launch = planned(cache, (B, H, Nq, Nk, D, causal, scale, config, dev),
                      lambda: make_plan(B, H, Nq, Nk, D, causal, scale, config, dev))
-    return run_forward(launch, q, k, v, np.float32)
+    return Call(launch, np.dtype(np.float32))
+
+
+class Call(NamedTuple):
+    """A forward call as its launcher planned it: call(q, k, v) returns o (in odtype) and lse through run_forward, with
+    the extra arguments after lse (ALiBi slopes, packed-batch bounds). A plain call's Call depends only on what its
+    plan does, so flash_v2.forward keeps it per key and a repeated call goes straight to it."""
+    launch: Launch
+    odtype: np.dtype
+    extra: tuple = ()
+
+    def __call__(self, q, k, v):
+        return run_forward(self.launch, q, k, v, self.odtype, *self.extra)
 
 
 def run_forward(launch, q, k, v, odtype, *extra):
