@@ -12,6 +12,7 @@ with 4 ranks on one GPU (mpi backend); the NCCL ring's transfers on one GPU (a r
 and, with two GPUs, run.py on the nccl backend (skipped with the reason otherwise).
 """
 import csv
+import os
 import pathlib
 import subprocess
 import sys
@@ -426,6 +427,19 @@ def _launch(n, *args, timeout=60):
         pytest.fail(f"mpirun hung for {timeout} s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
     _launch.seconds = time.monotonic() - t0
     return p.returncode, p.stdout + p.stderr
+
+
+def test_mpi_env_puts_this_checkout_first_on_the_ranks_path(monkeypatch):
+    """The ranks import the `stages` of this checkout (the one the tests import), installed or not; an existing
+    PYTHONPATH stays after it."""
+    import stages
+
+    root = str(pathlib.Path(stages.__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/elsewhere", ""]))
+    assert mpi_env()["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert mpi_env()["PYTHONPATH"] == root
+    assert mpi_env(PYTHONPATH="/only")["PYTHONPATH"] == "/only"  # an explicit value still wins
 
 
 MPI_RUNS = [  # (ranks, layout, causal, total length): both layouts, both masks, lengths that need padding

@@ -40,8 +40,15 @@ def mpirun_command(n):
 
 
 def mpi_env(**extra):
-    """os.environ plus unbuffered output, one OpenMP thread per rank, and Open MPI's run-as-root consent."""
+    """os.environ plus unbuffered output, one OpenMP thread per rank, Open MPI's run-as-root consent, and this
+    checkout first on PYTHONPATH: every rank imports the same `stages` as the process that launched it, whether or
+    not the package is installed (`pip install -e .`)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    others = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + others)
     env.update(extra)
     return env
+
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the folder that holds stages/
