@@ -477,7 +477,8 @@ def results_readme(results_dir=None):
                   "starting on an idle GPU (a training loop that reads its loss every step), so the host's time "
                   "per call adds to the GPU's. Ratios are PyTorch's time over ours (above 1: ours is faster), "
                   "for the forward (`pipelined` / flash) and the backward (`tc` / flash); host us is the median "
-                  "host time inside one call (input checks, configuration, allocation, launches).", "",
+                  "host time inside one call (input checks, configuration, allocation, launches) over the queued "
+                  "mode's first 32 calls, before the launch queue fills.", "",
                   modes, ""]
     lines += ["## Ring attention", "",
               "`stages/04_ring/bench_ring.py` times the ring's forward and backward (the slowest rank) on P GPUs at "
