@@ -104,21 +104,30 @@ def _eps(dtype):
 
 def _condition(q, k, v, do, o, causal):
     """Elementwise sizes of what each float32 output is summed from (the classic componentwise error bound
-    |fl(x) - x| <= gamma * size): o from P |V|, lse from |S|, dv from P^T |dO|, and dq, dk from
-    dS = P (dP - D) whose dP and D are float32 dot products of size |dO| |V|^T and sum |dO O|."""
+    |fl(x) - x| <= gamma * size): o from P |V|, lse from |S|, dv from P^T |dO|, and dq, dk from dS = P (dP - D),
+    whose dP and D are float32 dot products of size |dO| |V|^T and sum |dO O|.
+
+    The backward recomputes P = exp(S - L) from the saved lse: S carries its rounding (size S_size = scale |Q| |K|^T)
+    and L its rounding to float32 (size |L|), so P_ij is off by a relative P_size_ij = S_size_ij + |L_i| (times the
+    unit roundoff), and that error multiplies all of (dP_ij - D_i) in dS_ij, not dP_ij alone: with P one-hot (x100
+    logits) a small P_ij can meet a dP_ij near zero while D_i is not."""
     q, k, v, do, o = (x.astype(np.float64) for x in (q, k, v, do, o))
     scale = 1 / np.sqrt(q.shape[-1])
     s = naive.scores(q, k, scale, causal, np)  # (B, H, Nq, Nk)
     m = s.max(-1, keepdims=True)
     m = np.where(np.isinf(m), 0, m)
-    p = np.exp(s - m)
-    p /= np.where(p.sum(-1, keepdims=True) == 0, 1, p.sum(-1, keepdims=True))
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    p = e / np.where(total == 0, 1, total)
+    lse = np.where(total == 0, 0, m + np.log(np.where(total == 0, 1, total)))  # fully masked rows: P = 0
     s_size = scale * np.abs(q) @ np.abs(k).swapaxes(-1, -2)  # size of each S_ij
+    p_size = s_size + np.abs(lse)  # the backward's P = exp(S - L): S's rounding and L's
+    d_row = (do * o).sum(-1, keepdims=True)  # D_i
     ds_size = p * (np.abs(do) @ np.abs(v).swapaxes(-1, -2) + np.abs(do * o).sum(-1, keepdims=True)
-                   + s_size * np.abs(do @ v.swapaxes(-1, -2)))  # dP, D and the rounding of S inside P
+                   + p_size * np.abs(do @ v.swapaxes(-1, -2) - d_row))  # dP, D, and P's rounding times (dP - D)
     return (p @ np.abs(v) + (p * s_size) @ np.abs(v), (p * s_size).sum(-1) + np.abs(m[..., 0]),
             scale * ds_size @ np.abs(k), scale * ds_size.swapaxes(-1, -2) @ np.abs(q),
-            p.swapaxes(-1, -2) @ np.abs(do) + (p * s_size).swapaxes(-1, -2) @ np.abs(do))
+            p.swapaxes(-1, -2) @ np.abs(do) + (p * p_size).swapaxes(-1, -2) @ np.abs(do))
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -144,12 +153,16 @@ def test_float32_against_oracle(case):
 
 
 def test_float32_check_fails_on_a_wrong_formula():
-    """The a-priori bound above fails naive attention with the scale off by 1e-3."""
+    """The a-priori bound above fails naive attention with the scale off by 1e-3, forward and backward (at unit
+    inputs: with x100 logits P is one-hot, and a one-hot row is blind to the scale)."""
     q, k, v, do = make_inputs(1, 2, 50, 60, 32, grad=True)
-    o64, _ = tolerance.oracle(q, k, v)
-    o_bad, _ = naive.forward(q, k, v, scale=(1 + 1e-3) / np.sqrt(32))
-    size = _condition(q, k, v, do, o64, False)[0]
-    assert (np.abs(o_bad - o64) > 4 * np.sqrt(60) * 2.0 ** -24 * size).any()
+    o64, lse64, *grads64 = tolerance.oracle(q, k, v, do)
+    o_in, lse_in = verify.backward_start(q, o64, lse64)
+    bad = 1.001 / np.sqrt(32)
+    outs = naive.forward(q, k, v, scale=bad)[:1] + naive.backward(q, k, v, o_in, lse_in, do, scale=bad)
+    sizes = _condition(q, k, v, do, o_in, False)
+    for name, x_bad, ref, size in zip(("o", "dq", "dk", "dv"), outs, [o64] + grads64, sizes[:1] + sizes[2:]):
+        assert (np.abs(x_bad - ref) > 4 * np.sqrt(60) * 2.0 ** -24 * size).any(), name
 
 
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
