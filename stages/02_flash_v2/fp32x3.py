@@ -1,6 +1,6 @@
 """Stage 02, version "fp32x3" of the FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1): launcher.
 
-    o, lse = forward(q, k, v, causal=False, scale=scale)   # CuPy float32 arrays only
+    o, lse = call(q, k, v, causal=False, scale=scale)(q, k, v)   # CuPy float32 arrays only
 
 Called by flash_v2.forward (which validates the inputs); kernel kernels/flash_v2_forward_fp32x3.cu: float32 in and
 out, S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k8 TF32) with the 3xTF32 split (each operand =
@@ -121,8 +121,3 @@ def call(q, k, v, *, causal=False, scale, cfg=None):
     """The kernels.Call of CuPy float32 q, k, v already validated by flash_v2.forward; scale is a float. cfg: a Config
     to override the device's choice (tuning runs)."""
     return kernels.planned_call(_PLANS, _plan, q, k, v, causal=causal, scale=scale, config=cfg)
-
-
-def forward(q, k, v, *, causal=False, scale, cfg=None):
-    """o (B, H, Nq, D) float32 and lse (B, H, Nq) float32 (call's launch, run once)."""
-    return call(q, k, v, causal=causal, scale=scale, cfg=cfg)(q, k, v)

@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the folder that holds stages/
+
 
 def find_mpirun():
     """Path of mpirun (or mpiexec): next to sys.executable first, then PATH; None when there is none."""
@@ -49,6 +51,3 @@ def mpi_env(**extra):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + others)
     env.update(extra)
     return env
-
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the folder that holds stages/
