@@ -4,6 +4,10 @@
 //
 // flash_bwd_tc<T, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ, DQ_MT, KREG, BRC>: block per (K/V tile j, batch*head), Bc / 16
 //   warps (Bc = 128: 8 warps; Br = 128 at d=64, 64 at d=128): warp w owns rows 16w..16w+15 of K_j, V_j, dK_j, dV_j.
+//   d = 256: a warp's 16 rows of dK_j and dV_j would be 256 fp32 registers a thread, more than a thread has, so
+//   the head dim is split in DP = 2 column halves, one per block (grid.z): each block computes all of S_ij^T and
+//   dP_ij^T (they sum over the whole head dim) but accumulates only its half of dK_j, dV_j and adds only its half
+//   of dQ_i: S and dP are computed twice, 1.4x the FLOPs of one pass (7 of FA2's 5 matmul units x 2 halves / 10).
 //   K_j, V_j are loaded once; the block loops over Q tiles i with Q_i, dO_i, L_i, D_i double-buffered by cp.async.
 //   A Q tile is computed in chunks of BRC = 64 query rows: per chunk, each warp computes S_ij^T = K_j Q_i^T and
 //   dP_ij^T = V_j dO_i^T for its 16 key rows; P^T and dS^T then sit in registers exactly in the A-fragment layout
@@ -73,17 +77,18 @@ __device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
 }
 
 // Alg.2 L15 for one Q tile: dQ_i += dS_ij K_j, summed over all Bc key rows (all warps), from dS_ij^T in
-// shared memory. The Bc / 16 warps split dQ_i (Br x HD) into tiles of 16 MT rows x NCOL columns; other K/V blocks
+// shared memory, for the HDP columns pc.. of dQ_i this block adds (HDP = HD unless the head dim is split, see
+// flash_bwd_tc). The Bc / 16 warps split dQ_i (Br x HDP) into tiles of 16 MT rows x NCOL columns; other K/V blocks
 // add to the same rows at the same time, hence fp32 atomic adds. Lanes t and t^1 swap a pair so that each holds 4
 // consecutive columns of one row: one 16-byte red.global.add.v4.f32 (sm_90) instead of four 4-byte atomics.
-template <typename T, int HD, int Br, int Bc, int MT, int LDK, int LDS>
+template <typename T, int HD, int HDP, int Br, int Bc, int MT, int LDK, int LDS>
 __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float* dQacc, int q_tile0, int Nq,
-                                               int warp, int lane) {
+                                               int pc, int warp, int lane) {
     constexpr int NW = Bc / 16;  // warps in the block
-    constexpr int RG = Br / (16 * MT), NCOL = HD / (NW / RG), NQ = NCOL / 8;  // warp -> rows qr0.., columns dc0..
+    constexpr int RG = Br / (16 * MT), NCOL = HDP / (NW / RG), NQ = NCOL / 8;  // warp -> rows qr0.., columns dc0..
     static_assert(NW % RG == 0 && NQ % 2 == 0, "dQ_i split: the warps must cover Br / (16 MT) row groups evenly");
     const int g = lane / 4, t = lane % 4, mi = lane / 8;
-    const int qr0 = 16 * MT * (warp % RG), dc0 = (warp / RG) * NCOL;
+    const int qr0 = 16 * MT * (warp % RG), dc0 = pc + (warp / RG) * NCOL;
     float dq[MT][NQ][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -163,8 +168,11 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
     constexpr int LDS = Br + 8;  // row stride of dS^T
     constexpr int NS = BRC / 8;  // n-tiles (8 query columns) of this warp's S^T slice of one chunk
-    constexpr int ND = HD / 8;   // n-tiles of dK_j, dV_j rows
+    constexpr int DP = HD > 128 ? 2 : 1;  // column parts of dK_j, dV_j, dQ_i (one per block: grid.z)
+    constexpr int HDP = HD / DP;           // columns of one part: this block's are pc..pc + HDP - 1
+    constexpr int ND = HDP / 8;            // n-tiles of this block's dK_j, dV_j rows
     static_assert(Br % BRC == 0 && BRC % 16 == 0, "Br: a multiple of the BRC-row chunk");
+    const int pc = DP > 1 ? (int)blockIdx.z * HDP : 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Ks = reinterpret_cast<T*>(smem_raw);
     T* Vs = Ks + Bc * LDK;
@@ -259,8 +267,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             }
         }
         if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain while tile i is computed
-            dq_tile_atomic<T, HD, Br, Bc, DQ_MT, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br, Nq,
-                                                           warp, lane);
+            dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br,
+                                                                Nq, pc, warp, lane);
         T* dSt = dSs + (DEFER_DQ ? buf : 0) * Bc * LDS;
 
 #pragma unroll 1
@@ -357,10 +365,11 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 #pragma unroll
             for (int kk = 0; kk < BRC / 16; ++kk) {
 #pragma unroll
-                for (int np = 0; np < HD / 16; ++np) {
+                for (int np = 0; np < HDP / 16; ++np) {  // this block's columns pc + 16 np..
                     u32 bo[4], bq[4];
-                    ldmatrix_x4_trans(bo, dOb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
-                    ldmatrix_x4_trans(bq, Qb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
+                    const int col = pc + np * 16 + (mi / 2) * 8;
+                    ldmatrix_x4_trans(bo, dOb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + col);
+                    ldmatrix_x4_trans(bq, Qb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + col);
                     mma_16816<T>(dv[2 * np], pa[kk], bo);
                     mma_16816<T>(dv[2 * np + 1], pa[kk], bo + 2);
                     mma_16816<T>(dk[2 * np], dsa[kk], bq);
@@ -380,23 +389,23 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         }
         if (DQ_ATOMIC && !DEFER_DQ) {
             __syncthreads();  // all of dS_ij^T is in shared memory before any warp reads other warps' rows
-            dq_tile_atomic<T, HD, Br, Bc, DQ_MT, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, warp, lane);
+            dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, pc, warp, lane);
         }
     }
     if (DQ_ATOMIC && DEFER_DQ && i_begin < Tr) {  // dQ of the last Q tile
         __syncthreads();  // every warp has written its rows of the last dS^T
-        dq_tile_atomic<T, HD, Br, Bc, DQ_MT, LDK, LDS>(dSs + ((Tr - 1 - i_begin) & 1) * Bc * LDS, Ks, dQacc,
-                                                       (Tr - 1) * Br, Nq, warp, lane);
+        dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSs + ((Tr - 1 - i_begin) & 1) * Bc * LDS, Ks, dQacc,
+                                                            (Tr - 1) * Br, Nq, pc, warp, lane);
     }
 
-    // Alg.2 L19: write dK_j = scale * (sum dS^T Q), dV_j as T, rows < Nk
+    // Alg.2 L19: write dK_j = scale * (sum dS^T Q), dV_j as T, rows < Nk, this block's columns
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int kv = j * Bc + 16 * warp + g + 8 * h;
         if (kv < Nk) {
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
-                const long idx = (long)kv * HD + n * 8 + 2 * t;
+                const long idx = (long)kv * HD + pc + n * 8 + 2 * t;
                 store2(dV + idx, (DROP ? rp : 1.f) * dv[n][2 * h], (DROP ? rp : 1.f) * dv[n][2 * h + 1]);
                 store2(dK + idx, scale * dk[n][2 * h], scale * dk[n][2 * h + 1]);
             }
@@ -404,9 +413,14 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     }
 }
 
-// Shared memory bytes of flash_bwd_dq_tc: Q_i, dO_i once, K_j and V_j double-buffered.
+// Keys per K/V tile of flash_bwd_dq_tc: 64; 32 at d = 256, where a warp's 16 x 256 dQ_i already takes 128
+// registers a thread beside S and dP.
 template <int HD>
-__host__ __device__ constexpr int smem_bytes_dq() { return 2 * (2 * 64 * (HD + 8) + 2 * 2 * 64 * (HD + 8)); }
+__host__ __device__ constexpr int dq_bc() { return HD > 128 ? 32 : 64; }
+
+// Shared memory bytes of flash_bwd_dq_tc: Q_i, dO_i once (64 rows), K_j and V_j double-buffered.
+template <int HD>
+__host__ __device__ constexpr int smem_bytes_dq() { return 2 * (2 * 64 * (HD + 8) + 2 * 2 * dq_bc<HD>() * (HD + 8)); }
 
 // Deterministic dQ pass: grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i.
 // dQ: (BH, Nq, HD) of T, written once.
@@ -415,7 +429,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, TO* __restrict__ dQ,
     int Nq, int Nk, int Nq_pad, float scale, int causal) {
-    constexpr int Br = 64, Bc = 64, NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
+    constexpr int Br = 64, Bc = dq_bc<HD>(), NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Qs = reinterpret_cast<T*>(smem_raw);
     T* dOs = Qs + Br * LDK;

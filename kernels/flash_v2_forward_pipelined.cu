@@ -13,8 +13,9 @@
 //        natural-exp range reduction); the FMUL is not fused with the FADD so the row max gives exactly 1;
 //      * each warp owns MT = 2 m-tiles (32 rows of Q_i; Br = 128 with 4 warps, FA2's own layout): every K/V
 //        fragment read from shared memory feeds two mma instead of one, halving shared-memory traffic per FLOP;
-//      * tiles per head dim (stages/02_flash_v2/tc.py CONFIG): S (32 x Bc) and O_i (32 x d) of a warp share
-//        one thread's registers, which is what bounds Bc as d grows;
+//      * tiles per head dim (stages/02_flash_v2/tc.py CANDIDATES): S (32 x Bc) and O_i (32 x d) of a warp share
+//        one thread's registers, which is what bounds Bc as d grows (d = 256: one m-tile per warp, O_i alone
+//        is 128 registers a thread);
 //      * 32-bit shared addresses: each lane computes one base per operand, fragments are base + constant
 //        (fewer registers and address instructions than 64-bit generic pointers);
 //      * a K/V tile with no row past Nk (all but a ragged last one) is copied without per-row checks: one base
@@ -125,9 +126,10 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
     // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
     // copies chunk tid % CHP of rows tid / CHP + RS * it: its addresses are one base plus constant offsets.
-    constexpr int CHP = CH <= 4 ? 4 : CH <= 8 ? 8 : 16;  // chunks per row rounded up to a power of 2 (D = 96: 16)
-    constexpr int RS = NT / CHP;                           // rows covered by one pass of all threads
-    static_assert(D % 16 == 0 && D <= 128 && BR % RS == 0 && BC % RS == 0, "a pass must cover whole rows");
+    constexpr int CHP = CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;  // chunks per row rounded up to a power
+                                                                          // of 2 (D = 96: 16)
+    constexpr int RS = NT / CHP;                                          // rows covered by one pass of all threads
+    static_assert(D % 16 == 0 && D <= 256 && BR % RS == 0 && BC % RS == 0, "a pass must cover whole rows");
     const int lr = tid / CHP, lc = (tid % CHP) * 8;
     auto load_tile = [&](T* dst, const T* src, int r0, int rows, int n) {
         const T* s0 = src + (long)(r0 + lr) * D + lc;

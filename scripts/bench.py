@@ -314,9 +314,15 @@ class Config:
 
 
 def _plan(cfg, direction):
-    """[(impl, version)] to run for one config and direction, in table order."""
+    """[(impl, version)] to run for one config and direction, in table order: our versions that take the config's
+    head dim (version "tc" of the forward stops at 128), then PyTorch's."""
+    from stages import flash_v2, flash_v2_backward
+
     p = _precision(cfg.dtype)
-    ours = OURS_FWD[p] if direction == "fwd" else [name for _, _, name in OURS_BWD[p]]
+    if direction == "fwd":
+        ours = [v for v in OURS_FWD[p] if cfg.head_dim in flash_v2.head_dims(v)]
+    else:
+        ours = [name for base, _, name in OURS_BWD[p] if cfg.head_dim in flash_v2_backward.HEAD_DIMS[base]]
     return [("ours", v) for v in ours] + [("torch", v) for v in TORCH_VERSIONS[p]]
 
 

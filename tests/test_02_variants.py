@@ -89,7 +89,7 @@ def _cupy():
 @pytest.mark.gpu
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", list(LOW))
-@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("name", list(VARIANT_CASES))
 def test_gpu_pipelined_with_options_against_oracle(name, D, dt, x):
     q, k, v, causal, opts = _inputs(VARIANT_CASES[name], D, LOW[dt], scale=x, xp=_cupy())
@@ -99,7 +99,7 @@ def test_gpu_pipelined_with_options_against_oracle(name, D, dt, x):
 @pytest.mark.gpu
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", list(LOW))
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", list(DROPOUT_CASES))
 def test_gpu_pipelined_with_dropout_against_oracle(name, D, dt, x):
     q, k, v, causal, opts = _inputs(DROPOUT_CASES[name], D, LOW[dt], scale=x, xp=_cupy())
@@ -133,7 +133,7 @@ def test_gpu_dropout_draws_the_definitions_bits(causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", list(LOW))
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", list(VARLEN_CASES))
 def test_gpu_varlen_is_each_sequence_by_the_rule(name, D, dt, x):
     """One launch for the packed batch; each sequence's rows checked against the rule for that sequence alone."""

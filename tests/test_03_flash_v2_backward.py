@@ -156,7 +156,7 @@ def test_kernel_against_oracle(case, combo):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
 def test_tc_other_dq_order(case, D, dtype):
     """The tc kernel with the non-default order of its atomic dQ (tc_config defer_dq: not TC_DEFER_DQ) still passes.

@@ -53,7 +53,7 @@ def test_mirror_varlen_backward_is_each_sequence_by_the_rule(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", list(VARLEN_CASES))
 def test_gpu_varlen_backward_is_each_sequence_by_the_rule(name, D, dt, x):
     """One backward launch for the packed batch (version 'tc'); each sequence's dq, dk, dv against its own rule."""
@@ -67,7 +67,7 @@ def test_gpu_varlen_backward_is_each_sequence_by_the_rule(name, D, dt, x):
 @pytest.mark.gpu
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_gpu_tc_backward_with_options_against_oracle(name, D, dt, x):
     import cupy as cp

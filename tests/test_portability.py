@@ -83,7 +83,7 @@ def test_each_architecture_gets_plans_that_fit_it(arch):
     for version in ("tc", "pipelined"):
         for D in flash_v2.head_dims(version):
             assert bool(flash_v2.tc.reachable(version, D, dev)) == dev.arch.mma_k16
-    for D in (64, 128):
+    for D in flash_v2_backward.HEAD_DIMS["tc"]:
         if dev.arch.mma_k16:
             br, bc = flash_v2_backward.tc_tiles(D, dev)
             assert device.fits(dev, flash_v2_backward.smem_bytes("tc", D, br, bc)[0])

@@ -10,7 +10,8 @@ Called by flash_v2.forward (which validates the inputs); kernels:
                                            Bc = 64, masked and plain copies of the tile body, longest causal Q
                                            tiles first
 fp16 / bf16 in, fp32 accumulation, o in the inputs' dtype, lse float32 (B, H, Nq), natural log.
-Head dims 32, 64, 96, 128; any Nq, Nk; causal aligned bottom-right (query i sees key j iff j <= i + Nk - Nq).
+Head dims 32, 64, 96, 128 (version "pipelined" also 256); any Nq, Nk; causal aligned bottom-right (query i sees
+key j iff j <= i + Nk - Nq).
 """
 from typing import NamedTuple
 
@@ -19,7 +20,7 @@ import numpy as np
 from stages.common import bfloat16, device, kernels, load_module, variants
 
 VERSIONS = ("tc", "pipelined")
-HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128)}
+HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128, 256)}
 DTYPES = (np.dtype(np.float16), bfloat16)
 LOG2E = 1.4426950408889634
 HEAD_GROUP = 8  # version 3, causal: heads per group in the block order (longest Q tiles first inside a group)
@@ -52,14 +53,17 @@ class Config(NamedTuple):
 # (at most 48 KB at d = 128: it fits every GPU). Version "pipelined" gives each warp 32 rows (MT = 2, Br = 128,
 # FA2's layout) so every K/V fragment read from shared memory feeds two mma; Bc = 64 in one slice (SUB = Bc) keeps
 # a warp's S (32 x 64) beside its O_i (32 x d) within one thread's registers even at d = 128, with two blocks per
-# SM (MINB = 2) to hide each other's latency. SKIP is on at d = 128 only: there the rescale of O_i is d / 2
+# SM (MINB = 2) to hide each other's latency. SKIP is on at d >= 128: there the rescale of O_i is d / 2
 # multiplies per row and skipping it also frees registers; at smaller head dims the vote that decides it costs
 # more than the multiplies it saves. The second candidate halves Br (MT = 1): it is what a GPU with less shared
 # memory gets (d = 128 needs 102 KB at Br = 128, 87 KB at Br = 64: an RTX 3090 / 4090, A10 or L4 allows 99 KB),
-# and what a problem too small to give every SM a block gets (twice the blocks).
+# and what a problem too small to give every SM a block gets (twice the blocks). At d = 256 O_i alone is 128
+# registers a thread per m-tile, so a warp owns one m-tile (Br = 64); Bc = 64 needs 165 KB (an H100, 227 KB), and
+# Bc = 32 needs 99 KB, which fits an A100 and, exactly, an RTX 3090 / 4090 or L4.
 CANDIDATES = {
     "tc": lambda D: [Config(4, 1, 64, 64, 1, False)],
-    "pipelined": lambda D: [Config(4, 2, 64, 64, 2, D == 128), Config(4, 1, 64, 64, 2, D == 128)],
+    "pipelined": lambda D: ([Config(4, 1, 64, 64, 2, True), Config(4, 1, 32, 32, 2, True)] if D == 256 else
+                            [Config(4, 2, 64, 64, 2, D == 128), Config(4, 1, 64, 64, 2, D == 128)]),
 }
 # What each version needs from the architecture (stages/common/device.py).
 FEATURES = {"tc": ("mma_k16",), "pipelined": ("mma_k16", "cp_async")}

@@ -6,7 +6,8 @@
 numpy inputs run the tile mirror (mirror.py), CuPy inputs the CUDA kernels:
     kernels/flash_v2_backward_pre.cu   D_i = rowsum(dO_i * O_i), L_i rescaled; dQ accumulator -> dQ
     kernels/flash_v2_backward_fp32.cu  version "fp32": float32, CUDA cores, head_dim 32, 64, 128
-    kernels/flash_v2_backward_tc.cu    version "tc": float16 / bfloat16, mma.sync tensor cores, head_dim 64, 128
+    kernels/flash_v2_backward_tc.cu    version "tc": float16 / bfloat16, mma.sync tensor cores, head_dim 64, 128,
+                                       256 (d = 256: two blocks per K/V tile, one per half of dK_j, dV_j, dQ_i)
 
 deterministic: False (default) adds dQ_i += dS_ij K_j into an fp32 buffer with atomicAdd from the block of
 every K/V tile: fast, but the order of the additions (so the last bits of dq) changes from run to run.
@@ -25,7 +26,7 @@ from stages.common import (
 from . import mirror
 
 VERSIONS = ("fp32", "tc")
-HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128)}
+HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128, 256)}
 DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16)}
 PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so tile loads never run past them
 
@@ -38,9 +39,12 @@ TC_DEFER_DQ = True
 # Per head dim: m-tiles (16 rows) of dQ_i per warp in the tc kernel's dQ step (2: 32 x 32 tiles at both head dims),
 # and whether each warp keeps its K_j, V_j A fragments in registers (KREG) instead of reloading them from shared
 # memory per 64-row Q chunk (d=64 only: at d=128 the 64 extra registers do not fit beside the accumulators).
-TC_DQ_MT = {64: 2, 128: 2}
-TC_KREG = {64: True, 128: False}
-TC_CHUNK = {64: 64, 128: 64}  # query rows per chunk (BRC) of a Q tile: S^T, dP^T of one chunk live in registers
+# d = 256 splits the head dim in two halves, one per block (TC_PARTS): each block's dK_j, dV_j half is 128
+# registers a thread, so its S^T, dP^T chunks are 32 query rows.
+TC_DQ_MT = {64: 2, 128: 2, 256: 1}
+TC_KREG = {64: True, 128: False, 256: False}
+TC_CHUNK = {64: 64, 128: 64, 256: 32}  # query rows per chunk (BRC) of a Q tile: S^T, dP^T of one chunk in registers
+TC_PARTS = {64: 1, 128: 1, 256: 2}  # blocks per K/V tile, each with HD / parts columns of dK_j, dV_j, dQ_i (grid.z)
 # Block order of the tc main kernel, per causal flag. True: K/V tile index fastest, grid (Tc, BH): the blocks in
 # flight are the K/V tiles of a few heads, which stream the same Q_i, dO_i and add to the same dQ_i (L2 hits).
 # False: grid (BH, Tc), every head's j = 0 block first: under causal those have the most Q tiles, so the long
@@ -51,7 +55,9 @@ TC_J_FAST = {False: True, True: False}
 # The tc kernel's (Br, Bc) per head dim, first choice first (TC_BR[D], TC_BC[D]); the later ones are for GPUs with
 # less shared memory: (Br, Bc) = (128, 128) at d = 64 needs 178 KB and (64, 128) at d = 128 needs 173 KB, more than
 # an A100 allows a block (163 KB); Bc = 64 (4 warps) and Br = 64 / 32 fit an A100, then an RTX 3090 / 4090 (99 KB).
-TC_CANDIDATES = {64: [(128, 128), (64, 128), (64, 64)], 128: [(64, 128), (64, 64), (32, 64)]}
+# d = 256: (64, 64) needs 217 KB (an H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs).
+TC_CANDIDATES = {64: [(128, 128), (64, 128), (64, 64)], 128: [(64, 128), (64, 64), (32, 64)],
+                 256: [(64, 64), (32, 64), (16, 32)]}
 FEATURES = {"fp32": (), "tc": ("mma_k16", "cp_async")}
 
 
@@ -203,7 +209,7 @@ def _dq_mt(D, br, bc):
     columns (tc_config may set other Br, Bc); 1 otherwise."""
     mt, nw = TC_DQ_MT[D], bc // 16
     rg = br // (16 * mt)
-    ok = rg >= 1 and br % (16 * mt) == 0 and nw % rg == 0 and (D // (nw // rg)) % 16 == 0
+    ok = rg >= 1 and br % (16 * mt) == 0 and nw % rg == 0 and (D // TC_PARTS[D] // (nw // rg)) % 16 == 0
     return mt if ok else 1
 
 
@@ -237,7 +243,8 @@ def smem_bytes(version, D, br=None, bc=None):
         return 4 * main, 4 * dq
     br, bc = br or TC_BR[D], bc or TC_BC[D]
     main = 2 * (2 * bc * (D + 8) + 2 * 2 * br * (D + 8) + 2 * bc * (br + 8)) + 4 * 2 * 2 * br
-    dq = 2 * (2 * 64 * (D + 8) + 2 * 2 * 64 * (D + 8))
+    dq_bc = 32 if D > 128 else 64  # the dQ pass's K/V tile (dq_bc in the kernel)
+    dq = 2 * (2 * 64 * (D + 8) + 2 * 2 * dq_bc * (D + 8))
     return main, dq
 
 
@@ -306,7 +313,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         j_fast = TC_J_FAST[bool(causal)] and blocks <= 65535  # gridDim.y <= 65535
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
-        main = kernels.Launch(fn, (Tc, blocks) if j_fast else (blocks, Tc), (2 * bc,), smem_main,
+        parts = TC_PARTS[D]  # grid.z: the head dim's column parts
+        main = kernels.Launch(fn, (Tc, blocks, parts) if j_fast else (blocks, Tc, parts), (2 * bc,), smem_main,
                               args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0), i32(H),
                                       i32(group)) + variants.dropout_scalars(opts))
     if deterministic:  # the separate dQ pass, no atomics

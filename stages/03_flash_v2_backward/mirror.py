@@ -38,8 +38,8 @@ from stages.common import cast, empty, variants
 LOG2E = 1.4426950408889634
 # (Br, Bc) of the main kernel and of the deterministic dQ pass, per version (as in kernels/*.cu).
 # The tc kernel's Br and Bc depend on the head dim: TC_BR[D], TC_BC[D].
-TC_BR = {64: 128, 128: 64}  # the kernel computes a 128-row Q tile (d=64) as two 64-row chunks
-TC_BC = {64: 128, 128: 128}  # Bc of flash_bwd_tc per head dim: Bc / 16 warps, each owning 16 key rows
+TC_BR = {64: 128, 128: 64, 256: 64}  # the kernel computes a 128-row Q tile (d=64) as two 64-row chunks
+TC_BC = {64: 128, 128: 128, 256: 64}  # Bc of flash_bwd_tc per head dim: Bc / 16 warps, each owning 16 key rows
 DQ_TILES = {"fp32": (32, 32), "tc": (64, 64)}
 
 
