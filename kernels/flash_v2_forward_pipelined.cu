@@ -44,17 +44,19 @@
 // per thread); SKIP: skip the rescale of O_i by alpha = 1 (see below). HG: heads per group of the causal block
 // order. Shared memory: (Br + 4 Bc) (D + 8) elements.
 // Grouped-query attention (every instantiation): q has H heads, k and v H / group; query head h reads kv head
-// h / group. VAR, the variants (stages/common/variants.py): a window (left, right) around the diagonal (-1:
-// unbounded; causal is (-1, 0)) whose tiles outside are never visited, and the scores in natural units first
-// (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off), ALiBi x -> x - slope
+// h / group. VAR, the variants (stages/common/variants.py), in two levels (0: plain attention, maybe causal).
+// VAR >= 1, the masks: a window (left, right) around the diagonal (-1: unbounded; causal is (-1, 0)) whose tiles
+// outside are never visited, and packed batches (below). VAR = 2 adds what changes the scores or P, and the
+// registers that takes (one m-tile per warp at d = 128, where VAR = 1 keeps two): the scores in natural units
+// first (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off), ALiBi x -> x - slope
 // |r + shift - c| (slopes: one float per (batch, head), or null); dropout (keep != 0, dropout.cuh): P~_ij is zeroed
 // where Z_ij = 0 before P~_ij V_j (l_i, and so the lse, keeps every P~_ij) and O_i is scaled by rp = 1 / (1 - p).
-// Variable-length packed batches (VAR, cu_q != null): q, o are (H, total_q, D) and lse (H, total_q), k and v
+// Variable-length packed batches (VAR >= 1, cu_q != null): q, o are (H, total_q, D) and lse (H, total_q), k and v
 // (H / group, total_k, D), with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..cu_q[s + 1] - 1 of q (keys:
 // cu_k). grid.y runs over (sequence, head), grid.x over the Q tiles of the longest sequence; a block past its own
 // sequence's end returns at once. Inside a block everything is that one sequence's attention (its own Nq, Nk and
 // bottom-right alignment; ALiBi and dropout take head h alone, each sequence being batch entry 0 of its own).
-template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, bool VAR>
+template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, int VAR>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes,
@@ -121,7 +123,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     } else {
         n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
     }
-    const float slope = VAR && slopes != nullptr ? slopes[hd] : 0.f;
+    const float slope = VAR == 2 && slopes != nullptr ? slopes[hd] : 0.f;
 
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
     // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
@@ -221,7 +223,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 }
                 // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
                 if constexpr (VAR) {
-                    transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope, g, t);
+                    if constexpr (VAR == 2) transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope,
+                                                                      g, t);
                     if (MASKED) mask_window<MT, SUB>(s, row0 + wrow, col0, Nk, left, right, shift, g, t);
                 } else if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
                     mask_scores<MT, SUB>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
@@ -269,7 +272,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 }
                 // Dropout: P~_ij Z_ij. Rows r = first + 16 m + g (+8), keys col0 + 16 kk + 2t + e (+8): the four
                 // draws of one Philox call are exactly entries e and 2 + e of n-tiles 2kk and 2kk + 1.
-                if constexpr (VAR) {
+                if constexpr (VAR == 2) {
                     if (keep != 0u) {
                         const Dropout drop{keep, seed_lo, seed_hi, rp};
 #pragma unroll
@@ -337,7 +340,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
         for (int h = 0; h < 2; ++h) {
             float l;
             // fully masked row: O = 0; dropout: the kept probabilities' 1 / (1 - p), once (rp = 1 without dropout)
-            const float inv_l = inverse_row_sum(l_i[m][h], l) * (VAR ? rp : 1.f);
+            const float inv_l = inverse_row_sum(l_i[m][h], l) * (VAR == 2 ? rp : 1.f);
             const int rl = m * 16 + g + 8 * h;            // row inside the warp's rows
             // Alg.1 L13, natural log: m_i is in base 2. The product in fp64: with huge logits m_i is ~1e4 and an
             // fp32 product would add its own rounding (~1e-3) to the lse.

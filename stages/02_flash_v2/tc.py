@@ -62,7 +62,8 @@ class Config(NamedTuple):
 # Bc = 32 needs 99 KB, which fits an A100 and, exactly, an RTX 3090 / 4090 or L4.
 CANDIDATES = {
     "tc": lambda D: [Config(4, 1, 64, 64, 1, False)],
-    "pipelined": lambda D: ([Config(4, 1, 64, 64, 2, True), Config(4, 1, 32, 32, 2, True)] if D == 256 else
+    "pipelined": lambda D: ([Config(8, 1, 64, 64, 1, True), Config(4, 1, 64, 64, 2, True),
+                             Config(4, 1, 32, 32, 2, True)] if D == 256 else
                             [Config(4, 2, 64, 64, 2, D == 128), Config(4, 1, 64, 64, 2, D == 128)]),
 }
 # What each version needs from the architecture (stages/common/device.py).
@@ -86,7 +87,7 @@ def smem_bytes(version, D, cfg=None):
     return 2 * (cfg.br + 4 * cfg.bc) * (D + 8)
 
 
-def config(version, D, dev=None, blocks=None, var=False):
+def config(version, D, dev=None, blocks=None, var=0):
     """The configuration of `version` at head dim D on device dev (stages.common.device; None: the first
     candidate, what a GPU with room for it gets). blocks(cfg): the problem's block count under cfg; when the first
     candidate leaves SMs idle (blocks < SM count) a smaller Br that fits is taken instead."""
@@ -107,27 +108,27 @@ def tiles(version, D, causal=False):
     return cfg.br, cfg.bc
 
 
-def _name(version, ctype, D, cfg, otype=None, var=False):
+def _name(version, ctype, D, cfg, otype=None, var=0):
     """The template instantiation of one (version, input type, head dim, configuration, output type: the input
-    type, or float for a block's unrounded partial result; var: the variants' window, softcap and ALiBi; every
-    instantiation takes grouped-query k/v)."""
+    type, or float for a block's unrounded partial result; var: the variants' level, 0 plain, 1 a window or a packed
+    batch, 2 softcap, ALiBi or dropout too (_var_level); every instantiation takes grouped-query k/v)."""
     otype = otype or ctype
     if version == "tc":
         return f"flash_v2_forward_tc<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps}>"
     skip = "true" if cfg.skip else "false"
     return (f"flash_v2_forward_pipelined<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps},{cfg.mt},{cfg.sub},{cfg.minb},"
-            f"{skip},{'true' if var else 'false'}>")
+            f"{skip},{var}>")
 
 
-def _candidates(version, D, var=False):
-    """The candidates; with the variants (var) only Br = 64, one m-tile per warp: the window's bounds, softcap and
-    ALiBi beside two m-tiles of O_i spill registers at d = 128, and one configuration per head dim keeps the
-    variants' compiles few."""
+def _candidates(version, D, var=0):
+    """The candidates; with softcap, ALiBi or dropout (var = 2) only Br = 64, one m-tile per warp: their
+    registers beside two m-tiles of O_i spill at d = 128. A window or a packed batch (var = 1) takes every
+    candidate: its masks cost no more registers than causal's."""
     cands = CANDIDATES[version](D)
-    return [c for c in cands if c.mt == 1] if var else cands
+    return [c for c in cands if c.mt == 1] if var == 2 else cands
 
 
-def reachable(version, D, dev, var=False):
+def reachable(version, D, dev, var=0):
     """Every configuration config() can return on dev (for any problem): the candidates that fit."""
     fit = [c for c in _candidates(version, D, var) if device.fits(dev, smem_bytes(version, D, c))]
     return fit if not dev.arch.cc < 80 else []
@@ -139,7 +140,7 @@ def kernel_plans(dev):
     out = []
     for ver in VERSIONS:
         for D in HEAD_DIMS[ver]:
-            for var in (False, True) if ver in VARIANT_VERSIONS else (False,):
+            for var in (0, 1, 2) if ver in VARIANT_VERSIONS else (0,):
                 for cfg in reachable(ver, D, dev, var):
                     smem = smem_bytes(ver, D, cfg)
                     for c in _CTYPE.values():
@@ -160,6 +161,15 @@ _PLANS = {}  # (version, dtypes, shapes, causal, scale, options, device) -> kern
 VARIANT_VERSIONS = ("pipelined",)  # the versions with the variants' window, softcap and ALiBi (VAR)
 
 
+def _var_level(opts, causal, varlen):
+    """The kernel's VAR: 2 when softcap, ALiBi or dropout change the scores or P; else 1 for a window other than
+    causal's or a packed batch; else 0, plain (or causal) attention, maybe grouped-query."""
+    if opts is not None and (opts.softcap > 0 or opts.alibi_slopes is not None or opts.dropout_p > 0):
+        return 2
+    window = opts is not None and (opts.left >= 0 or (opts.right >= 0 and not causal))
+    return 1 if window or varlen is not None else 0
+
+
 def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None, varlen=None):
     """The launch of one problem on dev: the device check, the configuration, the compiled instantiation, its grid
     and scalar arguments (made once per problem by forward, through kernels.planned). opts: the variants
@@ -173,9 +183,7 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     if B * H > 65535:
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
-    var = opts is not None and (opts.softcap > 0 or opts.alibi_slopes is not None or opts.left >= 0
-                                or (opts.right >= 0 and not causal) or opts.dropout_p > 0) or varlen is not None
-    # else plain (or causal), maybe grouped-query
+    var = _var_level(opts, causal, varlen)
     if var and version not in VARIANT_VERSIONS:
         raise ValueError(f"flash_v2 version {version!r}: grouped-query k/v, window, softcap, alibi_slopes and "
                          f"dropout run in version {' / '.join(VARIANT_VERSIONS)}")
@@ -191,12 +199,12 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel); a window's Q tiles all
     # have about the same work, so it takes the 2-D grid
     left, right = (opts.left, opts.right) if opts is not None and var else (-1, 0 if causal else -1)
-    cap = opts.softcap if opts is not None and var else 0.0
+    cap = opts.softcap if opts is not None and var == 2 else 0.0
     ordered = causal and left < 0 and varlen is None
     smem = smem_bytes(version, D, cfg)
     fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, smem)
     return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem,
-                          (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var else scale * LOG2E),
+                          (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var == 2 else scale * LOG2E),
                            np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
                            np.int32(right), np.float32(scale), np.float32(cap))
                           + variants.dropout_scalars(opts))
