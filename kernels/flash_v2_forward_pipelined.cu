@@ -46,11 +46,11 @@
 // Grouped-query attention (every instantiation): q has H heads, k and v H / group; query head h reads kv head
 // h / group. VAR, the variants (stages/common/variants.py), in two levels (0: plain attention, maybe causal).
 // VAR >= 1, the masks: a window (left, right) around the diagonal (-1: unbounded; causal is (-1, 0)) whose tiles
-// outside are never visited, and packed batches (below). VAR = 2 adds what changes the scores or P, and the
-// registers that takes (one m-tile per warp at d = 128, where VAR = 1 keeps two): the scores in natural units
-// first (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off), ALiBi x -> x - slope
-// |r + shift - c| (slopes: one float per (batch, head), or null); dropout (keep != 0, dropout.cuh): P~_ij is zeroed
-// where Z_ij = 0 before P~_ij V_j (l_i, and so the lse, keeps every P~_ij) and O_i is scaled by rp = 1 / (1 - p).
+// outside are never visited, and packed batches (below). VAR = 2 adds what changes the scores or P: the scores
+// in natural units first (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off),
+// ALiBi x -> x - slope |r + shift - c| (slopes: one float per (batch, head), or null); dropout (keep != 0,
+// dropout.cuh): P~_ij is zeroed where Z_ij = 0 before P~_ij V_j (l_i, and so the lse, keeps every P~_ij) and O_i is
+// scaled by rp = 1 / (1 - p).
 // Variable-length packed batches (VAR >= 1, cu_q != null): q, o are (H, total_q, D) and lse (H, total_q), k and v
 // (H / group, total_k, D), with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..cu_q[s + 1] - 1 of q (keys:
 // cu_k). grid.y runs over (sequence, head), grid.x over the Q tiles of the longest sequence; a block past its own

@@ -87,15 +87,15 @@ def smem_bytes(version, D, cfg=None):
     return 2 * (cfg.br + 4 * cfg.bc) * (D + 8)
 
 
-def config(version, D, dev=None, blocks=None, var=0):
+def config(version, D, dev=None, blocks=None):
     """The configuration of `version` at head dim D on device dev (stages.common.device; None: the first
     candidate, what a GPU with room for it gets). blocks(cfg): the problem's block count under cfg; when the first
     candidate leaves SMs idle (blocks < SM count) a smaller Br that fits is taken instead."""
     _check(version, D)
-    cands = _candidates(version, D, var)
+    cands = CANDIDATES[version](D)
     if dev is None:
         return cands[0]
-    fitting = reachable(version, D, dev, var)
+    fitting = reachable(version, D, dev)
     cfg = device.pick(cands, lambda c: smem_bytes(version, D, c), dev, what=f"flash_v2 version {version!r} d={D}")
     if blocks is not None and blocks(cfg) < dev.sm_count and len(fitting) > 1:
         cfg = fitting[-1]
@@ -120,17 +120,9 @@ def _name(version, ctype, D, cfg, otype=None, var=0):
             f"{skip},{var}>")
 
 
-def _candidates(version, D, var=0):
-    """The candidates; with softcap, ALiBi or dropout (var = 2) only Br = 64, one m-tile per warp: their
-    registers beside two m-tiles of O_i spill at d = 128. A window or a packed batch (var = 1) takes every
-    candidate: its masks cost no more registers than causal's."""
-    cands = CANDIDATES[version](D)
-    return [c for c in cands if c.mt == 1] if var == 2 else cands
-
-
-def reachable(version, D, dev, var=0):
+def reachable(version, D, dev):
     """Every configuration config() can return on dev (for any problem): the candidates that fit."""
-    fit = [c for c in _candidates(version, D, var) if device.fits(dev, smem_bytes(version, D, c))]
+    fit = [c for c in CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
     return fit if not dev.arch.cc < 80 else []
 
 
@@ -140,8 +132,8 @@ def kernel_plans(dev):
     out = []
     for ver in VERSIONS:
         for D in HEAD_DIMS[ver]:
-            for var in (0, 1, 2) if ver in VARIANT_VERSIONS else (0,):
-                for cfg in reachable(ver, D, dev, var):
+            for var in (0, 1, 2) if ver in VARIANT_VERSIONS else (0,):  # every level takes every candidate
+                for cfg in reachable(ver, D, dev):
                     smem = smem_bytes(ver, D, cfg)
                     for c in _CTYPE.values():
                         for o in (c, "float"):  # float O: a ring block's unrounded partial result
@@ -187,7 +179,7 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     if var and version not in VARIANT_VERSIONS:
         raise ValueError(f"flash_v2 version {version!r}: grouped-query k/v, window, softcap, alibi_slopes and "
                          f"dropout run in version {' / '.join(VARIANT_VERSIONS)}")
-    cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br), var=var)
+    cfg = config(version, D, dev, blocks=lambda c: B * H * -(-Nq // c.br))
     name = _name(version, _CTYPE[dtype], D, cfg, "float" if odtype == np.float32 else None, var)
     Tr = -(-Nq // cfg.br)
     if varlen is not None:  # grid: the Q tiles of the longest sequence x (sequence, head)
