@@ -480,6 +480,17 @@ def results_readme(results_dir=None):
                   "host time inside one call (input checks, configuration, allocation, launches) over the queued "
                   "mode's first 32 calls, before the launch queue fills.", "",
                   modes, ""]
+    d256 = results_dir / "bench_d256_h100.csv"
+    if d256.exists():
+        lines += ["## Head dim 256 (`bench_d256_h100.csv`)", "",
+                  "The forward at d = 256 gives each of 8 warps one m-tile of 16 rows (O_i alone is 128 registers a "
+                  "thread); the backward splits the head dim between two blocks per K/V tile (a warp's 16 rows of "
+                  "dK_j and dV_j over 256 columns would be 256 registers a thread), so it computes S and dP twice: "
+                  "1.4x the FLOPs the TFLOP/s column counts.", "",
+                  markdown(read_csv(d256), min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), ""]
+    for s in sources:
+        if s["file"].startswith("bench_variants"):
+            lines += [f"## The variants (`{s['file']}`)", "", variants_table(results_dir / s["file"], s), ""]
     lines += ["## Ring attention", "",
               "`stages/04_ring/bench_ring.py` times the ring's forward and backward (the slowest rank) on P GPUs at "
               "total length N = P x tokens per GPU, and stages 02/03 on one GPU at the same N. Ratio columns: "
@@ -493,9 +504,25 @@ def results_readme(results_dir=None):
     return "\n".join(lines).rstrip() + "\n"
 
 
+def variants_table(path, source):
+    """Markdown: each variant's time beside its reference (scripts/bench_variants.py's CSV); ratio = reference time /
+    ours (above 1: ours is faster)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    r0 = rows[0]
+    out = [f"{source['gpu']}, commit {r0['git_commit']}, `{source['command']}`; bf16, N = {r0['seq']}, H = "
+           f"{r0['heads']}, d = {r0['head_dim']}, B = 1 (the packed batch: 8 causal sequences). Ratio: the "
+           "reference's time over ours (above 1: ours is faster).", "",
+           "| variant | ours, ms | reference | reference, ms | ratio |", "|---|---:|---|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['variant']} | {float(r['ms_ours']):.3f} | {r['reference']} | {float(r['ms_reference']):.3f} "
+                   f"| {float(r['ratio']):.2f} |")
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------- which GPUs can run which version
 
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 def _versions():
@@ -514,20 +541,28 @@ def _versions():
         device.require(dev, ("mma_k16", "cp_async"), what="")
 
     def v1_tiles(dev, D):
+        if D > v1.MAX_HEAD_DIM:
+            return "-"
         return f"{v1.BR}x{min(v1.kv_tile('forward', D, dev), v1.kv_tile('backward', D, dev))}"
 
     def fp32(dev, D):
+        if D not in v2.head_dims("fp32"):
+            return "-"
         c = v2.fp32_config(D, dev)
         return f"{c.br}x{v2.FP32_BC}" + ("s" if c.share_kv else "")
 
     def tc_tiles(version):
         def f(dev, D):
+            if D not in tc.HEAD_DIMS[version]:
+                return "-"
             need80(dev)
             c = tc.config(version, D, dev)
             return f"{c.br}x{c.bc}"
         return f
 
     def x3_tiles(dev, D):
+        if D not in x3.HEAD_DIMS:
+            return "-"
         need80(dev)
         c = x3.config(D, False, dev)
         return f"{c.br}x{c.bc}"
@@ -552,8 +587,8 @@ def _versions():
 
 
 def gpu_table():
-    """Markdown: per kernel version and architecture, the tiles (Br x Bc) its launcher picks at d = 32/64/96/128
-    (s: V_j shares K_j's buffer), "no" with the reason where it cannot run."""
+    """Markdown: per kernel version and architecture, the tiles (Br x Bc) its launcher picks at d = 32/64/96/128/256
+    (s: V_j shares K_j's buffer; -: the version does not take that head dim), "no" where it cannot run."""
     import importlib
 
     device = importlib.import_module("stages.common.device")
