@@ -335,8 +335,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                         const bool visible = !need_mask || !(kv >= Nk || (right >= 0 && kv > diag + right) ||
                                                              (left >= 0 && kv < diag - left));
                         float x = s[n][e] * scale, dcap = 1.f;
-                        if (softcap > 0.f) {  // tanh(y) = 1 - 2 / (e^{2y} + 1), as the forward computes it
-                            const float th = 1.f - __fdividef(2.f, fast_exp2(x / softcap * (2.f * LOG2E_F)) + 1.f);
+                        if (softcap > 0.f) {  // tanh(y), as the forward computes it (common.cuh)
+                            const float th = tanh_from_exp2(x * (1.f / softcap) * (2.f * LOG2E_F));
                             x = softcap * th;
                             dcap = 1.f - th * th;
                         }
