@@ -72,8 +72,11 @@ __device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int 
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float x = s[m][n][2 * h + e] * scale;
-                    if (softcap > 0.f)  // y = x / c (common.cuh: one SFU exp2, the reciprocal on the FMA units)
-                        x = softcap * tanh_from_exp2(x * inv_cap * (2.f * LOG2E_F));
+                    if (softcap > 0.f) {  // tanh(y) = 1 - 2 / (e^{2y} + 1): two SFU operations (ex2, rcp); exact
+                        // limits +-1 where e^{2y} overflows or underflows; absolute error a few 1e-7 near 0
+                        const float e2y = fast_exp2(x * inv_cap * (2.f * LOG2E_F));
+                        x = softcap * (1.f - __fdividef(2.f, e2y + 1.f));
+                    }
                     if (slope != 0.f) x -= slope * (float)abs(diag - (col0 + n * 8 + 2 * t + e));
                     s[m][n][2 * h + e] = x;
                 }

@@ -167,9 +167,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// tanh(y) for the softcap, from t = 2 y log2(e): tanh(y) = 1 - 2 / (e^{2y} + 1). e^{2y} is one SFU exp2; the
-// reciprocal r = 1 / d runs on the FMA units instead of the SFU, which the softmax's own exp2 keeps busy (two SFU
-// operations a score, not three): a first guess from the bit pattern (relative error at most 12%), then three of
+// tanh(y) for the backward's softcap, from t = 2 y log2(e): tanh(y) = 1 - 2 / (e^{2y} + 1). e^{2y} is one SFU
+// exp2; the reciprocal r = 1 / d runs on the FMA units instead of the SFU, which the backward's exp2 of P and of
+// the cap keep busy (two SFU operations a score, not three; the forward's transform_scores, attention_tiles.cuh,
+// takes its reciprocal from the SFU, where the forward's FMA units are the busier ones): a first guess from the bit pattern (relative error at most 12%), then three of
 // Newton's steps r <- r + r (1 - d r), each squaring the error (12% -> 1.4% -> 2e-4 -> fp32 rounding). d is capped
 // at 2^100 (e^{2y} is inf for y > 44): 2 r is then below 1e-30 and tanh = 1 in fp32. Absolute error ~2e-7.
 __device__ __forceinline__ float tanh_from_exp2(float t) {
