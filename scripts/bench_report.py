@@ -252,10 +252,15 @@ RING_FLOATS = ("fwd_ratio", "bwd_ratio", "mem_ratio", "fwd_exposed_comm_ms_max_r
                "ring_fwd_tflops_per_gpu", "ring_bwd_tflops_per_gpu", "one_gpu_fwd_tflops", "one_gpu_bwd_tflops")
 
 
+def read_rows(path):
+    """A CSV's rows as dicts of strings, in file order."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def read_sources(results_dir):
     """results/sources.csv: one row per CSV (file, what, gpu, software, command, code, note), in file order."""
-    with open(pathlib.Path(results_dir) / "sources.csv", newline="") as f:
-        return list(csv.DictReader(f))
+    return read_rows(pathlib.Path(results_dir) / "sources.csv")
 
 
 def read_ring_csv(path):
@@ -507,8 +512,7 @@ def results_readme(results_dir=None):
 def variants_table(path, source):
     """Markdown: each variant's time beside its reference (scripts/bench_variants.py's CSV); ratio = reference time /
     ours (above 1: ours is faster)."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(path)
     r0 = rows[0]
     out = [f"{source['gpu']}, commit {r0['git_commit']}, `{source['command']}`; bf16, N = {r0['seq']}, H = "
            f"{r0['heads']}, d = {r0['head_dim']}, B = 1 (the packed batch: 8 causal sequences). Ratio: the "
@@ -624,8 +628,7 @@ def _splice(text, name, body):
 def ring_error_table(results_dir):
     """Markdown: the ring's max error / bound per output against the number of ranks (ring_error_vs_ranks.csv)."""
     path = pathlib.Path(results_dir) / "ring_error_vs_ranks.csv"
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(path)
     names = ("o", "lse", "dq", "dk", "dv")
     r0 = rows[0]
     out = [f"B = {r0['B']}, H = {r0['H']}, N = {r0['N']}, d = {r0['D']}, {r0['layout']}, causal, block "
@@ -643,8 +646,7 @@ def vs_torch_table(results_dir):
     """Markdown: per task and dtype, the largest loss difference over the run between PyTorch's SDPA twin and ours,
     PyTorch's own math backend, and PyTorch with our attention (train_gpt_vs_torch.csv)."""
     path = pathlib.Path(results_dir) / "train_gpt_vs_torch.csv"
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(path)
     r0 = rows[0]
     out = [f"`{path.name}`: {r0['gpu']}, commit {r0['git_commit']}, `python stages/05_train_gpt/gpu_runs.py --parts 2`;"
            f" {len({r['step'] for r in rows})} steps. Max over the run of |loss - PyTorch SDPA's loss|, and the final "
