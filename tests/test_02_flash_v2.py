@@ -150,6 +150,13 @@ def test_bad_inputs_raise_clear_errors():
         flash_v2.forward(*h, version="fp32x3")
     with pytest.raises(ValueError, match="head_dim 160 is not supported by the fp32 kernel.*1 to 128"):
         flash_v2.forward(*make_inputs(1, 1, 8, 8, 160, dtype=np.float32))
+    q256 = make_inputs(1, 1, 8, 8, 256, dtype=np.float32)  # d = 256: float32 says which version takes it
+    with pytest.raises(ValueError, match="fp32 kernel.*1 to 128; version 'pipelined' takes head_dim 256"):
+        flash_v2.forward(*q256)
+    with pytest.raises(ValueError, match="fp32x3 kernel.*version 'pipelined' takes head_dim 256"):
+        flash_v2.forward(*q256, version="fp32x3")
+    with pytest.raises(ValueError, match=r"\(version 'tc'\): use 32, 64, 96, 128.*'pipelined' takes head_dim 256"):
+        flash_v2.forward(*(x.astype(np.float16) for x in q256), version="tc")
     with pytest.raises(ValueError, match="rank 4"):
         flash_v2.forward(q[0], k[0], v[0])
     with pytest.raises(ValueError, match="scale"):

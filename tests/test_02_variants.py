@@ -79,6 +79,23 @@ def test_varlen_check_catches_a_wrong_packed_forward(mistake):
         check_varlen(wrong, None, q, k, v, do, cq, ck, causal=causal, opts=opts)
 
 
+def test_kernel_variant_level():
+    """The level of the pipelined kernel's VAR instantiation each call gets: 0 plain or causal (grouped-query too),
+    1 a window or a packed batch (masks only, the plain path's score units), 2 softcap, ALiBi or dropout (the scores
+    or P change: a call that got level 1 would silently drop them)."""
+    from stages.flash_v2 import tc
+
+    O = variants.Options
+    assert tc._var_level(None, False, None) == 0
+    assert tc._var_level(O(causal=True, right=0, group=4), True, None) == 0  # causal is the plain kernel's mask
+    assert tc._var_level(O(left=100, right=0, causal=True), True, None) == 1
+    assert tc._var_level(O(right=0), False, None) == 1  # a right bound without causal is a window
+    assert tc._var_level(None, True, (3, 100)) == 1
+    for opt in ({"softcap": 5.0}, {"alibi_slopes": np.ones(2, np.float32)}, {"dropout_p": 0.1}):
+        assert tc._var_level(O(**opt), False, None) == 2
+        assert tc._var_level(O(left=10, **opt), True, (3, 100)) == 2
+
+
 # ---------------------------------------------------------------- GPU
 def _cupy():
     import cupy

@@ -104,6 +104,10 @@ def test_auto_version_and_errors():
     oh, lseh = naive.forward(qh, kh, vh)
     with pytest.raises(ValueError, match="head_dim 80 is not supported by version 'tc'"):
         fb.backward(qh, kh, vh, oh, lseh, doh)
+    q2, k2, v2, do2 = make_inputs(1, 1, 8, 8, 256, dtype=np.float32, grad=True)  # d = 256: float32 says where it runs
+    o2, lse2 = naive.forward(q2, k2, v2)
+    with pytest.raises(ValueError, match="head_dim 256 is not supported by version 'fp32'.*'tc' with float16/bfloat16"):
+        fb.backward(q2, k2, v2, o2, lse2, do2)
     with pytest.raises(ValueError, match="lse"):
         fb.backward(q, k, v, o, lse[..., :3], do)
 

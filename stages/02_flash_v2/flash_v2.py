@@ -156,22 +156,31 @@ def resolve_version(version, dtype):
     return version
 
 
+def _elsewhere(D):
+    """'; version 'pipelined' takes head_dim D with float16/bfloat16' where a tensor-core version takes D, else ''."""
+    takers = [v for v in ("tc", "pipelined") if D in _tc().HEAD_DIMS[v]]
+    return (f"; version {' / '.join(repr(v) for v in takers)} takes head_dim {D} with float16/bfloat16 inputs"
+            if takers else "")
+
+
 def _check_head_dim(version, D):
     if version == "fp32":
         if D > FP32_MAX_HEAD_DIM:
             raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the fp32 kernel: it takes any "
-                             f"head_dim from 1 to {FP32_MAX_HEAD_DIM}")
+                             f"head_dim from 1 to {FP32_MAX_HEAD_DIM}{_elsewhere(D)}")
         return
     if version == "fp32x3":
         dims = _fp32x3().HEAD_DIMS
         if D not in dims:
             raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the fp32x3 kernel: use "
-                             f"{', '.join(map(str, dims))}, or version='fp32' (any head_dim 1 to {FP32_MAX_HEAD_DIM})")
+                             f"{', '.join(map(str, dims))}, or version='fp32' (any head_dim 1 to {FP32_MAX_HEAD_DIM})"
+                             f"{_elsewhere(D)}")
         return
     dims = _tc().HEAD_DIMS[version]
     if D not in dims:
         raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the tensor-core kernel "
-                         f"(version {version!r}): use {', '.join(map(str, dims))}, or version='fp32' with float32")
+                         f"(version {version!r}): use {', '.join(map(str, dims))}, or version='fp32' with float32"
+                         f"{_elsewhere(D)}")
 
 
 VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variant options (every version's mirror does)

@@ -138,7 +138,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         raise TypeError(f"flash_v2_backward: deterministic must be True or False, got {deterministic!r}")
     version = resolve_version(version, q.dtype)
     if D not in HEAD_DIMS[version]:
-        alt = " or version='fp32' with float32 inputs" if version == "tc" else ""
+        alt = (" or version='fp32' with float32 inputs" if version == "tc" else
+               f" or version 'tc' with float16/bfloat16 inputs (head_dim {', '.join(map(str, HEAD_DIMS['tc']))})")
         raise ValueError(f"flash_v2_backward: head_dim {D} is not supported by version {version!r}; "
                          f"use one of {HEAD_DIMS[version]}{alt}")
     scale = resolve_scale(scale, D)
