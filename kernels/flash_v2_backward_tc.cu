@@ -7,7 +7,8 @@
 //   d = 256: a warp's 16 rows of dK_j and dV_j would be 256 fp32 registers a thread, more than a thread has, so
 //   the head dim is split in DP = 2 column halves, one per block (grid.z): each block computes all of S_ij^T and
 //   dP_ij^T (they sum over the whole head dim) but accumulates only its half of dK_j, dV_j and adds only its half
-//   of dQ_i: S and dP are computed twice, 1.4x the FLOPs of one pass (7 of FA2's 5 matmul units x 2 halves / 10).
+//   of dQ_i. Of the five matmuls (S, dP, dV, dK, dQ) each block does S and dP whole and three on its half: 3.5
+//   each, 7 for the pair against 5 without the split, 1.4x the FLOPs.
 //   K_j, V_j are loaded once; the block loops over Q tiles i with Q_i, dO_i, L_i, D_i double-buffered by cp.async.
 //   A Q tile is computed in chunks of BRC = 64 query rows: per chunk, each warp computes S_ij^T = K_j Q_i^T and
 //   dP_ij^T = V_j dO_i^T for its 16 key rows; P^T and dS^T then sit in registers exactly in the A-fragment layout
