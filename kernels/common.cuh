@@ -170,9 +170,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // tanh(y) for the backward's softcap, from t = 2 y log2(e): tanh(y) = 1 - 2 / (e^{2y} + 1). e^{2y} is one SFU
 // exp2; the reciprocal r = 1 / d runs on the FMA units instead of the SFU, which the backward's exp2 of P and of
 // the cap keep busy (two SFU operations a score, not three; the forward's transform_scores, attention_tiles.cuh,
-// takes its reciprocal from the SFU, where the forward's FMA units are the busier ones): a first guess from the bit pattern (relative error at most 12%), then three of
-// Newton's steps r <- r + r (1 - d r), each squaring the error (12% -> 1.4% -> 2e-4 -> fp32 rounding). d is capped
-// at 2^100 (e^{2y} is inf for y > 44): 2 r is then below 1e-30 and tanh = 1 in fp32. Absolute error ~2e-7.
+// takes its reciprocal from the SFU, where the forward's FMA units are the busier ones). r starts from a guess
+// read off the bit pattern (relative error at most 12%); three of Newton's steps r <- r + r (1 - d r) each square
+// the error (12% -> 1.4% -> 2e-4 -> fp32 rounding). d is capped at 2^100 (e^{2y} is inf for y > 44): 2 r is then
+// below 1e-30 and tanh = 1 in fp32. Absolute error ~2e-7.
 __device__ __forceinline__ float tanh_from_exp2(float t) {
     const float d = fminf(fast_exp2(t) + 1.f, 1.2676506e30f);
     float r = __int_as_float(0x7EF311C3 - __float_as_int(d));

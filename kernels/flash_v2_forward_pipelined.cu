@@ -44,7 +44,7 @@
 // per thread); SKIP: skip the rescale of O_i by alpha = 1 (see below). HG: heads per group of the causal block
 // order. Shared memory: (Br + 4 Bc) (D + 8) elements.
 // Grouped-query attention (every instantiation): q has H heads, k and v H / group; query head h reads kv head
-// h / group. VAR, the variants (stages/common/variants.py), in two levels (0: plain attention, maybe causal).
+// h / group. VAR, the variants (stages/common/variants.py): 0 is plain attention (maybe causal).
 // VAR >= 1, the masks: a window (left, right) around the diagonal (-1: unbounded; causal is (-1, 0)) whose tiles
 // outside are never visited, and packed batches (below). VAR = 2 adds what changes the scores or P: the scores
 // in natural units first (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off),
