@@ -223,8 +223,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 }
                 // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
                 if constexpr (VAR) {
-                    if constexpr (VAR == 2) transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope,
-                                                                      g, t);
+                    if constexpr (VAR == 2)
+                        transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope, g, t);
                     if (MASKED) mask_window<MT, SUB>(s, row0 + wrow, col0, Nk, left, right, shift, g, t);
                 } else if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
                     mask_scores<MT, SUB>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
