@@ -440,6 +440,18 @@ def readme_results(results_dir=None):
         lines += [f"Every N from {min(r['seq_len'] for r in rows)} (bf16/fp16), in both timing modes: queued (the host "
                   "runs ahead) and synced (a wait after every call, so host time adds to GPU time); per-config table "
                   "in [`results/README.md`](results/README.md):", ""] + modes + [""]
+    d256 = results_dir / "bench_d256_h100.csv"
+    if d256.exists():
+        r256 = read_csv(d256)
+        parts = []
+        for direction, ours in (("fwd", "pipelined"), ("bwd", "tc")):
+            got = _ratio_summary(r256, direction, "16-bit", ours, "flash")
+            if got is not None:
+                parts.append(f"{TITLES[direction]} `{ours}` / flash min **{got[3]:.2f}**, median **{got[4]:.2f}**")
+        lines += [f"Head dim 256 on **{gpus(r256)}** (`results/bench_d256_h100.csv`, N >= {SUMMARY_MIN_SEQ}): "
+                  + "; ".join(parts) + ". The variants (sliding window, softcap, grouped-query, dropout, packed "
+                  "batches) beside FlexAttention, SDPA and our plain pass: `results/bench_variants.csv`. Tables of "
+                  "both in [`results/README.md`](results/README.md).", ""]
     for s in _ring_files(results_dir, sources.values()):
         ring = read_ring_csv(results_dir / s["file"])
         lines += [f"Ring attention (stage 04) on **{s['gpu']}** (`results/{s['file']}`; {_ring_shape(ring)}): "
