@@ -252,6 +252,13 @@ def test_ring_with_stage_02_03_tile_mirrors(dtype, layout, causal):
     _check_ring(q, k, v, do, causal, layout=layout, ranks=3, block="flash")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_at_head_dim_256_through_the_tile_mirrors(causal):
+    """Head dim 256 (float16 / bfloat16 only: stage 02's 'pipelined', stage 03's 'tc'), zigzag over 2 ranks."""
+    q, k, v, do = make_inputs(1, 1, 50, 70, 256, dtype=bfloat16, grad=True)
+    _check_ring(q, k, v, do, causal, layout="zigzag", ranks=2, block="flash")
+
+
 # The variants the ring takes: grouped-query k, v (they travel with their Hkv heads), a sliding window (steps with no
 # visible key skipped) and softcap; one case combines all three. ALiBi and dropout are refused (check_ring_options).
 RING_VARIANTS = {name: VARIANT_CASES[name] for name in ("gqa", "window", "window-causal", "window-empty-rows",
