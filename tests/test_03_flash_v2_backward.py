@@ -112,6 +112,21 @@ def test_auto_version_and_errors():
         fb.backward(q, k, v, o, lse[..., :3], do)
 
 
+def test_run_py_runs_the_versions_that_take_the_head_dim(capsys):
+    """run.py --version all (the default) runs each version that takes --head-dim, and stops with the supported
+    head dims when none does."""
+    import importlib
+
+    run = importlib.import_module("stages.flash_v2_backward.run")
+    assert run.parse(["--head-dim", "256"]).versions == ("tc",)
+    assert run.parse(["--head-dim", "32"]).versions == ("fp32",)
+    assert run.parse([]).versions == ("fp32", "tc")
+    for bad in (["--head-dim", "80"], ["--head-dim", "256", "--version", "fp32"]):
+        with pytest.raises(SystemExit):
+            run.parse(bad)
+        assert "version fp32 takes head dims 32, 64, 128" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_mirror_fp32_against_stage01(causal):
     """The fp32 version (its numpy mirror here) against stage 01's backward on the same inputs."""

@@ -80,7 +80,9 @@ def main(argv=None):
               "(tolerance rule)")
         for version in args.versions:
             if D not in flash_v2.head_dims(version):
-                print(f"  {version:>9}: head dim {D} not supported (takes {flash_v2.head_dims(version)}): skipped")
+                dims = flash_v2.head_dims(version)
+                takes = f"1..{dims[-1]}" if dims == tuple(range(1, dims[-1] + 1)) else ", ".join(map(str, dims))
+                print(f"  {version:>9}: head dim {D} not supported (takes {takes}): skipped")
                 continue
             br, bc = flash_v2.tiles(version, D, causal)
             for dt in VERSION_DTYPES[version]:

@@ -11,7 +11,8 @@
 
 Versions (--version; both dQ modes unless --deterministic):
     fp32  float32 on CUDA cores, S in double for the exponent; the readable one. Head dims 32, 64, 128.
-    tc    float16/bfloat16 on tensor cores (mma.sync, ldmatrix, cp.async double buffers). Head dims 64, 128.
+    tc    float16/bfloat16 on tensor cores (mma.sync, ldmatrix, cp.async double buffers). Head dims 64, 128, 256.
+With --version all, the versions that take --head-dim run.
 On the CPU the numpy tile mirror runs instead (same tiles and loop order).
 Comparisons with torch SDPA's backward, per-launch times and the tc kernel's other tiles: scripts/sweep_backward.py.
 
@@ -33,7 +34,7 @@ from stages.common.cli import check_head_dim, positive_int
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
 HEADS = 4  # H (2 with --quick)
-HEAD_DIM = 64  # D (fp32: 32, 64, 128; tc: 64, 128)
+HEAD_DIM = 64  # D (fp32: 32, 64, 128; tc: 64, 128, 256)
 SEQ = {"cpu": 300, "gpu": 2048}  # N of the check and the timing (128 with --quick); numpy is slow: small on the CPU
 REPEAT = {"cpu": 3, "gpu": 10}  # timed repeats (median)
 DTYPES = {"fp16": np.float16, "bf16": bfloat16}  # the tc version's dtypes (fp32 runs float32)
@@ -57,8 +58,10 @@ def parse(argv):
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for scripts/run_all.py")
     args = ap.parse_args(argv)
     args.versions = fb.VERSIONS if args.version == "all" else (args.version,)
-    for version in args.versions:
-        check_head_dim(ap, "--head-dim", args.head_dim, fb.HEAD_DIMS[version], f"version {version}")
+    takers = tuple(v for v in args.versions if args.head_dim in fb.HEAD_DIMS[v])  # --version all: those that fit
+    if not takers:
+        check_head_dim(ap, "--head-dim", args.head_dim, fb.HEAD_DIMS[args.versions[0]], f"version {args.versions[0]}")
+    args.versions = takers
     return args
 
 
