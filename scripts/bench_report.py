@@ -252,6 +252,9 @@ RING_FLOATS = ("fwd_ratio", "bwd_ratio", "mem_ratio", "fwd_exposed_comm_ms_max_r
                "ring_fwd_tflops_per_gpu", "ring_bwd_tflops_per_gpu", "one_gpu_fwd_tflops", "one_gpu_bwd_tflops")
 
 
+D256_CSV = "bench_d256_h100.csv"  # head dim 256, stages 02 and 03 beside PyTorch (scripts/bench.py --head-dims 256)
+
+
 def read_rows(path):
     """A CSV's rows as dicts of strings, in file order."""
     with open(path, newline="") as f:
@@ -440,7 +443,7 @@ def readme_results(results_dir=None):
         lines += [f"Every N from {min(r['seq_len'] for r in rows)} (bf16/fp16), in both timing modes: queued (the host "
                   "runs ahead) and synced (a wait after every call, so host time adds to GPU time); per-config table "
                   "in [`results/README.md`](results/README.md):", ""] + modes + [""]
-    d256 = results_dir / "bench_d256_h100.csv"
+    d256 = results_dir / D256_CSV
     if d256.exists():
         r256 = read_csv(d256)
         parts = []
@@ -448,7 +451,7 @@ def readme_results(results_dir=None):
             got = _ratio_summary(r256, direction, "16-bit", ours, "flash")
             if got is not None:
                 parts.append(f"{TITLES[direction]} `{ours}` / flash min **{got[3]:.2f}**, median **{got[4]:.2f}**")
-        lines += [f"Head dim 256 on **{gpus(r256)}** (`results/bench_d256_h100.csv`, N >= {SUMMARY_MIN_SEQ}): "
+        lines += [f"Head dim 256 on **{gpus(r256)}** (`results/{D256_CSV}`, N >= {SUMMARY_MIN_SEQ}): "
                   + "; ".join(parts) + ". The variants (sliding window, softcap, grouped-query, dropout, packed "
                   "batches) beside FlexAttention, SDPA and our plain pass: `results/bench_variants.csv`. Tables of "
                   "both in [`results/README.md`](results/README.md).", ""]
@@ -497,9 +500,9 @@ def results_readme(results_dir=None):
                   "host time inside one call (input checks, configuration, allocation, launches) over the queued "
                   "mode's first 32 calls, before the launch queue fills.", "",
                   modes, ""]
-    d256 = results_dir / "bench_d256_h100.csv"
+    d256 = results_dir / D256_CSV
     if d256.exists():
-        lines += ["## Head dim 256 (`bench_d256_h100.csv`)", "",
+        lines += [f"## Head dim 256 (`{D256_CSV}`)", "",
                   "The forward at d = 256 gives each of 8 warps one m-tile of 16 rows (O_i alone is 128 registers a "
                   "thread); the backward splits the head dim between two blocks per K/V tile (a warp's 16 rows of "
                   "dK_j and dV_j over 256 columns would be 256 registers a thread), so it computes S and dP twice: "

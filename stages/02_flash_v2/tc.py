@@ -58,8 +58,8 @@ class Config(NamedTuple):
 # more than the multiplies it saves. The second candidate halves Br (MT = 1): it is what a GPU with less shared
 # memory gets (d = 128 needs 102 KB at Br = 128, 87 KB at Br = 64: an RTX 3090 / 4090, A10 or L4 allows 99 KB),
 # and what a problem too small to give every SM a block gets (twice the blocks). At d = 256 O_i alone is 128
-# registers a thread per m-tile, so a warp owns one m-tile (Br = 64); Bc = 64 needs 165 KB (an H100, 227 KB), and
-# Bc = 32 needs 99 KB, which fits an A100 and, exactly, an RTX 3090 / 4090 or L4.
+# registers a thread per m-tile, so a warp owns one m-tile: 8 warps (Br = 128, 198 KB: an H100, 227 KB) first,
+# then 4 warps with Bc = 64 (165 KB) or Bc = 32 (99 KB: an A100 and, exactly, an RTX 3090 / 4090 or L4).
 CANDIDATES = {
     "tc": lambda D: [Config(4, 1, 64, 64, 1, False)],
     "pipelined": lambda D: ([Config(8, 1, 64, 64, 1, True), Config(4, 1, 64, 64, 2, True),
