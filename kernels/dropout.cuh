@@ -15,11 +15,14 @@
 #pragma once
 #include "common.cuh"
 
-// The dropout of one launch: off when keep == 0 (p = 0); seed as two 32-bit halves; rp = 1 / (1 - p).
+// The dropout of one launch: off when keep == 0 (p = 0); seed as two 32-bit halves; rp = 1 / (1 - p); q_off, k_off:
+// the global indices of the launch's query row 0 and key 0 (0, 0 unless it computes one block of a larger problem:
+// the ring, stages/common/variants.py: origin).
 struct Dropout {
     u32 keep;  // threshold: a draw u < keep keeps its probability
     u32 seed_lo, seed_hi;
     float rp;
+    int q_off, k_off;
 };
 
 __device__ __forceinline__ uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
@@ -34,8 +37,12 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
     return c;
 }
 
-// The four draws of queries {i, i + 8} x keys {j, j + 8} (i % 16 < 8, j % 16 < 8) of head bh = b * H + h.
+// The four draws of local queries {i, i + 8} x keys {j, j + 8} (i % 16 < 8, j % 16 < 8) of head bh = b * H + h, in
+// the order (i, j), (i, j + 8), (i + 8, j), (i + 8, j + 8): one Philox call at the global indices q_off + i, k_off + j.
+// The offsets are multiples of 16 (the launchers check it), so the four stay one 16 x 16 block's call. (A block
+// starting mid-tile would need up to four calls for a thread's four entries; its registers would spill.)
 __device__ __forceinline__ uint4 dropout_draws(const Dropout& dp, int i, int j, long bh) {
-    const u32 ci = (u32)(i / 16) * 8u + (u32)(i % 8), cj = (u32)(j / 16) * 8u + (u32)(j % 8);
+    const int gi = i + dp.q_off, gj = j + dp.k_off;
+    const u32 ci = (u32)(gi / 16) * 8u + (u32)(gi % 8), cj = (u32)(gj / 16) * 8u + (u32)(gj % 8);
     return philox4x32_10(make_uint4(ci, cj, (u32)bh, 0u), dp.seed_lo, dp.seed_hi);
 }

@@ -143,8 +143,9 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // per warp in the dQ step. KREG: this warp's A fragments of K_j, V_j stay in registers for the whole kernel.
 // VAR, the variants (stages/common/variants.py): a window (left, right) around the diagonal (-1: unbounded): the
 // block visits only the Q tiles with a row that sees a key of K_j; the scores x = scale S_ij capped (softcap c > 0:
-// x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off - kv|, slopes one float per
-// (batch, head), or null). Grouped-query k, v (VAR): K, V have H / group heads and query head h reads kv head
+// x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off + a_off - kv|, slopes one
+// float per (batch, head), or null). a_off, q_off, k_off: 0, or where a ring block sits in the whole problem (ALiBi's
+// diagonal moves by a_off; dropout draws from global indices q_off + q, k_off + kv). Grouped-query k, v (VAR): K, V have H / group heads and query head h reads kv head
 // h / group; dK, dV are still written per query head (float), and the launcher sums each group's heads.
 // DROP (with VAR), dropout (dropout.cuh; an instantiation of its own, so the other variants carry none of its
 // registers): the forward's Z_ij regenerated from the seed; dV_j += (P_ij Z_ij)^T dO_i and dP_ij -> Z_ij dP_ij /
@@ -163,8 +164,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
     TO* __restrict__ dK, TO* __restrict__ dV, const float* __restrict__ slopes, const int* __restrict__ cu_q,
     const int* __restrict__ cu_k, int Nq, int Nk, int Nq_pad,
-    float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, unsigned int keep,
-    float rp, unsigned int seed_lo, unsigned int seed_hi) {
+    float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, int a_off, int q_off,
+    int k_off, unsigned int keep, float rp, unsigned int seed_lo, unsigned int seed_hi) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
     constexpr int LDS = Br + 8;  // row stride of dS^T
@@ -318,7 +319,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             for (int n = 0; n < NS; ++n) {
                 float p[4], ds[4];
                 if (DROP && n % 2 == 0) {  // queries q0 + 8 n + 2t + x (+8), keys 16 w + g (+8) of K_j
-                    const Dropout drop{keep, seed_lo, seed_hi, rp};
+                    const Dropout drop{keep, seed_lo, seed_hi, rp, q_off, k_off};
                     zb = 0u;
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
@@ -341,7 +342,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                             x = softcap * th;
                             dcap = 1.f - th * th;
                         }
-                        x -= slope * (float)abs(diag - kv);
+                        x -= slope * (float)abs(diag + a_off - kv);
                         const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
                         float dpe = dp[n][e];
                         p[e] = pe;

@@ -48,9 +48,10 @@
 // VAR >= 1, the masks: a window (left, right) around the diagonal (-1: unbounded; causal is (-1, 0)) whose tiles
 // outside are never visited, and packed batches (below). VAR = 2 adds what changes the scores or P: the scores
 // in natural units first (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off),
-// ALiBi x -> x - slope |r + shift - c| (slopes: one float per (batch, head), or null); dropout (keep != 0,
+// ALiBi x -> x - slope |r + shift + a_off - c| (slopes: one float per (batch, head), or null); dropout (keep != 0,
 // dropout.cuh): P~_ij is zeroed where Z_ij = 0 before P~_ij V_j (l_i, and so the lse, keeps every P~_ij) and O_i is
-// scaled by rp = 1 / (1 - p).
+// scaled by rp = 1 / (1 - p). a_off, q_off, k_off: 0, or where a ring block sits in the whole problem (ALiBi's
+// diagonal moves by a_off; dropout draws from global indices q_off + r, k_off + c).
 // Variable-length packed batches (VAR >= 1, cu_q != null): q, o are (H, total_q, D) and lse (H, total_q), k and v
 // (H / group, total_k, D), with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..cu_q[s + 1] - 1 of q (keys:
 // cu_k). grid.y runs over (sequence, head), grid.x over the Q tiles of the longest sequence; a block past its own
@@ -61,8 +62,8 @@ __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes,
                            const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Nq, int Nk, float scale_log2, int causal, int HG, int H, int group, int left, int right,
-                           float scale, float softcap, unsigned int keep, float rp, unsigned int seed_lo,
-                           unsigned int seed_hi) {
+                           float scale, float softcap, int a_off, int q_off, int k_off, unsigned int keep, float rp,
+                           unsigned int seed_lo, unsigned int seed_hi) {
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
     constexpr int LD = D + 8;             // padded row (elements): +16 B puts consecutive rows in new banks
@@ -224,7 +225,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
                 if constexpr (VAR) {
                     if constexpr (VAR == 2)
-                        transform_scores<MT, SUB>(s, row0 + wrow, col0, shift, scale, softcap, slope, g, t);
+                        transform_scores<MT, SUB>(s, row0 + wrow, col0, shift + a_off, scale, softcap, slope, g, t);
                     if (MASKED) mask_window<MT, SUB>(s, row0 + wrow, col0, Nk, left, right, shift, g, t);
                 } else if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
                     mask_scores<MT, SUB>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
@@ -274,7 +275,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 // draws of one Philox call are exactly entries e and 2 + e of n-tiles 2kk and 2kk + 1.
                 if constexpr (VAR == 2) {
                     if (keep != 0u) {
-                        const Dropout drop{keep, seed_lo, seed_hi, rp};
+                        const Dropout drop{keep, seed_lo, seed_hi, rp, q_off, k_off};
 #pragma unroll
                         for (int m = 0; m < MT; ++m)
 #pragma unroll

@@ -171,6 +171,49 @@ def test_dropout_is_a_function_of_the_seed():
     np.testing.assert_array_equal(z[:, :, :5, :7], variants.dropout_keep(1, 2, 5, 7, 0.2, 11))  # position only
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_block_at_its_origin_is_that_block_of_the_whole_problem(causal):
+    """origin=(q0, k0, shift): the block of rows q0.., keys k0.. adds the whole problem's ALiBi bias and draws its
+    dropout bits (what the ring's block calls rely on). Rows 20:52 x keys 33:70 of a 60 x 75 problem, with ALiBi and
+    dropout: o and lse of the block equal the whole problem's restricted to those keys (the block's softmax)."""
+    B, H, Nq, Nk = 1, 2, 60, 75
+    q, k, v = make_inputs(B, H, Nq, Nk, 8, dtype=np.float64)
+    opts = dict(alibi_slopes=np.array([0.3, 0.05]), dropout_p=0.3, seed=17)
+    a, b, c, m = 20, 52, 33, 70
+    o, lse = naive.forward(q[:, :, a:b], k[:, :, c:m], v[:, :, c:m], origin=(a, c, Nk - Nq), **opts)
+    # the whole problem with every key outside c:m hidden: its rows a:b are the block's result
+    s = naive.scores(q, k, 1 / np.sqrt(8), variants.check(q, k, causal=False, **opts), np)
+    s[..., :c] = s[..., m:] = -np.inf
+    s = s[:, :, a:b]
+    want_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    z = variants.dropout_keep(B, H, Nq, Nk, 0.3, 17)[:, :, a:b]
+    want_o = (np.exp(s - want_lse[..., None]) * z / 0.7) @ v
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+    np.testing.assert_allclose(o, want_o, rtol=1e-10, atol=1e-12)
+    # the bias and bits straight from the definitions
+    opts_b = variants.check(q[:, :, a:b], k[:, :, c:m], causal=causal, origin=(a, c, Nk - Nq), **opts)
+    np.testing.assert_array_equal(variants.dropout_keep(B, H, b - a, m - c, 0.3, 17, variants.dropout_origin(opts_b)),
+                                  variants.dropout_keep(B, H, Nq, Nk, 0.3, 17)[:, :, a:b, c:m])
+    slopes = variants.slopes_bh(opts_b, B, H, np, np.float64)
+    np.testing.assert_array_equal(variants.alibi_bias(slopes, b - a, m - c, shift=variants.alibi_shift(opts_b, b - a,
+                                                                                                      m - c)),
+                                  variants.alibi_bias(slopes, Nq, Nk)[:, :, a:b, c:m])
+
+
+def test_origin_checks_and_the_kernels_grid():
+    q, k, v = _qkv()
+    for bad, match in (((1, 2), "origin must be"), ((-1, 0, 0), "must be >= 0"), ((0, 1.5, 0), "integer")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            naive.forward(q, k, v, alibi_slopes=np.ones(q.shape[1]), origin=bad)
+    at = variants.check(q, k, causal=False, dropout_p=0.1, origin=(16, 8, 0))
+    with pytest.raises(ValueError, match=r"dropout at origin \(16, 8, 0\): .* multiples of 16"):
+        variants.check_kernel_origin(at, "flash_v2.forward")
+    variants.check_kernel_origin(at._replace(origin=(32, 16, 0)), "flash_v2.forward")  # on the grid: no error
+    # an origin that changes nothing is dropped: the call is the whole problem, or has no ALiBi / dropout
+    assert variants.check(q, k, causal=False, dropout_p=0.1, origin=(0, 0, 0)).origin is None
+    assert variants.check(q, k, causal=False, softcap=3.0, origin=(16, 8, 0)).origin is None
+
+
 # ---------------------------------------------------------------- the yardsticks against the oracle, with options
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])

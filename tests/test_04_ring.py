@@ -24,7 +24,7 @@ import pytest
 from stages import naive, ring
 from stages.common import bfloat16, check_backward, check_forward, make_inputs, variants
 from stages.common.launch import mpi_env, mpirun_command
-from tests.conftest import CASE_IDS, CASES, VARIANT_CASES, variant_inputs
+from tests.conftest import CASE_IDS, CASES, DROPOUT_CASES, VARIANT_CASES, variant_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "stages" / "04_ring" / "run.py"
@@ -259,10 +259,12 @@ def test_ring_at_head_dim_256_through_the_tile_mirrors(causal):
     _check_ring(q, k, v, do, causal, layout="zigzag", ranks=2, block="flash")
 
 
-# The variants the ring takes: grouped-query k, v (they travel with their Hkv heads), a sliding window (steps with no
-# visible key skipped) and softcap; one case combines all three. ALiBi and dropout are refused (check_ring_options).
+# The variants through the ring: grouped-query k, v (they travel with their Hkv heads), a sliding window (steps with
+# no visible key skipped), softcap, ALiBi and dropout (each block call at its origin in the whole problem: the oracle
+# is the one-device result with the same seed, so the ring must draw the very same mask).
 RING_VARIANTS = {name: VARIANT_CASES[name] for name in ("gqa", "window", "window-causal", "window-empty-rows",
-                                                           "softcap")}
+                                                           "softcap", "alibi", "all")}
+RING_VARIANTS.update(DROPOUT_CASES)
 RING_VARIANTS["gqa-window-softcap"] = (1, 4, 2, 300, 300, True, {"window": (40, -1), "softcap": 10.0})
 
 
@@ -277,21 +279,47 @@ def test_ring_simulated_with_options(name, layout):
 
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
-@pytest.mark.parametrize("name", ["gqa", "window-causal", "gqa-window-softcap"])
+@pytest.mark.parametrize("name", ["gqa", "window-causal", "gqa-window-softcap", "alibi", "all-dropout"])
 def test_ring_with_options_through_the_tile_mirrors(name, layout, dtype):
     """16 bits through the stage 02/03 mirrors (block="flash"), 3 ranks: the one-device rule with the options."""
     (q, k, v, do), causal, opts = variant_inputs(RING_VARIANTS[name], 64, dtype, grad=True)
     _check_ring(q, k, v, do, causal, layout=layout, ranks=3, block="flash", opts=opts)
 
 
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_gpu_dropout_needs_block_calls_on_the_16_grid(layout):
+    """The check the GPU ring makes before dropout (its kernels draw the mask 16 x 16 blocks at a time), run here on
+    the plans: 384 tokens put every call of every rank on the grid for 2, 3 and 4 ranks, causal, full, or with a
+    right window side; 100 tokens on 3 ranks do not, nor does a bounded left side (a band's calls start one key
+    apart), and the error names the call."""
+    from stages.ring.ring import Call, check_dropout_tiles
+
+    def call(n, P, r, causal, window):
+        L = ring.shard_len(n, P, layout)
+        return Call(P, r, object(), 1, 2, 2, L, L, 64, n, n, causal, 0.125, window, None, None, 0.1, 0,
+                    tuple(ring.steps(P, n, n, layout, causal, window)))
+
+    def check(n, P, causal, window):
+        for r in range(P):
+            check_dropout_tiles(call(n, P, r, causal, window), layout, "flash", "test")
+
+    for P in (2, 3, 4):
+        for causal, window in ((True, None), (False, None), (False, (-1, 16))):
+            check(384, P, causal, window)  # no error
+    for n, causal, window in ((100, True, None), (384, True, (64, -1))):
+        with pytest.raises(ValueError, match=r"test: dropout on the GPU: .* a block call starts at query \d+, "
+                                             r"key \d+"):
+            check(n, 3, causal, window)
+
+
 @pytest.mark.parametrize("api", ["forward", "backward"])
 @pytest.mark.parametrize("bad,match", [
-    (dict(alibi_slopes=np.ones(2, np.float32)), r"alibi_slopes is not supported by the ring: ALiBi's bias depends"),
-    (dict(dropout_p=0.1), r"dropout_p is not supported by the ring"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), r"alibi_slopes has shape \(3,\); expected \(H,\) = \(2,\)"),
+    (dict(dropout_p=1.0), r"dropout_p must be in \[0, 1\), got 1.0"),
     (dict(window=(-2, 0)), r"window \(-2, 0\): each side must be >= 0, or -1"),
     (dict(softcap=0.0), r"softcap must be a finite number > 0"),
 ])
-def test_ring_options_it_does_not_take_are_clear_errors(api, bad, match):
+def test_bad_ring_options_are_clear_errors(api, bad, match):
     q, k, v, do = make_inputs(1, 2, 10, 10, 8, dtype=np.float32, grad=True)
     o, lse = naive.forward(q, k, v)
     args = (q, k, v) if api == "forward" else (q, k, v, o, lse, do)
@@ -590,20 +618,43 @@ def test_gpu_ring_simulated_with_flash_blocks(case, layout, dtype):
     _check_ring(q, k, v, do, causal, layout=layout, ranks=2 + i % 3, block="flash")
 
 
+# The kernels draw dropout's mask 16 x 16 blocks at a time, so on the GPU every block call must start on that grid:
+# 384 tokens make whole 16-row chunks for 2, 3 and 4 ranks in both layouts (and no window: a band's calls start one
+# key apart).
+RING_GPU_VARIANTS = {name: case for name, case in RING_VARIANTS.items() if name not in DROPOUT_CASES}
+RING_GPU_VARIANTS["dropout"] = (1, 2, 2, 384, 384, False, {"dropout_p": 0.2, "seed": 99})
+RING_GPU_VARIANTS["all-dropout"] = (1, 4, 2, 384, 384, True, {"softcap": 20.0, "dropout_p": 0.1, "seed": 5,
+                                                              "alibi_slopes": VARIANT_CASES["all"][-1]["alibi_slopes"]})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
-@pytest.mark.parametrize("name", list(RING_VARIANTS))
+@pytest.mark.parametrize("name", list(RING_GPU_VARIANTS))
 def test_gpu_ring_with_options_and_flash_blocks(name, layout, D, dtype):
-    """Grouped-query k, v, window and softcap through the stage 02/03 kernels (float32 partial results), 2 to 4
-    simulated ranks, inputs x1 and x10 alternating."""
+    """Grouped-query k, v, window, softcap, ALiBi and dropout through the stage 02/03 kernels (float32 partial
+    results), 2 to 4 simulated ranks, inputs x1 and x10 alternating: the one-device result, dropout mask included."""
     import cupy
 
-    i = list(RING_VARIANTS).index(name)
-    (q, k, v, do), causal, opts = variant_inputs(RING_VARIANTS[name], D, dtype, xp=cupy, scale=(1.0, 10.0)[i % 2],
-                                                 grad=True)
+    i = list(RING_GPU_VARIANTS).index(name)
+    (q, k, v, do), causal, opts = variant_inputs(RING_GPU_VARIANTS[name], D, dtype, xp=cupy,
+                                                 scale=(1.0, 10.0)[i % 2], grad=True)
     _check_ring(q, k, v, do, causal, layout=layout, ranks=2 + i % 3, block="flash", opts=opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("api", ["forward", "backward"])
+def test_gpu_ring_dropout_off_the_16_grid_is_a_clear_error(api):
+    """100 tokens on 3 ranks: block calls start at rows that are not multiples of 16, which the kernels' dropout
+    cannot draw; every rank says so before the ring turns."""
+    import cupy
+
+    q, k, v, do = make_inputs(1, 2, 100, 100, 64, dtype=bfloat16, xp=cupy, grad=True)
+    o, lse = naive.forward(q, k, v, dropout_p=0.1)
+    args = (q, k, v) if api == "forward" else (q, k, v, o, lse, do)
+    with pytest.raises(ring.RingMismatch, match=r"dropout on the GPU: the kernels draw the mask in 16 x 16 blocks"):
+        getattr(ring, api)(*args, ranks=3, block="flash", dropout_p=0.1)
 
 
 @pytest.mark.gpu

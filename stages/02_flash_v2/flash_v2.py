@@ -187,7 +187,7 @@ VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variant options (
 
 
 def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None, config=None, window=None,
-            alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0):
+            alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0, origin=None):
     """FlashAttention-2 forward. Returns o (B, H, Nq, D) and lse (B, H, Nq) float32.
 
     o is in the inputs' dtype, or in float32 with out_dtype=np.float32: O_i = diag(l_i)^-1 O_i straight from
@@ -195,9 +195,11 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     config: the fp32 CUDA kernel only, an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) instead
     of the device's choice (scripts/sweep_flash_v2.py times several); None: the device's choice.
     Variants (stages/common/variants.py): k, v with fewer heads (grouped-query), window=(left, right),
-    alibi_slopes, softcap, dropout_p with seed. The mirrors take them all; on the GPU version 'pipelined' takes
-    them all too (dropout draws the same bits as the mirrors: same seed, same o, bit for bit)."""
-    plain = window is None and alibi_slopes is None and softcap is None and not dropout_p and config is None
+    alibi_slopes, softcap, dropout_p with seed, and origin (a block of a larger problem: the ring). The mirrors take
+    them all; on the GPU version 'pipelined' takes them all too (dropout draws the same bits as the mirrors: same
+    seed, same o, bit for bit)."""
+    plain = (window is None and alibi_slopes is None and softcap is None and not dropout_p and config is None
+             and origin is None)
     key = kernels.call_key((q, k, v), causal, scale, version, out_dtype) if plain else None
     if key is not None:  # a plain GPU call seen before: its checks passed and its Call is planned
         call = _CALLS.get(key)
@@ -207,9 +209,10 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where=where, gqa=True)
     causal = check_causal(causal, where)
     opts = None  # plain attention (the common call: no option to check, nothing added to its host time)
-    if window is not None or alibi_slopes is not None or softcap is not None or dropout_p or k.shape[1] != H:
+    if (window is not None or alibi_slopes is not None or softcap is not None or dropout_p or k.shape[1] != H
+            or origin is not None):
         opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                              dropout_p=dropout_p, seed=seed, where=where)
+                              dropout_p=dropout_p, seed=seed, origin=origin, where=where)
         opts = None if opts.plain else opts
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
     version = resolve_version(version, q.dtype)
@@ -227,6 +230,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
             raise ValueError(f"{where}: on the GPU, grouped-query k/v, window, softcap, alibi_slopes and dropout run "
                              f"in version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); every version's CPU "
                              f"mirror (numpy inputs) takes them all. Got version {version!r}")
+        variants.check_kernel_origin(opts, where)
         return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
     if version == "fp32x3":
         call = _fp32x3().call(q, k, v, causal=causal, scale=scale)

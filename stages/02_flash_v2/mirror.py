@@ -105,7 +105,8 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
     tf32x3: float32 inputs only; both matmuls by the 3xTF32 split (version "fp32x3").
     out_dtype: float32 keeps O_i unrounded (as the kernels' float output does).
     opts: variants.Options (window, softcap, ALiBi, dropout, grouped-query k and v), or None for plain attention.
-    With a score option the kernel computes x = scale S_ij, then c tanh(x / c), then x - slope |i + shift - j|, and
+    With a score option the kernel computes x = scale S_ij, then c tanh(x / c), then x - slope |i + shift - j| (shift:
+    variants.alibi_shift, Nk - Nq unless the call is a block at an origin), and
     takes exp2 of x log2(e) - m; without one, exp2 of S_ij (scale log2(e)) - m (one multiply).
     """
     mm, mm_pv = (matmul_3xtf32, matmul_pv_tf32) if tf32x3 else (np.matmul, np.matmul)
@@ -121,7 +122,8 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
     slopes = None if opts is None else variants.slopes_bh(opts, B, H)  # (B, H) float32 or None
     keep = None
     if opts is not None and opts.dropout_p:
-        keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed).astype(f32)  # Z, drawn per tile
+        keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed,  # Z, drawn per tile
+                                     variants.dropout_origin(opts)).astype(f32)
     if transform:
         scale_log2 = f32(LOG2E)  # S is scaled (and capped, biased) in natural units before the base-2 softmax
     out_dtype = np.dtype(out_dtype or q.dtype)
@@ -146,7 +148,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
                     S = f32(opts.softcap) * np.tanh(S * f32(1 / opts.softcap))
                 if slopes is not None:
                     S = S + variants.alibi_bias(slopes, Nq, Nk, np, np.arange(rows.start, rows.stop),
-                                                np.arange(cols.start, cols.stop))
+                                                np.arange(cols.start, cols.stop), variants.alibi_shift(opts, Nq, Nk))
             S = S * scale_log2  # base 2
             masked = needs_mask(i, j, Nq, Nk, br, bc, causal, opts)
             if trace is not None:

@@ -199,7 +199,7 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
                           (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var == 2 else scale * LOG2E),
                            np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
                            np.int32(right), np.float32(scale), np.float32(cap))
-                          + variants.dropout_scalars(opts))
+                          + variants.origin_scalars(opts, Nq, Nk) + variants.dropout_scalars(opts))
 
 
 def call(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, varlen=None):

@@ -104,7 +104,8 @@ def forward(q, k, v, *, causal=False, scale=None, **kw):
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False, out_dtype=None,
-             tc_config=None, profile=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0):
+             tc_config=None, profile=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0,
+             origin=None):
     """Gradients (dq, dk, dv) of sum(O * dO), shaped like q, k, v, in their dtype, or in float32 with
     out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients).
 
@@ -112,10 +113,11 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     "defer_dq": bool} in place of TC_BR[D], TC_BC[D], TC_DEFER_DQ (None or a missing key: the default);
     profile, a list that receives (name, cupy.cuda.Event) after each launch.
     Variants (stages/common/variants.py): grouped-query k, v (fewer heads), window, alibi_slopes, softcap,
-    dropout_p with seed; the mirror (numpy inputs) takes them all, and so does version 'tc' on the GPU with
-    deterministic=False (dropout regenerates the forward's mask from the seed: pass the forward's dropout_p, seed)."""
+    dropout_p with seed, origin (a block of a larger problem: the ring); the mirror (numpy inputs) takes them all,
+    and so does version 'tc' on the GPU with deterministic=False (dropout regenerates the forward's mask from the
+    seed: pass the forward's dropout_p, seed and origin)."""
     plain = (window is None and alibi_slopes is None and softcap is None and not dropout_p and tc_config is None
-             and profile is None)
+             and profile is None and origin is None)
     key = kernels.call_key((q, k, v, o, lse, do), causal, scale, version, deterministic, out_dtype) if plain else None
     if key is not None:  # a plain GPU call seen before: its checks passed; the same resolved arguments
         checked = _CHECKED.get(key)
@@ -125,9 +127,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, gqa=True)
     causal = check_causal(causal, where)
     opts = None
-    if window is not None or alibi_slopes is not None or softcap is not None or dropout_p or k.shape[1] != H:
+    if (window is not None or alibi_slopes is not None or softcap is not None or dropout_p or k.shape[1] != H
+            or origin is not None):
         opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
-                              dropout_p=dropout_p, seed=seed, where=where)
+                              dropout_p=dropout_p, seed=seed, origin=origin, where=where)
         opts = None if opts.plain else opts
     if opts is not None and xp is not np and (deterministic or q.dtype == np.float32):
         raise ValueError(f"{where}: on the GPU the variants (dropout included) run in version 'tc' (float16 / "
@@ -151,6 +154,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     if xp is np:
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
                                deterministic=bool(deterministic), out_dtype=out_dtype, opts=opts)
+    variants.check_kernel_origin(opts, where)
     checked = (causal, scale, version, bool(deterministic), out_dtype, tc_config or {}, profile, opts)
     if key is not None and opts is None:  # plain attention (grouped-query k, v has opts)
         kernels.remember(_CHECKED, key, checked)
@@ -317,7 +321,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         parts = TC_PARTS[D]  # grid.z: the head dim's column parts
         main = kernels.Launch(fn, (Tc, blocks, parts) if j_fast else (blocks, Tc, parts), (2 * bc,), smem_main,
                               args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0), i32(H),
-                                      i32(group)) + variants.dropout_scalars(opts))
+                                      i32(group)) + variants.origin_scalars(opts, Nq, Nk)
+                              + variants.dropout_scalars(opts))
     if deterministic:  # the separate dQ pass, no atomics
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))

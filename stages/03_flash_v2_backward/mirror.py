@@ -172,9 +172,10 @@ def _backward_variants(q, k, v, o, lse, do, *, causal, scale, version, determini
     L = lse.astype(f32)
     L = np.where(np.isneginf(L), f32(np.inf), L)
     slopes = variants.slopes_bh(opts, B, H)
+    ashift = variants.alibi_shift(opts, Nq, Nk)  # ALiBi's diagonal: Nk - Nq, or that of the block's origin
     keep = None
     if opts.dropout_p:
-        keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed).astype(f32)
+        keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed, variants.dropout_origin(opts)).astype(f32)
     rp = f32(1 / (1 - opts.dropout_p))
     Br, Bc = tiles(version, D)
     Tc = -(-Nk // Bc)
@@ -194,7 +195,7 @@ def _backward_variants(q, k, v, o, lse, do, *, causal, scale, version, determini
                 t = np.tanh(x * f32(1 / opts.softcap))
                 x = f32(opts.softcap) * t
             if slopes is not None:
-                x = x + variants.alibi_bias(slopes, Nq, Nk, np, rows, cols)
+                x = x + variants.alibi_bias(slopes, Nq, Nk, np, rows, cols, ashift)
             with np.errstate(over="ignore"):
                 P = np.exp2((x - L[:, :, q0:q1, None]) * f32(LOG2E))
             P = np.where(variants.visible(Nq, Nk, opts, np, rows, cols), P, f32(0))

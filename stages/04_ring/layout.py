@@ -9,7 +9,7 @@ Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; a 
     positions(rank, P, n, layout) global positions of a rank's rows, in local order
     shard(x, rank, P, layout)     a rank's rows of x (B, H, N, ...), zero-padded
     unshard(shards, n, layout)    the global array back from the P shards
-    plan(qpos, kpos, nq, nk, causal, window)  the kernel calls that cover exactly the visible (query, key) pairs
+    plan(qpos, kpos, nq, nk, causal, window, runs)  the kernel calls that cover exactly the visible (query, key) pairs
     steps(P, nq, nk, layout, causal, window)  the ring steps at which some rank has work (a window skips the rest)
 """
 import functools
@@ -120,9 +120,13 @@ def visible_range(qpos, kpos, nq, nk, causal, window=None):
     return lo, np.maximum(hi, lo)
 
 
-def plan(qpos, kpos, nq, nk, causal, window=None):
+def plan(qpos, kpos, nq, nk, causal, window=None, runs=False):
     """Split one (query shard, key block) pair into kernel calls [BlockCall]: together they cover exactly the
     visible (query, key) pairs, each once.
+
+    runs=True: no call spans a jump in positions (zigzag's two chunks), so each call's rows and keys are consecutive
+    global positions: what ALiBi and dropout need, whose bias and bits are functions of the global (i, j). The
+    pair is then planned run by run (each run of consecutive query positions against each run of keys).
 
     Row i sees keys lo_i:hi_i (visible_range). Down the rows each edge either stays (a flat edge) or moves by one key
     per row (a diagonal edge), except at a jump; a run of rows whose two edges keep one behaviour is one call:
@@ -133,6 +137,10 @@ def plan(qpos, kpos, nq, nk, causal, window=None):
     A lone row between two jumps is a full call on its own keys; rows that see no key are skipped.
     With no window lo = 0 and this is the causal staircase: full calls, diagonal calls and skipped rows.
     """
+    if runs:
+        return [c._replace(a=c.a + qa, b=c.b + qa, c=c.c + kc, m=c.m + kc)
+                for qa, qb in _runs(qpos) for kc, km in _runs(kpos)
+                for c in plan(qpos[qa:qb], kpos[kc:km], nq, nk, causal, window)]
     lo, hi = visible_range(qpos, kpos, nq, nk, causal, window)
     L = len(lo)
     busy = hi > lo
@@ -162,6 +170,13 @@ def plan(qpos, kpos, nq, nk, causal, window=None):
         calls.append(BlockCall(i, j, c, m, delta if k in (2, 3) else -1, 0 if k in (1, 3) else -1))
         i = j
     return calls
+
+
+def _runs(pos):
+    """[(start, end)]: the runs of consecutive positions in pos (one run contiguous, two zigzag)."""
+    cut = np.flatnonzero(np.diff(pos) != 1) + 1
+    edges = [0, *cut.tolist(), len(pos)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def steps(P, nq, nk, layout, causal, window=None):

@@ -20,7 +20,9 @@ Causal across shards, sliding windows, the layouts (contiguous, zigzag), padding
 kernel calls cover exactly the visible (query, key) pairs) and `steps` (the steps at which some rank has work) live
 in layout.py. With a window most steps have no work: the loops above run over `steps` only, K_j, V_j hop straight
 to the next such step, and dK_j, dV_j go home in one hop after the last. Grouped-query K, V travel with their own
-Hkv heads.
+Hkv heads. ALiBi and dropout see each pair's global indices: every block call is told where it sits in the whole
+problem (origin = the global query row and key of its first row and key), so its bias -slope |i + shift - j| and its
+dropout bits Z_ij are those of the whole problem, and the ring gives the one-device result, mask and all.
 
 The communication (comm.py) and the block kernels (BLOCKS) are pluggable; this file holds the
 schedule and the merge. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
@@ -55,29 +57,29 @@ def _partial_dtype(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-def _flash_forward(q, k, v, *, causal, scale, window=None, softcap=None, version=None):
+# Every block takes the mask of its call (causal, window) and the options of the whole problem (**opts: softcap,
+# alibi_slopes, dropout_p, seed, origin).
+def _flash_forward(q, k, v, *, causal, scale, version=None, **opts):
     from stages import flash_v2
 
-    return flash_v2.forward(q, k, v, causal=causal, scale=scale, version=version or "auto", window=window,
-                            softcap=softcap, out_dtype=_partial_dtype(q.dtype))
+    return flash_v2.forward(q, k, v, causal=causal, scale=scale, version=version or "auto",
+                            out_dtype=_partial_dtype(q.dtype), **opts)
 
 
-def _flash_backward(q, k, v, o, lse, do, *, causal, scale, window=None, softcap=None, version=None):
+def _flash_backward(q, k, v, o, lse, do, *, causal, scale, version=None, **opts):
     from stages import flash_v2_backward
 
     return flash_v2_backward.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale,
-                                      version=version or "auto", window=window, softcap=softcap,
-                                      out_dtype=_partial_dtype(q.dtype))
+                                      version=version or "auto", out_dtype=_partial_dtype(q.dtype), **opts)
 
 
-def _naive_forward(q, k, v, *, causal, scale, window=None, softcap=None, version=None):
-    return naive.forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                         out_dtype=_partial_dtype(q.dtype))
+def _naive_forward(q, k, v, *, causal, scale, version=None, **opts):
+    return naive.forward(q, k, v, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype), **opts)
 
 
-def _naive_backward(q, k, v, o, lse, do, *, causal, scale, window=None, softcap=None, version=None):
-    return naive.backward(q, k, v, o, lse, do, causal=causal, scale=scale, window=window, softcap=softcap,
-                          out_dtype=_partial_dtype(q.dtype))
+def _naive_backward(q, k, v, o, lse, do, *, causal, scale, version=None, **opts):
+    return naive.backward(q, k, v, o, lse, do, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype),
+                          **opts)
 
 
 BLOCKS = {
@@ -180,8 +182,8 @@ def check_same_everywhere(ring, **facts):
 @dataclasses.dataclass(frozen=True)
 class Call:
     """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the
-    shard shapes (B, H, Hkv, Lq, Lk, D), the global lengths, the resolved mask, scale and softcap, and the steps
-    with work (layout.steps)."""
+    shard shapes (B, H, Hkv, Lq, Lk, D), the global lengths, the resolved mask, scale and the options that act on
+    scores or probabilities (softcap, ALiBi, dropout), and the steps with work (layout.steps)."""
     P: int
     r: int
     xp: object
@@ -197,16 +199,26 @@ class Call:
     scale: float
     window: object  # (left, right) or None
     softcap: object  # c or None
+    alibi_slopes: object  # (H,) or (B, H), or None
+    dropout_p: float
+    seed: int
     todo: tuple  # the steps at which some rank has work
 
-    @property
-    def extra(self):
-        """The options every block call takes besides its mask: softcap when set (none for plain attention)."""
-        return {} if self.softcap is None else {"softcap": self.softcap}
+    def options(self, qpos, kpos, c):
+        """The options block call c takes besides its mask (none for plain attention): softcap when set; with ALiBi or
+        dropout also where the call sits in the whole problem, origin (global row of its first query, global index
+        of its first key, the problem's shift nk - nq)."""
+        out = {} if self.softcap is None else {"softcap": self.softcap}
+        if self.alibi_slopes is not None or self.dropout_p:
+            out.update(alibi_slopes=self.alibi_slopes, dropout_p=self.dropout_p, seed=self.seed,
+                       origin=(int(qpos[c.a]), int(kpos[c.c]), self.nk - self.nq))
+        return out
 
     def calls(self, qpos, src, layout):
-        """The kernel calls of this rank's queries against the block of rank src."""
-        return plan(qpos, positions(src, self.P, self.nk, layout), self.nq, self.nk, self.causal, self.window)
+        """The kernel calls of this rank's queries against the block of rank src, with the keys' global positions."""
+        kpos = positions(src, self.P, self.nk, layout)
+        runs = self.alibi_slopes is not None or bool(self.dropout_p)  # each call on consecutive global positions
+        return plan(qpos, kpos, self.nq, self.nk, self.causal, self.window, runs), kpos
 
 
 def check_block(block, version, where="ring attention"):
@@ -219,27 +231,38 @@ def check_block(block, version, where="ring attention"):
     return block
 
 
-def check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, where):
-    """(window, softcap) as the ring uses them (window None when unbounded), after checking every variant: the
-    ring takes grouped-query k, v, window and softcap, and refuses ALiBi and dropout with a clear error.
-
-    ALiBi and dropout depend on each (query, key) pair's global positions (the bias -slope |i - j|, the Philox
-    counter of (i, j)), while a block kernel sees positions relative to its own block."""
-    if alibi_slopes is not None:
-        raise ValueError(f"{where}: alibi_slopes is not supported by the ring: ALiBi's bias depends on the global "
-                         "distance i - j, and each block kernel sees only positions within its block; use one device "
-                         "(stages 00, 02, 03)")
-    if dropout_p:
-        raise ValueError(f"{where}: dropout_p is not supported by the ring: the dropout mask is drawn from each "
-                         "pair's global (i, j), and each block kernel sees only positions within its block; use one "
-                         "device (stages 00, 02, 03)")
-    opts = variants.check(q, k, causal=causal, window=window, softcap=softcap, where=where)
+def check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, seed, where):
+    """(window, opts): the window as the ring uses it (None when unbounded) and the checked variants.Options. The ring
+    takes every variant of stage 00 but packed variable-length batches: grouped-query k, v, window, softcap, ALiBi
+    and dropout."""
+    opts = variants.check(q, k, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                          dropout_p=dropout_p, seed=seed, where=where)
     window = None if opts.left < 0 and opts.right < 0 else (opts.left, -1 if causal else opts.right)
-    return window, (opts.softcap or None)
+    return window, opts
+
+
+def check_dropout_tiles(call, layout, block, where):
+    """Dropout through the CUDA kernels: they draw the mask 16 x 16 blocks at a time, so every block call of this
+    rank must start at a global query row and key that are multiples of 16 (variants.check_kernel_origin). That holds
+    when the shards are whole 16-row tiles and there is no left window side (a band's calls start one key apart).
+    A clear error before the ring turns, instead of one in the middle of it."""
+    if not call.dropout_p or block != "flash" or call.xp is np:
+        return
+    qpos = positions(call.r, call.P, call.nq, layout)
+    for s in call.todo:
+        calls, kpos = call.calls(qpos, (call.r - s) % call.P, layout)
+        for c in calls:
+            if qpos[c.a] % 16 or kpos[c.c] % 16:
+                raise ValueError(
+                    f"{where}: dropout on the GPU: the kernels draw the mask in 16 x 16 blocks of the whole problem, "
+                    f"and with {call.P} ranks, layout {layout}, nq={call.nq}, nk={call.nk} and window "
+                    f"{call.window} a block call starts at query {qpos[c.a]}, key {kpos[c.c]}. Use lengths whose "
+                    "shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) and no left window "
+                    "side (a band's calls start one key apart), or block='naive'")
 
 
 def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra, window, softcap, alibi_slopes,
-              dropout_p):
+              dropout_p, seed):
     """Checks shared by forward and backward, agreed by every rank; returns a Call.
 
     The local checks run first and their error (if any) is shared with the agreement check, so a bad input on
@@ -253,7 +276,8 @@ def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extr
         check_block(block, version, where)
         check_layout(layout, where)
         causal = check_causal(causal, where)
-        window, softcap = check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, where)
+        window, opts = check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, seed, where)
+        softcap = opts.softcap or None
         nq, nk = nq or P * Lq, nk or P * Lk
         if Lq != shard_len(nq, P, layout) or Lk != shard_len(nk, P, layout):
             raise ValueError(f"{where}: shards have {Lq} query / {Lk} key rows; with {P} ranks, layout {layout}, "
@@ -261,19 +285,23 @@ def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extr
                              f"{shard_len(nk, P, layout)} (cut them with ring.shard)")
         scale = resolve_scale(scale, D)
         call = Call(P, r, xp, B, H, k.shape[1], Lq, Lk, D, nq, nk, causal, scale, window, softcap,
-                    tuple(steps(P, nq, nk, layout, causal, window)))
+                    opts.alibi_slopes, opts.dropout_p, opts.seed, tuple(steps(P, nq, nk, layout, causal, window)))
+        check_dropout_tiles(call, layout, block, where)
         facts = _facts(q, k, v, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, extra=extra,
-                       window=window, softcap=softcap)
+                       window=window, softcap=softcap, alibi_slopes=opts.alibi_slopes, dropout_p=opts.dropout_p,
+                       seed=opts.seed)
     except (TypeError, ValueError) as e:
         facts = {"problem": f"{type(e).__name__}: {e}"}
     check_same_everywhere(ring, **facts)
     return call
 
 
-def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=(), window=None, softcap=None):
+def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=(), window=None, softcap=None, alibi_slopes=None,
+           dropout_p=0.0, seed=0):
+    slopes = None if alibi_slopes is None else tuple(cast(alibi_slopes, np.float64).ravel().tolist())
     return dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
                 device=type(q).__module__.split(".")[0], nq=nq, nk=nk, causal=bool(causal), scale=float(scale),
-                layout=layout, window=window, softcap=softcap,
+                layout=layout, window=window, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, seed=seed,
                 **{f"arg{i}": (tuple(t.shape), str(t.dtype)) for i, t in enumerate(extra)})
 
 
@@ -296,17 +324,18 @@ def schedule(P, nq, nk, *, layout="zigzag", causal=False, window=None, kv_shape=
 # ----------------------------------------------------------------------------- forward
 def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, layout="contiguous",
                  block="flash", version=None, timeline=None, window=None, softcap=None, alibi_slopes=None,
-                 dropout_p=0.0):
+                 dropout_p=0.0, seed=0):
     """This rank's part of ring attention: (o, lse) for its query shard.
 
     q (B, H, Lq, D), k and v (B, Hkv, Lk, D): this rank's shards in `layout` (see shard()); Hkv divides H
     (grouped-query attention: the ring sends the Hkv heads). nq, nk: the global unpadded lengths (default P*Lq,
-    P*Lk). window=(left, right) and softcap as in stage 00 (variants.py). ring: a communicator from comm.py.
+    P*Lk). window=(left, right), softcap, alibi_slopes, dropout_p and seed as in stage 00 (variants.py): the result
+    is the one-device result, the same dropout mask included. ring: a communicator from comm.py.
     timeline: a list that receives one dict per step with work {step, compute_ms, exposed_ms} (exposed = time
     waiting on the ring).
     """
     call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (), window, softcap,
-                     alibi_slopes, dropout_p)
+                     alibi_slopes, dropout_p, seed)
     P, r, xp, B, H, Lq, D, nq = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq
     fwd, _ = BLOCKS[block]
     acc = np.float64 if q.dtype == np.float64 else np.float32
@@ -333,9 +362,10 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
         if not last:  # post the next block's transfer before computing on this one (steps without work skipped)
             nxt, handle = receive(todo[idx + 1] - s)
         t0 = mark()
-        for c in call.calls(qpos, src, layout):
+        calls, kpos = call.calls(qpos, src, layout)
+        for c in calls:
             o_b, lse_b = fwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m), scale=call.scale,
-                             version=version, **c.mask(), **call.extra)  # O_rj, L_rj (B, H, b-a, [D])
+                             version=version, **c.mask(), **call.options(qpos, kpos, c))  # O_rj, L_rj (B, H, b-a, [D])
             if seen[c.a:c.b].any():  # (a row not seen yet holds O = 0, L = -inf: the merge takes the new block)
                 merge(o_acc[:, :, c.a:c.b], lse_acc[:, :, c.a:c.b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
             else:  # first block these rows see: nothing to merge with
@@ -366,7 +396,7 @@ def _record(timeline, marks, ms, xp):
 # ----------------------------------------------------------------------------- backward
 def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, scale=None,
                   layout="contiguous", block="flash", version=None, timeline=None, window=None, softcap=None,
-                  alibi_slopes=None, dropout_p=0.0):
+                  alibi_slopes=None, dropout_p=0.0, seed=0):
     """This rank's part of the ring backward: (dq, dk, dv) for its own shards.
 
     o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in the forward;
@@ -375,7 +405,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     block's backward has already summed its group's H / Hkv query heads.
     """
     call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do), window, softcap,
-                     alibi_slopes, dropout_p)
+                     alibi_slopes, dropout_p, seed)
     P, r, xp, B, H, Lq, D, nq = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq
     _, bwd = BLOCKS[block]
     acc = np.float64 if q.dtype == np.float64 else np.float32
@@ -406,10 +436,11 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
             nxt, kv_handle = receive(todo[idx + 1] - s)
         t0 = mark()
         block_grads = []  # this step's dK_j, dV_j parts, until block j's accumulator arrives
-        for c in call.calls(qpos, src, layout):
+        calls, kpos = call.calls(qpos, src, layout)
+        for c in calls:
             dq_b, dk_b, dv_b = bwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m),
                                    _rows(o, c.a, c.b), _rows(lse, c.a, c.b), _rows(do, c.a, c.b), scale=call.scale,
-                                   version=version, **c.mask(), **call.extra)
+                                   version=version, **c.mask(), **call.options(qpos, kpos, c))
             _accumulate(dq_acc[:, :, c.a:c.b], dq_b)  # dQ_r += dS_rj K_j   (scale included)
             block_grads.append((c, dk_b, dv_b))
         t1 = mark()
@@ -438,14 +469,14 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
 
 # ----------------------------------------------------------------------------- P ranks in one process
 def _check_api(q, k, causal, scale, D, layout, ranks, block, version, where, window, softcap, alibi_slopes,
-               dropout_p):
+               dropout_p, seed):
     """The options of the one-process API, checked before any shard is cut."""
     check_causal(causal, where)
     resolve_scale(scale, D)
     check_layout(layout, where)
     check_ranks(ranks, where)
     check_block(block, version, where)
-    check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, where)
+    check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, seed, where)
 
 
 def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive", version=None,
@@ -454,21 +485,22 @@ def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, bloc
 
     layout: "contiguous" or "zigzag"; block: "naive" (stage 00) or "flash" (stages 02/03); version: the block
     kernel's version (stage 02/03 `version=`; None picks the fastest for the dtype). k, v may have Hkv heads
-    (grouped-query); window and softcap as in stage 00; alibi_slopes and dropout_p are clear errors
-    (check_ring_options says why). Each thread runs ring_forward on its shard, exactly as an MPI rank would; the
-    shards are gathered. Inputs are checked here first, so an error quotes the caller's arrays, not a shard.
+    (grouped-query); window, softcap, alibi_slopes, dropout_p and seed as in stage 00. Each thread runs
+    ring_forward on its shard, exactly as an MPI rank would; the shards are gathered. Inputs are checked here first,
+    so an error quotes the caller's arrays, not a shard.
     """
     from .comm import simulate
 
     _, _, _, nq, nk, D = check_attention_inputs(q, k, v, where="ring.forward", gqa=True)
     _check_api(q, k, causal, scale, D, layout, ranks, block, version, "ring.forward", window, softcap, alibi_slopes,
-               dropout_p)
+               dropout_p, seed)
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
         return ring_forward(shard(q, r, P, layout), shard(k, r, P, layout), shard(v, r, P, layout), ring=ring,
                             nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, block=block,
-                            version=version, window=window, softcap=softcap)
+                            version=version, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                            dropout_p=dropout_p, seed=seed)
 
     outs = simulate(rank_fn, ranks)
     return unshard([o for o, _ in outs], nq, layout), unshard([lse for _, lse in outs], nq, layout)
@@ -482,13 +514,14 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", 
 
     _, _, _, nq, nk, D = check_backward_inputs(q, k, v, o, lse, do, where="ring.backward", gqa=True)
     _check_api(q, k, causal, scale, D, layout, ranks, block, version, "ring.backward", window, softcap,
-               alibi_slopes, dropout_p)
+               alibi_slopes, dropout_p, seed)
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
         cut = [shard(x, r, P, layout) for x in (q, k, v, o, lse, do)]
         return ring_backward(*cut, ring=ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout,
-                             block=block, version=version, window=window, softcap=softcap)
+                             block=block, version=version, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             dropout_p=dropout_p, seed=seed)
 
     outs = simulate(rank_fn, ranks)
     return tuple(unshard([g[i] for g in outs], n, layout) for i, n in enumerate((nq, nk, nk)))

@@ -10,7 +10,8 @@ Versions (the layouts, --layout):
 Backends (--backend; auto picks and says why): nccl (a GPU per rank), mpi (CuPy staged through the host: more
 ranks than GPUs), numpy (CPU). Blocks (--block): flash (stage 02 forward, stage 03 backward; the GPU default)
 or naive (stage 00; the CPU default, where the stage 02/03 tile mirrors are exact but slow, and the GPU default where
-the flash kernels cannot take --kv-heads, --window or --softcap in the chosen dtype, as float32 on a T4).
+the flash kernels cannot take --kv-heads, --window, --softcap, --alibi or --dropout in the chosen dtype, as float32
+on a T4).
 
 1. Check: fresh inputs cut into shards, the ring forward and the ring backward (from the fp64 oracle's o and
    lse, as stages.common.check_backward does), gathered to rank 0 and held to the tolerance rule against the
@@ -36,6 +37,7 @@ import numpy as np  # noqa: E402
 from stages import ring as R  # noqa: E402
 from stages.common import PeakMemory, attention_flops, bfloat16, cast, gpu_name, make_inputs, time_ms  # noqa: E402
 from stages.common import device, to_numpy, verify  # noqa: E402
+from stages.common import variants as V  # noqa: E402
 from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
 
@@ -57,8 +59,8 @@ def parse(argv):
     ap.add_argument("--layout", choices=R.LAYOUTS, default=LAYOUT, help="how the sequence is cut into shards")
     ap.add_argument("--block", choices=sorted(R.BLOCKS), default=None,
                     help="per-block kernels: flash (stages 02/03) or naive (stage 00); default flash on GPUs, "
-                         "naive on the CPU and where the GPU's flash kernels cannot take --kv-heads, --window or "
-                         "--softcap in the chosen dtype")
+                         "naive on the CPU and where the GPU's flash kernels cannot take --kv-heads, --window, "
+                         "--softcap, --alibi or --dropout in the chosen dtype")
     ap.add_argument("--fwd-version", default=None, help="flash blocks: stage 02 version (default: its auto)")
     ap.add_argument("--bwd-version", default=None, help="flash blocks: stage 03 version (default: its auto)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -77,6 +79,11 @@ def parse(argv):
                     help="sliding window (left, right) around the diagonal, -1 unbounded: the ring skips the steps "
                          "whose block no query sees")
     ap.add_argument("--softcap", type=float, default=None, help="S -> c tanh(S / c)")
+    ap.add_argument("--alibi", action="store_true",
+                    help="ALiBi with the paper's geometric slopes (S -> S - slope_h |i - j|, global distances)")
+    ap.add_argument("--dropout", type=float, default=None, metavar="P",
+                    help="dropout probability (seed 0): the ring draws the one-device mask (on the GPU: lengths of "
+                         "whole 16-row tiles per shard chunk, no left window side)")
     ap.add_argument("--repeat", type=positive_int, default=REPEAT, help="timed repeats (median)")
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for scripts/run_all.py")
     return ap.parse_args(argv)
@@ -84,10 +91,10 @@ def parse(argv):
 
 def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, versions, xp, Hkv=None, opts=None):
     """Every rank of `comm`: the ring forward, and the ring backward from the oracle's o and lse, at total length
-    n on fresh inputs (k, v with Hkv heads; opts: window, softcap); gathered to rank 0 and checked there exactly
-    as stages.common.verify checks one device (stages.common.verify.rule and check_outputs). Returns
-    {name: (error, bound)}
-    on rank 0, None elsewhere; raises AssertionError on rank 0 when a result is out of tolerance."""
+    n on fresh inputs (k, v with Hkv heads; opts: window, softcap, alibi_slopes, dropout_p); gathered to rank 0 and
+    checked there exactly as stages.common.verify checks one device (stages.common.verify.rule and check_outputs).
+    Returns {name: (error, bound)} on rank 0, None elsewhere; raises AssertionError on rank 0 when a result is out
+    of tolerance."""
     rank, P = comm.Get_rank(), comm.Get_size()
     seed = comm.bcast(int(np.random.default_rng().integers(2**31)) if rank == 0 else None, root=0)
     q, k, v, do = make_inputs(B, H, n, n, D, dtype=dtype, seed=seed, grad=True)  # the same on every rank
@@ -114,8 +121,8 @@ def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, vers
 def _options_missed(args, gpu, dtype, variants):
     """Why the flash blocks cannot take the variant options here, or "" when they can.
 
-    On the GPU the flash kernels take grouped-query k/v, window and softcap in stage 02 version pipelined only
-    (float16 / bfloat16 tensor cores, sm_80 or newer); every version's CPU mirror takes them."""
+    On the GPU the flash kernels take grouped-query k/v, window, softcap, ALiBi and dropout in stage 02 version
+    pipelined only (float16 / bfloat16 tensor cores, sm_80 or newer); every version's CPU mirror takes them."""
     if not (gpu and variants):
         return ""
     from stages import flash_v2
@@ -123,8 +130,8 @@ def _options_missed(args, gpu, dtype, variants):
     vf = R.flash_version(dtype, args.fwd_version)
     if vf in flash_v2.VARIANT_VERSIONS:
         return ""
-    return (f"on the GPU the flash blocks take --kv-heads, --window and --softcap in stage 02 version "
-            f"{' / '.join(flash_v2.VARIANT_VERSIONS)} (float16 / bfloat16, sm_80 or newer), not {vf} "
+    return (f"on the GPU the flash blocks take --kv-heads, --window, --softcap, --alibi and --dropout in stage 02 "
+            f"version {' / '.join(flash_v2.VARIANT_VERSIONS)} (float16 / bfloat16, sm_80 or newer), not {vf} "
             f"({np.dtype(dtype).name})")
 
 
@@ -189,7 +196,9 @@ def main(argv=None):
                   "serves H / Hkv query heads)", file=sys.stderr, flush=True)
         raise SystemExit(2)
     opts = {key: val for key, val in (("window", tuple(args.window) if args.window else None),
-                                      ("softcap", args.softcap)) if val is not None}
+                                      ("softcap", args.softcap), ("dropout_p", args.dropout),
+                                      ("alibi_slopes", V.alibi_geometric_slopes(H) if args.alibi else None))
+            if val is not None}
     variants = bool(opts) or Hkv != H
     block, why = _blocks(args, gpu, dtype, variants)
     versions = _versions(block, dtype, D, args, rank, gpu, variants)

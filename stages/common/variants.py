@@ -14,6 +14,13 @@ For query i and key j (0-based), with shift = Nk - Nq (bottom-right alignment, a
                                                                   1 - p, drawn by Philox from (seed, b, h, i, j)
 Grouped-query attention (GQA; MQA is Hkv = 1): k and v have Hkv heads, Hkv dividing H; query head h reads kv head
 h // (H / Hkv). The backward sums dK and dV over the H / Hkv query heads of each group.
+
+A block of a larger problem (the ring: origin=(q0, k0, shift)): the call's query row i is row q0 + i of the whole
+problem and its key j is key k0 + j, in a problem whose own shift is `shift`. ALiBi and dropout then use those
+global indices, so every block adds its part of the whole problem's bias and mask:
+    S_ij <- S_ij - slope_h * |(q0 + i) + shift - (k0 + j)|,     Z_ij drawn from (seed, b, h, q0 + i, k0 + j)
+The call's mask (causal, window) stays its own, around its own bottom-right diagonal (the ring's plan gives each
+call the part of the window that falls on it). Default: the call is the whole problem, origin (0, 0, Nk - Nq).
 """
 from typing import NamedTuple
 
@@ -30,6 +37,7 @@ class Options(NamedTuple):
     dropout_p: float = 0.0
     seed: int = 0
     group: int = 1  # H / Hkv: query heads per kv head
+    origin: tuple = None  # (q0, k0, shift): this call is a block of a larger problem (ALiBi, dropout); None: whole
 
     @property
     def windowed(self):
@@ -49,7 +57,7 @@ def _int(x, name, where):
     return int(x)
 
 
-def check(q, k, *, causal, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0,
+def check(q, k, *, causal, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0, origin=None,
           where="attention"):
     """Options for q (B, H, Nq, D) and k (B, Hkv, Nk, D), or a clear error that says what is supported."""
     B, H = q.shape[0], q.shape[1]
@@ -89,7 +97,18 @@ def check(q, k, *, causal, window=None, alibi_slopes=None, softcap=None, dropout
     seed = _int(seed, "seed", where)
     if not 0 <= seed < 2**64:
         raise ValueError(f"{where}: seed must be in [0, 2**64), got {seed}")
-    return Options(bool(causal), left, right, cap, slopes, p, seed, H // Hkv)
+    if origin is not None:
+        if not isinstance(origin, (tuple, list)) or len(origin) != 3:
+            raise TypeError(f"{where}: origin must be (q0, k0, shift), the call's first query row and first key in "
+                            f"the whole problem and that problem's Nk - Nq; got {origin!r}")
+        origin = tuple(_int(x, "origin", where) for x in origin)
+        if origin[0] < 0 or origin[1] < 0:
+            raise ValueError(f"{where}: origin {origin}: the first query row q0 and first key k0 must be >= 0")
+        if origin == (0, 0, k.shape[2] - q.shape[2]):
+            origin = None  # the whole problem
+        elif slopes is None and not p:
+            origin = None  # only ALiBi and dropout see global indices
+    return Options(bool(causal), left, right, cap, slopes, p, seed, H // Hkv, origin)
 
 
 def visible(Nq, Nk, opts, xp=np, rows=None, cols=None):
@@ -105,6 +124,15 @@ def visible(Nq, Nk, opts, xp=np, rows=None, cols=None):
     return ok
 
 
+def alibi_geometric_slopes(H):
+    """ALiBi's slopes for H heads (Press et al. 2022): 2^(-8 (h + 1) / H) when H is a power of two; otherwise those
+    of the largest power of two n < H, then every other slope of 2n heads for the remaining H - n heads."""
+    n = 1 << (H.bit_length() - 1)  # the largest power of two <= H
+    own = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+    extra = [2.0 ** (-8.0 * (h + 1) / (2 * n)) for h in range(0, 2 * n, 2)][:H - n]
+    return np.array(own + extra, np.float32)
+
+
 def slopes_bh(opts, B, H, xp=np, dtype=np.float32):
     """The ALiBi slopes as a (B, H) array of xp (or None)."""
     if opts.alibi_slopes is None:
@@ -113,11 +141,25 @@ def slopes_bh(opts, B, H, xp=np, dtype=np.float32):
     return xp.broadcast_to(s, (B, H))
 
 
-def alibi_bias(slopes, Nq, Nk, xp=np, rows=None, cols=None):
-    """(B, H, rows, cols): -slope_bh |i + shift - j| for slopes (B, H)."""
+def alibi_shift(opts, Nq, Nk):
+    """ALiBi's diagonal in the call's own indices: query row i is at distance 0 from key i + alibi_shift.
+    Nk - Nq for a whole problem; q0 + shift - k0 for a block at origin (q0, k0, shift)."""
+    if opts is None or opts.origin is None:
+        return Nk - Nq
+    q0, k0, shift = opts.origin
+    return q0 + shift - k0
+
+
+def dropout_origin(opts):
+    """(q0, k0): the global indices of the call's first query row and first key, from which dropout draws."""
+    return (0, 0) if opts is None or opts.origin is None else opts.origin[:2]
+
+
+def alibi_bias(slopes, Nq, Nk, xp=np, rows=None, cols=None, shift=None):
+    """(B, H, rows, cols): -slope_bh |i + shift - j| for slopes (B, H); shift: Nk - Nq unless given (alibi_shift)."""
     i = (xp.arange(Nq) if rows is None else xp.asarray(rows))[:, None]
     j = (xp.arange(Nk) if cols is None else xp.asarray(cols))[None, :]
-    dist = xp.abs(i + (Nk - Nq) - j).astype(slopes.dtype)
+    dist = xp.abs(i + (Nk - Nq if shift is None else shift) - j).astype(slopes.dtype)
     return -slopes[:, :, None, None] * dist
 
 
@@ -129,6 +171,22 @@ def keep_rate_threshold(p):
 def seed_scalars(seed):
     """The 64-bit dropout seed as the kernels' two uint32 arguments (Philox's key: low word, high word)."""
     return np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+
+
+def check_kernel_origin(opts, where):
+    """The CUDA kernels draw dropout's bits 16 x 16 blocks at a time (dropout_keep): a block at an origin must start on
+    that grid, q0 and k0 multiples of 16 (the mirrors and stage 00 take any origin)."""
+    if opts is not None and opts.dropout_p and opts.origin is not None and (opts.origin[0] % 16 or opts.origin[1] % 16):
+        raise ValueError(f"{where}: dropout at origin {opts.origin}: the CUDA kernels draw the mask in 16 x 16 blocks "
+                         "of the whole problem, so the first query row q0 and first key k0 must be multiples of 16 "
+                         "(the CPU mirrors and stage 00 take any origin)")
+
+
+def origin_scalars(opts, Nq, Nk):
+    """(a_off, q_off, k_off), the kernels' int32 arguments of a block at an origin (all 0 for a whole problem): ALiBi
+    measures |i + (Nk - Nq) + a_off - j|, and dropout draws from (q_off + i, k_off + j)."""
+    q_off, k_off = dropout_origin(opts)
+    return np.int32(alibi_shift(opts, Nq, Nk) - (Nk - Nq)), np.int32(q_off), np.int32(k_off)
 
 
 def dropout_scalars(opts):
@@ -163,8 +221,9 @@ def philox4x32(c0, c1, c2, c3, seed):
     return [x.astype(np.uint32) for x in c]
 
 
-def dropout_keep(B, H, Nq, Nk, p, seed):
-    """Z (B, H, Nq, Nk) bool: True where dropout keeps P_ij (numpy; the kernels draw the same bits).
+def dropout_keep(B, H, Nq, Nk, p, seed, origin=(0, 0)):
+    """Z (B, H, Nq, Nk) bool: True where dropout keeps P_ij (numpy; the kernels draw the same bits). origin (q0, k0):
+    the rows and keys are global indices q0.., k0.. (a block of a larger problem: dropout_origin).
 
     One Philox call draws the four bits of queries {i, i + 8} x keys {j, j + 8} inside a 16 x 16 block (i % 16 < 8,
     j % 16 < 8): counter (16-block row index * 8 + i % 8, same for j, b * H + h, 0), outputs in the order (i, j),
@@ -172,8 +231,8 @@ def dropout_keep(B, H, Nq, Nk, p, seed):
     columns 2t, 2t + 8 of its mma fragments, in S and in the backward's S^T), so it draws its own bits."""
     if p == 0.0:
         return np.ones((B, H, Nq, Nk), bool)
-    i = np.arange(Nq)
-    j = np.arange(Nk)
+    i = origin[0] + np.arange(Nq)
+    j = origin[1] + np.arange(Nk)
     ci = (i // 16) * 8 + i % 8  # (Nq,)
     cj = (j // 16) * 8 + j % 8  # (Nk,)
     oi = (i % 16) // 8  # which of the pair
