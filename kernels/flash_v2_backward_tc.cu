@@ -145,8 +145,9 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // block visits only the Q tiles with a row that sees a key of K_j; the scores x = scale S_ij capped (softcap c > 0:
 // x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off + a_off - kv|, slopes one
 // float per (batch, head), or null). a_off, q_off, k_off: 0, or where a ring block sits in the whole problem (ALiBi's
-// diagonal moves by a_off; dropout draws from global indices q_off + q, k_off + kv). Grouped-query k, v (VAR): K, V have H / group heads and query head h reads kv head
-// h / group; dK, dV are still written per query head (float), and the launcher sums each group's heads.
+// diagonal moves by a_off; dropout draws from global indices q_off + q, k_off + kv). Grouped-query k, v (VAR): K, V
+// have H / group heads and query head h reads kv head h / group; dK, dV are still written per query head (float), and
+// the launcher sums each group's heads.
 // DROP (with VAR), dropout (dropout.cuh; an instantiation of its own, so the other variants carry none of its
 // registers): the forward's Z_ij regenerated from the seed; dV_j += (P_ij Z_ij)^T dO_i and dP_ij -> Z_ij dP_ij /
 // (1 - p) (the gradient through P~ = P Z / (1 - p)); D_i = rowsum(dO_i O_i) is unchanged, and dV_j is scaled by
@@ -342,7 +343,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                             x = softcap * th;
                             dcap = 1.f - th * th;
                         }
-                        x -= slope * (float)abs(diag + a_off - kv);
+                        x -= slope * (float)abs(diag - kv + a_off);
                         const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
                         float dpe = dp[n][e];
                         p[e] = pe;
