@@ -224,6 +224,9 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         Tr = first <= last ? last / Br + 1 : i_begin;
     }
     const float slope = VAR && slopes != nullptr ? slopes[hd] : 0.f;
+    // The inner loop measures keys from ALiBi's diagonal, adiag = q + off + a_off, and the window from the same
+    // point: kv > q + off + right  <=>  kv > adiag + hi_off (an unbounded side: an offset no key reaches).
+    const int hi_off = right < 0 ? (1 << 29) : right - a_off, lo_off = left < 0 ? (1 << 29) : left + a_off;
 
     // Q_i, dO_i (zero-filled past Nq) and L_i, D_i (padded to Nq_pad: always in range) into buffer b
     auto load_q_tile = [&](int i, int b) {
@@ -334,16 +337,15 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                     const int ql = n * 8 + 2 * t + (e % 2);  // local query column
                     const int kv = j * Bc + 16 * warp + g + (e / 2) * 8;
                     if constexpr (VAR) {
-                        const int diag = q0 + ql + off;  // the key on this query's diagonal
-                        const bool visible = !need_mask || !(kv >= Nk || (right >= 0 && kv > diag + right) ||
-                                                             (left >= 0 && kv < diag - left));
+                        const int adiag = q0 + ql + off + a_off;  // ALiBi's diagonal (the query's own but in a ring)
+                        const bool visible = !need_mask || !(kv >= Nk || kv > adiag + hi_off || kv < adiag - lo_off);
                         float x = s[n][e] * scale, dcap = 1.f;
                         if (softcap > 0.f) {  // tanh(y) (common.cuh; within ~2e-7 of the forward's)
                             const float th = tanh_from_exp2(x * (1.f / softcap) * (2.f * LOG2E_F));
                             x = softcap * th;
                             dcap = 1.f - th * th;
                         }
-                        x -= slope * (float)abs(diag - kv + a_off);
+                        x -= slope * (float)abs(adiag - kv);
                         const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
                         float dpe = dp[n][e];
                         p[e] = pe;
