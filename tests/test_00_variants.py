@@ -200,6 +200,14 @@ def test_a_block_at_its_origin_is_that_block_of_the_whole_problem(causal):
                                   variants.alibi_bias(slopes, Nq, Nk)[:, :, a:b, c:m])
 
 
+def test_alibi_geometric_slopes():
+    """The ALiBi paper's slopes: 1/2 ... 1/256 for 8 heads; for 12 heads those of 8, then 2^-0.5, 2^-1.5, ... of 16."""
+    np.testing.assert_array_equal(variants.alibi_geometric_slopes(8), 2.0 ** -np.arange(1, 9))
+    want12 = np.concatenate([2.0 ** -np.arange(1, 9), 2.0 ** -(np.arange(1, 16, 2) / 2)[:4]])
+    np.testing.assert_allclose(variants.alibi_geometric_slopes(12), want12, rtol=1e-7)
+    assert variants.alibi_geometric_slopes(1).tolist() == [2.0 ** -8]
+
+
 def test_origin_checks_and_the_kernels_grid():
     q, k, v = _qkv()
     for bad, match in (((1, 2), "origin must be"), ((-1, 0, 0), "must be >= 0"), ((0, 1.5, 0), "integer")):

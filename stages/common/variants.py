@@ -126,7 +126,7 @@ def visible(Nq, Nk, opts, xp=np, rows=None, cols=None):
 
 def alibi_geometric_slopes(H):
     """ALiBi's slopes for H heads (Press et al. 2022): 2^(-8 (h + 1) / H) when H is a power of two; otherwise those
-    of the largest power of two n < H, then every other slope of 2n heads for the remaining H - n heads."""
+    of the largest power of two n <= H, then every other slope of 2n heads for the remaining H - n heads."""
     n = 1 << (H.bit_length() - 1)  # the largest power of two <= H
     own = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
     extra = [2.0 ** (-8.0 * (h + 1) / (2 * n)) for h in range(0, 2 * n, 2)][:H - n]
