@@ -120,6 +120,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
     scale_log2 = f32(scale * LOG2E)
     transform = opts is not None and (opts.softcap or opts.alibi_slopes is not None)
     slopes = None if opts is None else variants.slopes_bh(opts, B, H)  # (B, H) float32 or None
+    ashift = variants.alibi_shift(opts, Nq, Nk)  # ALiBi's diagonal: Nk - Nq, or that of the block's origin
     keep = None
     if opts is not None and opts.dropout_p:
         keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed,  # Z, drawn per tile
@@ -148,7 +149,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
                     S = f32(opts.softcap) * np.tanh(S * f32(1 / opts.softcap))
                 if slopes is not None:
                     S = S + variants.alibi_bias(slopes, Nq, Nk, np, np.arange(rows.start, rows.stop),
-                                                np.arange(cols.start, cols.stop), variants.alibi_shift(opts, Nq, Nk))
+                                                np.arange(cols.start, cols.stop), ashift)
             S = S * scale_log2  # base 2
             masked = needs_mask(i, j, Nq, Nk, br, bc, causal, opts)
             if trace is not None:
