@@ -287,7 +287,7 @@ def test_ring_with_options_through_the_tile_mirrors(name, layout, dtype):
 
 
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
-def test_gpu_dropout_needs_block_calls_on_the_16_grid(layout):
+def test_dropout_grid_check_on_the_plans(layout):
     """The check the GPU ring makes before dropout (its kernels draw the mask 16 x 16 blocks at a time), run here on
     the plans: 384 tokens put every call of every rank on the grid for 2, 3 and 4 ranks, causal, full, or with a
     right window side; 100 tokens on 3 ranks do not, nor does a bounded left side (a band's calls start one key
