@@ -193,9 +193,9 @@ def test_tc_other_dq_order(case, D, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=["fp32", "bf16"])
 def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
-    """backward keeps each checked plain GPU call's resolved arguments under kernels.call_key. A repeat gives the same
-    gradients (deterministic mode: bit for bit); a call that differs in one argument, or new values of the same shape,
-    is right by the rule; and bad input is still refused after a good call with the same shapes."""
+    """backward keeps each checked plain GPU call's planned launches (a _Call) under kernels.call_key. A repeat gives
+    the same gradients (deterministic mode: bit for bit); a call that differs in one argument, or new values of the
+    same shape, is right by the rule; and bad input is still refused after a good call with the same shapes."""
     import cupy
 
     from stages.flash_v2_backward import flash_v2_backward as launcher
@@ -203,7 +203,7 @@ def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
     q, k, v, do = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True)
     o, lse = verify.backward_start(q, *tolerance.oracle(q, k, v))
     first = fb.backward(q, k, v, o, lse, do, deterministic=True)
-    assert launcher._CHECKED.get(kernels.call_key((q, k, v, o, lse, do), False, None, "auto", True, None)) is not None
+    assert launcher._CALLS.get(kernels.call_key((q, k, v, o, lse, do), False, None, "auto", True, None)) is not None
     again = fb.backward(q, k, v, o, lse, do, deterministic=True)
     for a, b in zip(first, again):
         np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))

@@ -119,10 +119,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     plain = (window is None and alibi_slopes is None and softcap is None and not dropout_p and tc_config is None
              and profile is None and origin is None)
     key = kernels.call_key((q, k, v, o, lse, do), causal, scale, version, deterministic, out_dtype) if plain else None
-    if key is not None:  # a plain GPU call seen before: its checks passed; the same resolved arguments
-        checked = _CHECKED.get(key)
-        if checked is not None:
-            return _gpu_backward(q, k, v, o, lse, do, *checked)
+    if key is not None:  # a plain GPU call seen before: its checks passed and its launches are planned
+        call = _CALLS.get(key)
+        if call is not None:
+            return call(q, k, v, o, lse, do)
     where = "flash_v2_backward"
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, gqa=True)
     causal = check_causal(causal, where)
@@ -155,13 +155,17 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
                                deterministic=bool(deterministic), out_dtype=out_dtype, opts=opts)
     variants.check_kernel_origin(opts, where)
-    checked = (causal, scale, version, bool(deterministic), out_dtype, tc_config or {}, profile, opts)
+    deterministic, odtype = bool(deterministic), np.dtype(out_dtype)
     if key is not None and opts is None:  # plain attention (grouped-query k, v has opts)
-        kernels.remember(_CHECKED, key, checked)
-    return _gpu_backward(q, k, v, o, lse, do, *checked)
+        call = _Call(_problem_plan(q, k, causal, scale, version, deterministic, odtype, {}), odtype, deterministic,
+                     (NULL,) * 3 if version == "tc" else ())
+        kernels.remember(_CALLS, key, call)
+        return call(q, k, v, o, lse, do)
+    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, odtype, tc_config or {},
+                         profile, opts)
 
 
-_CHECKED = {}  # kernels.call_key of a plain GPU call -> its checked arguments, as _gpu_backward takes them
+_CALLS = {}  # kernels.call_key of a plain GPU call -> its _Call
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -334,48 +338,84 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1)
 
 
-def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config, profile,
-                  opts=None, varlen=None):
-    """The launches of one backward on CuPy arrays (checked by backward). varlen: (cu_q, cu_k, max_seqlen_k), int32
-    device arrays of a packed batch laid out head by head ((1, H, total, D), backward_varlen), or None."""
-    import cupy
+class _Call(NamedTuple):
+    """A plain GPU backward as backward planned it: call(q, k, v, o, lse, do) returns (dq, dk, dv). backward keeps
+    one per kernels.call_key, so a repeated call goes straight to its allocations and launches. extra: the main
+    kernel's arguments after dk, dv (the tc kernel's null ALiBi slopes and packed-batch bounds)."""
+    plan: _Plan
+    odtype: np.dtype
+    deterministic: bool
+    extra: tuple
 
+    def __call__(self, q, k, v, o, lse, do):
+        return _launch(self.plan, q, k, v, o, lse, do, self.odtype, self.deterministic, self.extra)
+
+
+def _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config, opts=None, varlen=None):
+    """The _Plan of one problem on the current device, made on its first call (kernels.planned). opts: the variants
+    or None; varlen: backward_varlen's (cu_q, cu_k, max_seqlen_k) or None."""
     B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    dtype, odtype = q.dtype, np.dtype(out_dtype)
+    Nk = k.shape[2]
     dev = device.device()
     key_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
     vl = None if varlen is None else (varlen[0].size - 1, int(varlen[2]))  # (sequences, longest key sequence)
-    key = (version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tuple(sorted(tc_config.items())),
+    key = (version, q.dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tuple(sorted(tc_config.items())),
            dev, key_opts, vl)
-    plan = kernels.planned(_PLANS, key, lambda: _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale,
+    return kernels.planned(_PLANS, key, lambda: _plan(version, q.dtype, odtype, B, H, Nq, Nk, D, causal, scale,
                                                       deterministic, tc_config, dev, key_opts, vl))
-    q, k, v, o, do = (cupy.ascontiguousarray(x) for x in (q, k, v, o, do))  # (B, H, N, D) row-major
-    lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # (B, H, Nq)
-    # the scratch, in one float32 allocation: D_i = rowsum(dO_i * O_i) and L_i, (B H, Nq_pad) each, then the fp32 dQ
-    # accumulator (1 element in deterministic mode); the kernels get the three device addresses
-    scratch = cupy.empty(2 * plan.rows + plan.acc, np.float32)
-    Dvec, Lvec, dq_acc = (scratch.data.ptr + 4 * offset for offset in (0, plan.rows, 2 * plan.rows))
+
+
+def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, odtype, tc_config, profile,
+                  opts=None, varlen=None):
+    """One backward with variants, tuning options or a packed batch, on CuPy arrays (checked by backward or
+    backward_varlen). varlen: (cu_q, cu_k, max_seqlen_k), int32 device arrays of a packed batch laid out head by
+    head ((1, H, total, D)), or None."""
+    import cupy
+
+    odtype = np.dtype(odtype)
+    plan = _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config, opts, varlen)
+    extra = ()
+    if version == "tc":
+        slopes = NULL
+        if opts is not None and opts.alibi_slopes is not None:
+            slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
+                                                              q.shape[:2]))
+        extra = (slopes,) + ((NULL, NULL) if varlen is None else tuple(varlen[:2]))
+    return _launch(plan, q, k, v, o, lse, do, odtype, deterministic, extra, opts, profile)
+
+
+def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, extra, opts=None, profile=None):
+    """The allocations and launches of one backward: the preprocess (D_i, L_i; the dQ accumulator zeroed), the main
+    kernel (dK_j, dV_j; dQ_i added atomically), then the dQ conversion or the deterministic dQ pass."""
+    import cupy
+
+    asc = cupy.ascontiguousarray  # (B, H, N, D) row-major: a copy only for another layout
+    q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=np.float32)
+    # The scratch, one float32 buffer from CuPy's memory pool: D_i = rowsum(dO_i * O_i) and L_i, (B H, Nq_pad)
+    # each, then the fp32 dQ accumulator (1 element in deterministic mode); the kernels get three device addresses.
+    # The pool is stream-ordered: once scratch is released, its memory goes to later work on this stream, which runs
+    # after these launches.
+    scratch = cupy.cuda.alloc(4 * (2 * plan.rows + plan.acc))
+    Dvec = scratch.ptr
+    Lvec = Dvec + 4 * plan.rows
+    dq_acc = Lvec + 4 * plan.rows
     _mark(profile, "start")
     plan.pre(o, do, lse, Dvec, Lvec, dq_acc)
     _mark(profile, "preprocess+zero")
-    gdtype = odtype if opts is None else np.dtype(np.float32)  # the variants' dK, dV: float, summed per group
-    dk, dv = empty(cupy, (B, H, Nk, D), gdtype), empty(cupy, (B, H, Nk, D), gdtype)  # per query head: summed below
-    slopes = NULL
-    if opts is not None and opts.alibi_slopes is not None:
-        slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
-                                                          (B, H)))
+    B, H, Nq, D = q.shape
+    gshape = (B, H, k.shape[2], D)  # dK, dV per query head: a grouped-query problem sums them over each group below
+    gdtype = odtype if opts is None else np.dtype(np.float32)  # the variants' dK, dV: float until summed
+    dk, dv = empty(cupy, gshape, gdtype), empty(cupy, gshape, gdtype)
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
-    cu = (NULL, NULL) if varlen is None else varlen[:2]
-    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((slopes,) + cu if version == "tc" else ()))
+    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *extra)
     if opts is not None:
         if opts.group > 1:
-            dk, dv = (x.reshape(B, Hkv, opts.group, Nk, D).sum(axis=2) for x in (dk, dv))
+            dk, dv = (x.reshape(B, k.shape[1], opts.group, k.shape[2], D).sum(axis=2) for x in (dk, dv))
         dk, dv = (x.astype(odtype) if odtype != bfloat16 else cast(x, odtype) for x in (dk, dv))
     _mark(profile, "main")
-    dq = empty(cupy, q.shape, odtype)
+    dq = empty(cupy, (B, H, Nq, D), odtype)
     if deterministic:
         plan.last(q, k, v, do, Lvec, Dvec, dq)
     else:
