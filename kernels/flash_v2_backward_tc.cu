@@ -35,8 +35,12 @@
 //   * DEFER_DQ: one barrier per Q tile instead of two, so the dQ atomics drain while the next tile computes;
 //   * grid order by mask: non-causal, the K/V tiles of one head run side by side and share Q_i, dO_i and dQ_i
 //     rows in L2; causal, every head's longest block (j = 0) starts first, so short blocks fill the tail.
-// What bounds it: every warp reads all of Q_i and dO_i from shared memory twice (plain and transposed ldmatrix)
-// for its 16 key rows, about one ldmatrix.x4 per two mma, and the registers allow one block of 8 warps per SM.
+//   * every ldmatrix address is a per-lane 32-bit shared base (computed once) plus a compile-time offset, which
+//     the instruction encodes as an immediate: no integer instructions for addresses in the unrolled loops.
+// What bounds it: shared-memory traffic. Every warp reads all of Q_i and dO_i from shared memory twice (plain and
+// transposed ldmatrix) for its 16 key rows, about one ldmatrix.x4 per two mma, and the registers allow one block
+// of 8 warps per SM, too few to hide the wait for those loads. FA2's 2 x 4 warp layout over the S tile (P and dS
+// through shared memory) moves fewer shared-memory bytes per mma (scripts/profile_backward.py compares the two).
 //
 // Run: python stages/03_flash_v2_backward/run.py --version tc --dtype bf16   (tests: pytest
 //      tests/test_03_flash_v2_backward.py; timings beside PyTorch: python scripts/bench.py --direction bwd)
@@ -90,6 +94,9 @@ __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float*
     static_assert(NW % RG == 0 && NQ % 2 == 0, "dQ_i split: the warps must cover Br / (16 MT) row groups evenly");
     const int g = lane / 4, t = lane % 4, mi = lane / 8;
     const int qr0 = 16 * MT * (warp % RG), dc0 = pc + (warp / RG) * NCOL;
+    // this lane's ldmatrix rows as 32-bit shared addresses; the loops below add compile-time byte offsets
+    const u32 a_base = smem_u32(dSt + ((mi / 2) * 8 + lane % 8) * LDS + qr0 + (mi % 2) * 8);
+    const u32 b_base = smem_u32(Ks + ((mi % 2) * 8 + lane % 8) * LDK + dc0 + (mi / 2) * 8);
     float dq[MT][NQ][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -102,11 +109,11 @@ __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float*
         u32 a[MT][4];  // A[q][kv] = dS^T[kv][q]: stored transposed, so ldmatrix .trans
 #pragma unroll
         for (int m = 0; m < MT; ++m)
-            ldmatrix_x4_trans(a[m], dSt + (kk * 16 + (mi / 2) * 8 + lane % 8) * LDS + qr0 + 16 * m + (mi % 2) * 8);
+            ldsm_x4_trans(a[m], a_base + 2 * (kk * 16 * LDS + 16 * m));
 #pragma unroll
         for (int np = 0; np < NQ / 2; ++np) {
             u32 b[4];  // B[kv][d] = K_j[kv][d]
-            ldmatrix_x4_trans(b, Ks + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + dc0 + np * 16 + (mi / 2) * 8);
+            ldsm_x4_trans(b, b_base + 2 * (kk * 16 * LDK + np * 16));
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 mma_16816<T>(dq[m][2 * np], a[m], b);
@@ -257,6 +264,18 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 #pragma unroll
         for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.f;
     u32 akr[KREG ? HD / 16 : 1][4], avr[KREG ? HD / 16 : 1][4];  // KREG: this warp's K_j, V_j A fragments
+    // This lane's ldmatrix rows as 32-bit shared addresses, computed once. Each load in the unrolled loops below
+    // adds a compile-time byte offset (of kk, np), which ldmatrix encodes as an immediate: the loops spend no integer
+    // instructions on addresses, where a generic pointer per load costs an IMAD or LEA and a conversion to a shared
+    // address. A operands, this warp's rows of K_j, V_j: lanes 0-15 the rows, lanes 16-31 the same rows +8 columns.
+    const u32 ka_base = smem_u32(Ks + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
+    const u32 va_base = smem_u32(Vs + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
+    // B operands of S^T, dP^T: rows of Q_i, dO_i as they are; of dV_j, dK_j: the same through ldmatrix .trans
+    // (buffer 0, chunk 0, this block's column part)
+    const u32 qb_base = smem_u32(Qs + ((mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
+    const u32 ob_base = smem_u32(dOs + ((mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
+    const u32 qt_base = smem_u32(Qs + ((mi % 2) * 8 + lane % 8) * LDK + pc + (mi / 2) * 8);
+    const u32 ot_base = smem_u32(dOs + ((mi % 2) * 8 + lane % 8) * LDK + pc + (mi / 2) * 8);
 
     for (int i = i_begin; i < Tr; ++i) {  // Alg.2 L8
         const int buf = (i - i_begin) & 1;
@@ -268,8 +287,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         if (KREG && i == i_begin) {  // K_j, V_j have landed (barrier above): their A fragments, once
 #pragma unroll
             for (int kk = 0; kk < (KREG ? HD / 16 : 0); ++kk) {
-                ldmatrix_x4(akr[kk], Ks + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
-                ldmatrix_x4(avr[kk], Vs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+                ldsm_x4(akr[kk], ka_base + 2 * kk * 16);
+                ldsm_x4(avr[kk], va_base + 2 * kk * 16);
             }
         }
         if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain while tile i is computed
@@ -279,8 +298,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 
 #pragma unroll 1
         for (int c = 0; c < Br / BRC; ++c) {  // chunks of BRC query rows
-            const T* Qb = Qs + buf * Br * LDK + c * BRC * LDK;
-            const T* dOb = dOs + buf * Br * LDK + c * BRC * LDK;
+            const u32 chunk = 2 * (buf * Br + c * BRC) * LDK;  // byte offset of this buffer's chunk in Q_i, dO_i
             const float* Lb = Ls + buf * Br + c * BRC;
             const float* Db = Ds + buf * Br + c * BRC;
             const int q0 = i * Br + c * BRC;  // first query row of the chunk
@@ -292,16 +310,16 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             for (int kk = 0; kk < HD / 16; ++kk) {
                 u32 akl[4], avl[4];  // A = K_j, V_j rows 16w.., cols kk*16..: lanes 0-15 rows, 16-31 the +8 columns
                 if (!KREG) {
-                    ldmatrix_x4(akl, Ks + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
-                    ldmatrix_x4(avl, Vs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+                    ldsm_x4(akl, ka_base + 2 * kk * 16);
+                    ldsm_x4(avl, va_base + 2 * kk * 16);
                 }
                 const u32* ak = KREG ? akr[KREG ? kk : 0] : akl;
                 const u32* av = KREG ? avr[KREG ? kk : 0] : avl;
 #pragma unroll
                 for (int np = 0; np < BRC / 16; ++np) {
                     u32 bq[4], bo[4];  // B[d][q] = Q_i[q][d]: rows of Q_i are the columns of B, no transpose
-                    ldmatrix_x4(bq, Qb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
-                    ldmatrix_x4(bo, dOb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                    ldsm_x4(bq, qb_base + chunk + 2 * (np * 16 * LDK + kk * 16));
+                    ldsm_x4(bo, ob_base + chunk + 2 * (np * 16 * LDK + kk * 16));
                     mma_16816<T>(s[2 * np], ak, bq);
                     mma_16816<T>(s[2 * np + 1], ak, bq + 2);
                     mma_16816<T>(dp[2 * np], av, bo);
@@ -372,9 +390,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 #pragma unroll
                 for (int np = 0; np < HDP / 16; ++np) {  // this block's columns pc + 16 np..
                     u32 bo[4], bq[4];
-                    const int col = pc + np * 16 + (mi / 2) * 8;
-                    ldmatrix_x4_trans(bo, dOb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + col);
-                    ldmatrix_x4_trans(bq, Qb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + col);
+                    ldsm_x4_trans(bo, ot_base + chunk + 2 * (kk * 16 * LDK + np * 16));
+                    ldsm_x4_trans(bq, qt_base + chunk + 2 * (kk * 16 * LDK + np * 16));
                     mma_16816<T>(dv[2 * np], pa[kk], bo);
                     mma_16816<T>(dv[2 * np + 1], pa[kk], bo + 2);
                     mma_16816<T>(dk[2 * np], dsa[kk], bq);
@@ -471,6 +488,13 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+    // this lane's ldmatrix rows as 32-bit shared addresses (as in flash_bwd_tc): A operands, this warp's rows of
+    // Q_i, dO_i; B operands, rows of K_j, V_j as they are (S, dP) and through .trans (dQ), in buffer 0
+    const u32 qa_base = smem_u32(Qs + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
+    const u32 oa_base = smem_u32(dOs + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
+    const u32 kb_base = smem_u32(Ks + ((mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
+    const u32 vb_base = smem_u32(Vs + ((mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
+    const u32 kt_base = smem_u32(Ks + ((mi % 2) * 8 + lane % 8) * LDK + (mi / 2) * 8);
 
     for (int j = 0; j < j_end; ++j) {
         const int buf = j & 1;
@@ -481,8 +505,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
             load_tile_async<T, Bc, HD, LDK, NT>(Vs + (buf ^ 1) * Bc * LDK, V, (j + 1) * Bc, Nk, tid);
         }
         cp_async_commit();
-        const T* Kb = Ks + buf * Bc * LDK;
-        const T* Vb = Vs + buf * Bc * LDK;
+        const u32 tile = 2 * buf * Bc * LDK;  // byte offset of K_j, V_j's buffer
 
         // S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T for this warp's 16 query rows
         float s[NS][4], dp[NS][4];
@@ -490,13 +513,13 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 aq[4], ao[4];
-            ldmatrix_x4(aq, Qs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
-            ldmatrix_x4(ao, dOs + (16 * warp + lane % 16) * LDK + kk * 16 + (lane / 16) * 8);
+            ldsm_x4(aq, qa_base + 2 * kk * 16);
+            ldsm_x4(ao, oa_base + 2 * kk * 16);
 #pragma unroll
             for (int np = 0; np < Bc / 16; ++np) {
                 u32 bk[4], bv[4];
-                ldmatrix_x4(bk, Kb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
-                ldmatrix_x4(bv, Vb + (np * 16 + (mi / 2) * 8 + lane % 8) * LDK + kk * 16 + (mi % 2) * 8);
+                ldsm_x4(bk, kb_base + tile + 2 * (np * 16 * LDK + kk * 16));
+                ldsm_x4(bv, vb_base + tile + 2 * (np * 16 * LDK + kk * 16));
                 mma_16816<T>(s[2 * np], aq, bk);
                 mma_16816<T>(s[2 * np + 1], aq, bk + 2);
                 mma_16816<T>(dp[2 * np], ao, bv);
@@ -524,7 +547,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
 #pragma unroll
             for (int np = 0; np < HD / 16; ++np) {
                 u32 b[4];
-                ldmatrix_x4_trans(b, Kb + (kk * 16 + (mi % 2) * 8 + lane % 8) * LDK + np * 16 + (mi / 2) * 8);
+                ldsm_x4_trans(b, kt_base + tile + 2 * (kk * 16 * LDK + np * 16));
                 mma_16816<T>(dq[2 * np], dsa[kk], b);
                 mma_16816<T>(dq[2 * np + 1], dsa[kk], b + 2);
             }

@@ -1,0 +1,166 @@
+"""Where the backward's time goes: Nsight Compute counters of stage 03's tensor-core kernel (version 'tc') and of
+PyTorch's FlashAttention-2 backward kernel on the same problem, one CSV row per kernel.
+
+    python3 scripts/profile_backward.py --out results/profile_backward_h100.csv
+    python3 scripts/profile_backward.py --dtype fp16 --head-dim 64 --seq 4096 --batch 4 --heads 16 --causal
+
+Needs a CUDA GPU, CuPy, PyTorch and Nsight Compute's `ncu` (on PATH or in /usr/local/cuda/bin) with permission to
+read the GPU's performance counters. The script runs itself under ncu once per kernel: the child makes the inputs,
+runs stage 02's forward, then each backward twice; ncu measures the second launch of the kernel it is given (the
+first is a warm-up). ncu runs one kernel at a time at fixed clocks, so its durations compare the two kernels with
+each other; scripts/bench.py gives the speeds.
+
+Columns, per kernel:
+    duration_ms           the kernel's time under ncu
+    warp_instructions     instructions executed, counted per warp (smsp__inst_executed)
+    ldmatrix              ldmatrix instructions (smsp__inst_executed_op_ldsm)
+    smem_wavefronts       shared-memory wavefronts (one per 128 bytes a warp moves; an ldmatrix.x4 is four)
+    smem_pct_of_peak      shared-memory pipe throughput, % of its peak over the kernel
+    tensor_pct_of_peak    tensor (HMMA) pipe activity, % of its peak while the SM is active
+    short_scoreboard      cycles per warp stalled waiting on shared-memory / ldmatrix results (short scoreboard)
+    registers, smem_kb    registers per thread, dynamic shared memory per block (KB)
+    occupancy_pct         achieved occupancy (active warps / the SM's maximum)
+and the run's provenance (scripts/bench.py's columns, plus the ncu version).
+"""
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+METRICS = {  # CSV column -> ncu metric
+    "duration_ms": "gpu__time_duration.sum",
+    "warp_instructions": "smsp__inst_executed.sum",
+    "ldmatrix": "smsp__inst_executed_op_ldsm.sum",
+    "smem_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+    "smem_pct_of_peak": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
+    "tensor_pct_of_peak": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "short_scoreboard": "smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio",
+    "registers": "launch__registers_per_thread",
+    "smem_kb": "launch__shared_mem_per_block_dynamic",
+    "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+}
+KERNELS = {"ours": "flash_bwd_tc", "torch": "flash_bwd_dq_dk_dv"}  # kernel-name patterns (ncu -k regex:)
+
+
+def child(args):
+    """Under ncu: stage 02's forward, then our backward and PyTorch's flash backward, twice each."""
+    import cupy
+    import torch
+
+    from stages import flash_v2, flash_v2_backward
+    from stages.common import bfloat16, cast
+
+    dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16)}[args.dtype]
+    rng = np.random.default_rng(0)
+    shape = (args.batch, args.heads, args.seq, args.head_dim)
+    q, k, v, do = (cast(cupy.asarray(rng.standard_normal(shape, dtype=np.float32)), dtype) for _ in range(4))
+    o, lse = flash_v2.forward(q, k, v, causal=args.causal)
+    for _ in range(2):
+        flash_v2_backward.backward(q, k, v, o, lse, do, causal=args.causal)
+    cupy.cuda.Device().synchronize()
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    # PyTorch's own layout, (B, N, H, d) in memory, seen as (B, H, N, d): as scripts/bench.py gives it
+    tq, tk, tv, tdo = (torch.as_tensor(x.view(cupy.uint16), device="cuda").view(tdt).transpose(1, 2).contiguous()
+                       .transpose(1, 2) for x in (q, k, v, do))
+    for t in (tq, tk, tv):
+        t.requires_grad_(True)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal)
+    for _ in range(2):
+        torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
+    torch.cuda.synchronize()
+
+
+def _ncu():
+    found = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
+    if found is None:
+        raise SystemExit("profile_backward.py needs Nsight Compute's ncu (on PATH or /usr/local/cuda/bin)")
+    return found
+
+
+def _unit(unit, scales):
+    """The factor of ncu's unit (per launch or per block: the part before '/') in scales."""
+    base = unit.split("/")[0]
+    if base not in scales:
+        raise SystemExit(f"profile_backward.py: ncu reported the unit {unit!r}, which this script does not know")
+    return scales[base]
+
+
+def profile(ncu, impl, argv):
+    """{column: value} of the kernel KERNELS[impl], second launch, from ncu's CSV output."""
+    cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:{KERNELS[impl]}", "-s", "1", "-c", "1",
+           sys.executable, os.path.abspath(__file__), "--child", *argv]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith('"')]
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    if run.returncode != 0 or not rows:
+        raise SystemExit(f"ncu found no {KERNELS[impl]!r} kernel (exit {run.returncode}):\n{run.stdout[-2000:]}\n"
+                         f"{run.stderr[-2000:]}")
+    values = {r["Metric Name"]: (r["Metric Value"].replace(",", ""), r["Metric Unit"]) for r in rows}
+    out = {"impl": impl, "kernel": rows[0]["Kernel Name"].split("<")[0].split("(")[0].replace("void ", "")}
+    for col, metric in METRICS.items():
+        if metric not in values:
+            raise SystemExit(f"ncu did not report {metric} (this ncu version or GPU may not have it)")
+        value, unit = values[metric]
+        x = float(value)
+        if col == "duration_ms":  # ncu picks the unit
+            x *= _unit(unit, {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0,
+                              "s": 1e3, "second": 1e3})
+        if col == "smem_kb":  # KB = 1024 bytes, as elsewhere in this repository
+            x *= _unit(unit, {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6}) / 1024
+        out[col] = round(x, 4)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="CSV to write (default: print only)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args)
+    import bench
+
+    cupy, torch = bench._environment()
+    ncu = _ncu()
+    problem = [f"--dtype={args.dtype}", f"--head-dim={args.head_dim}", f"--seq={args.seq}", f"--batch={args.batch}",
+               f"--heads={args.heads}"] + (["--causal"] if args.causal else [])
+    version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
+    prov = bench.provenance(cupy, torch, gpu)
+    rows = []
+    for impl in KERNELS:
+        row = profile(ncu, impl, problem)
+        row.update(dtype=args.dtype, head_dim=args.head_dim, seq_len=args.seq, batch=args.batch, heads=args.heads,
+                   causal=args.causal, ncu=version, **prov)
+        rows.append(row)
+    ours, torch_row = rows
+    for col in METRICS:
+        print(f"{col:20s} ours {ours[col]:>16,.2f}   torch {torch_row[col]:>16,.2f}   ours/torch "
+              f"{ours[col] / torch_row[col] if torch_row[col] else float('nan'):.3f}")
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
