@@ -80,6 +80,23 @@ def child(args):
     torch.cuda.synchronize()
 
 
+def _environment():
+    """(cupy, torch), or SystemExit saying what is missing."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError("CuPy sees no device")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device")
+    except Exception as e:  # no CuPy, no driver, no device, no CUDA build of PyTorch
+        raise SystemExit(f"profile_backward.py needs a CUDA GPU, CuPy and a CUDA build of PyTorch: "
+                         f"{type(e).__name__}: {str(e)[:160]}")
+    return cupy, torch
+
+
 def _ncu():
     found = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
     if found is None:
@@ -134,10 +151,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
-    import bench
-
-    cupy, torch = bench._environment()
+    cupy, torch = _environment()
     ncu = _ncu()
+    import bench  # provenance columns
     problem = [f"--dtype={args.dtype}", f"--head-dim={args.head_dim}", f"--seq={args.seq}", f"--batch={args.batch}",
                f"--heads={args.heads}"] + (["--causal"] if args.causal else [])
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]

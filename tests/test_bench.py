@@ -172,6 +172,29 @@ def test_bench_without_gpu_exits_with_a_message(tmp_path):
     assert not (tmp_path / "bench.csv").exists()
 
 
+@pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
+def test_profile_backward_without_gpu_exits_with_a_message(tmp_path):
+    out = tmp_path / "profile.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/profile_backward.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "needs a CUDA GPU" in proc.stderr
+    assert not out.exists()
+
+
+def test_profile_backward_reads_ncus_units():
+    """ncu's CSV gives each metric's unit (a duration in ns, us or ms; bytes with a prefix, per block): the script
+    scales by the part before '/', and an unknown unit is an error, not a number in the wrong unit."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_backward as pb
+
+    assert pb._unit("ns", {"ns": 1e-6}) == 1e-6
+    assert pb._unit("Kbyte/block", {"Kbyte": 1e3}) == 1e3
+    with pytest.raises(SystemExit, match="unit 'furlong'"):
+        pb._unit("furlong", {"ns": 1e-6})
+
+
 # ---- the committed results text is generated from results/*.csv (real measurements, not the synthetic rows above)
 
 def test_generated_results_match_the_committed_text():
