@@ -36,7 +36,7 @@
 //   * grid order by mask: non-causal, the K/V tiles of one head run side by side and share Q_i, dO_i and dQ_i
 //     rows in L2; causal, every head's longest block (j = 0) starts first, so short blocks fill the tail.
 //   * every ldmatrix address is a per-lane 32-bit shared base (computed once) plus a compile-time offset, which
-//     the instruction encodes as an immediate: no integer instructions for addresses in the unrolled loops.
+//     the instruction encodes as an immediate: no address arithmetic per load in the unrolled loops.
 // What bounds it: shared-memory traffic. Every warp reads all of Q_i and dO_i from shared memory twice (plain and
 // transposed ldmatrix) for its 16 key rows, about one ldmatrix.x4 per two mma, and the registers allow one block
 // of 8 warps per SM, too few to hide the wait for those loads. FA2's 2 x 4 warp layout over the S tile (P and dS
@@ -265,9 +265,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.f;
     u32 akr[KREG ? HD / 16 : 1][4], avr[KREG ? HD / 16 : 1][4];  // KREG: this warp's K_j, V_j A fragments
     // This lane's ldmatrix rows as 32-bit shared addresses, computed once. Each load in the unrolled loops below
-    // adds a compile-time byte offset (of kk, np), which ldmatrix encodes as an immediate: the loops spend no integer
-    // instructions on addresses, where a generic pointer per load costs an IMAD or LEA and a conversion to a shared
-    // address. A operands, this warp's rows of K_j, V_j: lanes 0-15 the rows, lanes 16-31 the same rows +8 columns.
+    // adds a compile-time byte offset (of kk, np), which ldmatrix encodes as an immediate: no address arithmetic per
+    // load, where a generic pointer per load costs an IMAD or LEA and a conversion to a shared address. A operands, this warp's rows of K_j, V_j: lanes 0-15 the rows, lanes 16-31 the same rows +8 columns.
     const u32 ka_base = smem_u32(Ks + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
     const u32 va_base = smem_u32(Vs + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
     // B operands of S^T, dP^T: rows of Q_i, dO_i as they are; of dV_j, dK_j: the same through ldmatrix .trans
