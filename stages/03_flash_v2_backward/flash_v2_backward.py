@@ -155,13 +155,13 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version,
                                deterministic=bool(deterministic), out_dtype=out_dtype, opts=opts)
     variants.check_kernel_origin(opts, where)
-    deterministic, odtype = bool(deterministic), np.dtype(out_dtype)
+    deterministic = bool(deterministic)
     if key is not None and opts is None:  # plain attention (grouped-query k, v has opts)
-        call = _Call(_problem_plan(q, k, causal, scale, version, deterministic, odtype, {}), odtype, deterministic,
-                     (NULL,) * 3 if version == "tc" else ())
+        call = _Call(_problem_plan(q, k, causal, scale, version, deterministic, out_dtype, {}), out_dtype,
+                     deterministic, _main_tail(version))
         kernels.remember(_CALLS, key, call)
         return call(q, k, v, o, lse, do)
-    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, odtype, tc_config or {},
+    return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config or {},
                          profile, opts)
 
 
@@ -340,15 +340,15 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
 
 class _Call(NamedTuple):
     """A plain GPU backward as backward planned it: call(q, k, v, o, lse, do) returns (dq, dk, dv). backward keeps
-    one per kernels.call_key, so a repeated call goes straight to its allocations and launches. extra: the main
-    kernel's arguments after dk, dv (the tc kernel's null ALiBi slopes and packed-batch bounds)."""
+    one per kernels.call_key, so a repeated call goes straight to its allocations and launches. tail: the main
+    kernel's arguments after dk, dv (_main_tail)."""
     plan: _Plan
     odtype: np.dtype
     deterministic: bool
-    extra: tuple
+    tail: tuple
 
     def __call__(self, q, k, v, o, lse, do):
-        return _launch(self.plan, q, k, v, o, lse, do, self.odtype, self.deterministic, self.extra)
+        return _launch(self.plan, q, k, v, o, lse, do, self.odtype, self.deterministic, self.tail)
 
 
 def _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config, opts=None, varlen=None):
@@ -365,6 +365,14 @@ def _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config
                                                       deterministic, tc_config, dev, key_opts, vl))
 
 
+def _main_tail(version, slopes=None, cu=None):
+    """The main kernel's arguments after dk, dv: the tc kernel's ALiBi slopes (B, H) and a packed batch's cu_q, cu_k,
+    each a null pointer when absent; the fp32 kernel takes none."""
+    if version != "tc":
+        return ()
+    return (NULL if slopes is None else slopes,) + ((NULL, NULL) if cu is None else tuple(cu))
+
+
 def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, odtype, tc_config, profile,
                   opts=None, varlen=None):
     """One backward with variants, tuning options or a packed batch, on CuPy arrays (checked by backward or
@@ -372,19 +380,16 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, od
     head ((1, H, total, D)), or None."""
     import cupy
 
-    odtype = np.dtype(odtype)
     plan = _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config, opts, varlen)
-    extra = ()
-    if version == "tc":
-        slopes = NULL
-        if opts is not None and opts.alibi_slopes is not None:
-            slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
-                                                              q.shape[:2]))
-        extra = (slopes,) + ((NULL, NULL) if varlen is None else tuple(varlen[:2]))
-    return _launch(plan, q, k, v, o, lse, do, odtype, deterministic, extra, opts, profile)
+    slopes = None
+    if opts is not None and opts.alibi_slopes is not None:
+        slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
+                                                          q.shape[:2]))
+    tail = _main_tail(version, slopes, None if varlen is None else varlen[:2])
+    return _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts, profile)
 
 
-def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, extra, opts=None, profile=None):
+def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, profile=None):
     """The allocations and launches of one backward: the preprocess (D_i, L_i; the dQ accumulator zeroed), the main
     kernel (dK_j, dV_j; dQ_i added atomically), then the dQ conversion or the deterministic dQ pass."""
     import cupy
@@ -409,7 +414,7 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, extra, opts=None, 
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
-    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *extra)
+    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *tail)
     if opts is not None:
         if opts.group > 1:
             dk, dv = (x.reshape(B, k.shape[1], opts.group, k.shape[2], D).sum(axis=2) for x in (dk, dv))
