@@ -2,8 +2,10 @@
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2. mma.sync m16n8k16 + ldmatrix + cp.async
 // (the FA2 sm80 design, no Hopper-only instructions). Notation: Q_i, dO_i (Br rows), K_j, V_j (Bc rows).
 //
-// flash_bwd_tc<T, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ, DQ_MT, KREG, BRC>: block per (K/V tile j, batch*head), Bc / 16
-//   warps (Bc = 128: 8 warps; Br = 128 at d=64, 64 at d=128): warp w owns rows 16w..16w+15 of K_j, V_j, dK_j, dV_j.
+// flash_bwd_tc<T, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ, DQ_MT, KREG, BRC, WQ>: block per (K/V tile j, batch*head), Bc / 16
+//   warps (Bc = 128: 8 warps; Br = 128 at d=64, 64 at d=128). The warp layout WQ: with WQ = 1 warp w owns rows
+//   16w..16w+15 of K_j, V_j, dK_j, dV_j; with WQ = 2 (FA2's layout) the warps work in pairs, pair p owning rows
+//   32p..32p+31 (below).
 //   d = 256: a warp's 16 rows of dK_j and dV_j would be 256 fp32 registers a thread, more than a thread has, so
 //   the head dim is split in DP = 2 column halves, one per block (grid.z): each block computes all of S_ij^T and
 //   dP_ij^T (they sum over the whole head dim) but accumulates only its half of dK_j, dV_j and adds only its half
@@ -12,7 +14,11 @@
 //   K_j, V_j are loaded once; the block loops over Q tiles i with Q_i, dO_i, L_i, D_i double-buffered by cp.async.
 //   A Q tile is computed in chunks of BRC = 64 query rows: per chunk, each warp computes S_ij^T = K_j Q_i^T and
 //   dP_ij^T = V_j dO_i^T for its 16 key rows; P^T and dS^T then sit in registers exactly in the A-fragment layout
-//   of the next mma, so dV_j += P^T dO_i and dK_j += dS^T Q_i need no shared memory round trip. KREG (d=64): each
+//   of the next mma, so dV_j += P^T dO_i and dK_j += dS^T Q_i need no shared memory round trip (WQ = 1). WQ = 2:
+//   the two warps of a pair compute S^T, dP^T for their 32 key rows x half of the chunk's queries each, store P^T
+//   and dS^T to shared memory, wait for each other (a named barrier for the pair's 64 threads), then each computes
+//   dV_j, dK_j for the 32 rows x half of the columns. Per mma a warp then reads half as many rows of Q_i and dO_i
+//   (32 key rows share each load, not 16), for one store and one load of P^T and dS^T. KREG (d=64): each
 //   warp keeps its K_j, V_j A fragments in registers for the whole kernel. dQ_i += dS_ij K_j sums over all Bc key
 //   rows (all warps): dS^T goes to shared memory as 16-bit, the warps split dQ_i (Br x HD) into 16 DQ_MT x NCOL
 //   tiles (32 x 32 at both head dims) and add them to an fp32 buffer with red.global.add.v4.f32 (sm_90).
@@ -37,10 +43,12 @@
 //     rows in L2; causal, every head's longest block (j = 0) starts first, so short blocks fill the tail.
 //   * every ldmatrix address is a per-lane 32-bit shared base (computed once) plus a compile-time offset, which
 //     the instruction encodes as an immediate: no address arithmetic per load in the unrolled loops.
-// What bounds it: shared-memory traffic. Every warp reads all of Q_i and dO_i from shared memory twice (plain and
-// transposed ldmatrix) for its 16 key rows, about one ldmatrix.x4 per two mma, and the registers allow one block
-// of 8 warps per SM, too few to hide the wait for those loads. FA2's 2 x 4 warp layout over the S tile (P and dS
-// through shared memory) moves fewer shared-memory bytes per mma (scripts/profile_backward.py compares the two).
+// What bounds it: the wait for shared-memory loads. The registers (about 250 a thread, for the fp32 dK_j, dV_j and
+// S^T, dP^T) allow one block of 8 warps per SM, too few to hide the latency of the ldmatrix loads that feed each
+// mma. With WQ = 1 every warp reads all of Q_i and dO_i twice (plain and transposed) for its 16 key rows; WQ = 2
+// issues as many ldmatrix as FA2's kernel, yet more of its warps' cycles stall on those loads and it issues more
+// instructions in all (the scores' masking and exp2, the P^T, dS^T stores): scripts/profile_backward.py compares
+// the counters of the two kernels, scripts/sweep_backward.py the two layouts.
 //
 // Run: python stages/03_flash_v2_backward/run.py --version tc --dtype bf16   (tests: pytest
 //      tests/test_03_flash_v2_backward.py; timings beside PyTorch: python scripts/bench.py --direction bwd)
@@ -137,17 +145,24 @@ __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float*
 }
 
 // Shared memory bytes of flash_bwd_tc (the launcher computes the same sum).
-template <int HD, int Br, int Bc>
+template <int HD, int Br, int Bc, int WQ>
 __host__ __device__ constexpr int smem_bytes_main() {
-    return 2 * (2 * Bc * (HD + 8) + 2 * 2 * Br * (HD + 8) + 2 * Bc * (Br + 8)) + 4 * 2 * 2 * Br;
+    return 2 * (2 * Bc * (HD + 8) + 2 * 2 * Br * (HD + 8) + (WQ > 1 ? 3 : 2) * Bc * (Br + 8)) + 4 * 2 * 2 * Br;
+}
+
+// bar.sync on barrier `id` (1..15; __syncthreads is 0) for `n` threads: the warps of one key group (WQ > 1) wait
+// for each other only.
+__device__ __forceinline__ void group_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
 // Q, dO: (BH, Nq, HD); K, V: (BH / group, Nk, HD); dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
 // +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed. grid = (BH, ceil(Nk / Bc)) or, with j_fast,
 // (ceil(Nk / Bc), BH); 2 * Bc threads.
-// A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T, P^T, dS^T of one chunk live in
-// registers); the barrier, the Q_i / dO_i load and the dQ step are per Br rows. DQ_MT: m-tiles (16 rows) of dQ_i
-// per warp in the dQ step. KREG: this warp's A fragments of K_j, V_j stay in registers for the whole kernel.
+// A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T of one chunk live in registers; P^T, dS^T
+// too with WQ = 1, in shared memory with WQ = 2); the barrier, the Q_i / dO_i load and the dQ step are per Br rows.
+// DQ_MT: m-tiles (16 rows) of dQ_i per warp in the dQ step. KREG: this warp's A fragments of K_j, V_j stay in
+// registers for the whole kernel. WQ: the warp layout (1 or 2, see the top of the file).
 // VAR, the variants (stages/common/variants.py): a window (left, right) around the diagonal (-1: unbounded): the
 // block visits only the Q tiles with a row that sees a key of K_j; the scores x = scale S_ij capped (softcap c > 0:
 // x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off + a_off - kv|, slopes one
@@ -166,7 +181,7 @@ __host__ __device__ constexpr int smem_bytes_main() {
 // any row, so they are read with plain loads (not 16-byte cp.async), rows past the sequence's end as L = +inf
 // (P = 0), D = 0.
 template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG,
-          int BRC, bool VAR = false, bool DROP = false>
+          int BRC, int WQ, bool VAR = false, bool DROP = false>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
@@ -174,7 +189,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const int* __restrict__ cu_k, int Nq, int Nk, int Nq_pad,
     float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, int a_off, int q_off,
     int k_off, unsigned int keep, float rp, unsigned int seed_lo, unsigned int seed_hi) {
-    constexpr int NW = Bc / 16, NT = NW * 32;  // warp w owns key rows 16w..16w+15 of the tile
+    constexpr int NW = Bc / 16, NT = NW * 32;  // warps
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
     constexpr int LDS = Br + 8;  // row stride of dS^T
     constexpr int NS = BRC / 8;  // n-tiles (8 query columns) of this warp's S^T slice of one chunk
@@ -182,6 +197,12 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     constexpr int HDP = HD / DP;           // columns of one part: this block's are pc..pc + HDP - 1
     constexpr int ND = HDP / 8;            // n-tiles of this block's dK_j, dV_j rows
     static_assert(Br % BRC == 0 && BRC % 16 == 0, "Br: a multiple of the BRC-row chunk");
+    // The warp layout (WQ = 1 or 2). The NW / WQ key groups own KR = 16 WQ rows of K_j each; the WQ warps of a
+    // group split the chunk's queries for S^T, dP^T (QW each) and the columns of dK_j, dV_j (DW each).
+    constexpr int WK = NW / WQ, KR = Bc / WK, MS = KR / 16;  // key groups; rows and m-tiles of each
+    constexpr int QW = BRC / WQ, NSW = QW / 8;               // a warp's query columns of S^T, dP^T; their n-tiles
+    constexpr int DW = HDP / WQ, NDW = DW / 8;               // a warp's columns of dK_j, dV_j; their n-tiles
+    static_assert((WQ == 1 || WQ == 2) && NW % WQ == 0 && QW % 16 == 0 && DW % 16 == 0, "warp layout");
     const int pc = DP > 1 ? (int)blockIdx.z * HDP : 0;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Ks = reinterpret_cast<T*>(smem_raw);
@@ -189,10 +210,12 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     T* Qs = Vs + Bc * LDK;       // [2][Br][LDK]
     T* dOs = Qs + 2 * Br * LDK;  // [2][Br][LDK]
     T* dSs = dOs + 2 * Br * LDK; // [2][Bc][LDS]: dS_ij^T (double-buffered when DEFER_DQ)
-    float* Ls = reinterpret_cast<float*>(dSs + 2 * Bc * LDS);  // [2][Br]
+    T* Pst = dSs + 2 * Bc * LDS; // WQ > 1: [Bc][LDS]: P_ij^T
+    float* Ls = reinterpret_cast<float*>(Pst + (WQ > 1 ? Bc * LDS : 0));  // [2][Br]
     float* Ds = Ls + 2 * Br;                               // [2][Br]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, mi = lane / 8;
+    const int wk = warp / WQ, wq = warp % WQ;  // this warp's key group (rows KR wk..) and its part in the group
     // j_fast = 0: grid = (BH, Tc); blocks start in order of the linear index, so every head's j = 0 block (under
     // causal the one with the most Q tiles) starts first and the short ones fill the tail. j_fast = 1: grid =
     // (Tc, BH): the blocks running together are all K/V tiles of a few heads, which stream the same Q_i, dO_i and
@@ -258,37 +281,45 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     if (i_begin < Tr) load_q_tile(i_begin, 0);
     cp_async_commit();
 
-    float dv[ND][4], dk[ND][4];  // Alg.2 L7: dV_j = dK_j = 0 (this warp's 16 rows, fp32 accumulators)
+    // Alg.2 L7: dV_j = dK_j = 0, fp32 accumulators of this warp's KR rows x DW columns: m-tile mt, n-tile n at
+    // [mt * NDW + n] (ND = MS * NDW entries at every WQ)
+    float dv[ND][4], dk[ND][4];
 #pragma unroll
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.f;
-    u32 akr[KREG ? HD / 16 : 1][4], avr[KREG ? HD / 16 : 1][4];  // KREG: this warp's K_j, V_j A fragments
+    u32 akr[KREG ? MS * HD / 16 : 1][4], avr[KREG ? MS * HD / 16 : 1][4];  // KREG: this warp's K_j, V_j A fragments
     // This lane's ldmatrix rows as 32-bit shared addresses, computed once. Each load in the unrolled loops below
-    // adds a compile-time byte offset (of kk, np), which ldmatrix encodes as an immediate: no address arithmetic per
-    // load, where a generic pointer per load costs an IMAD or LEA and a conversion to a shared address. A operands, this warp's rows of K_j, V_j: lanes 0-15 the rows, lanes 16-31 the same rows +8 columns.
-    const u32 ka_base = smem_u32(Ks + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
-    const u32 va_base = smem_u32(Vs + (16 * warp + lane % 16) * LDK + (lane / 16) * 8);
-    // B operands of S^T, dP^T: rows of Q_i, dO_i as they are; of dV_j, dK_j: the same through ldmatrix .trans
-    // (buffer 0, chunk 0, this block's column part)
-    const u32 qb_base = smem_u32(Qs + ((mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
-    const u32 ob_base = smem_u32(dOs + ((mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
-    const u32 qt_base = smem_u32(Qs + ((mi % 2) * 8 + lane % 8) * LDK + pc + (mi / 2) * 8);
-    const u32 ot_base = smem_u32(dOs + ((mi % 2) * 8 + lane % 8) * LDK + pc + (mi / 2) * 8);
+    // adds a compile-time byte offset (of kk, np, mt), which ldmatrix encodes as an immediate: no address arithmetic
+    // per load, where a generic pointer per load costs an IMAD or LEA and a conversion to a shared address.
+    // A operands, this warp's rows of K_j, V_j (and, WQ > 1, of P_ij^T, dS_ij^T): lanes 0-15 the rows, lanes 16-31
+    // the same rows +8 columns.
+    const u32 ka_base = smem_u32(Ks + (KR * wk + lane % 16) * LDK + (lane / 16) * 8);
+    const u32 va_base = smem_u32(Vs + (KR * wk + lane % 16) * LDK + (lane / 16) * 8);
+    const u32 pa_base = smem_u32(Pst + (KR * wk + lane % 16) * LDS + (lane / 16) * 8);
+    const u32 da_base = smem_u32(dSs + (KR * wk + lane % 16) * LDS + (lane / 16) * 8);
+    // B operands of S^T, dP^T: this warp's rows of Q_i, dO_i as they are; of dV_j, dK_j: its columns of Q_i, dO_i
+    // through ldmatrix .trans (buffer 0, chunk 0)
+    const u32 qb_base = smem_u32(Qs + (QW * wq + (mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
+    const u32 ob_base = smem_u32(dOs + (QW * wq + (mi / 2) * 8 + lane % 8) * LDK + (mi % 2) * 8);
+    const u32 qt_base = smem_u32(Qs + ((mi % 2) * 8 + lane % 8) * LDK + pc + DW * wq + (mi / 2) * 8);
+    const u32 ot_base = smem_u32(dOs + ((mi % 2) * 8 + lane % 8) * LDK + pc + DW * wq + (mi / 2) * 8);
 
     for (int i = i_begin; i < Tr; ++i) {  // Alg.2 L8
         const int buf = (i - i_begin) & 1;
         cp_async_wait<0>();  // tile i (and K_j, V_j) have landed for this thread (issued one tile ago)
-        __syncthreads();     // ... for every thread; every warp is done with tile i-1's Q/dO buffer and has
-                             // written dS_{i-1}^T (read below when DEFER_DQ)
+        __syncthreads();     // ... for every thread; every warp is done with tile i-1's Q/dO buffer (and P^T) and
+                             // has written dS_{i-1}^T (read below when DEFER_DQ)
         if (i + 1 < Tr) load_q_tile(i + 1, buf ^ 1);  // prefetch the next Q tile while this one is computed
         cp_async_commit();
         if (KREG && i == i_begin) {  // K_j, V_j have landed (barrier above): their A fragments, once
 #pragma unroll
-            for (int kk = 0; kk < (KREG ? HD / 16 : 0); ++kk) {
-                ldsm_x4(akr[kk], ka_base + 2 * kk * 16);
-                ldsm_x4(avr[kk], va_base + 2 * kk * 16);
-            }
+            for (int mt = 0; mt < (KREG ? MS : 0); ++mt)
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; ++kk) {
+                    ldsm_x4(akr[mt * (HD / 16) + kk], ka_base + 2 * (mt * 16 * LDK + kk * 16));
+                    ldsm_x4(avr[mt * (HD / 16) + kk], va_base + 2 * (mt * 16 * LDK + kk * 16));
+                }
         }
         if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain while tile i is computed
             dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br,
@@ -302,103 +333,143 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             const float* Db = Ds + buf * Br + c * BRC;
             const int q0 = i * Br + c * BRC;  // first query row of the chunk
 
-            // Alg.2 L10: S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T, this warp's 16 key rows x BRC queries
-            float s[NS][4], dp[NS][4];
+            // Alg.2 L10: S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T, this warp's KR key rows x QW queries
+            // (m-tile mt, n-tile n at [mt * NSW + n])
+            float s[MS * NSW][4], dp[MS * NSW][4];
             zero(s), zero(dp);
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
-                u32 akl[4], avl[4];  // A = K_j, V_j rows 16w.., cols kk*16..: lanes 0-15 rows, 16-31 the +8 columns
+                u32 akl[MS][4], avl[MS][4];  // A = K_j, V_j rows KR wk + 16 mt.., cols kk*16..
                 if (!KREG) {
-                    ldsm_x4(akl, ka_base + 2 * kk * 16);
-                    ldsm_x4(avl, va_base + 2 * kk * 16);
-                }
-                const u32* ak = KREG ? akr[KREG ? kk : 0] : akl;
-                const u32* av = KREG ? avr[KREG ? kk : 0] : avl;
 #pragma unroll
-                for (int np = 0; np < BRC / 16; ++np) {
+                    for (int mt = 0; mt < MS; ++mt) {
+                        ldsm_x4(akl[mt], ka_base + 2 * (mt * 16 * LDK + kk * 16));
+                        ldsm_x4(avl[mt], va_base + 2 * (mt * 16 * LDK + kk * 16));
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < QW / 16; ++np) {
                     u32 bq[4], bo[4];  // B[d][q] = Q_i[q][d]: rows of Q_i are the columns of B, no transpose
                     ldsm_x4(bq, qb_base + chunk + 2 * (np * 16 * LDK + kk * 16));
                     ldsm_x4(bo, ob_base + chunk + 2 * (np * 16 * LDK + kk * 16));
-                    mma_16816<T>(s[2 * np], ak, bq);
-                    mma_16816<T>(s[2 * np + 1], ak, bq + 2);
-                    mma_16816<T>(dp[2 * np], av, bo);
-                    mma_16816<T>(dp[2 * np + 1], av, bo + 2);
+#pragma unroll
+                    for (int mt = 0; mt < MS; ++mt) {
+                        const u32* ak = KREG ? akr[KREG ? mt * (HD / 16) + kk : 0] : akl[mt];
+                        const u32* av = KREG ? avr[KREG ? mt * (HD / 16) + kk : 0] : avl[mt];
+                        mma_16816<T>(s[mt * NSW + 2 * np], ak, bq);
+                        mma_16816<T>(s[mt * NSW + 2 * np + 1], ak, bq + 2);
+                        mma_16816<T>(dp[mt * NSW + 2 * np], av, bo);
+                        mma_16816<T>(dp[mt * NSW + 2 * np + 1], av, bo + 2);
+                    }
                 }
             }
 
             // Alg.2 L11-13: P_ij, dS_ij (p_and_ds above); the mask only on the last K tile and on the diagonal.
             // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
-            // pack to 16-bit in place (FA2's register reuse).
+            // WQ = 1 packs it to 16-bit in place (FA2's register reuse); WQ > 1 stores it to shared memory, where
+            // the other warp of the key group reads it.
             bool need_mask = (j * Bc + Bc > Nk) || (causal && q0 + off < j * Bc + Bc - 1);
             if constexpr (VAR)  // keys right of the first row's window, or left of the last row's
                 need_mask = (j * Bc + Bc > Nk) || (right >= 0 && q0 + off + right < j * Bc + Bc - 1) ||
                             (left >= 0 && j * Bc < q0 + BRC - 1 + off - left);
-            u32 pa[BRC / 16][4], dsa[BRC / 16][4];
+            u32 pa[WQ == 1 ? BRC / 16 : 1][4], dsa[WQ == 1 ? BRC / 16 : 1][4];
             u32 zb = 0u;  // DROP: the keep bits of n-tiles n, n + 1 (n even), bit 2 o + x = output o of the Philox
                           // call for query column x (one register, not the eight draws)
 #pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                float p[4], ds[4];
-                if (DROP && n % 2 == 0) {  // queries q0 + 8 n + 2t + x (+8), keys 16 w + g (+8) of K_j
-                    const Dropout drop{keep, seed_lo, seed_hi, rp, q_off, k_off};
-                    zb = 0u;
+            for (int mt = 0; mt < MS; ++mt) {
+                const int kr = KR * wk + 16 * mt + g;  // this thread's key rows kr, kr + 8 of K_j
 #pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-                        const uint4 u = dropout_draws(drop, q0 + 8 * n + 2 * t + x, j * Bc + 16 * warp + g, hd);
-                        zb |= (u32)(u.x < keep) << x | (u32)(u.y < keep) << (2 + x) | (u32)(u.z < keep) << (4 + x) |
-                              (u32)(u.w < keep) << (6 + x);
+                for (int n = 0; n < NSW; ++n) {
+                    const int qc = QW * wq + n * 8 + 2 * t;  // this thread's query columns qc, qc + 1 of the chunk
+                    float p[4], ds[4];
+                    if (DROP && n % 2 == 0) {  // queries q0 + qc + x (+8), keys kr (+8) of K_j
+                        const Dropout drop{keep, seed_lo, seed_hi, rp, q_off, k_off};
+                        zb = 0u;
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) {
+                            const uint4 u = dropout_draws(drop, q0 + qc + x, j * Bc + kr, hd);
+                            zb |= (u32)(u.x < keep) << x | (u32)(u.y < keep) << (2 + x) |
+                                  (u32)(u.z < keep) << (4 + x) | (u32)(u.w < keep) << (6 + x);
+                        }
+                    }
+                    const float* sv = s[mt * NSW + n];
+                    const float* dpv = dp[mt * NSW + n];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int ql = qc + (e % 2);  // local query column
+                        const int kv = j * Bc + kr + (e / 2) * 8;
+                        if constexpr (VAR) {
+                            const int adiag = q0 + ql + off + a_off;  // ALiBi's diagonal (the query's; a ring's moves)
+                            const bool visible =
+                                !need_mask || !(kv >= Nk || kv > adiag + hi_off || kv < adiag - lo_off);
+                            float x = sv[e] * scale, dcap = 1.f;
+                            if (softcap > 0.f) {  // tanh(y) (common.cuh; within ~2e-7 of the forward's)
+                                const float th = tanh_from_exp2(x * (1.f / softcap) * (2.f * LOG2E_F));
+                                x = softcap * th;
+                                dcap = 1.f - th * th;
+                            }
+                            x -= slope * (float)abs(adiag - kv);
+                            const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
+                            float dpe = dpv[e];
+                            p[e] = pe;
+                            if constexpr (DROP) {  // Z_ij for (query q, key kv): S^T entry e of n-tile n is output
+                                // o = 2 (n % 2) + e / 2 of the call for column x = e % 2 (dropout.cuh's order)
+                                const bool kept = (zb >> (2 * (2 * (n % 2) + e / 2) + e % 2)) & 1u;
+                                dpe = kept ? dpe * rp : 0.f;  // dP Z / (1 - p)
+                                p[e] = kept ? pe : 0.f;       // P Z: the operand of dV_j (rp at the end)
+                            }
+                            ds[e] = pe * (dpe - Db[ql]) * dcap;
+                        } else {
+                            const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q0 + ql + off));
+                            p_and_ds(p[e], ds[e], sv[e], dpv[e], Lb[ql], Db[ql], scale, visible);
+                        }
+                    }
+                    if constexpr (WQ == 1) {
+                        c_to_a<T>(pa[n / 2], n, p);
+                        c_to_a<T>(dsa[n / 2], n, ds);
+                    } else {  // rows kr, kr + 8 of P^T and dS^T, columns c BRC + qc, qc + 1
+                        T* prow = Pst + kr * LDS + c * BRC + qc;
+                        T* drow = dSt + kr * LDS + c * BRC + qc;
+                        *reinterpret_cast<u32*>(prow) = Half2<T>::pack(p[0], p[1]);
+                        *reinterpret_cast<u32*>(prow + 8 * LDS) = Half2<T>::pack(p[2], p[3]);
+                        *reinterpret_cast<u32*>(drow) = Half2<T>::pack(ds[0], ds[1]);
+                        *reinterpret_cast<u32*>(drow + 8 * LDS) = Half2<T>::pack(ds[2], ds[3]);
                     }
                 }
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int ql = n * 8 + 2 * t + (e % 2);  // local query column
-                    const int kv = j * Bc + 16 * warp + g + (e / 2) * 8;
-                    if constexpr (VAR) {
-                        const int adiag = q0 + ql + off + a_off;  // ALiBi's diagonal (the query's own but in a ring)
-                        const bool visible = !need_mask || !(kv >= Nk || kv > adiag + hi_off || kv < adiag - lo_off);
-                        float x = s[n][e] * scale, dcap = 1.f;
-                        if (softcap > 0.f) {  // tanh(y) (common.cuh; within ~2e-7 of the forward's)
-                            const float th = tanh_from_exp2(x * (1.f / softcap) * (2.f * LOG2E_F));
-                            x = softcap * th;
-                            dcap = 1.f - th * th;
-                        }
-                        x -= slope * (float)abs(adiag - kv);
-                        const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
-                        float dpe = dp[n][e];
-                        p[e] = pe;
-                        if constexpr (DROP) {  // Z_ij for (query q, key kv): S^T entry e of n-tile n is output
-                            // o = 2 (n % 2) + e / 2 of the call for column x = e % 2 (dropout.cuh's order)
-                            const bool kept = (zb >> (2 * (2 * (n % 2) + e / 2) + e % 2)) & 1u;
-                            dpe = kept ? dpe * rp : 0.f;  // dP Z / (1 - p)
-                            p[e] = kept ? pe : 0.f;       // P Z: the operand of dV_j (rp at the end)
-                        }
-                        ds[e] = pe * (dpe - Db[ql]) * dcap;
-                    } else {
-                        const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q0 + ql + off));
-                        p_and_ds(p[e], ds[e], s[n][e], dp[n][e], Lb[ql], Db[ql], scale, visible);
-                    }
-                }
-                c_to_a<T>(pa[n / 2], n, p);
-                c_to_a<T>(dsa[n / 2], n, ds);
             }
+            if constexpr (WQ > 1) group_sync(1 + wk, 32 * WQ);  // the key group's P^T, dS^T rows are complete
 
-            // Alg.2 L12, L14: dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i (scale at the end).
-            // B[q][d] = dO_i[q][d]: the k index runs down the rows, so ldmatrix transposes each 8x8 tile.
+            // Alg.2 L12, L14: dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i (scale at the end), this warp's KR rows x
+            // DW columns. B[q][d] = dO_i[q][d]: the k index runs down the rows, so ldmatrix transposes each 8x8 tile.
+            const u32 pt = 2 * (c * BRC), dt = 2 * ((DEFER_DQ ? buf : 0) * Bc * LDS + c * BRC);  // byte offsets
 #pragma unroll
             for (int kk = 0; kk < BRC / 16; ++kk) {
+                u32 apl[WQ == 1 ? 1 : MS][4], adl[WQ == 1 ? 1 : MS][4];  // WQ > 1: P^T, dS^T rows from shared memory
+                if constexpr (WQ > 1) {
 #pragma unroll
-                for (int np = 0; np < HDP / 16; ++np) {  // this block's columns pc + 16 np..
+                    for (int mt = 0; mt < MS; ++mt) {
+                        ldsm_x4(apl[mt], pa_base + pt + 2 * (mt * 16 * LDS + kk * 16));
+                        ldsm_x4(adl[mt], da_base + dt + 2 * (mt * 16 * LDS + kk * 16));
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < DW / 16; ++np) {  // this warp's columns pc + DW wq + 16 np..
                     u32 bo[4], bq[4];
                     ldsm_x4_trans(bo, ot_base + chunk + 2 * (kk * 16 * LDK + np * 16));
                     ldsm_x4_trans(bq, qt_base + chunk + 2 * (kk * 16 * LDK + np * 16));
-                    mma_16816<T>(dv[2 * np], pa[kk], bo);
-                    mma_16816<T>(dv[2 * np + 1], pa[kk], bo + 2);
-                    mma_16816<T>(dk[2 * np], dsa[kk], bq);
-                    mma_16816<T>(dk[2 * np + 1], dsa[kk], bq + 2);
+#pragma unroll
+                    for (int mt = 0; mt < MS; ++mt) {
+                        const u32* ap = WQ == 1 ? pa[WQ == 1 ? kk : 0] : apl[WQ == 1 ? 0 : mt];
+                        const u32* ad = WQ == 1 ? dsa[WQ == 1 ? kk : 0] : adl[WQ == 1 ? 0 : mt];
+                        mma_16816<T>(dv[mt * NDW + 2 * np], ap, bo);
+                        mma_16816<T>(dv[mt * NDW + 2 * np + 1], ap, bo + 2);
+                        mma_16816<T>(dk[mt * NDW + 2 * np], ad, bq);
+                        mma_16816<T>(dk[mt * NDW + 2 * np + 1], ad, bq + 2);
+                    }
                 }
             }
 
-            if (DQ_ATOMIC) {
+            if (DQ_ATOMIC && WQ == 1) {
                 // Alg.2 L15: dQ_i += dS_ij K_j sums over all Bc key rows, i.e. over all warps: dS^T via shared memory
 #pragma unroll
                 for (int n = 0; n < NS; ++n) {
@@ -419,19 +490,23 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                                                             (Tr - 1) * Br, Nq, pc, warp, lane);
     }
 
-    // Alg.2 L19: write dK_j = scale * (sum dS^T Q), dV_j as T, rows < Nk, this block's columns
+    // Alg.2 L19: write dK_j = scale * (sum dS^T Q), dV_j as T, rows < Nk, this warp's columns
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int kv = j * Bc + 16 * warp + g + 8 * h;
-        if (kv < Nk) {
+    for (int mt = 0; mt < MS; ++mt)
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                const long idx = (long)kv * HD + pc + n * 8 + 2 * t;
-                store2(dV + idx, (DROP ? rp : 1.f) * dv[n][2 * h], (DROP ? rp : 1.f) * dv[n][2 * h + 1]);
-                store2(dK + idx, scale * dk[n][2 * h], scale * dk[n][2 * h + 1]);
+        for (int h = 0; h < 2; ++h) {
+            const int kv = j * Bc + KR * wk + 16 * mt + g + 8 * h;
+            if (kv < Nk) {
+#pragma unroll
+                for (int n = 0; n < NDW; ++n) {
+                    const long idx = (long)kv * HD + pc + DW * wq + n * 8 + 2 * t;
+                    const float* v = dv[mt * NDW + n];
+                    const float* k = dk[mt * NDW + n];
+                    store2(dV + idx, (DROP ? rp : 1.f) * v[2 * h], (DROP ? rp : 1.f) * v[2 * h + 1]);
+                    store2(dK + idx, scale * k[2 * h], scale * k[2 * h + 1]);
+                }
             }
         }
-    }
 }
 
 // Keys per K/V tile of flash_bwd_dq_tc: 64; 32 at d = 256, where a warp's 16 x 256 dQ_i already takes 128

@@ -597,7 +597,8 @@ def _versions():
         if D not in bw.HEAD_DIMS["tc"]:
             return "-"
         need80(dev)
-        return "{}x{}".format(*bw.tc_tiles(D, dev))
+        t = bw.tc_tiles(D, dev)
+        return f"{t.br}x{t.bc}" + ("p" if t.wq > 1 else "")
 
     return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),
             ("02", "`tc`", "bf16, fp16", tc_tiles("tc")), ("02", "`pipelined`", "bf16, fp16", tc_tiles("pipelined")),
@@ -607,7 +608,8 @@ def _versions():
 
 def gpu_table():
     """Markdown: per kernel version and architecture, the tiles (Br x Bc) its launcher picks at d = 32/64/96/128/256
-    (s: V_j shares K_j's buffer; -: the version does not take that head dim), "no" where it cannot run."""
+    (s: V_j shares K_j's buffer; p: the backward's warps in pairs, TcTiles.wq = 2; -: the version does not take that
+    head dim), "no" where it cannot run."""
     import importlib
 
     device = importlib.import_module("stages.common.device")

@@ -7,7 +7,7 @@ the tc kernel with other tiles (--tiles D:BR:BC) and with the other order of its
 torch's backends. Configurations are passed to flash_v2_backward.backward(tc_config=...); nothing is patched.
 
     python scripts/sweep_backward.py                                  # B=4 H=16 N=4096, d=64 and 128
-    python scripts/sweep_backward.py --tiles 64:64:64 128:32:128 --defer-dq false
+    python scripts/sweep_backward.py --tiles 64:64:64 128:64:128:1 --defer-dq false
     python scripts/sweep_backward.py --csv results/bwd.csv            # rows in results/bench.csv's format
 """
 import argparse
@@ -23,18 +23,20 @@ from stages.common.cli import positive_int
 SHAPE = (4, 16, 4096)  # B, H, N timed
 CHECK_SHAPE = (1, 2, 500)  # B, H, N of each configuration's check
 DTYPES = {"fp16": np.float16, "bf16": bfloat16}
-MAX_BR = 128  # the launcher pads L_i and D_i to 128 rows (its PAD): no Q tile may be taller
 
 
 def tiles_type(text):
     try:
-        D, br, bc = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected D:BR:BC, e.g. 64:64:64, got {text!r}") from None
-    if D not in fb.HEAD_DIMS["tc"] or br % 16 or bc % 16 or not 16 <= br <= MAX_BR or bc < 16:
-        raise argparse.ArgumentTypeError(f"D:BR:BC needs D in {fb.HEAD_DIMS['tc']} and BR, BC multiples of 16 (BR "
-                                         f"<= {MAX_BR}), got {text!r}")
-    return D, br, bc
+        D, br, bc, *wq = (int(x) for x in text.split(":"))
+        wq = wq[0] if len(wq) == 1 else {0: 1}[len(wq)]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected D:BR:BC or D:BR:BC:WQ, e.g. 64:64:64 or 128:64:128:2, got "
+                                         f"{text!r}") from None
+    why = "" if D in fb.HEAD_DIMS["tc"] else f"D must be one of {fb.HEAD_DIMS['tc']}"
+    why = why or fb.tiles_error(D, br, bc, wq)
+    if why:
+        raise argparse.ArgumentTypeError(f"D:BR:BC[:WQ] {text!r}: {why}")
+    return D, br, bc, wq
 
 
 def bool_type(text):
@@ -89,8 +91,9 @@ def main(argv=None):
     ap.add_argument("--head-dims", type=positive_int, nargs="+", default=list(fb.HEAD_DIMS["tc"]),
                     choices=fb.HEAD_DIMS["tc"])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES))
-    ap.add_argument("--tiles", type=tiles_type, nargs="*", default=[], metavar="D:BR:BC",
-                    help="also time the tc kernel with these tiles, e.g. 64:64:64 128:32:128")
+    ap.add_argument("--tiles", type=tiles_type, nargs="*", default=[], metavar="D:BR:BC[:WQ]",
+                    help="also time the tc kernel with these tiles and warp layout (TcTiles; WQ 1 unless given), "
+                         "e.g. 64:64:64 128:64:128:1")
     ap.add_argument("--defer-dq", type=bool_type, nargs="*", default=[], metavar="true|false",
                     help="also time the tc kernel with this order of its atomic dQ")
     ap.add_argument("--no-torch", action="store_true", help="skip torch SDPA")
@@ -107,7 +110,8 @@ def main(argv=None):
     for dname in args.dtypes:
         for D in args.head_dims:
             configs = [("tc", {}, False), ("tc-det", {}, True)]
-            configs += [(f"tc Br={br} Bc={bc}", {"br": br, "bc": bc}, False) for d, br, bc in args.tiles if d == D]
+            configs += [(f"tc Br={br} Bc={bc} wq={wq}", {"br": br, "bc": bc, "wq": wq}, False)
+                        for d, br, bc, wq in args.tiles if d == D]
             configs += [(f"tc defer_dq={x}", {"defer_dq": x}, False) for x in args.defer_dq]
             for causal in (False, True):
                 flops = fb.backward_flops(B, H, N, N, D, causal)
@@ -130,12 +134,21 @@ def main(argv=None):
                               f"{flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
                 rows += [(impl, name, dname, causal, D, ms, flops) for (impl, name), ms in times.items()]
     if args.csv:
+        import cupy
+
+        import bench  # provenance columns
+
+        torch = None if args.no_torch else __import__("torch")
+        prov = bench.provenance(cupy, torch, gpu)
+        del prov["gpu"]
         with open(args.csv, "w") as f:
-            f.write("gpu,direction,impl,version,dtype,causal,head_dim,seq_len,batch,heads,ms,tflops,status\n")
+            f.write("gpu,direction,impl,version,dtype,causal,head_dim,seq_len,batch,heads,ms,tflops,status,"
+                    + ",".join(prov) + "\n")
             for impl, name, dname, causal, D, ms, flops in rows:
                 good = ms == ms  # NaN: that torch backend is unavailable
                 f.write(f"{gpu},bwd,{impl},{name.replace(' ', '_')},{dname},{causal},{D},{N},{B},{H},{ms:.4f},"
-                        f"{flops / ms / 1e9 if good else float('nan'):.1f},{'ok' if good else 'unavailable'}\n")
+                        f"{flops / ms / 1e9 if good else float('nan'):.1f},{'ok' if good else 'unavailable'},"
+                        + ",".join(prov.values()) + "\n")
         print(f"wrote {args.csv}")
     return ok
 

@@ -112,6 +112,26 @@ def test_auto_version_and_errors():
         fb.backward(q, k, v, o, lse[..., :3], do)
 
 
+def test_tc_tiles_are_named_and_checked():
+    """The tc kernel's configurations are TcTiles records, the first one per head dim TC_BR x TC_BC; every candidate
+    is one the kernel takes, and tiles_error says what is wrong with one it does not take. The pair layout's shared
+    memory holds P^T too: Bc x (Br + 8) 16-bit values more."""
+    from stages.flash_v2_backward import flash_v2_backward as launcher
+
+    for D, cands in launcher.TC_CANDIDATES.items():
+        assert fb.tc_tiles(D) == cands[0] and cands[0][:2] == (launcher.TC_BR[D], launcher.TC_BC[D])
+        for t in cands:
+            assert isinstance(t, fb.TcTiles) and fb.tiles_error(D, *t) is None
+            one, two = fb.smem_bytes("tc", D, t.br, t.bc, 1)[0], fb.smem_bytes("tc", D, t.br, t.bc, 2)[0]
+            assert two - one == 2 * t.bc * (t.br + 8)
+    assert fb.tiles_error(128, 64, 128, 3) == "wq must be 1 or 2, got 3"
+    assert "Bc of 32 (wq=2)" in fb.tiles_error(128, 64, 48, 2)
+    assert fb.tiles_error(128, 64, 48, 1) is None
+    assert "needs min(Br, 32) to be a multiple of 32" in fb.tiles_error(256, 16, 32, 2)
+    assert "up to 128" in fb.tiles_error(64, 256, 128, 1)
+    assert "multiple of 16" in fb.tiles_error(64, 40, 128, 1)
+
+
 def test_run_py_runs_the_versions_that_take_the_head_dim(capsys):
     """run.py --version all (the default) runs each version that takes --head-dim, and stops with the supported
     head dims when none does."""
@@ -188,6 +208,31 @@ def test_tc_other_dq_order(case, D, dtype):
     (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
     check_backward(fb.backward, q, k, v, do, causal=causal, version="tc",
                    tc_config={"defer_dq": not launcher.TC_DEFER_DQ})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
+def test_tc_warp_layouts_agree(case, D, dtype):
+    """Both warp layouts of the tc kernel at the head dim's first tiles (TcTiles.wq = 1: a warp per 16 key rows;
+    2: pairs of warps per 32 rows, P^T and dS^T through shared memory) pass the rule in both dQ modes, and give
+    dK_j, dV_j bit for bit alike: every sum runs in the same order, only which warp computes a product moves. In
+    deterministic mode dQ is alike too (its pass is the same kernel)."""
+    import cupy
+
+    from stages.flash_v2_backward import flash_v2_backward as launcher
+
+    (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
+    o, lse = verify.backward_start(q, *tolerance.oracle(q, k, v, causal=causal))
+    for det in (False, True):
+        grads = []
+        for wq in (1, 2):
+            cfg = {"br": launcher.TC_BR[D], "bc": launcher.TC_BC[D], "wq": wq}
+            check_backward(fb.backward, q, k, v, do, causal=causal, version="tc", deterministic=det, tc_config=cfg)
+            grads.append(fb.backward(q, k, v, o, lse, do, causal=causal, deterministic=det, tc_config=cfg))
+        for a, b in list(zip(*grads))[0 if det else 1:]:
+            np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))
 
 
 @pytest.mark.gpu

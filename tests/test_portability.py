@@ -85,8 +85,8 @@ def test_each_architecture_gets_plans_that_fit_it(arch):
             assert bool(flash_v2.tc.reachable(version, D, dev)) == dev.arch.mma_k16
     for D in flash_v2_backward.HEAD_DIMS["tc"]:
         if dev.arch.mma_k16:
-            br, bc = flash_v2_backward.tc_tiles(D, dev)
-            assert device.fits(dev, flash_v2_backward.smem_bytes("tc", D, br, bc)[0])
+            tiles = flash_v2_backward.tc_tiles(D, dev)
+            assert device.fits(dev, flash_v2_backward.smem_bytes("tc", D, *tiles)[0])
 
 
 def test_emulated_architectures_and_clear_errors(monkeypatch):

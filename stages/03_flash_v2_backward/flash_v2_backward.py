@@ -52,17 +52,46 @@ TC_PARTS = {64: 1, 128: 1, 256: 2}  # blocks per K/V tile, each with HD / parts 
 TC_J_FAST = {False: True, True: False}
 
 
-# The tc kernel's (Br, Bc) per head dim, first choice first (TC_BR[D], TC_BC[D]); the later ones are for GPUs with
-# less shared memory: (Br, Bc) = (128, 128) at d = 64 needs 178 KB and (64, 128) at d = 128 needs 173 KB, more than
-# an A100 allows a block (163 KB); Bc = 64 (4 warps) and Br = 64 / 32 fit an A100, then an RTX 3090 / 4090 (99 KB).
-# d = 256: (64, 64) needs 217 KB (an H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs).
-TC_CANDIDATES = {64: [(128, 128), (64, 128), (64, 64)], 128: [(64, 128), (64, 64), (32, 64)],
-                 256: [(64, 64), (32, 64), (16, 32)]}
+class TcTiles(NamedTuple):
+    """The tc kernel's configuration: Br query rows per Q tile, Bc key rows per block (Bc / 16 warps), and the warp
+    layout wq. wq = 1: each warp owns 16 key rows for all four matmuls of a tile pair; P^T and dS^T stay in registers.
+    wq = 2: each pair of warps owns 32 key rows; the two split the queries of S^T, dP^T and then the columns of dK_j,
+    dV_j, so P^T and dS^T go through shared memory (Bc x (Br + 8) 16-bit more), and each warp reads half of Q_i and
+    dO_i for S^T, dP^T and half of their columns for dK_j, dV_j: fewer shared-memory bytes per mma."""
+    br: int
+    bc: int
+    wq: int
+
+
+# The tc kernel's tiles per head dim, first choice first (TC_BR[D], TC_BC[D]); the later ones are for GPUs with less
+# shared memory (smem_bytes gives each need; device.pick takes the first that fits): (Br, Bc) = (128, 128) at d = 64
+# needs 178 KB and (64, 128) at d = 128 173 KB (191 KB with wq = 2), more than an A100 allows a block (163 KB); Bc =
+# 64 (4 warps) and Br = 64 / 32 fit an A100, then an RTX 3090 / 4090 (99 KB). d = 256: (64, 64) needs 217 KB (an
+# H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs). The pair layout (wq = 2) is first only where it was
+# the faster one on the H100 (results/sweep_backward_layout_h100.csv, from scripts/sweep_backward.py): at d = 64
+# each warp's K_j, V_j fragments already stay in registers (KREG), so S^T reads only Q_i and the pairs' round trip
+# of P^T, dS^T costs more than it saves; the smaller tiles and d = 256 were faster with wq = 1 too.
+TC_CANDIDATES = {64: [TcTiles(128, 128, 1), TcTiles(64, 128, 1), TcTiles(64, 64, 1)],
+                 128: [TcTiles(64, 128, 2), TcTiles(64, 128, 1), TcTiles(64, 64, 1), TcTiles(32, 64, 1)],
+                 256: [TcTiles(64, 64, 1), TcTiles(32, 64, 1), TcTiles(16, 32, 1)]}
 FEATURES = {"fp32": (), "tc": ("mma_k16", "cp_async")}
 
 
+def tiles_error(D, br, bc, wq):
+    """Why the tc kernel cannot take tiles (Br, Bc, wq) at head dim D, or None: Br a multiple of 16 up to PAD
+    rows, Bc of 16 wq (a whole number of warp groups), wq 1 or 2, and with wq = 2 each warp's half of a query chunk
+    (min(Br, TC_CHUNK[D]) rows) whole 16-row m-tiles."""
+    if wq not in (1, 2):
+        return f"wq must be 1 or 2, got {wq!r}"
+    if br % 16 or not 16 <= br <= PAD or bc % (16 * wq) or bc < 16 * wq:
+        return f"Br must be a multiple of 16 up to {PAD} and Bc of {16 * wq} (wq={wq}), got Br={br}, Bc={bc}"
+    if min(TC_CHUNK[D], br) % (16 * wq):
+        return f"wq=2 at d={D} needs min(Br, {TC_CHUNK[D]}) to be a multiple of 32, got Br={br}"
+    return None
+
+
 def tc_tiles(D, dev=None):
-    """(Br, Bc) of the tc kernel at head dim D on device dev (None: the first candidate)."""
+    """TcTiles of the tc kernel at head dim D on device dev (None: the first candidate)."""
     cands = TC_CANDIDATES[D]
     if dev is None:
         return cands[0]
@@ -109,8 +138,9 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     """Gradients (dq, dk, dv) of sum(O * dO), shaped like q, k, v, in their dtype, or in float32 with
     out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients).
 
-    For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc,
-    "defer_dq": bool} in place of TC_BR[D], TC_BC[D], TC_DEFER_DQ (None or a missing key: the default);
+    For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc, "wq":
+    1 or 2, "defer_dq": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ (None or a missing key: the default;
+    neither br nor bc: the device's TcTiles);
     profile, a list that receives (name, cupy.cuda.Event) after each launch.
     Variants (stages/common/variants.py): grouped-query k, v (fewer heads), window, alibi_slopes, softcap,
     dropout_p with seed, origin (a block of a larger problem: the ring); the mirror (numpy inputs) takes them all,
@@ -146,9 +176,9 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         raise ValueError(f"flash_v2_backward: head_dim {D} is not supported by version {version!r}; "
                          f"use one of {HEAD_DIMS[version]}{alt}")
     scale = resolve_scale(scale, D)
-    if tc_config is not None and (version != "tc" or xp is np or set(tc_config) - {"br", "bc", "defer_dq"}):
-        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} takes the keys br, bc, defer_dq and applies to "
-                         f"version 'tc' on CuPy arrays; got version {version!r} on {xp.__name__} arrays")
+    if tc_config is not None and (version != "tc" or xp is np or set(tc_config) - {"br", "bc", "wq", "defer_dq"}):
+        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} takes the keys br, bc, wq, defer_dq and applies "
+                         f"to version 'tc' on CuPy arrays; got version {version!r} on {xp.__name__} arrays")
     if profile is not None and xp is np:
         raise ValueError("flash_v2_backward: profile= records CUDA events: CuPy arrays only")
     if xp is np:
@@ -222,7 +252,7 @@ def _dq_mt(D, br, bc):
     return mt if ok else 1
 
 
-def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=False, drop=False):
+def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, wq=None, var=False, drop=False):
     """Template instantiations of one (version, input type, head dim, output type): compiled together, once.
     [atomic main kernel, deterministic main kernel, deterministic dQ pass]. otype: the gradients' type (the
     input type, or float for a ring block's unrounded partial gradients). var (tc, atomic only): the variants'
@@ -230,9 +260,10 @@ def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=Fals
     dropout too."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
+    wq = wq or (tc_tiles(D).wq if br is None and bc is None else 1)
     br, bc = br or TC_BR[D], bc or TC_BC[D]
     defer = "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
-    extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)}"
+    extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)},{wq}"
     ot = otype or ctype
     if var:
         return [f"flash_bwd_tc<{ctype},float,{D},{br},{bc},true,{defer},{extra},true,{'true' if drop else 'false'}>"]
@@ -243,7 +274,7 @@ def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, var=Fals
 PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
 
 
-def smem_bytes(version, D, br=None, bc=None):
+def smem_bytes(version, D, br=None, bc=None, wq=1):
     """Dynamic shared memory of (main kernel, dQ kernel): the same sums as the kernels' layout comments."""
     if version == "fp32":
         br = bc = 32
@@ -251,7 +282,7 @@ def smem_bytes(version, D, br=None, bc=None):
         dq = 2 * bc * (D + 1) + 2 * br * (D + 1) + br * (bc + 1) + 2 * br
         return 4 * main, 4 * dq
     br, bc = br or TC_BR[D], bc or TC_BC[D]
-    main = 2 * (2 * bc * (D + 8) + 2 * 2 * br * (D + 8) + 2 * bc * (br + 8)) + 4 * 2 * 2 * br
+    main = 2 * (2 * bc * (D + 8) + 2 * 2 * br * (D + 8) + (3 if wq > 1 else 2) * bc * (br + 8)) + 4 * 2 * 2 * br
     dq_bc = 32 if D > 128 else 64  # the dQ pass's K/V tile (dq_bc in the kernel)
     dq = 2 * (2 * 64 * (D + 8) + 2 * 2 * dq_bc * (D + 8))
     return main, dq
@@ -297,14 +328,20 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     # the preprocess also zeroes the fp32 dQ accumulator the atomics add to (deterministic mode never touches it)
     pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad // 8, BH), (256,), 0,
                          (i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(not deterministic)))
-    br, bc = tc_config.get("br"), tc_config.get("bc")
+    br, bc, wq = tc_config.get("br"), tc_config.get("bc"), tc_config.get("wq")
     if version == "tc" and br is None and bc is None:
-        br, bc = tc_tiles(D, dev)
+        tiles = tc_tiles(D, dev)
+        br, bc, wq = tiles.br, tiles.bc, wq or tiles.wq
+    wq = wq or 1
+    if version == "tc" and tc_config:
+        why = tiles_error(D, br or TC_BR[D], bc or TC_BC[D], wq)
+        if why:
+            raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} at head_dim {D}: {why}")
     var = opts is not None
-    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, var=var,
-                   drop=var and opts.dropout_p > 0)
+    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, wq=wq,
+                   var=var, drop=var and opts.dropout_p > 0)
     mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
-    smem_main, smem_dq = smem_bytes(version, D, br, bc)
+    smem_main, smem_dq = smem_bytes(version, D, br, bc, wq)
     for what, need in (("", smem_main), (" with deterministic=True (its dQ pass)", smem_dq if deterministic else 0)):
         if not device.fits(dev, need):
             raise device.UnsupportedDevice(
@@ -449,17 +486,16 @@ def kernel_plans(dev):
     if dev.arch.cc < 80:
         return out
     for D in HEAD_DIMS["tc"]:
-        br, bc = tc_tiles(D, dev)
-        main, dq = smem_bytes("tc", D, br, bc)
+        br, bc, wq = tc_tiles(D, dev)
+        main, dq = smem_bytes("tc", D, br, bc, wq)
         for ctype in ("__half", "__nv_bfloat16"):
             for otype in (ctype, "float"):
-                names = _names("tc", ctype, D, otype=otype, br=br, bc=bc)
+                names = _names("tc", ctype, D, otype=otype, br=br, bc=bc, wq=wq)
                 out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, sm, 0, th)
                         for n, sm, th in zip(names, (main, main, dq), (2 * bc, 2 * bc, 128)) if device.fits(dev, sm)]
             if device.fits(dev, main):  # the variants' atomic main kernels (float dK, dV), without and with dropout
-                out += [device.KernelPlan("flash_v2_backward_tc.cu", {},
-                                          _names("tc", ctype, D, br=br, bc=bc, var=True, drop=drop)[0], main, 0, 2 * bc)
-                        for drop in (False, True)]
+                var_names = [_names("tc", ctype, D, br=br, bc=bc, wq=wq, var=True, drop=drop)[0] for drop in (0, 1)]
+                out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, main, 0, 2 * bc) for n in var_names]
     return out
 
 
