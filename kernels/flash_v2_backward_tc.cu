@@ -21,8 +21,9 @@
 //   (32 key rows share each load, not 16), for one store and one load of P^T and dS^T. KREG (d=64): each
 //   warp keeps its K_j, V_j A fragments in registers for the whole kernel. dQ_i += dS_ij K_j sums over all Bc key
 //   rows (all warps): dS^T goes to shared memory as 16-bit, the warps split dQ_i (Br x HD) into 16 DQ_MT x NCOL
-//   tiles (32 x 32 at both head dims) and add them to an fp32 buffer with red.global.add.v4.f32 (sm_90).
-//   DEFER_DQ: tile i's dQ runs after tile i+1's barrier (dS^T double-buffered): one barrier per tile, not two.
+//   tiles (32 x 32 at both head dims) and add them to an fp32 buffer with red.global.add.v2.f32 (sm_90).
+//   DEFER_DQ: tile i's dQ runs at the end of tile i+1, after its dV_j, dK_j (dS^T double-buffered): one barrier
+//   per tile, not two, and the atomics leave while the warps wait at the next tile's barrier.
 //   j_fast (a kernel argument): grid (Tc, BH), the K/V tiles of one head side by side (non-causal), else (BH, Tc).
 // flash_bwd_dq_tc<T, HD>: deterministic mode's dQ pass: block per (Q tile i, batch*head), 4 warps x 16 rows,
 //   loops over K/V tiles j (double-buffered), recomputes dS_ij and keeps dQ_i in registers: no atomics,
@@ -33,12 +34,14 @@
 //     (mma.sync m16n8k16, fp32 accumulators) with fragments from ldmatrix;
 //   * FA2's register reuse: the C fragments of S^T and dP^T become P^T and dS^T in registers, already in the
 //     A-operand layout of the next mma, so dV_j and dK_j never round-trip through shared memory;
-//   * Q_i, dO_i, L_i, D_i double-buffered by cp.async: tile i+1 lands while tile i is computed;
+//   * Q_i, dO_i, L_i, D_i double-buffered by cp.async: tile i+1 lands while tile i is computed; its copies are
+//     issued between the mma of S^T, dP^T, a few per k-step, each from one base address plus a constant;
 //   * Bc = 128 key rows per block (8 warps) and Br = 128 query rows at d = 64: more mma per byte loaded, and
 //     with KREG the K_j, V_j fragments are read from shared memory once per kernel, not once per Q chunk;
-//   * dQ split into 32 x 32 tiles, one per warp, each lane adding 4 consecutive floats with one vector
-//     reduction: a quarter of the atomic instructions of scalar atomicAdd;
-//   * DEFER_DQ: one barrier per Q tile instead of two, so the dQ atomics drain while the next tile computes;
+//   * dQ split into 32 x 32 tiles, one per warp, each lane adding its accumulator's 2 consecutive floats with one
+//     vector reduction (half the atomic instructions of scalar atomicAdd, no shuffles), all of a warp's from one
+//     address register plus constants;
+//   * DEFER_DQ: one barrier per Q tile instead of two, and the dQ atomics drain during the next tile's barrier;
 //   * grid order by mask: non-causal, the K/V tiles of one head run side by side and share Q_i, dO_i and dQ_i
 //     rows in L2; causal, every head's longest block (j = 0) starts first, so short blocks fill the tail.
 //   * every ldmatrix address is a per-lane 32-bit shared base (computed once) plus a compile-time offset, which
@@ -67,33 +70,79 @@ __device__ __forceinline__ void p_and_ds(float& p, float& ds, float s, float dp,
     ds = p * (dp - D);
 }
 
+// Thread tid always copies chunk tid % CHUNKS of rows tid / CHUNKS + k RSTEP (pass k): one shared and one global
+// base per tile, and compile-time offsets from them (no division or 64-bit multiply per 16 bytes). A tile with all
+// its rows (the same for the whole block) needs no test per row. The kernel can issue the passes one at a time,
+// spread over other work (flash_bwd_tc prefetches the next Q tile between the mma of S^T, dP^T).
+template <typename T, int ROWS, int HD, int LD, int NTHREADS>
+struct TileCopy {
+    static constexpr int CHUNKS = HD / 8, RSTEP = NTHREADS / CHUNKS;  // 16-byte chunks per row; rows per pass
+    static constexpr int PASSES = (ROWS + RSTEP - 1) / RSTEP;
+    static_assert(NTHREADS % CHUNKS == 0, "a pass of the block covers whole rows");
+    u32 d0;
+    const T* s0;
+    const T* src;
+    int left;  // rows of the tile from this thread's first row to the end of the matrix
+    __device__ __forceinline__ TileCopy(T* dst, const T* src_, int row0, int N, int tid) {
+        const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
+        d0 = smem_u32(dst + r0 * LD + c);
+        s0 = src_ + ((long)row0 + r0) * HD + c;
+        src = src_;
+        left = row0 + ROWS <= N ? ROWS : N - row0 - r0;  // ROWS: the whole tile is there
+    }
+    __device__ __forceinline__ void pass(int k) const {
+        const int tid_row = RSTEP * k;  // + this thread's first row
+        if (ROWS % RSTEP != 0 && (int)(threadIdx.x / CHUNKS) + tid_row >= ROWS) return;
+        if (left == ROWS) {
+            cp_async_16_u32(d0 + 2 * tid_row * LD, s0 + tid_row * HD);
+        } else {
+            const bool ok = tid_row < left;
+            cp_async_16_u32(d0 + 2 * tid_row * LD, ok ? s0 + tid_row * HD : src, ok);
+        }
+    }
+};
+
 template <typename T, int ROWS, int HD, int LD, int NTHREADS>
 __device__ __forceinline__ void load_tile_async(T* dst, const T* src, int row0, int N, int tid) {
-    constexpr int CHUNKS = HD / 8;  // 16-byte chunks per row
+    const TileCopy<T, ROWS, HD, LD, NTHREADS> copy(dst, src, row0, N, tid);
 #pragma unroll
-    for (int e = tid; e < ROWS * CHUNKS; e += NTHREADS) {
-        const int r = e / CHUNKS, c = e % CHUNKS, row = row0 + r;
-        const bool ok = row < N;
-        cp_async_16(dst + r * LD + c * 8, src + (long)(ok ? row : 0) * HD + c * 8, ok);
-    }
+    for (int k = 0; k < copy.PASSES; ++k) copy.pass(k);
 }
 
-// dst[0..3] += v, atomically per element (dst 16-byte aligned). sm_90 has a vector reduction; older GPUs
-// take four scalar atomics.
-__device__ __forceinline__ void red_add_f32x4(float* dst, float4 v) {
+// row[OFF..OFF+1] += (a, b), atomically per element (8-byte aligned). sm_90 has a vector reduction, addressed as
+// row plus an immediate, so all reductions of a row share one address register; older GPUs take two scalar atomics.
+template <int OFF>
+__device__ __forceinline__ void red_add_f32x2(float* row, float a, float b) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
-                 "f"(v.w) : "memory");
+    asm volatile("red.global.add.v2.f32 [%0+%3], {%1, %2};" ::"l"(row), "f"(a), "f"(b), "n"(4 * OFF) : "memory");
 #else
-    atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
+    atomicAdd(row + OFF, a);
+    atomicAdd(row + OFF + 1, b);
 #endif
+}
+
+// The reductions of one lane's dQ accumulators, m-tile M - 1 and the ones before it (NQ n-tiles each): rows
+// q + 16 m (entries 0-1) and q + 16 m + 8 (2-3), columns 8 n + 2t.. of `row` (row q's, column 2t's). A template
+// recursion, so each offset is a compile-time immediate and all share row's address register. rows: how many
+// rows from q exist (CHECK = false, a tile with all its rows: no test, no branch).
+template <int M, int NQ, int HD, bool CHECK>
+__device__ __forceinline__ void red_dq(float* row, const float (*dq)[NQ][4], int rows) {
+    if constexpr (M > 0) {
+        red_dq<M - 1, NQ, HD, CHECK>(row, dq, rows);
+        constexpr int m = M - 1;
+#pragma unroll
+        for (int n = 0; n < NQ; ++n) {  // unrolled: n is a constant in each copy
+            if (!CHECK || 16 * m < rows) red_add_f32x2<16 * m * HD>(row + 8 * n, dq[m][n][0], dq[m][n][1]);
+            if (!CHECK || 16 * m + 8 < rows) red_add_f32x2<(16 * m + 8) * HD>(row + 8 * n, dq[m][n][2], dq[m][n][3]);
+        }
+    }
 }
 
 // Alg.2 L15 for one Q tile: dQ_i += dS_ij K_j, summed over all Bc key rows (all warps), from dS_ij^T in
 // shared memory, for the HDP columns pc.. of dQ_i this block adds (HDP = HD unless the head dim is split, see
 // flash_bwd_tc). The Bc / 16 warps split dQ_i (Br x HDP) into tiles of 16 MT rows x NCOL columns; other K/V blocks
-// add to the same rows at the same time, hence fp32 atomic adds. Lanes t and t^1 swap a pair so that each holds 4
-// consecutive columns of one row: one 16-byte red.global.add.v4.f32 (sm_90) instead of four 4-byte atomics.
+// add to the same rows at the same time, hence fp32 atomic adds: each lane adds its accumulator's two consecutive
+// columns of a row with one 8-byte red.global.add.v2.f32 (sm_90), straight from the mma's registers.
 template <typename T, int HD, int HDP, int Br, int Bc, int MT, int LDK, int LDS>
 __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float* dQacc, int q_tile0, int Nq,
                                                int pc, int warp, int lane) {
@@ -129,19 +178,12 @@ __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float*
             }
         }
     }
-    const bool odd = t & 1;
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        const int q = q_tile0 + qr0 + 16 * m + g + (odd ? 8 : 0);
-#pragma unroll
-        for (int n = 0; n < NQ; ++n) {
-            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[m][n][0] : dq[m][n][2], 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[m][n][1] : dq[m][n][3], 1);
-            const float4 val = odd ? make_float4(r0, r1, dq[m][n][2], dq[m][n][3])
-                                   : make_float4(dq[m][n][0], dq[m][n][1], r0, r1);
-            if (q < Nq) red_add_f32x4(dQacc + (long)q * HD + dc0 + n * 8 + 4 * (t / 2), val);
-        }
-    }
+    const int q = q_tile0 + qr0 + g;  // this lane's first row
+    float* row = dQacc + (long)q * HD + dc0 + 2 * t;
+    if (q_tile0 + Br <= Nq)  // the same for the whole block
+        red_dq<MT, NQ, HD, false>(row, dq, Nq - q);
+    else
+        red_dq<MT, NQ, HD, true>(row, dq, Nq - q);
 }
 
 // Shared memory bytes of flash_bwd_tc (the launcher computes the same sum).
@@ -258,10 +300,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     // point: kv > q + off + right  <=>  kv > adiag + hi_off (an unbounded side: an offset no key reaches).
     const int hi_off = right < 0 ? (1 << 29) : right - a_off, lo_off = left < 0 ? (1 << 29) : left + a_off;
 
-    // Q_i, dO_i (zero-filled past Nq) and L_i, D_i (padded to Nq_pad: always in range) into buffer b
-    auto load_q_tile = [&](int i, int b) {
-        load_tile_async<T, Br, HD, LDK, NT>(Qs + b * Br * LDK, Q, i * Br, Nq, tid);
-        load_tile_async<T, Br, HD, LDK, NT>(dOs + b * Br * LDK, dO, i * Br, Nq, tid);
+    // L_i, D_i (padded to Nq_pad: always in range) into buffer b
+    auto load_l_d = [&](int i, int b) {
         if (VAR && varlen) {  // plain loads: rows past the sequence's end see no key (L = +inf: P = 0)
             if (tid < Br) {
                 const bool in = i * Br + tid < Nq;
@@ -278,7 +318,11 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     // Alg.2 L6: K_j, V_j to shared memory, once; the first Q tile with them
     load_tile_async<T, Bc, HD, LDK, NT>(Ks, K, j * Bc, Nk, tid);
     load_tile_async<T, Bc, HD, LDK, NT>(Vs, V, j * Bc, Nk, tid);
-    if (i_begin < Tr) load_q_tile(i_begin, 0);
+    if (i_begin < Tr) {  // Q_i, dO_i (zero-filled past Nq), L_i, D_i into buffer 0
+        load_tile_async<T, Br, HD, LDK, NT>(Qs, Q, i_begin * Br, Nq, tid);
+        load_tile_async<T, Br, HD, LDK, NT>(dOs, dO, i_begin * Br, Nq, tid);
+        load_l_d(i_begin, 0);
+    }
     cp_async_commit();
 
     // Alg.2 L7: dV_j = dK_j = 0, fp32 accumulators of this warp's KR rows x DW columns: m-tile mt, n-tile n at
@@ -310,8 +354,14 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         cp_async_wait<0>();  // tile i (and K_j, V_j) have landed for this thread (issued one tile ago)
         __syncthreads();     // ... for every thread; every warp is done with tile i-1's Q/dO buffer (and P^T) and
                              // has written dS_{i-1}^T (read below when DEFER_DQ)
-        if (i + 1 < Tr) load_q_tile(i + 1, buf ^ 1);  // prefetch the next Q tile while this one is computed
-        cp_async_commit();
+        // prefetch the next Q tile while this one is computed: L_i, D_i now, Q_i, dO_i pass by pass between the
+        // mma of the first chunk's S^T, dP^T (kk below), so that each copy's address is read before the next one's
+        // is computed (a burst of copies would wait on each other's address registers)
+        const bool prefetch = i + 1 < Tr;
+        using Copy = TileCopy<T, Br, HD, LDK, NT>;
+        const Copy copy_q(Qs + (buf ^ 1) * Br * LDK, Q, (i + 1) * Br, Nq, tid);
+        const Copy copy_o(dOs + (buf ^ 1) * Br * LDK, dO, (i + 1) * Br, Nq, tid);
+        if (prefetch) load_l_d(i + 1, buf ^ 1);
         if (KREG && i == i_begin) {  // K_j, V_j have landed (barrier above): their A fragments, once
 #pragma unroll
             for (int mt = 0; mt < (KREG ? MS : 0); ++mt)
@@ -321,9 +371,6 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                     ldsm_x4(avr[mt * (HD / 16) + kk], va_base + 2 * (mt * 16 * LDK + kk * 16));
                 }
         }
-        if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain while tile i is computed
-            dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br,
-                                                                Nq, pc, warp, lane);
         T* dSt = dSs + (DEFER_DQ ? buf : 0) * Bc * LDS;
 
 #pragma unroll 1
@@ -339,6 +386,14 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             zero(s), zero(dp);
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) {
+                if (prefetch && c == 0) {  // passes kk * 2P / (HD / 16).. of Q_{i+1} then dO_{i+1} (P each)
+                    constexpr int P = Copy::PASSES, KK = HD / 16;
+#pragma unroll
+                    for (int x = kk * 2 * P / KK; x < (kk + 1) * 2 * P / KK; ++x) {
+                        if (x < P) copy_q.pass(x);
+                        else copy_o.pass(x - P);
+                    }
+                }
                 u32 akl[MS][4], avl[MS][4];  // A = K_j, V_j rows KR wk + 16 mt.., cols kk*16..
                 if (!KREG) {
 #pragma unroll
@@ -363,6 +418,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                     }
                 }
             }
+
+            if (c == 0) cp_async_commit();  // the next tile's copies (an empty group on the last tile)
 
             // Alg.2 L11-13: P_ij, dS_ij (p_and_ds above); the mask only on the last K tile and on the diagonal.
             // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
@@ -479,6 +536,9 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                 }
             }
         }
+        if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain at the next tile's barrier
+            dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br,
+                                                                Nq, pc, warp, lane);
         if (DQ_ATOMIC && !DEFER_DQ) {
             __syncthreads();  // all of dS_ij^T is in shared memory before any warp reads other warps' rows
             dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, pc, warp, lane);

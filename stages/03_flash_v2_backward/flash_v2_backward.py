@@ -32,7 +32,7 @@ PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so t
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
 TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of flash_bwd_tc per head dim (Bc / 16 warps): the mirror's tiles
-# The tc kernel's atomic dQ for Q tile i runs one tile late, after the next tile's barrier (one barrier per tile
+# The tc kernel's atomic dQ for Q tile i runs one tile late, at the end of the next tile (one barrier per tile
 # instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (tc_config=
 # {"defer_dq": False}; scripts/sweep_backward.py compares).
 TC_DEFER_DQ = True
