@@ -8,14 +8,24 @@
 //   python stages/03_flash_v2_backward/run.py
 #include "common.cuh"
 
-__device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void from_f(float& y, float x) { y = x; }
-__device__ __forceinline__ void from_f(__half& y, float x) { y = __float2half_rn(x); }
-__device__ __forceinline__ void from_f(__nv_bfloat16& y, float x) { y = __float2bfloat16_rn(x); }
 
-// One warp per query row. grid = (ceil(Nq_pad / 8), B*H), block = 256 (8 warps).
+// 8 consecutive values of a row as floats: one 16-byte load (16-bit types) or two (float).
+__device__ __forceinline__ void load8(float (&v)[8], const float* p) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <typename T>
+__device__ __forceinline__ void load8(float (&v)[8], const T* p) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = to_f(h[e]);
+}
+
+// D / 8 lanes per query row, each with 8 consecutive columns (16-byte loads); a warp takes 256 / D rows, a block of
+// 8 warps 2048 / D. grid = (Nq_pad * D / 2048, B*H), block = 256; D a multiple of 8, at most 256.
 // o, dO: (BH, Nq, D) contiguous; lse: (BH, Nq) natural log.
 // Dvec, Lout: (BH, Nq_pad); rows Nq..Nq_pad-1 are padding (D = 0, L = +inf: their P is exp(-inf) = 0).
 // Lout = lse * lse_mult (the launcher passes 1: both backward kernels take L_i in natural units).
@@ -26,20 +36,25 @@ template <typename T>
 __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO, const float* __restrict__ lse,
                                float* __restrict__ Dvec, float* __restrict__ Lout, float* __restrict__ dQacc,
                                int Nq, int Nq_pad, int D, float lse_mult, int zero_dq) {
-    const int row = blockIdx.x * 8 + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
+    const int lpr = D / 8;  // lanes per row
+    const int row = blockIdx.x * (2048 / D) + threadIdx.x / lpr, c = (threadIdx.x % lpr) * 8;
     const long bh = blockIdx.y;
-    if (row >= Nq_pad) return;
     float acc = 0.f;
     if (row < Nq) {
-        const T* o_row = o + (bh * Nq + row) * D;
-        const T* do_row = dO + (bh * Nq + row) * D;
-        for (int d = lane; d < D; d += 32) acc += to_f(o_row[d]) * to_f(do_row[d]);  // dO_i * O_i
-        if (zero_dq)
-            for (int d = lane; d < D; d += 32) dQacc[(bh * Nq + row) * D + d] = 0.f;
+        const long at = (bh * Nq + row) * D + c;
+        float a[8], b[8];
+        load8(a, o + at);
+        load8(b, dO + at);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += a[e] * b[e];  // dO_i * O_i
+        if (zero_dq) {
+            const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+            reinterpret_cast<float4*>(dQacc + at)[0] = z;
+            reinterpret_cast<float4*>(dQacc + at)[1] = z;
+        }
     }
-    acc = warp_sum(acc);  // D_i = rowsum(dO_i * O_i)
-    if (lane == 0) {
+    for (int m = lpr / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);  // D_i = rowsum(dO_i * O_i)
+    if (c == 0 && row < Nq_pad) {
         Dvec[bh * Nq_pad + row] = acc;
         const float inf = __int_as_float(0x7f800000);  // NVRTC has no INFINITY macro
         float L = row < Nq ? lse[bh * Nq + row] : -inf;
@@ -47,14 +62,22 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
     }
 }
 
-// dQ = scale * dQ_accum, elementwise over n = BH * Nq * D values, 4 per step (n is a multiple of 4: D is).
+// dQ = scale * dQ_accum, elementwise over n = BH * Nq * D values, 4 per step (n is a multiple of 4: D is): one
+// 16-byte load and one store of 4 values.
+template <typename T>
+__device__ __forceinline__ void store4(T* p, float a, float b, float c, float d) {
+    uint2 u;
+    u.x = Half2<T>::pack(a, b);
+    u.y = Half2<T>::pack(c, d);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
 template <typename T>
 __global__ void bwd_convert_dq(const float* __restrict__ acc, T* __restrict__ dq, float scale, long n) {
     for (long v = blockIdx.x * (long)blockDim.x + threadIdx.x; v < n / 4; v += (long)gridDim.x * blockDim.x) {
-        const float4 a = reinterpret_cast<const float4*>(acc)[v];  // one 16-byte load
-        from_f(dq[4 * v + 0], scale * a.x);
-        from_f(dq[4 * v + 1], scale * a.y);
-        from_f(dq[4 * v + 2], scale * a.z);
-        from_f(dq[4 * v + 3], scale * a.w);
+        const float4 a = reinterpret_cast<const float4*>(acc)[v];
+        store4(dq + 4 * v, scale * a.x, scale * a.y, scale * a.z, scale * a.w);
     }
 }

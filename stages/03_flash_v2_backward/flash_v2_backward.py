@@ -65,14 +65,15 @@ class TcTiles(NamedTuple):
 
 # The tc kernel's tiles per head dim, first choice first (TC_BR[D], TC_BC[D]); the later ones are for GPUs with less
 # shared memory (smem_bytes gives each need; device.pick takes the first that fits): (Br, Bc) = (128, 128) at d = 64
-# needs 178 KB and (64, 128) at d = 128 173 KB (191 KB with wq = 2), more than an A100 allows a block (163 KB); Bc =
-# 64 (4 warps) and Br = 64 / 32 fit an A100, then an RTX 3090 / 4090 (99 KB). d = 256: (64, 64) needs 217 KB (an
-# H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs). The pair layout (wq = 2) is first only where it was
-# the faster one on the H100 (results/sweep_backward_layout_h100.csv, from scripts/sweep_backward.py): at d = 64
-# each warp's K_j, V_j fragments already stay in registers (KREG), so S^T reads only Q_i and the pairs' round trip
-# of P^T, dS^T costs more than it saves; the smaller tiles and d = 256 were faster with wq = 1 too.
+# needs 178 KB and (64, 128) at d = 128 173 KB (191 KB with wq = 2), more than an A100 allows a block (163 KB);
+# (64, 128) at d = 64 and (32, 128) at d = 128 fit an A100 (109 and 123 KB), Bc = 64 (4 warps) an RTX 3090 / 4090
+# (99 KB). d = 256: (64, 64) needs 217 KB (an H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs). Each
+# list is in the order of speed on the H100 (results/sweep_backward_layout_h100.csv, from scripts/sweep_backward.py).
+# The pair layout (wq = 2) comes first only at d = 128 with Br = 64: at d = 64 each warp's K_j, V_j fragments already
+# stay in registers (KREG), so S^T reads only Q_i and the pairs' round trip of P^T, dS^T costs more than it saves;
+# with smaller tiles and at d = 256 it was slower too.
 TC_CANDIDATES = {64: [TcTiles(128, 128, 1), TcTiles(64, 128, 1), TcTiles(64, 64, 1)],
-                 128: [TcTiles(64, 128, 2), TcTiles(64, 128, 1), TcTiles(64, 64, 1), TcTiles(32, 64, 1)],
+                 128: [TcTiles(64, 128, 2), TcTiles(64, 128, 1), TcTiles(32, 128, 1), TcTiles(32, 64, 1)],
                  256: [TcTiles(64, 64, 1), TcTiles(32, 64, 1), TcTiles(16, 32, 1)]}
 FEATURES = {"fp32": (), "tc": ("mma_k16", "cp_async")}
 
@@ -326,7 +327,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     Nq_pad = -(-Nq // PAD) * PAD  # D_i, L_i (times log2 e for the exp2 kernel) padded to Nq_pad rows
     pre_mod = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
     # the preprocess also zeroes the fp32 dQ accumulator the atomics add to (deterministic mode never touches it)
-    pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad // 8, BH), (256,), 0,
+    pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad * D // 2048, BH), (256,), 0,
                          (i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(not deterministic)))
     br, bc, wq = tc_config.get("br"), tc_config.get("bc"), tc_config.get("wq")
     if version == "tc" and br is None and bc is None:
