@@ -46,12 +46,12 @@
 //     rows in L2; causal, every head's longest block (j = 0) starts first, so short blocks fill the tail.
 //   * every ldmatrix address is a per-lane 32-bit shared base (computed once) plus a compile-time offset, which
 //     the instruction encodes as an immediate: no address arithmetic per load in the unrolled loops.
-// What bounds it: the wait for shared-memory loads. The registers (about 250 a thread, for the fp32 dK_j, dV_j and
-// S^T, dP^T) allow one block of 8 warps per SM, too few to hide the latency of the ldmatrix loads that feed each
-// mma. With WQ = 1 every warp reads all of Q_i and dO_i twice (plain and transposed) for its 16 key rows; WQ = 2
-// issues as many ldmatrix as FA2's kernel, yet more of its warps' cycles stall on those loads and it issues more
-// instructions in all (the scores' masking and exp2, the P^T, dS^T stores): scripts/profile_backward.py compares
-// the counters of the two kernels, scripts/sweep_backward.py the two layouts.
+// What bounds it: latency. The registers (about 250 a thread, for the fp32 dK_j, dV_j and S^T, dP^T) allow one
+// block of 8 warps per SM, so each warp's wait for its ldmatrix results, its atomics and the block's barriers is
+// hidden only by the other 7 warps. Instruction order matters as much as instruction count: a burst of memory
+// instructions that reuse one address register makes each wait for the one before it to read that register
+// (hence the cp.async copies spread over the S^T loop and the atomics from one base). With WQ = 2 the kernel
+// issues as many ldmatrix as FA2's; scripts/profile_backward.py compares the two kernels' counters.
 //
 // Run: python stages/03_flash_v2_backward/run.py --version tc --dtype bf16   (tests: pytest
 //      tests/test_03_flash_v2_backward.py; timings beside PyTorch: python scripts/bench.py --direction bwd)
