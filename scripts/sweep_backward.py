@@ -27,11 +27,13 @@ DTYPES = {"fp16": np.float16, "bf16": bfloat16}
 
 def tiles_type(text):
     try:
-        D, br, bc, *wq = (int(x) for x in text.split(":"))
-        wq = wq[0] if len(wq) == 1 else {0: 1}[len(wq)]
-    except (ValueError, KeyError):
+        parts = [int(x) for x in text.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (3, 4):
         raise argparse.ArgumentTypeError(f"expected D:BR:BC or D:BR:BC:WQ, e.g. 64:64:64 or 128:64:128:2, got "
-                                         f"{text!r}") from None
+                                         f"{text!r}")
+    D, br, bc, wq = parts + [1] * (4 - len(parts))  # WQ 1 unless given
     why = "" if D in fb.HEAD_DIMS["tc"] else f"D must be one of {fb.HEAD_DIMS['tc']}"
     why = why or fb.tiles_error(D, br, bc, wq)
     if why:
@@ -138,7 +140,9 @@ def main(argv=None):
 
         import bench  # provenance columns
 
-        torch = None if args.no_torch else __import__("torch")
+        torch = None
+        if not args.no_torch:
+            import torch
         prov = bench.provenance(cupy, torch, gpu)
         del prov["gpu"]
         with open(args.csv, "w") as f:
