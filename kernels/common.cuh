@@ -61,6 +61,40 @@ __device__ __forceinline__ void store2(__half* p, float lo, float hi) {
 __device__ __forceinline__ void store2(__nv_bfloat16* p, float lo, float hi) {
     *reinterpret_cast<u32*>(p) = Half2<__nv_bfloat16>::pack(lo, hi);
 }
+// Four adjacent results: one 16-byte store (float) or one 8-byte store (16-bit types).
+template <typename TO>
+__device__ __forceinline__ void store4(TO* p, float a, float b, float c, float d) {
+    uint2 u;
+    u.x = Half2<TO>::pack(a, b);
+    u.y = Half2<TO>::pack(c, d);
+    *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+
+// The backward's last step, dQ = scale * dQ_accum cast to TO: groups v = first, first + step, .. < n4 of 4 values
+// (the caller's threads split the groups). Loads skip L1 (ld.global.cg): the accumulator was written by atomics,
+// which other blocks made in L2. Four groups per thread are loaded before any is stored, so four loads are in
+// flight at once.
+template <typename TO>
+__device__ __forceinline__ void convert_dq(const float* __restrict__ acc, TO* __restrict__ dq, float scale, long n4,
+                                           long first, long step) {
+    const float4* a4 = reinterpret_cast<const float4*>(acc);
+    long v = first;
+    for (; v + 3 * step < n4; v += 4 * step) {
+        float4 a[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) a[u] = __ldcg(a4 + v + u * step);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) store4(dq + 4 * (v + u * step), scale * a[u].x, scale * a[u].y, scale * a[u].z,
+                                           scale * a[u].w);
+    }
+    for (; v < n4; v += step) {
+        const float4 a = __ldcg(a4 + v);
+        store4(dq + 4 * v, scale * a.x, scale * a.y, scale * a.z, scale * a.w);
+    }
+}
 
 // ---------------------------------------------------------------- accumulators
 // N accumulator fragments (4 floats each) set to 0 before an mma chain.

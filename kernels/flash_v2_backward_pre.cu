@@ -2,7 +2,8 @@
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2 (backward pass).
 //
 //   bwd_preprocess<T>: D_i = rowsum(dO_i * O_i) (Alg.2 L4) and the saved L_i rescaled for the main kernel.
-//   bwd_convert_dq<T>: dQ = scale * dQ_accum, cast to T (the fp32 atomic accumulator -> the output dtype).
+//   bwd_convert_dq<T>: dQ = scale * dQ_accum, cast to T (the fp32 atomic accumulator -> the output dtype), for
+//   version fp32; the tc kernel does this step itself (the last block of each head, flash_v2_backward_tc.cu).
 //
 // Used by both versions (fp32 and tc) in stages/03_flash_v2_backward/flash_v2_backward.py.
 //   python stages/03_flash_v2_backward/run.py
@@ -30,12 +31,18 @@ __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
 // Dvec, Lout: (BH, Nq_pad); rows Nq..Nq_pad-1 are padding (D = 0, L = +inf: their P is exp(-inf) = 0).
 // Lout = lse * lse_mult (the launcher passes 1: both backward kernels take L_i in natural units).
 // A fully masked row has lse = -inf; we store +inf so that P = exp(S - L) = 0 there, never NaN.
-// zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) the main kernel's atomics add to
-// (saves a separate memset launch); 0 in deterministic mode, which has no accumulator.
+// zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) the main kernel's atomics add to, and the
+// ndone block counters of the tc kernel (saves a separate memset launch); 0 in deterministic mode, which has no
+// accumulator.
 template <typename T>
 __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO, const float* __restrict__ lse,
                                float* __restrict__ Dvec, float* __restrict__ Lout, float* __restrict__ dQacc,
-                               int Nq, int Nq_pad, int D, float lse_mult, int zero_dq) {
+                               int* __restrict__ done, int Nq, int Nq_pad, int D, float lse_mult, int zero_dq,
+                               int ndone) {
+    if (zero_dq) {  // the counters: one per thread of the grid, from the first
+        const long first = ((long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+        for (long c = first; c < ndone; c += (long)gridDim.x * gridDim.y * blockDim.x) done[c] = 0;
+    }
     const int lpr = D / 8;  // lanes per row
     const int row = blockIdx.x * (2048 / D) + threadIdx.x / lpr, c = (threadIdx.x % lpr) * 8;
     const long bh = blockIdx.y;
@@ -62,22 +69,9 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
     }
 }
 
-// dQ = scale * dQ_accum, elementwise over n = BH * Nq * D values, 4 per step (n is a multiple of 4: D is): one
-// 16-byte load and one store of 4 values.
-template <typename T>
-__device__ __forceinline__ void store4(T* p, float a, float b, float c, float d) {
-    uint2 u;
-    u.x = Half2<T>::pack(a, b);
-    u.y = Half2<T>::pack(c, d);
-    *reinterpret_cast<uint2*>(p) = u;
-}
-__device__ __forceinline__ void store4(float* p, float a, float b, float c, float d) {
-    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
-}
+// dQ = scale * dQ_accum, elementwise over n = BH * Nq * D values, 4 per step (n is a multiple of 4: D is), by every
+// thread of the grid (common.cuh's convert_dq). Version fp32's last launch; the tc kernel converts each head itself.
 template <typename T>
 __global__ void bwd_convert_dq(const float* __restrict__ acc, T* __restrict__ dq, float scale, long n) {
-    for (long v = blockIdx.x * (long)blockDim.x + threadIdx.x; v < n / 4; v += (long)gridDim.x * blockDim.x) {
-        const float4 a = reinterpret_cast<const float4*>(acc)[v];
-        store4(dq + 4 * v, scale * a.x, scale * a.y, scale * a.z, scale * a.w);
-    }
+    convert_dq(acc, dq, scale, n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x, (long)gridDim.x * blockDim.x);
 }

@@ -2,7 +2,8 @@
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2. mma.sync m16n8k16 + ldmatrix + cp.async
 // (the FA2 sm80 design, no Hopper-only instructions). Notation: Q_i, dO_i (Br rows), K_j, V_j (Bc rows).
 //
-// flash_bwd_tc<T, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ, DQ_MT, KREG, BRC, WQ>: block per (K/V tile j, batch*head), Bc / 16
+// flash_bwd_tc<T, TO, TQ, HD, Br, Bc, DQ_ATOMIC, DEFER_DQ, DQ_MT, KREG, BRC, WQ>: T the inputs' type, TO dK and dV's,
+//   TQ dQ's (16-bit, or float for the ring's partial gradients). Block per (K/V tile j, batch*head), Bc / 16
 //   warps (Bc = 128: 8 warps; Br = 128 at d=64, 64 at d=128). The warp layout WQ: with WQ = 1 warp w owns rows
 //   16w..16w+15 of K_j, V_j, dK_j, dV_j; with WQ = 2 (FA2's layout) the warps work in pairs, pair p owning rows
 //   32p..32p+31 (below).
@@ -24,6 +25,8 @@
 //   tiles (32 x 32 at both head dims) and add them to an fp32 buffer with red.global.add.v2.f32 (sm_90).
 //   DEFER_DQ: tile i's dQ runs at the end of tile i+1, after its dV_j, dK_j (dS^T double-buffered): one barrier
 //   per tile, not two, and the atomics leave while the warps wait at the next tile's barrier.
+//   With DQ_ATOMIC the head's last block to finish also writes dQ = scale * dQ_accum (a counter per head, below):
+//   no conversion kernel.
 //   j_fast (a kernel argument): grid (Tc, BH), the K/V tiles of one head side by side (non-causal), else (BH, Tc).
 // flash_bwd_dq_tc<T, HD>: deterministic mode's dQ pass: block per (Q tile i, batch*head), 4 warps x 16 rows,
 //   loops over K/V tiles j (double-buffered), recomputes dS_ij and keeps dQ_i in registers: no atomics,
@@ -199,8 +202,9 @@ __device__ __forceinline__ void group_sync(int id, int n) {
 }
 
 // Q, dO: (BH, Nq, HD); K, V: (BH / group, Nk, HD); dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
-// +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed. grid = (BH, ceil(Nk / Bc)) or, with j_fast,
-// (ceil(Nk / Bc), BH); 2 * Bc threads.
+// +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed; dQ: (BH, Nq, HD) of TQ, done: one int per
+// row of heads of the grid, zeroed (both unused, may be null, without DQ_ATOMIC). grid = (BH, ceil(Nk / Bc)) or,
+// with j_fast, (ceil(Nk / Bc), BH); 2 * Bc threads.
 // A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T of one chunk live in registers; P^T, dS^T
 // too with WQ = 1, in shared memory with WQ = 2); the barrier, the Q_i / dO_i load and the dQ step are per Br rows.
 // DQ_MT: m-tiles (16 rows) of dQ_i per warp in the dQ step. KREG: this warp's A fragments of K_j, V_j stay in
@@ -222,12 +226,13 @@ __device__ __forceinline__ void group_sync(int id, int n) {
 // of the longest sequence; a block past its sequence's last key returns at once. L_i, D_i of a sequence start at
 // any row, so they are read with plain loads (not 16-byte cp.async), rows past the sequence's end as L = +inf
 // (P = 0), D = 0.
-template <typename T, typename TO, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT, bool KREG,
-          int BRC, int WQ, bool VAR = false, bool DROP = false>
+template <typename T, typename TO, typename TQ, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT,
+          bool KREG, int BRC, int WQ, bool VAR = false, bool DROP = false>
 __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
-    TO* __restrict__ dK, TO* __restrict__ dV, const float* __restrict__ slopes, const int* __restrict__ cu_q,
+    TO* __restrict__ dK, TO* __restrict__ dV, TQ* __restrict__ dQ, int* __restrict__ done,
+    const float* __restrict__ slopes, const int* __restrict__ cu_q,
     const int* __restrict__ cu_k, int Nq, int Nk, int Nq_pad,
     float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, int a_off, int q_off,
     int k_off, unsigned int keep, float rp, unsigned int seed_lo, unsigned int seed_hi) {
@@ -279,11 +284,15 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             Nk = cu_k[sq + 1] - cu_k[sq];
             hd = h;
             varlen = true;
-            if (j * Bc >= Nk) return;  // past this sequence's last K/V tile (the whole block: before any barrier)
+            if (j * Bc >= Nk) {  // past this sequence's last K/V tile (the whole block: before any barrier)
+                if (DQ_ATOMIC && Nk == 0 && j == 0 && blockIdx.z == 0)  // no keys at all: dQ = 0, converted here
+                    convert_dq(dQacc + q_row0 * HD, dQ + q_row0 * HD, scale, (long)Nq * HD / 4, tid, NT);
+                return;
+            }
         }
     }
     const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
-    Q += q_row0 * HD; dO += q_row0 * HD; dQacc += q_row0 * HD;
+    Q += q_row0 * HD; dO += q_row0 * HD; dQacc += q_row0 * HD; dQ += DQ_ATOMIC ? q_row0 * HD : 0;
     K += kv_row0 * HD; V += kv_row0 * HD; dK += dkv_row0 * HD; dV += dkv_row0 * HD;
     L2g += l_row0; Dg += l_row0;
 
@@ -567,6 +576,21 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                 }
             }
         }
+
+    // Alg.2 L21 (dQ = scale * dQ_accum, cast), by the last of this head's blocks to finish: its ceil(Nk / Bc) K/V
+    // tiles x DP column parts all add to the head's dQ_accum rows. Each block counts itself done once its atomics
+    // are visible to the whole GPU (the fence before the count); the block whose count completes the head reads
+    // the finished accumulator from L2 (recently written: mostly hits) and writes dQ. No third launch.
+    if constexpr (DQ_ATOMIC) {
+        __threadfence();  // this thread's dQ atomics are performed before the block's count below
+        __syncthreads();  // ... for every thread of the block
+        bool last = false;
+        if (tid == 0) last = atomicAdd(done + bh, 1) == (Nk + Bc - 1) / Bc * (int)gridDim.z - 1;
+        if (__syncthreads_or(last)) {
+            __threadfence();  // the other blocks' atomics, made visible by their fences, before the reads
+            convert_dq(dQacc, dQ, scale, (long)Nq * HD / 4, tid, NT);
+        }
+    }
 }
 
 // Keys per K/V tile of flash_bwd_dq_tc: 64; 32 at d = 256, where a warp's 16 x 256 dQ_i already takes 128

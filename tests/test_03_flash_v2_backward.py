@@ -276,6 +276,46 @@ def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
         fb.backward(q, k, v, o, lse, do, deterministic="yes")
     with pytest.raises(ValueError, match="scale must be a finite positive number"):
         fb.backward(q, k, v, o, lse, do, scale=0.0)
+    if dtype != np.float32:  # tuning options of version tc: a bad value is refused, not read as another one
+        with pytest.raises(ValueError, match="wq must be 1 or 2, got 0"):
+            fb.backward(q, k, v, o, lse, do, tc_config={"wq": 0})
+        with pytest.raises(ValueError, match="defer_dq and j_fast must be True or False"):
+            fb.backward(q, k, v, o, lse, do, tc_config={"j_fast": 1})
+        with pytest.raises(ValueError, match="takes the keys br, bc, wq, defer_dq, j_fast"):
+            fb.backward(q, k, v, o, lse, do, tc_config={"order": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("j_fast", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
+def test_tc_both_block_orders(case, D, dtype, j_fast):
+    """The tc kernel with either block order (tc_config j_fast; j_fast_order picks one by mask and length) passes:
+    the blocks of a head finish in another order, and whichever finishes last converts the head's dQ."""
+    import cupy
+
+    (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
+    check_backward(fb.backward, q, k, v, do, causal=causal, version="tc", tc_config={"j_fast": j_fast})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+def test_plain_outputs_share_one_allocation(dtype):
+    """A plain tc backward carves dq, dk, dv from one allocation (verify.empties): each on its own 256-byte-aligned
+    range, none overlapping, with the shapes and dtype of q, k, v (Nq != Nk); a forward's o and lse likewise."""
+    import cupy
+
+    from stages import flash_v2
+
+    q, k, v, do = make_inputs(2, 3, 70, 45, 64, dtype=dtype, xp=cupy, grad=True)
+    o, lse = flash_v2.forward(q, k, v)
+    grads = fb.backward(q, k, v, o, lse, do)
+    for outs, like in ((grads, (q, k, v)), ((o, lse), (q, lse))):
+        spans = sorted((x.data.ptr, x.data.ptr + x.nbytes) for x in outs)
+        assert all(a % 256 == 0 for a, _ in spans) and all(e <= a for (_, e), (a, _) in zip(spans, spans[1:]))
+        assert len({x.data.mem.ptr for x in outs}) == 1  # one pool allocation
+        assert [(x.shape, x.dtype) for x in outs] == [(y.shape, y.dtype) for y in like]
 
 
 @pytest.mark.gpu

@@ -239,6 +239,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     else:
         call = kernels.planned_call(_PLANS, _fp32_plan, q, k, v, causal=causal, scale=scale, config=config)
     if key is not None:  # plain attention (grouped-query k, v took the opts path above)
+        call = call.joint_outputs(q)
         kernels.remember(_CALLS, key, call)
     return call(q, k, v)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from stages.common import (
     bfloat16, cast, check_backward_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
-    resolve_scale, variants, varlen,
+    resolve_scale, variants, varlen, verify,
 )
 
 from . import mirror
@@ -45,11 +45,19 @@ TC_DQ_MT = {64: 2, 128: 2, 256: 1}
 TC_KREG = {64: True, 128: False, 256: False}
 TC_CHUNK = {64: 64, 128: 64, 256: 32}  # query rows per chunk (BRC) of a Q tile: S^T, dP^T of one chunk in registers
 TC_PARTS = {64: 1, 128: 1, 256: 2}  # blocks per K/V tile, each with HD / parts columns of dK_j, dV_j, dQ_i (grid.z)
-# Block order of the tc main kernel, per causal flag. True: K/V tile index fastest, grid (Tc, BH): the blocks in
-# flight are the K/V tiles of a few heads, which stream the same Q_i, dO_i and add to the same dQ_i (L2 hits).
-# False: grid (BH, Tc), every head's j = 0 block first: under causal those have the most Q tiles, so the long
-# blocks start first and the short ones fill the tail.
-TC_J_FAST = {False: True, True: False}
+# Block order of the tc main kernel. j_fast: K/V tile index fastest, grid (Tc, BH): the blocks in flight are the
+# K/V tiles of a few heads, which stream the same Q_i, dO_i and add to the same dQ_i (L2 hits). Otherwise grid
+# (BH, Tc), every head's j = 0 block first: under causal those have the most Q tiles, so the long blocks start
+# first and the short ones fill the tail. Non-causal blocks are all alike: j_fast. Causal: j_fast up to
+# TC_CAUSAL_J_FAST_NK keys per head, the longest blocks first above (results/sweep_block_order_h100.csv compares
+# the two orders; tc_config={"j_fast": ...} picks one).
+TC_CAUSAL_J_FAST_NK = 2048
+TC_CONFIG_KEYS = ("br", "bc", "wq", "defer_dq", "j_fast")  # backward's tc_config (tuning runs)
+
+
+def j_fast_order(causal, nk):
+    """Whether the tc kernel's grid runs K/V tiles fastest (see TC_CAUSAL_J_FAST_NK) for nk keys per head."""
+    return not causal or nk <= TC_CAUSAL_J_FAST_NK
 
 
 class TcTiles(NamedTuple):
@@ -140,8 +148,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients).
 
     For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc, "wq":
-    1 or 2, "defer_dq": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ (None or a missing key: the default;
-    neither br nor bc: the device's TcTiles);
+    1 or 2, "defer_dq": bool, "j_fast": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ, j_fast_order (None
+    or a missing key: the default; neither br nor bc: the device's TcTiles);
     profile, a list that receives (name, cupy.cuda.Event) after each launch.
     Variants (stages/common/variants.py): grouped-query k, v (fewer heads), window, alibi_slopes, softcap,
     dropout_p with seed, origin (a block of a larger problem: the ring); the mirror (numpy inputs) takes them all,
@@ -177,9 +185,12 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         raise ValueError(f"flash_v2_backward: head_dim {D} is not supported by version {version!r}; "
                          f"use one of {HEAD_DIMS[version]}{alt}")
     scale = resolve_scale(scale, D)
-    if tc_config is not None and (version != "tc" or xp is np or set(tc_config) - {"br", "bc", "wq", "defer_dq"}):
-        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} takes the keys br, bc, wq, defer_dq and applies "
-                         f"to version 'tc' on CuPy arrays; got version {version!r} on {xp.__name__} arrays")
+    if tc_config is not None and (version != "tc" or xp is np or set(tc_config) - set(TC_CONFIG_KEYS)):
+        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} takes the keys {', '.join(TC_CONFIG_KEYS)} and "
+                         f"applies to version 'tc' on CuPy arrays; got version {version!r} on {xp.__name__} arrays")
+    if tc_config is not None and any(not isinstance(tc_config.get(x, False), (bool, np.bool_))
+                                      for x in ("defer_dq", "j_fast")):
+        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r}: defer_dq and j_fast must be True or False")
     if profile is not None and xp is np:
         raise ValueError("flash_v2_backward: profile= records CUDA events: CuPy arrays only")
     if xp is np:
@@ -257,19 +268,20 @@ def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, wq=None,
     """Template instantiations of one (version, input type, head dim, output type): compiled together, once.
     [atomic main kernel, deterministic main kernel, deterministic dQ pass]. otype: the gradients' type (the
     input type, or float for a ring block's unrounded partial gradients). var (tc, atomic only): the variants'
-    window, softcap and ALiBi; their gradients are float (summed over a kv group, then cast); drop (with var):
-    dropout too."""
+    window, softcap and ALiBi; their dK, dV are float (summed over a kv group, then cast), dQ is otype; drop (with
+    var): dropout too."""
     if version == "fp32":
         return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
     wq = wq or (tc_tiles(D).wq if br is None and bc is None else 1)
     br, bc = br or TC_BR[D], bc or TC_BC[D]
     defer = "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
     extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)},{wq}"
-    ot = otype or ctype
+    ot = otype or ctype  # dQ's type; dK, dV's too, but float with var
     if var:
-        return [f"flash_bwd_tc<{ctype},float,{D},{br},{bc},true,{defer},{extra},true,{'true' if drop else 'false'}>"]
-    return [f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},true,{defer},{extra}>",
-            f"flash_bwd_tc<{ctype},{ot},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{ot},{D}>"]
+        return [f"flash_bwd_tc<{ctype},float,{ot},{D},{br},{bc},true,{defer},{extra},true,"
+                f"{'true' if drop else 'false'}>"]
+    return [f"flash_bwd_tc<{ctype},{ot},{ot},{D},{br},{bc},true,{defer},{extra}>",
+            f"flash_bwd_tc<{ctype},{ot},{ot},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{ot},{D}>"]
 
 
 PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
@@ -300,14 +312,19 @@ def _mark(profile, name):
 
 
 class _Plan(NamedTuple):
-    """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or the
-    dQ conversion; rows, the length of D_i and of L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the
-    elements of the fp32 dQ accumulator."""
+    """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or
+    version fp32's dQ conversion (last; None where the tc kernel converts dQ itself); rows, the length of D_i and of
+    L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the elements of the fp32 dQ accumulator; done,
+    the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); version, fp32 or tc;
+    outs, plain attention's dq, dk, dv in one allocation (verify.out_layout), None with variants."""
     pre: kernels.Launch
     main: kernels.Launch
-    last: kernels.Launch
+    last: kernels.Launch | None
     rows: int
     acc: int
+    done: int
+    version: str
+    outs: tuple | None
 
 
 _PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
@@ -326,14 +343,12 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     i32, f32 = np.int32, np.float32
     Nq_pad = -(-Nq // PAD) * PAD  # D_i, L_i (times log2 e for the exp2 kernel) padded to Nq_pad rows
     pre_mod = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
-    # the preprocess also zeroes the fp32 dQ accumulator the atomics add to (deterministic mode never touches it)
-    pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad * D // 2048, BH), (256,), 0,
-                         (i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(not deterministic)))
     br, bc, wq = tc_config.get("br"), tc_config.get("bc"), tc_config.get("wq")
     if version == "tc" and br is None and bc is None:
         tiles = tc_tiles(D, dev)
-        br, bc, wq = tiles.br, tiles.bc, wq or tiles.wq
-    wq = wq or 1
+        br, bc = tiles.br, tiles.bc
+        wq = tiles.wq if wq is None else wq
+    wq = 1 if wq is None else wq
     if version == "tc" and tc_config:
         why = tiles_error(D, br or TC_BR[D], bc or TC_BC[D], wq)
         if why:
@@ -354,10 +369,14 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     if version == "fp32":
         main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
     else:
-        # varlen: the grid runs over (sequence, head) x the K/V tiles of the longest sequence
+        # varlen: the grid runs over (sequence, head) x the K/V tiles of the longest sequence (at least one: a
+        # sequence without keys still has its dQ = 0 written, by its j = 0 block)
         bc = bc or TC_BC[D]
-        blocks, Tc = (BH, -(-Nk // bc)) if varlen is None else (varlen[0] * H, -(-varlen[1] // bc))
-        j_fast = TC_J_FAST[bool(causal)] and blocks <= 65535  # gridDim.y <= 65535
+        blocks, Tc = (BH, -(-Nk // bc)) if varlen is None else (varlen[0] * H, max(1, -(-varlen[1] // bc)))
+        j_fast = tc_config.get("j_fast")
+        if j_fast is None:
+            j_fast = j_fast_order(causal, Nk if varlen is None else varlen[1])
+        j_fast = bool(j_fast) and blocks <= 65535  # gridDim.y <= 65535
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         parts = TC_PARTS[D]  # grid.z: the head dim's column parts
@@ -365,15 +384,26 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
                               args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0), i32(H),
                                       i32(group)) + variants.origin_scalars(opts, Nq, Nk)
                               + variants.dropout_scalars(opts))
+    done = 0  # the tc kernel's counters, one per row of heads of its grid: the last block of a head converts dQ
     if deterministic:  # the separate dQ pass, no atomics
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
         last = kernels.Launch(fn, grid, block, smem_dq, args)
-    else:  # dQ = scale * dQ_accum, cast to the output dtype
+    elif version == "fp32":  # dQ = scale * dQ_accum, cast to the output dtype
         n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
         last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
                               (min(-(-n // 1024), 65535),), (256,), 0, (f32(scale), np.int64(n)))
-    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1)
+    else:
+        last, done = None, blocks
+    # the preprocess also zeroes the fp32 dQ accumulator the atomics add to, and the counters (deterministic mode
+    # has neither)
+    pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad * D // 2048, BH), (256,), 0,
+                         (i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(not deterministic), i32(done)))
+    # plain attention: dq, dk, dv from one allocation (one trip to the memory pool; a training step uses all three
+    # together). The variants' dK, dV are float until summed and cast: separate, so they are freed after.
+    outs = None if var else verify.out_layout([((B, H, Nq, D), odtype), ((B, H, Nk, D), odtype),
+                                               ((B, H, Nk, D), odtype)])
+    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1, done, version, outs)
 
 
 class _Call(NamedTuple):
@@ -428,45 +458,52 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, od
 
 
 def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, profile=None):
-    """The allocations and launches of one backward: the preprocess (D_i, L_i; the dQ accumulator zeroed), the main
-    kernel (dK_j, dV_j; dQ_i added atomically), then the dQ conversion or the deterministic dQ pass."""
+    """The allocations and launches of one backward: the preprocess (D_i, L_i; the dQ accumulator and the block
+    counters zeroed), the main kernel (dK_j, dV_j; dQ_i added atomically, and in version tc converted to dQ by each
+    head's last block), then the deterministic dQ pass or version fp32's dQ conversion."""
     import cupy
 
-    asc = cupy.ascontiguousarray  # (B, H, N, D) row-major: a copy only for another layout
-    q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=np.float32)
+    rm = kernels.row_major  # (B, H, N, D) row-major: a copy only for another layout
+    q, k, v, o, do, lse = rm(q), rm(k), rm(v), rm(o), rm(do), rm(lse, _F32)
     # The scratch, one float32 buffer from CuPy's memory pool: D_i = rowsum(dO_i * O_i) and L_i, (B H, Nq_pad)
-    # each, then the fp32 dQ accumulator (1 element in deterministic mode); the kernels get three device addresses.
-    # The pool is stream-ordered: once scratch is released, its memory goes to later work on this stream, which runs
-    # after these launches.
-    scratch = cupy.cuda.alloc(4 * (2 * plan.rows + plan.acc))
+    # each, the fp32 dQ accumulator (1 element in deterministic mode), then the tc kernel's block counters; the
+    # kernels get device addresses. The pool is stream-ordered: once scratch is released, its memory goes to later
+    # work on this stream, which runs after these launches.
+    scratch = cupy.cuda.alloc(4 * (2 * plan.rows + plan.acc + plan.done))
     Dvec = scratch.ptr
     Lvec = Dvec + 4 * plan.rows
     dq_acc = Lvec + 4 * plan.rows
+    done = dq_acc + 4 * plan.acc
     _mark(profile, "start")
-    plan.pre(o, do, lse, Dvec, Lvec, dq_acc)
+    plan.pre(o, do, lse, Dvec, Lvec, dq_acc, done)
     _mark(profile, "preprocess+zero")
     B, H, Nq, D = q.shape
     gshape = (B, H, k.shape[2], D)  # dK, dV per query head: a grouped-query problem sums them over each group below
-    gdtype = odtype if opts is None else np.dtype(np.float32)  # the variants' dK, dV: float until summed
-    dk, dv = empty(cupy, gshape, gdtype), empty(cupy, gshape, gdtype)
+    if plan.outs is not None:
+        dq, dk, dv = verify.empties(*plan.outs)
+    else:  # the variants' dK, dV: float until summed
+        dq, dk, dv = empty(cupy, (B, H, Nq, D), odtype), empty(cupy, gshape, _F32), empty(cupy, gshape, _F32)
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
-    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *tail)
+    if plan.last is None:  # tc, atomic dQ: the kernel converts dQ too
+        main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, dq, done, *tail)
+    else:  # the tc kernel takes no dQ, no counters in deterministic mode; the fp32 kernel has neither parameter
+        main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((NULL, NULL) if plan.version == "tc" else ()), *tail)
+        _mark(profile, "main")
+        if deterministic:
+            plan.last(q, k, v, do, Lvec, Dvec, dq)
+        else:
+            plan.last(dq_acc, dq)
+    _mark(profile, "main+dq" if plan.last is None else "dq pass" if deterministic else "convert")
     if opts is not None:
         if opts.group > 1:
             dk, dv = (x.reshape(B, k.shape[1], opts.group, k.shape[2], D).sum(axis=2) for x in (dk, dv))
         dk, dv = (x.astype(odtype) if odtype != bfloat16 else cast(x, odtype) for x in (dk, dv))
-    _mark(profile, "main")
-    dq = empty(cupy, (B, H, Nq, D), odtype)
-    if deterministic:
-        plan.last(q, k, v, do, Lvec, Dvec, dq)
-    else:
-        plan.last(dq_acc, dq)
-    _mark(profile, "dq pass" if deterministic else "convert")
     return dq, dk, dv
 
 
+_F32 = np.dtype(np.float32)
 NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)
 
 

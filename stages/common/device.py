@@ -113,13 +113,28 @@ def emulate(name):
 _CACHE = {}
 
 
+# os.environ keeps its values in a dict of encoded names (CPython's os module: bytes on POSIX, upper-case str on
+# Windows); os.environ.get of an unset name costs about a microsecond there (a KeyError raised and caught), which
+# every launch pays through call_key. Reading that dict is a dict lookup, and it sees every os.environ change.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ARCH_KEY = os.environ.encodekey("ATTN_ARCH") if _ENV_DATA is not None and hasattr(os.environ, "encodekey") else None
+
+
+def _arch_env():
+    """ATTN_ARCH, or None when unset or empty."""
+    if _ARCH_KEY is None:
+        return os.environ.get("ATTN_ARCH") or None
+    raw = _ENV_DATA.get(_ARCH_KEY)
+    return os.environ.decodevalue(raw) if raw else None
+
+
 def device():
     """The current CuPy device as the launchers see it, or the architecture ATTN_ARCH names (cached per device
     id and ATTN_ARCH)."""
     import cupy
 
     dev_id = cupy.cuda.runtime.getDevice()
-    env = os.environ.get("ATTN_ARCH") or None
+    env = _arch_env()
     key = (dev_id, env)
     hit = _CACHE.get(key)
     if hit is not None:

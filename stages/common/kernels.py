@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import device
-from .verify import empty
+from .verify import empties, empty, out_layout
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 BASE_OPTIONS = ("-std=c++17",)
@@ -102,6 +102,7 @@ class Launch:
     def __init__(self, fn, grid, block, smem, scalars):
         self.fn, self.smem, self.scalars = fn, int(smem), tuple(scalars)
         self.grid, self.block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+        self.dims = (*self.grid, *self.block, self.smem)  # cuLaunchKernel's grid, block and shared-memory arguments
         self._slots = {}  # number of arrays -> _slots_for(number)
         self._lock = threading.Lock()
 
@@ -122,13 +123,11 @@ class Launch:
     def __call__(self, *arrays):
         ndarray, driver, current_stream = _cuda()
         values, _, params, pack = self._slots.get(len(arrays)) or self._slots_for(len(arrays))
-        addresses = [a.data.ptr if isinstance(a, ndarray) else int(a) for a in arrays]
         with self._lock:
-            pack(values, 0, *addresses)
+            pack(values, 0, *[a.data.ptr if isinstance(a, ndarray) else int(a) for a in arrays])
             try:
                 # fn is a cupy.RawKernel; fn.kernel, its compiled function on the current device
-                driver.launchKernel(self.fn.kernel.ptr, *self.grid, *self.block, self.smem, current_stream().ptr,
-                                    params, 0)
+                driver.launchKernel(self.fn.kernel.ptr, *self.dims, current_stream().ptr, params, 0)
                 return
             except driver.CUDADriverError as e:
                 if e.status != _CUDA_ERROR_INVALID_CONTEXT:
@@ -163,7 +162,10 @@ def call_key(arrays, *args):
     if cupy is None or not isinstance(arrays[0], cupy.ndarray):
         return None
     try:
-        key = (*args, *map(type, args), device.device(), *[x for a in arrays for x in (type(a), a.shape, a.dtype)])
+        key = [*args, *map(type, args), device.device()]
+        for a in arrays:
+            key += (type(a), a.shape, a.dtype)
+        key = tuple(key)
         hash(key)
     except (AttributeError, TypeError):  # not an array, or an argument such as a CuPy scalar array
         return None
@@ -207,26 +209,47 @@ def planned_call(cache, make_plan, q, k, v, *, causal, scale, config=None):
 class Call(NamedTuple):
     """A forward call as its launcher planned it: call(q, k, v) returns o (in odtype) and lse through run_forward, with
     the extra arguments after lse (ALiBi slopes, packed-batch bounds). A plain call's Call depends only on what its
-    plan does, so flash_v2.forward keeps it per key and a repeated call goes straight to it."""
+    plan does, so flash_v2.forward keeps it per key and a repeated call goes straight to it, with outs (joint_outputs)
+    set: its o and lse then come from one allocation."""
     launch: Launch
     odtype: np.dtype
     extra: tuple = ()
+    outs: tuple | None = None
 
     def __call__(self, q, k, v):
-        return run_forward(self.launch, q, k, v, self.odtype, *self.extra)
+        return run_forward(self.launch, q, k, v, self.odtype, *self.extra, outs=self.outs)
+
+    def joint_outputs(self, q):
+        """This Call with o and lse carved from one allocation (verify.empties) for inputs shaped like q: the pair is
+        what a forward saves for its backward, so the two live as long as each other anyway."""
+        B, H, Nq, D = q.shape
+        return self._replace(outs=out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nq), np.float32)]))
 
 
-def run_forward(launch, q, k, v, odtype, *extra):
-    """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
-    (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
-    kernel does not write fails the check), and the launch on the current stream with arguments (q, k, v, o, lse,
-    *extra)."""
+def row_major(x, dtype=None):
+    """x as a row-major (C-contiguous) CuPy array of dtype (x's own when None): x itself when it already is one, else
+    cupy.ascontiguousarray's copy. The launchers' hot path: CuPy's contiguity flag is read without building x.flags."""
+    if x._c_contiguous and (dtype is None or x.dtype == dtype):
+        return x
     import cupy
 
-    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
-    B, H, Nq, D = q.shape
-    o = empty(cupy, (B, H, Nq, D), odtype)
-    lse = empty(cupy, (B, H, Nq), np.float32)
+    return cupy.ascontiguousarray(x, dtype=dtype)
+
+
+def run_forward(launch, q, k, v, odtype, *extra, outs=None):
+    """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
+    (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
+    kernel does not write fails the check), both from one allocation when outs (Call.joint_outputs) is given, and
+    the launch on the current stream with arguments (q, k, v, o, lse, *extra)."""
+    import cupy
+
+    q, k, v = row_major(q), row_major(k), row_major(v)
+    if outs is not None:
+        o, lse = empties(*outs)
+    else:
+        B, H, Nq, D = q.shape
+        o = empty(cupy, (B, H, Nq, D), odtype)
+        lse = empty(cupy, (B, H, Nq), np.float32)
     launch(q, k, v, o, lse, *extra)
     return o, lse
 
