@@ -200,7 +200,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     deterministic = bool(deterministic)
     if key is not None and opts is None:  # plain attention (grouped-query k, v has opts)
         call = _Call(_problem_plan(q, k, causal, scale, version, deterministic, out_dtype, {}), out_dtype,
-                     deterministic, _main_tail(version))
+                     deterministic)
         kernels.remember(_CALLS, key, call)
         return call(q, k, v, o, lse, do)
     return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config or {},
@@ -315,15 +315,14 @@ class _Plan(NamedTuple):
     """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or
     version fp32's dQ conversion (last; None where the tc kernel converts dQ itself); rows, the length of D_i and of
     L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the elements of the fp32 dQ accumulator; done,
-    the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); version, fp32 or tc;
-    outs, plain attention's dq, dk, dv in one allocation (verify.out_layout), None with variants."""
+    the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); outs, plain attention's
+    dq, dk, dv in one allocation (verify.out_layout), None with variants."""
     pre: kernels.Launch
     main: kernels.Launch
     last: kernels.Launch | None
     rows: int
     acc: int
     done: int
-    version: str
     outs: tuple | None
 
 
@@ -380,9 +379,13 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         parts = TC_PARTS[D]  # grid.z: the head dim's column parts
+        # Without variants the pointers after dK, dV that are the same on every call go with the scalars, written
+        # once: null ALiBi slopes and cu_q, cu_k (and, deterministic, null dQ and counters). The variants' kernel
+        # gets dQ, the counters, the slopes and cu_q, cu_k per call (_var_tail).
+        fixed = () if var else ((NULL, NULL) if deterministic else ()) + (NULL, NULL, NULL)
         main = kernels.Launch(fn, (Tc, blocks, parts) if j_fast else (blocks, Tc, parts), (2 * bc,), smem_main,
-                              args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0), i32(H),
-                                      i32(group)) + variants.origin_scalars(opts, Nq, Nk)
+                              fixed + args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0),
+                                              i32(H), i32(group)) + variants.origin_scalars(opts, Nq, Nk)
                               + variants.dropout_scalars(opts))
     done = 0  # the tc kernel's counters, one per row of heads of its grid: the last block of a head converts dQ
     if deterministic:  # the separate dQ pass, no atomics
@@ -403,20 +406,18 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     # together). The variants' dK, dV are float until summed and cast: separate, so they are freed after.
     outs = None if var else verify.out_layout([((B, H, Nq, D), odtype), ((B, H, Nk, D), odtype),
                                                ((B, H, Nk, D), odtype)])
-    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1, done, version, outs)
+    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1, done, outs)
 
 
 class _Call(NamedTuple):
     """A plain GPU backward as backward planned it: call(q, k, v, o, lse, do) returns (dq, dk, dv). backward keeps
-    one per kernels.call_key, so a repeated call goes straight to its allocations and launches. tail: the main
-    kernel's arguments after dk, dv (_main_tail)."""
+    one per kernels.call_key, so a repeated call goes straight to its allocations and launches."""
     plan: _Plan
     odtype: np.dtype
     deterministic: bool
-    tail: tuple
 
     def __call__(self, q, k, v, o, lse, do):
-        return _launch(self.plan, q, k, v, o, lse, do, self.odtype, self.deterministic, self.tail)
+        return _launch(self.plan, q, k, v, o, lse, do, self.odtype, self.deterministic, ())
 
 
 def _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config, opts=None, varlen=None):
@@ -433,11 +434,9 @@ def _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config
                                                       deterministic, tc_config, dev, key_opts, vl))
 
 
-def _main_tail(version, slopes=None, cu=None):
-    """The main kernel's arguments after dk, dv: the tc kernel's ALiBi slopes (B, H) and a packed batch's cu_q, cu_k,
-    each a null pointer when absent; the fp32 kernel takes none."""
-    if version != "tc":
-        return ()
+def _var_tail(slopes=None, cu=None):
+    """The variants' tc kernel's arguments after dQ and the counters: the ALiBi slopes (B, H) and a packed batch's
+    cu_q, cu_k, each a null pointer when absent."""
     return (NULL if slopes is None else slopes,) + ((NULL, NULL) if cu is None else tuple(cu))
 
 
@@ -453,7 +452,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, od
     if opts is not None and opts.alibi_slopes is not None:
         slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
                                                           q.shape[:2]))
-    tail = _main_tail(version, slopes, None if varlen is None else varlen[:2])
+    tail = () if opts is None else _var_tail(slopes, None if varlen is None else varlen[:2])
     return _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts, profile)
 
 
@@ -477,19 +476,19 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     _mark(profile, "start")
     plan.pre(o, do, lse, Dvec, Lvec, dq_acc, done)
     _mark(profile, "preprocess+zero")
-    B, H, Nq, D = q.shape
-    gshape = (B, H, k.shape[2], D)  # dK, dV per query head: a grouped-query problem sums them over each group below
     if plan.outs is not None:
         dq, dk, dv = verify.empties(*plan.outs)
-    else:  # the variants' dK, dV: float until summed
+    else:  # the variants' dK, dV per query head (a grouped-query problem sums them over each group below), float
+        B, H, Nq, D = q.shape
+        gshape = (B, H, k.shape[2], D)
         dq, dk, dv = empty(cupy, (B, H, Nq, D), odtype), empty(cupy, gshape, _F32), empty(cupy, gshape, _F32)
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
     if plan.last is None:  # tc, atomic dQ: the kernel converts dQ too
         main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, dq, done, *tail)
-    else:  # the tc kernel takes no dQ, no counters in deterministic mode; the fp32 kernel has neither parameter
-        main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *((NULL, NULL) if plan.version == "tc" else ()), *tail)
+    else:  # deterministic tc (its null dQ and counters are in the plan) or fp32, whose kernel has neither
+        main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv)
         _mark(profile, "main")
         if deterministic:
             plan.last(q, k, v, do, Lvec, Dvec, dq)
@@ -498,6 +497,7 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     _mark(profile, "main+dq" if plan.last is None else "dq pass" if deterministic else "convert")
     if opts is not None:
         if opts.group > 1:
+            B, _, _, D = q.shape
             dk, dv = (x.reshape(B, k.shape[1], opts.group, k.shape[2], D).sum(axis=2) for x in (dk, dv))
         dk, dv = (x.astype(odtype) if odtype != bfloat16 else cast(x, odtype) for x in (dk, dv))
     return dq, dk, dv
