@@ -75,19 +75,19 @@ __device__ __forceinline__ void store4(float* p, float a, float b, float c, floa
 
 // The backward's last step, dQ = scale * dQ_accum cast to TO: groups v = first, first + step, .. < n4 of 4 values
 // (the caller's threads split the groups). Loads skip L1 (ld.global.cg): the accumulator was written by atomics,
-// which other blocks made in L2. Four groups per thread are loaded before any is stored, so four loads are in
-// flight at once.
-template <typename TO>
+// which other blocks made in L2. U groups per thread are loaded before any is stored, so U loads are in flight at
+// once: a whole grid has enough threads to keep memory busy with a few; one block converting alone needs more.
+template <int U, typename TO>
 __device__ __forceinline__ void convert_dq(const float* __restrict__ acc, TO* __restrict__ dq, float scale, long n4,
                                            long first, long step) {
     const float4* a4 = reinterpret_cast<const float4*>(acc);
     long v = first;
-    for (; v + 3 * step < n4; v += 4 * step) {
-        float4 a[4];
+    for (; v + (U - 1) * step < n4; v += U * step) {
+        float4 a[U];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) a[u] = __ldcg(a4 + v + u * step);
+        for (int u = 0; u < U; ++u) a[u] = __ldcg(a4 + v + u * step);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) store4(dq + 4 * (v + u * step), scale * a[u].x, scale * a[u].y, scale * a[u].z,
+        for (int u = 0; u < U; ++u) store4(dq + 4 * (v + u * step), scale * a[u].x, scale * a[u].y, scale * a[u].z,
                                            scale * a[u].w);
     }
     for (; v < n4; v += step) {

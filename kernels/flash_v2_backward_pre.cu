@@ -73,5 +73,5 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
 // thread of the grid (common.cuh's convert_dq). Version fp32's last launch; the tc kernel converts each head itself.
 template <typename T>
 __global__ void bwd_convert_dq(const float* __restrict__ acc, T* __restrict__ dq, float scale, long n) {
-    convert_dq(acc, dq, scale, n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x, (long)gridDim.x * blockDim.x);
+    convert_dq<4>(acc, dq, scale, n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x, (long)gridDim.x * blockDim.x);
 }

@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             varlen = true;
             if (j * Bc >= Nk) {  // past this sequence's last K/V tile (the whole block: before any barrier)
                 if (DQ_ATOMIC && Nk == 0 && j == 0 && blockIdx.z == 0)  // no keys at all: dQ = 0, converted here
-                    convert_dq(dQacc + q_row0 * HD, dQ + q_row0 * HD, scale, (long)Nq * HD / 4, tid, NT);
+                    convert_dq<4>(dQacc + q_row0 * HD, dQ + q_row0 * HD, scale, (long)Nq * HD / 4, tid, NT);
                 return;
             }
         }
@@ -588,7 +588,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         if (tid == 0) last = atomicAdd(done + bh, 1) == (Nk + Bc - 1) / Bc * (int)gridDim.z - 1;
         if (__syncthreads_or(last)) {
             __threadfence();  // the other blocks' atomics, made visible by their fences, before the reads
-            convert_dq(dQacc, dQ, scale, (long)Nq * HD / 4, tid, NT);
+            convert_dq<16>(dQacc, dQ, scale, (long)Nq * HD / 4, tid, NT);  // 16 loads in flight
         }
     }
 }
