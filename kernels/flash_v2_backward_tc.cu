@@ -27,7 +27,8 @@
 //   per tile, not two, and the atomics leave while the warps wait at the next tile's barrier.
 //   With DQ_ATOMIC the head's last block to finish also writes dQ = scale * dQ_accum (a counter per head, below):
 //   no conversion kernel.
-//   j_fast (a kernel argument): grid (Tc, BH), the K/V tiles of one head side by side (non-causal), else (BH, Tc).
+//   j_fast (a kernel argument): grid (Tc, BH), the K/V tiles of one head side by side, else (BH, Tc) (the launcher
+//   picks: j_fast_order).
 // flash_bwd_dq_tc<T, HD>: deterministic mode's dQ pass: block per (Q tile i, batch*head), 4 warps x 16 rows,
 //   loops over K/V tiles j (double-buffered), recomputes dS_ij and keeps dQ_i in registers: no atomics,
 //   the same summation order every run, so dQ is bit-identical across runs.
@@ -45,8 +46,9 @@
 //     vector reduction (half the atomic instructions of scalar atomicAdd, no shuffles), all of a warp's from one
 //     address register plus constants;
 //   * DEFER_DQ: one barrier per Q tile instead of two, and the dQ atomics drain during the next tile's barrier;
-//   * grid order by mask: non-causal, the K/V tiles of one head run side by side and share Q_i, dO_i and dQ_i
-//     rows in L2; causal, every head's longest block (j = 0) starts first, so short blocks fill the tail.
+//   * grid order by mask and length: the K/V tiles of one head run side by side and share Q_i, dO_i and dQ_i rows
+//     in L2 (non-causal, and causal up to 2048 keys); longer causal problems start every head's longest block
+//     (j = 0) first, so short blocks fill the tail.
 //   * every ldmatrix address is a per-lane 32-bit shared base (computed once) plus a compile-time offset, which
 //     the instruction encodes as an immediate: no address arithmetic per load in the unrolled loops.
 // What bounds it: latency. The registers (about 250 a thread, for the fp32 dK_j, dV_j and S^T, dP^T) allow one

@@ -145,7 +145,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
              tc_config=None, profile=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0,
              origin=None):
     """Gradients (dq, dk, dv) of sum(O * dO), shaped like q, k, v, in their dtype, or in float32 with
-    out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients).
+    out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients). On the GPU
+    without variants the three share one allocation (verify.empties), returned to the pool when all three are freed.
 
     For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc, "wq":
     1 or 2, "defer_dq": bool, "j_fast": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ, j_fast_order (None
