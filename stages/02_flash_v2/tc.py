@@ -19,6 +19,8 @@ import numpy as np
 
 from stages.common import bfloat16, device, kernels, load_module, variants
 
+from .flash_v2 import VARIANT_VERSIONS  # the versions with the variants' window, softcap and ALiBi (VAR)
+
 VERSIONS = ("tc", "pipelined")
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128, 256)}
 DTYPES = (np.dtype(np.float16), bfloat16)
@@ -150,7 +152,6 @@ def kernel_sources():
 
 
 _PLANS = {}  # (version, dtypes, shapes, causal, scale, options, device) -> kernels.Launch
-VARIANT_VERSIONS = ("pipelined",)  # the versions with the variants' window, softcap and ALiBi (VAR)
 
 
 def _var_level(opts, causal, varlen):
