@@ -463,8 +463,8 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     head's last block), then the deterministic dQ pass or version fp32's dQ conversion."""
     import cupy
 
-    rm = kernels.row_major  # (B, H, N, D) row-major: a copy only for another layout
-    q, k, v, o, do, lse = rm(q), rm(k), rm(v), rm(o), rm(do), rm(lse, _F32)
+    asc = cupy.ascontiguousarray  # (B, H, N, D) row-major: a copy only for another layout
+    q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=_F32)
     # The scratch, one float32 buffer from CuPy's memory pool: D_i = rowsum(dO_i * O_i) and L_i, (B H, Nq_pad)
     # each, the fp32 dQ accumulator (1 element in deterministic mode), then the tc kernel's block counters; the
     # kernels get device addresses. The pool is stream-ordered: once scratch is released, its memory goes to later

@@ -226,16 +226,6 @@ class Call(NamedTuple):
         return self._replace(outs=out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nq), np.float32)]))
 
 
-def row_major(x, dtype=None):
-    """x as a row-major (C-contiguous) CuPy array of dtype (x's own when None): x itself when it already is one, else
-    cupy.ascontiguousarray's copy. The launchers' hot path: CuPy's contiguity flag is read without building x.flags."""
-    if x._c_contiguous and (dtype is None or x.dtype == dtype):
-        return x
-    import cupy
-
-    return cupy.ascontiguousarray(x, dtype=dtype)
-
-
 def run_forward(launch, q, k, v, odtype, *extra, outs=None):
     """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
     (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
@@ -243,7 +233,8 @@ def run_forward(launch, q, k, v, odtype, *extra, outs=None):
     the launch on the current stream with arguments (q, k, v, o, lse, *extra)."""
     import cupy
 
-    q, k, v = row_major(q), row_major(k), row_major(v)
+    asc = cupy.ascontiguousarray  # x itself when it is already row-major
+    q, k, v = asc(q), asc(k), asc(v)
     if outs is not None:
         o, lse = empties(*outs)
     else:
