@@ -26,7 +26,9 @@
 //   DEFER_DQ: tile i's dQ runs at the end of tile i+1, after its dV_j, dK_j (dS^T double-buffered): one barrier
 //   per tile, not two, and the atomics leave while the warps wait at the next tile's barrier.
 //   With DQ_ATOMIC the head's last block to finish also writes dQ = scale * dQ_accum (a counter per head, below):
-//   no conversion kernel.
+//   no conversion kernel. For long heads the launcher passes null counters instead and converts dQ_accum with a
+//   kernel of its own (fuse_dq_rule in flash_v2_backward.py): one block converting a long head alone would
+//   outlast the rest of the grid.
 //   j_fast (a kernel argument): grid (Tc, BH), the K/V tiles of one head side by side, else (BH, Tc) (the launcher
 //   picks: j_fast_order).
 // flash_bwd_dq_tc<T, HD>: deterministic mode's dQ pass: block per (Q tile i, batch*head), 4 warps x 16 rows,
@@ -205,7 +207,8 @@ __device__ __forceinline__ void group_sync(int id, int n) {
 
 // Q, dO: (BH, Nq, HD); K, V: (BH / group, Nk, HD); dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
 // +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed; dQ: (BH, Nq, HD) of TQ, done: one int per
-// row of heads of the grid, zeroed (both unused, may be null, without DQ_ATOMIC). grid = (BH, ceil(Nk / Bc)) or,
+// row of heads of the grid, zeroed (both unused, may be null, without DQ_ATOMIC; null done: dQacc is left for
+// bwd_convert_dq, the launcher's choice for large problems: fuse_dq_rule). grid = (BH, ceil(Nk / Bc)) or,
 // with j_fast, (ceil(Nk / Bc), BH); 2 * Bc threads.
 // A Q tile of Br rows is computed in chunks of BRC query rows (S^T, dP^T of one chunk live in registers; P^T, dS^T
 // too with WQ = 1, in shared memory with WQ = 2); the barrier, the Q_i / dO_i load and the dQ step are per Br rows.
@@ -287,7 +290,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             hd = h;
             varlen = true;
             if (j * Bc >= Nk) {  // past this sequence's last K/V tile (the whole block: before any barrier)
-                if (DQ_ATOMIC && Nk == 0 && j == 0 && blockIdx.z == 0)  // no keys at all: dQ = 0, converted here
+                if (DQ_ATOMIC && done != nullptr && Nk == 0 && j == 0 && blockIdx.z == 0)  // no keys: dQ = 0
                     convert_dq<4>(dQacc + q_row0 * HD, dQ + q_row0 * HD, scale, (long)Nq * HD / 4, tid, NT);
                 return;
             }
@@ -583,7 +586,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     // tiles x DP column parts all add to the head's dQ_accum rows. Each block counts itself done once its atomics
     // are visible to the whole GPU (the fence before the count); the block whose count completes the head reads
     // the finished accumulator from L2 (recently written: mostly hits) and writes dQ. No third launch.
-    if constexpr (DQ_ATOMIC) {
+    if (DQ_ATOMIC && done != nullptr) {  // null done: the launcher converts dQ with a kernel of its own
         __threadfence();  // this thread's dQ atomics are performed before the block's count below
         __syncthreads();  // ... for every thread of the block
         bool last = false;

@@ -3,13 +3,14 @@ same run. Every configuration of ours is checked against the fp64 oracle (tolera
 before it is timed; one that fails is reported and not timed.
 
 For each dtype, head dim and mask: ours in both dQ modes (atomic, deterministic) with the time of each launch,
-the tc kernel with other tiles (--tiles D:BR:BC), the other order of its atomic dQ (--defer-dq) and the other
-block order (--j-fast), and torch's backends. Configurations are passed to
-flash_v2_backward.backward(tc_config=...); nothing is patched.
+the tc kernel with other tiles (--tiles D:BR:BC), the other order of its atomic dQ (--defer-dq), the other
+block order (--j-fast), dQ converted by the kernel or by a launch of its own (--fuse-dq), and torch's backends.
+Configurations are passed to flash_v2_backward.backward(tc_config=...); nothing is patched.
 
     python scripts/sweep_backward.py                                  # B=4 H=16 N=4096, d=64 and 128
     python scripts/sweep_backward.py --tiles 64:64:64 128:64:128:1 --defer-dq false
     python scripts/sweep_backward.py --shape 16 16 1024 --j-fast true false   # the two block orders
+    python scripts/sweep_backward.py --shape 1 16 16384 --fuse-dq true false  # who converts dQ
     python scripts/sweep_backward.py --csv results/bwd.csv            # rows in results/bench.csv's format
 """
 import argparse
@@ -102,6 +103,9 @@ def main(argv=None):
                     help="also time the tc kernel with this order of its atomic dQ")
     ap.add_argument("--j-fast", type=bool_type, nargs="*", default=[], metavar="true|false",
                     help="also time the tc kernel with this block order (K/V tiles fastest or not: j_fast_order)")
+    ap.add_argument("--fuse-dq", type=bool_type, nargs="*", default=[], metavar="true|false",
+                    help="also time the tc kernel with dQ converted by its own blocks or by a third launch "
+                         "(fuse_dq_rule)")
     ap.add_argument("--no-torch", action="store_true", help="skip torch SDPA")
     ap.add_argument("--repeat", type=positive_int, default=20, help="timed repeats (median)")
     ap.add_argument("--csv", default=None, help="write the rows to this CSV (results/bench.csv's columns)")
@@ -120,6 +124,7 @@ def main(argv=None):
                         for d, br, bc, wq in args.tiles if d == D]
             configs += [(f"tc defer_dq={x}", {"defer_dq": x}, False) for x in args.defer_dq]
             configs += [(f"tc j_fast={x}", {"j_fast": x}, False) for x in args.j_fast]
+            configs += [(f"tc fuse_dq={x}", {"fuse_dq": x}, False) for x in args.fuse_dq]
             for causal in (False, True):
                 flops = fb.backward_flops(B, H, N, N, D, causal)
                 times = {}

@@ -279,8 +279,10 @@ def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
     if dtype != np.float32:  # tuning options of version tc: a bad value is refused, not read as another one
         with pytest.raises(ValueError, match="wq must be 1 or 2, got 0"):
             fb.backward(q, k, v, o, lse, do, tc_config={"wq": 0})
-        with pytest.raises(ValueError, match="defer_dq and j_fast must be True or False"):
+        with pytest.raises(ValueError, match="defer_dq, j_fast and fuse_dq must be True or False"):
             fb.backward(q, k, v, o, lse, do, tc_config={"j_fast": 1})
+        with pytest.raises(ValueError, match="defer_dq, j_fast and fuse_dq must be True or False"):
+            fb.backward(q, k, v, o, lse, do, tc_config={"fuse_dq": "no"})
         with pytest.raises(ValueError, match="takes the keys br, bc, wq, defer_dq, j_fast"):
             fb.backward(q, k, v, o, lse, do, tc_config={"order": 1})
 
@@ -297,6 +299,26 @@ def test_tc_both_block_orders(case, D, dtype, j_fast):
 
     (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
     check_backward(fb.backward, q, k, v, do, causal=causal, version="tc", tc_config={"j_fast": j_fast})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse_dq", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
+def test_tc_dq_converted_by_the_kernel_or_a_launch_of_its_own(case, D, dtype, fuse_dq):
+    """dQ = scale * dQ_accum written by the tc kernel's last block of each head (fuse_dq) or by bwd_convert_dq after
+    it (tc_config fuse_dq; fuse_dq_rule picks one by size), in the inputs' dtype and in float32 (the ring's)."""
+    import cupy
+
+    def float32_then_rounded(*args, **kw):  # the float32 gradients, rounded to the inputs' dtype for the rule
+        grads = fb.backward(*args, out_dtype=np.float32, **kw)
+        assert all(g.dtype == np.float32 for g in grads)
+        return tuple(cast(g, dtype) for g in grads)
+
+    (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
+    for backward in (fb.backward, float32_then_rounded):
+        check_backward(backward, q, k, v, do, causal=causal, version="tc", tc_config={"fuse_dq": fuse_dq})
 
 
 @pytest.mark.gpu

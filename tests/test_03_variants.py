@@ -65,6 +65,28 @@ def test_gpu_varlen_backward_is_each_sequence_by_the_rule(name, D, dt, x):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["fp16", "bf16"])
+def test_gpu_variants_with_dq_converted_by_a_launch_of_its_own(dt, monkeypatch):
+    """Above TC_FUSE_DQ_MAX accumulator elements per head, the variants' and packed batches' dQ is converted by
+    bwd_convert_dq after the tc kernel (which gets null dQ and counters). A limit of 0 sends these small problems
+    that way: every plan has the third launch, and the rule still holds (a sequence without keys included)."""
+    import cupy as cp
+
+    launcher = fb.flash_v2_backward  # the module (fb is its package)
+    monkeypatch.setattr(launcher, "TC_FUSE_DQ_MAX", 0)
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    monkeypatch.setattr(launcher, "_CALLS", {})
+    dtype = {"fp16": np.float16, "bf16": bfloat16}[dt]
+    for name in ("gqa", "window-empty-rows", "all", "all-dropout"):
+        q, k, v, do, causal, opts = _inputs(OPTIONS[name], 64, dtype, xp=cp)
+        check_backward(fb.backward, q, k, v, do, causal=causal, opts=opts, version="tc")
+    for name in VARLEN_CASES:
+        (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES[name], 64, dtype, xp=cp)
+        check_varlen(fb.forward_varlen, fb.backward_varlen, q, k, v, do, cq, ck, causal=causal, opts=opts)
+    assert launcher._PLANS and all(plan.last is not None and plan.done == 0 for plan in launcher._PLANS.values())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("x", [1.0, 100.0], ids=["x1", "x100"])
 @pytest.mark.parametrize("dt", ["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128, 256])

@@ -52,12 +52,25 @@ TC_PARTS = {64: 1, 128: 1, 256: 2}  # blocks per K/V tile, each with HD / parts 
 # TC_CAUSAL_J_FAST_NK keys per head, the longest blocks first above (results/sweep_block_order_h100.csv compares
 # the two orders; tc_config={"j_fast": ...} picks one).
 TC_CAUSAL_J_FAST_NK = 2048
-TC_CONFIG_KEYS = ("br", "bc", "wq", "defer_dq", "j_fast")  # backward's tc_config (tuning runs)
+# Who writes dQ = scale * dQ_accum in the tc kernel's atomic mode. Fused: each head's last block to finish (a counter
+# per head) converts the head's Nq x d accumulator, so the backward is two launches, not three: one launch less of
+# host time per call, and no pass over the whole accumulator after the grid. But that block converts alone, on one
+# SM: a long head's conversion outlasts the other blocks' work at the end of the grid (most of all under a sliding
+# window, which leaves each head little work). Unfused: bwd_convert_dq, a third launch over the whole GPU. Fused up
+# to TC_FUSE_DQ_MAX accumulator elements per head, N = 2048 at d = 128 (results/sweep_fuse_dq_h100.csv compares
+# the two; tc_config={"fuse_dq": ...} picks one).
+TC_FUSE_DQ_MAX = 2048 * 128
+TC_CONFIG_KEYS = ("br", "bc", "wq", "defer_dq", "j_fast", "fuse_dq")  # backward's tc_config (tuning runs)
 
 
 def j_fast_order(causal, nk):
     """Whether the tc kernel's grid runs K/V tiles fastest (see TC_CAUSAL_J_FAST_NK) for nk keys per head."""
     return not causal or nk <= TC_CAUSAL_J_FAST_NK
+
+
+def fuse_dq_rule(nq, d):
+    """Whether the tc kernel converts dQ itself (see TC_FUSE_DQ_MAX) for nq query rows per head of head dim d."""
+    return nq * d <= TC_FUSE_DQ_MAX
 
 
 class TcTiles(NamedTuple):
@@ -149,8 +162,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     without variants the three share one allocation (verify.empties), returned to the pool when all three are freed.
 
     For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc, "wq":
-    1 or 2, "defer_dq": bool, "j_fast": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ, j_fast_order (None
-    or a missing key: the default; neither br nor bc: the device's TcTiles);
+    1 or 2, "defer_dq": bool, "j_fast": bool, "fuse_dq": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ,
+    j_fast_order, fuse_dq_rule (None or a missing key: the default; neither br nor bc: the device's TcTiles);
     profile, a list that receives (name, cupy.cuda.Event) after each launch.
     Variants (stages/common/variants.py): grouped-query k, v (fewer heads), window, alibi_slopes, softcap,
     dropout_p with seed, origin (a block of a larger problem: the ring); the mirror (numpy inputs) takes them all,
@@ -190,8 +203,9 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} takes the keys {', '.join(TC_CONFIG_KEYS)} and "
                          f"applies to version 'tc' on CuPy arrays; got version {version!r} on {xp.__name__} arrays")
     if tc_config is not None and any(not isinstance(tc_config.get(x, False), (bool, np.bool_))
-                                      for x in ("defer_dq", "j_fast")):
-        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r}: defer_dq and j_fast must be True or False")
+                                      for x in ("defer_dq", "j_fast", "fuse_dq")):
+        raise ValueError(f"flash_v2_backward: tc_config={tc_config!r}: defer_dq, j_fast and fuse_dq must be True or "
+                         "False")
     if profile is not None and xp is np:
         raise ValueError("flash_v2_backward: profile= records CUDA events: CuPy arrays only")
     if xp is np:
@@ -380,10 +394,12 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         parts = TC_PARTS[D]  # grid.z: the head dim's column parts
+        fuse = tc_config.get("fuse_dq")
+        fuse = not deterministic and (fuse_dq_rule(Nq, D) if fuse is None else bool(fuse))
         # Without variants the pointers after dK, dV that are the same on every call go with the scalars, written
-        # once: null ALiBi slopes and cu_q, cu_k (and, deterministic, null dQ and counters). The variants' kernel
-        # gets dQ, the counters, the slopes and cu_q, cu_k per call (_var_tail).
-        fixed = () if var else ((NULL, NULL) if deterministic else ()) + (NULL, NULL, NULL)
+        # once: null ALiBi slopes and cu_q, cu_k (and, unless the kernel converts dQ, null dQ and counters). The
+        # variants' kernel gets dQ, the counters, the slopes and cu_q, cu_k per call (_var_tail).
+        fixed = () if var else ((NULL, NULL) if not fuse else ()) + (NULL, NULL, NULL)
         main = kernels.Launch(fn, (Tc, blocks, parts) if j_fast else (blocks, Tc, parts), (2 * bc,), smem_main,
                               fixed + args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0),
                                               i32(H), i32(group)) + variants.origin_scalars(opts, Nq, Nk)
@@ -393,7 +409,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
         last = kernels.Launch(fn, grid, block, smem_dq, args)
-    elif version == "fp32":  # dQ = scale * dQ_accum, cast to the output dtype
+    elif version == "fp32" or not fuse:  # dQ = scale * dQ_accum, cast to the output dtype
         n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
         last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
                               (min(-(-n // 1024), 65535),), (256,), 0, (f32(scale), np.int64(n)))
@@ -488,8 +504,11 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
     if plan.last is None:  # tc, atomic dQ: the kernel converts dQ too
         main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, dq, done, *tail)
-    else:  # deterministic tc (its null dQ and counters are in the plan) or fp32, whose kernel has neither
-        main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv)
+    else:
+        if tail:  # the variants' kernel, dQ left in dQ_accum: null dQ and counters before the variants' pointers
+            main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, NULL, NULL, *tail)
+        else:  # plain tc (its null dQ and counters are in the plan) or fp32, whose kernel has neither
+            main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv)
         _mark(profile, "main")
         if deterministic:
             plan.last(q, k, v, do, Lvec, Dvec, dq)
