@@ -3,7 +3,8 @@
 //
 //   bwd_preprocess<T>: D_i = rowsum(dO_i * O_i) (Alg.2 L4) and the saved L_i rescaled for the main kernel.
 //   bwd_convert_dq<T>: dQ = scale * dQ_accum, cast to T (the fp32 atomic accumulator -> the output dtype), for
-//   version fp32; the tc kernel does this step itself (the last block of each head, flash_v2_backward_tc.cu).
+//   version fp32, and for version tc on long heads; on short heads the tc kernel does this step itself (the last
+//   block of each head, flash_v2_backward_tc.cu; the launcher's fuse_dq_rule picks).
 //
 // Used by both versions (fp32 and tc) in stages/03_flash_v2_backward/flash_v2_backward.py.
 //   python stages/03_flash_v2_backward/run.py
@@ -70,7 +71,7 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
 }
 
 // dQ = scale * dQ_accum, elementwise over n = BH * Nq * D values, 4 per step (n is a multiple of 4: D is), by every
-// thread of the grid (common.cuh's convert_dq). Version fp32's last launch; the tc kernel converts each head itself.
+// thread of the grid (common.cuh's convert_dq). The last launch of version fp32, and of version tc on long heads.
 template <typename T>
 __global__ void bwd_convert_dq(const float* __restrict__ acc, T* __restrict__ dq, float scale, long n) {
     convert_dq<4>(acc, dq, scale, n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x, (long)gridDim.x * blockDim.x);

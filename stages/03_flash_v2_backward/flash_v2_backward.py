@@ -327,8 +327,8 @@ def _mark(profile, name):
 
 
 class _Plan(NamedTuple):
-    """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or
-    version fp32's dQ conversion (last; None where the tc kernel converts dQ itself); rows, the length of D_i and of
+    """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or the
+    dQ conversion (last; None where the tc kernel converts dQ itself: fuse_dq_rule); rows, the length of D_i and of
     L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the elements of the fp32 dQ accumulator; done,
     the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); outs, plain attention's
     dq, dk, dv in one allocation (verify.out_layout), None with variants."""
@@ -475,8 +475,8 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, od
 
 def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, profile=None):
     """The allocations and launches of one backward: the preprocess (D_i, L_i; the dQ accumulator and the block
-    counters zeroed), the main kernel (dK_j, dV_j; dQ_i added atomically, and in version tc converted to dQ by each
-    head's last block), then the deterministic dQ pass or version fp32's dQ conversion."""
+    counters zeroed), the main kernel (dK_j, dV_j; dQ_i added atomically, and in version tc on short heads
+    converted to dQ by each head's last block), then the deterministic dQ pass or the dQ conversion."""
     import cupy
 
     asc = cupy.ascontiguousarray  # (B, H, N, D) row-major: a copy only for another layout

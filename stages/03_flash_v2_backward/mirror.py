@@ -14,7 +14,7 @@ everything else follows one thread block's loops:
             dK_j += dS_ij^T Q_i
             dQ_i += dS_ij K_j       fp32 accumulator, atomicAdd on the GPU
         write dK_j = scale dK_j, dV_j
-    dQ = scale * dQ_accum           (tc: the head's last block; fp32: bwd_convert_dq)
+    dQ = scale * dQ_accum           (tc, short heads: the head's last block; else bwd_convert_dq)
 
 deterministic=True drops the dQ line above and runs a separate dQ pass (flash_bwd_dq_*): for i in Q
 tiles, for j in K/V tiles, recompute dS_ij and sum dQ_i in a fixed order.
