@@ -287,28 +287,20 @@ def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
             fb.backward(q, k, v, o, lse, do, tc_config={"order": 1})
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("j_fast", [False, True])
-@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
-def test_tc_both_block_orders(case, D, dtype, j_fast):
-    """The tc kernel with either block order (tc_config j_fast; j_fast_order picks one by mask and length) passes:
-    the blocks of a head finish in another order, and whichever finishes last converts the head's dQ."""
-    import cupy
-
-    (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
-    check_backward(fb.backward, q, k, v, do, causal=causal, version="tc", tc_config={"j_fast": j_fast})
+# tc_config options that change who does what, not the answer: the block order and who converts dQ
+TC_ORDERS_AND_DQ = [{"j_fast": False}, {"j_fast": True}, {"fuse_dq": False}, {"fuse_dq": True}]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse_dq", [False, True])
+@pytest.mark.parametrize("cfg", TC_ORDERS_AND_DQ, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
-def test_tc_dq_converted_by_the_kernel_or_a_launch_of_its_own(case, D, dtype, fuse_dq):
-    """dQ = scale * dQ_accum written by the tc kernel's last block of each head (fuse_dq) or by bwd_convert_dq after
-    it (tc_config fuse_dq; fuse_dq_rule picks one by size), in the inputs' dtype and in float32 (the ring's)."""
+def test_tc_block_orders_and_dq_conversions(case, D, dtype, cfg):
+    """The tc kernel passes in either block order (tc_config j_fast; j_fast_order picks one by mask and length):
+    the blocks of a head finish in another order, and whichever finishes last converts the head's dQ. And with
+    dQ = scale * dQ_accum written by each head's last block or by bwd_convert_dq after the kernel (fuse_dq;
+    fuse_dq_rule picks one by size), in the inputs' dtype and in float32 (the ring's partial gradients)."""
     import cupy
 
     def float32_then_rounded(*args, **kw):  # the float32 gradients, rounded to the inputs' dtype for the rule
@@ -317,8 +309,8 @@ def test_tc_dq_converted_by_the_kernel_or_a_launch_of_its_own(case, D, dtype, fu
         return tuple(cast(g, dtype) for g in grads)
 
     (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
-    for backward in (fb.backward, float32_then_rounded):
-        check_backward(backward, q, k, v, do, causal=causal, version="tc", tc_config={"fuse_dq": fuse_dq})
+    for backward in (fb.backward, float32_then_rounded) if "fuse_dq" in cfg else (fb.backward,):
+        check_backward(backward, q, k, v, do, causal=causal, version="tc", tc_config=cfg)
 
 
 @pytest.mark.gpu
