@@ -379,6 +379,9 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
                 f"block; {dev.name} ({dev.arch.name}) allows {dev.smem_optin // 1024} KB"
                 + ("; use deterministic=False" if what else "; use head_dim 64 or less, or stage 00"))
     fn = kernels.function(mod, names[0] if not deterministic else names[1], smem_main)
+    # whether the tc kernel converts dQ itself (a packed batch: by its total rows, a bound on its longest sequence)
+    fuse = tc_config.get("fuse_dq")
+    fuse = version == "tc" and not deterministic and (fuse_dq_rule(Nq, D) if fuse is None else bool(fuse))
     args = (i32(Nq), i32(Nk), i32(Nq_pad), f32(scale), i32(causal))
     if version == "fp32":
         main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
@@ -394,8 +397,6 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         parts = TC_PARTS[D]  # grid.z: the head dim's column parts
-        fuse = tc_config.get("fuse_dq")
-        fuse = not deterministic and (fuse_dq_rule(Nq, D) if fuse is None else bool(fuse))
         # Without variants the pointers after dK, dV that are the same on every call go with the scalars, written
         # once: null ALiBi slopes and cu_q, cu_k (and, unless the kernel converts dQ, null dQ and counters). The
         # variants' kernel gets dQ, the counters, the slopes and cu_q, cu_k per call (_var_tail).
@@ -409,7 +410,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
         last = kernels.Launch(fn, grid, block, smem_dq, args)
-    elif version == "fp32" or not fuse:  # dQ = scale * dQ_accum, cast to the output dtype
+    elif not fuse:  # dQ = scale * dQ_accum, cast to the output dtype (fp32, and tc on long heads)
         n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
         last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
                               (min(-(-n // 1024), 65535),), (256,), 0, (f32(scale), np.int64(n)))
