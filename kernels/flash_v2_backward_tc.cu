@@ -89,9 +89,11 @@ struct TileCopy {
     u32 d0;
     const T* s0;
     const T* src;
+    int r0;    // this thread's first row of the tile
     int left;  // rows of the tile from this thread's first row to the end of the matrix
     __device__ __forceinline__ TileCopy(T* dst, const T* src_, int row0, int N, int tid) {
-        const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
+        r0 = tid / CHUNKS;
+        const int c = (tid % CHUNKS) * 8;
         d0 = smem_u32(dst + r0 * LD + c);
         s0 = src_ + ((long)row0 + r0) * HD + c;
         src = src_;
@@ -99,7 +101,7 @@ struct TileCopy {
     }
     __device__ __forceinline__ void pass(int k) const {
         const int tid_row = RSTEP * k;  // + this thread's first row
-        if (ROWS % RSTEP != 0 && (int)(threadIdx.x / CHUNKS) + tid_row >= ROWS) return;
+        if (ROWS % RSTEP != 0 && r0 + tid_row >= ROWS) return;
         if (left == ROWS) {
             cp_async_16_u32(d0 + 2 * tid_row * LD, s0 + tid_row * HD);
         } else {
@@ -193,10 +195,14 @@ __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float*
         red_dq<MT, NQ, HD, true>(row, dq, Nq - q);
 }
 
-// Shared memory bytes of flash_bwd_tc (the launcher computes the same sum).
-template <int HD, int Br, int Bc, int WQ>
-__host__ __device__ constexpr int smem_bytes_main() {
-    return 2 * (2 * Bc * (HD + 8) + 2 * 2 * Br * (HD + 8) + (WQ > 1 ? 3 : 2) * Bc * (Br + 8)) + 4 * 2 * 2 * Br;
+// One thread's part of an mma accumulator tile as 16-bit pairs: (row g, columns 2t, 2t + 1) at row and (row g + 8,
+// the same columns) at row + 8 LD, of a shared-memory matrix of row stride LD. P^T and dS^T go to shared memory
+// through it in both warp layouts: with WQ = 2 as soon as they are computed (the other warp of the key group reads
+// them for dV_j, dK_j), with WQ = 1 only dS^T, after dK_j, for the dQ step (all warps read it).
+template <int LD, typename T>
+__device__ __forceinline__ void store_row_pair(T* row, u32 lo, u32 hi) {
+    *reinterpret_cast<u32*>(row) = lo;
+    *reinterpret_cast<u32*>(row + 8 * LD) = hi;
 }
 
 // bar.sync on barrier `id` (1..15; __syncthreads is 0) for `n` threads: the warps of one key group (WQ > 1) wait
@@ -256,6 +262,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     constexpr int DW = HDP / WQ, NDW = DW / 8;               // a warp's columns of dK_j, dV_j; their n-tiles
     static_assert((WQ == 1 || WQ == 2) && NW % WQ == 0 && QW % 16 == 0 && DW % 16 == 0, "warp layout");
     const int pc = DP > 1 ? (int)blockIdx.z * HDP : 0;
+    // dynamic shared memory, in this order (the launcher's smem_bytes adds up the same layout)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Ks = reinterpret_cast<T*>(smem_raw);
     T* Vs = Ks + Bc * LDK;
@@ -297,7 +304,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         }
     }
     const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
-    Q += q_row0 * HD; dO += q_row0 * HD; dQacc += q_row0 * HD; dQ += DQ_ATOMIC ? q_row0 * HD : 0;
+    Q += q_row0 * HD; dO += q_row0 * HD; dQacc += q_row0 * HD;
+    dQ += DQ_ATOMIC && done != nullptr ? q_row0 * HD : 0;  // otherwise null (dQ is left in dQacc), and stays null
     K += kv_row0 * HD; V += kv_row0 * HD; dK += dkv_row0 * HD; dV += dkv_row0 * HD;
     L2g += l_row0; Dg += l_row0;
 
@@ -346,7 +354,10 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dv[n][e] = dk[n][e] = 0.f;
-    u32 akr[KREG ? MS * HD / 16 : 1][4], avr[KREG ? MS * HD / 16 : 1][4];  // KREG: this warp's K_j, V_j A fragments
+    // KREG: this warp's K_j, V_j A fragments. Fragment arrays a configuration does not use (here without KREG; P^T and
+    // dS^T below by warp layout) keep one entry, since C++ has no empty arrays; they are never read, and take no
+    // registers.
+    u32 akr[KREG ? MS * HD / 16 : 1][4], avr[KREG ? MS * HD / 16 : 1][4];
     // This lane's ldmatrix rows as 32-bit shared addresses, computed once. Each load in the unrolled loops below
     // adds a compile-time byte offset (of kk, np, mt), which ldmatrix encodes as an immediate: no address arithmetic
     // per load, where a generic pointer per load costs an IMAD or LEA and a conversion to a shared address.
@@ -501,10 +512,8 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                     } else {  // rows kr, kr + 8 of P^T and dS^T, columns c BRC + qc, qc + 1
                         T* prow = Pst + kr * LDS + c * BRC + qc;
                         T* drow = dSt + kr * LDS + c * BRC + qc;
-                        *reinterpret_cast<u32*>(prow) = Half2<T>::pack(p[0], p[1]);
-                        *reinterpret_cast<u32*>(prow + 8 * LDS) = Half2<T>::pack(p[2], p[3]);
-                        *reinterpret_cast<u32*>(drow) = Half2<T>::pack(ds[0], ds[1]);
-                        *reinterpret_cast<u32*>(drow + 8 * LDS) = Half2<T>::pack(ds[2], ds[3]);
+                        store_row_pair<LDS>(prow, Half2<T>::pack(p[0], p[1]), Half2<T>::pack(p[2], p[3]));
+                        store_row_pair<LDS>(drow, Half2<T>::pack(ds[0], ds[1]), Half2<T>::pack(ds[2], ds[3]));
                     }
                 }
             }
@@ -543,11 +552,9 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             if (DQ_ATOMIC && WQ == 1) {
                 // Alg.2 L15: dQ_i += dS_ij K_j sums over all Bc key rows, i.e. over all warps: dS^T via shared memory
 #pragma unroll
-                for (int n = 0; n < NS; ++n) {
-                    T* row = dSt + (16 * warp + g) * LDS + c * BRC + n * 8 + 2 * t;
-                    *reinterpret_cast<u32*>(row) = dsa[n / 2][(n % 2) * 2 + 0];
-                    *reinterpret_cast<u32*>(row + 8 * LDS) = dsa[n / 2][(n % 2) * 2 + 1];
-                }
+                for (int n = 0; n < NS; ++n)  // rows 16 warp + g (+8), columns c BRC + 8 n + 2t, +1
+                    store_row_pair<LDS>(dSt + (16 * warp + g) * LDS + c * BRC + n * 8 + 2 * t,
+                                        dsa[n / 2][(n % 2) * 2 + 0], dsa[n / 2][(n % 2) * 2 + 1]);
             }
         }
         if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain at the next tile's barrier
@@ -603,9 +610,6 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
 template <int HD>
 __host__ __device__ constexpr int dq_bc() { return HD > 128 ? 32 : 64; }
 
-// Shared memory bytes of flash_bwd_dq_tc: Q_i, dO_i once (64 rows), K_j and V_j double-buffered.
-template <int HD>
-__host__ __device__ constexpr int smem_bytes_dq() { return 2 * (2 * 64 * (HD + 8) + 2 * 2 * dq_bc<HD>() * (HD + 8)); }
 
 // Deterministic dQ pass: grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i.
 // dQ: (BH, Nq, HD) of T, written once.
@@ -615,6 +619,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_tc(
     const float* __restrict__ L2g, const float* __restrict__ Dg, TO* __restrict__ dQ,
     int Nq, int Nk, int Nq_pad, float scale, int causal) {
     constexpr int Br = 64, Bc = dq_bc<HD>(), NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
+    // dynamic shared memory: Q_i, dO_i once, K_j and V_j double-buffered (the launcher's smem_bytes adds it up)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* Qs = reinterpret_cast<T*>(smem_raw);
     T* dOs = Qs + Br * LDK;

@@ -331,7 +331,8 @@ class _Plan(NamedTuple):
     dQ conversion (last; None where the tc kernel converts dQ itself: fuse_dq_rule); rows, the length of D_i and of
     L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the elements of the fp32 dQ accumulator; done,
     the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); outs, plain attention's
-    dq, dk, dv in one allocation (verify.out_layout), None with variants."""
+    dq, dk, dv in one allocation (verify.out_layout), None with variants; tc, whether the main kernel is version
+    tc's, which takes dQ and the counters after dK, dV."""
     pre: kernels.Launch
     main: kernels.Launch
     last: kernels.Launch | None
@@ -339,6 +340,7 @@ class _Plan(NamedTuple):
     acc: int
     done: int
     outs: tuple | None
+    tc: bool
 
 
 _PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
@@ -397,10 +399,10 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         parts = TC_PARTS[D]  # grid.z: the head dim's column parts
-        # Without variants the pointers after dK, dV that are the same on every call go with the scalars, written
-        # once: null ALiBi slopes and cu_q, cu_k (and, unless the kernel converts dQ, null dQ and counters). The
-        # variants' kernel gets dQ, the counters, the slopes and cu_q, cu_k per call (_var_tail).
-        fixed = () if var else ((NULL, NULL) if not fuse else ()) + (NULL, NULL, NULL)
+        # Every call passes dQ and the counters (null where the kernel leaves dQ in dQ_accum). Without variants the
+        # pointers after them are the same on every call and go with the scalars, written once: null ALiBi slopes
+        # and cu_q, cu_k. The variants' kernel gets those per call (_var_tail).
+        fixed = () if var else (NULL, NULL, NULL)
         main = kernels.Launch(fn, (Tc, blocks, parts) if j_fast else (blocks, Tc, parts), (2 * bc,), smem_main,
                               fixed + args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0),
                                               i32(H), i32(group)) + variants.origin_scalars(opts, Nq, Nk)
@@ -424,7 +426,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     # together). The variants' dK, dV are float until summed and cast: separate, so they are freed after.
     outs = None if var else verify.out_layout([((B, H, Nq, D), odtype), ((B, H, Nk, D), odtype),
                                                ((B, H, Nk, D), odtype)])
-    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1, done, outs)
+    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1, done, outs,
+                 version == "tc")
 
 
 class _Call(NamedTuple):
@@ -503,13 +506,11 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
-    if plan.last is None:  # tc, atomic dQ: the kernel converts dQ too
-        main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, dq, done, *tail)
-    else:
-        if tail:  # the variants' kernel, dQ left in dQ_accum: null dQ and counters before the variants' pointers
-            main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, NULL, NULL, *tail)
-        else:  # plain tc (its null dQ and counters are in the plan) or fp32, whose kernel has neither
-            main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv)
+    # version tc's dQ and counters: the kernel's own when it converts dQ (no last launch), null when it leaves dQ
+    # in dQ_accum (for the conversion launch) or never adds to it (deterministic mode); fp32's kernel has neither
+    dq_args = () if not plan.tc else (dq, done) if plan.last is None else (NULL, NULL)
+    main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *dq_args, *tail)
+    if plan.last is not None:
         _mark(profile, "main")
         if deterministic:
             plan.last(q, k, v, do, Lvec, Dvec, dq)
