@@ -195,6 +195,84 @@ def test_profile_backward_reads_ncus_units():
         pb._unit("furlong", {"ns": 1e-6})
 
 
+def test_implementations_take_turns_and_a_failure_is_timed_no_further():
+    """bench.Bench._time without a GPU (a fake clock and CuPy): after their warm-ups the implementations take turns,
+    ROUNDS rounds in alternating order, and each queued median is over every round's samples; one that raises in
+    round 3 gets an error status and no times, and the others are still timed in round 4."""
+    import contextlib
+    import itertools
+
+    bench = _load("bench")
+    assert bench.ROUNDS == 4  # the expected order below spells out four rounds
+    log, now = [], [0.0]
+
+    class Event:
+        def record(self):
+            self.t = now[0]
+
+        def synchronize(self):
+            pass
+
+    class Clock:  # GPU time: each fake call advances it by its own ms
+        def event(self):
+            return Event()
+
+        def elapsed(self, a, b):
+            return b.t - a.t
+
+    class Cupy:
+        class cuda:
+            class Device:
+                def synchronize(self):
+                    pass
+
+    def impl(name, ms, fail_on=None):
+        def fn():
+            if fail_on is not None and log.count(name) + 1 == fail_on:
+                raise RuntimeError("boom")
+            log.append(name)
+            now[0] += ms
+        return None, lambda: fn, None
+
+    b = object.__new__(bench.Bench)
+    b.cupy, b.clocks, b.args = Cupy, {"ours": Clock(), "torch": Clock()}, type("Args", (), {"target_ms": 40.0})
+    b._context = lambda key, extra, direction: contextlib.nullcontext()
+    b._recover = lambda: None
+    # c: 6 warm-up calls, then 1 + 10 queued + 50 synced per round: call 150 is in round 3
+    entries = {("ours", "a"): impl("a", 2.0), ("torch", "b"): impl("b", 4.0), ("ours", "c"): impl("c", 1.0, 150)}
+    status = {k: "ok" for k in entries}
+    cfg = type("Cfg", (), {"label": lambda self: "cfg"})()
+    times = b._time(cfg, "fwd", entries, status, type("P", (), {"show": lambda self, what: None})())
+    assert status[("ours", "c")] == "error: timing: RuntimeError: boom"
+    assert set(times) == {("ours", "a"), ("torch", "b")}
+    assert times[("ours", "a")][0] == 2.0 and times[("torch", "b")][0] == 4.0
+    # warm-ups a b c; rounds a b c | c b a | a b c (c fails) | b a: runs of one name merge at the seams
+    assert [k for k, _ in itertools.groupby(log)] == list("abcabcbabcba")
+    assert log.count("c") == 149
+
+
+def test_host_time_table_sums_the_backwards_floor(tmp_path):
+    """scripts/host_time.py's CSV -> the table, and the sum of the pieces a repeated backward cannot leave out
+    (counted as BACKWARD_FLOOR says); without one of the pieces there is no sum."""
+    steps = {"backward": 30.0, "call_key": 2.0, "pool allocation": 1.0, "array object": 1.5,
+             "cuLaunchKernel, GPU idle": 3.0, "cuLaunchKernel, GPU busy": 9.0}
+    rows = [dict(step=k, what=f"about {k}", us_median=f"{v:.2f}", us_min=f"{v - 0.5:.2f}", samples="15 x 200",
+                 problem="B=1 H=2 N=128 d=128 bf16 causal", git_commit="abc1234") for k, v in steps.items()]
+
+    def table(rows):
+        path = tmp_path / "host_time.csv"
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        return report.host_time_table(path, {"gpu": "GPU X", "command": "python scripts/host_time.py"})
+
+    text = table(rows)
+    assert "| cuLaunchKernel, GPU busy | about cuLaunchKernel, GPU busy | 9.0 | 8.5 |" in text
+    assert "= **14.5 us** of its 30.0 us" in text  # 2 + 2 x 1 + 3 x 1.5 + 2 x 3
+    assert "**" not in table([r for r in rows if r["step"] != "array object"])
+
+
 # ---- the committed results text is generated from results/*.csv (real measurements, not the synthetic rows above)
 
 def test_generated_results_match_the_committed_text():
