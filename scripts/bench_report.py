@@ -498,7 +498,9 @@ def results_readme(results_dir=None):
                   "per call adds to the GPU's. Ratios are PyTorch's time over ours (above 1: ours is faster), "
                   "for the forward (`pipelined` / flash) and the backward (`tc` / flash); host us is the median "
                   "host time inside one call (input checks, configuration, allocation, launches) over the queued "
-                  "mode's first 32 calls, before the launch queue fills.", "",
+                  "mode's first 32 calls of each round, before the launch queue fills. The implementations of a "
+                  "config take turns (rounds of their repeats, the order reversed every other round), so a drift "
+                  "of the GPU's clock during a config falls on all of them alike.", "",
                   modes, ""]
     d256 = results_dir / D256_CSV
     if d256.exists():
@@ -511,6 +513,10 @@ def results_readme(results_dir=None):
     for s in sources:
         if s["file"].startswith("bench_variants"):
             lines += [f"## The variants (`{s['file']}`)", "", variants_table(results_dir / s["file"], s), ""]
+    for s in sources:
+        if s["file"].startswith("host_time"):
+            lines += [f"## Host time per call, piece by piece (`{s['file']}`)", "",
+                      host_time_table(results_dir / s["file"], s), ""]
     lines += ["## Ring attention", "",
               "`stages/04_ring/bench_ring.py` times the ring's forward and backward (the slowest rank) on P GPUs at "
               "total length N = P x tokens per GPU, and stages 02/03 on one GPU at the same N. Ratio columns: "
@@ -536,6 +542,34 @@ def variants_table(path, source):
     for r in rows:
         out.append(f"| {r['variant']} | {float(r['ms_ours']):.3f} | {r['reference']} | {float(r['ms_reference']):.3f} "
                    f"| {float(r['ratio']):.2f} |")
+    return "\n".join(out)
+
+
+# The pieces every repeated plain backward call pays in this design, and how many of each (host_time_table)
+BACKWARD_FLOOR = (("call_key", 1), ("pool allocation", 2), ("array object", 3), ("cuLaunchKernel, GPU idle", 2))
+
+
+def host_time_table(path, source):
+    """Markdown: scripts/host_time.py's rows (whole calls, ours and PyTorch's, then their pieces), and the sum of the
+    pieces a repeated plain backward cannot leave out (BACKWARD_FLOOR) beside the whole call."""
+    rows = read_rows(path)
+    r0 = rows[0]
+    by = {r["step"]: r for r in rows}
+    out = [f"{source['gpu']}, commit {r0['git_commit']}, `{source['command']}`; {r0['problem']}: a problem small "
+           "enough that the GPU never holds the host up. Median and min over the samples (a whole call and most "
+           "pieces: rounds of calls back to back; cuLaunchKernel: one launch at a time, after a wait for the GPU "
+           "or behind queued work).", "",
+           "| step | what | median us | min us |", "|---|---|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['step']} | {r['what']} | {float(r['us_median']):.1f} | {float(r['us_min']):.1f} |")
+    if all(step in by for step, _ in BACKWARD_FLOOR) and "backward" in by:
+        parts = " + ".join(f"{n} x {step} ({float(by[step]['us_median']):.1f})" for step, n in BACKWARD_FLOOR)
+        floor = sum(n * float(by[step]["us_median"]) for step, n in BACKWARD_FLOOR)
+        out += ["", f"What a repeated plain backward cannot leave out in this design (two launches, three outputs, "
+                f"the scratch, the key): {parts} = **{floor:.1f} us** of its {float(by['backward']['us_median']):.1f} "
+                "us; the rest is the Python that packs each launch's arguments and joins the pieces. A launch while "
+                "the GPU works costs the driver more (the busy row), and scripts/bench.py times its host_us in its "
+                "queued mode, with the GPU working."]
     return "\n".join(out)
 
 
