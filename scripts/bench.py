@@ -29,16 +29,14 @@ Method:
             column err_over_bound holds the worst output's error/bound for every row; a torch row past 1 is
             "torch outside the rule: ..." and still timed (it is the reference, not under test).
             tc-det must also give bit-identical dq, dk, dv on two runs.
-  timing    two modes, after warm-up, each the median of repeats (enough for --target-ms of GPU time). The
-            implementations of a config take turns, in ROUNDS rounds of their repeats (the order reversed every
-            other round), so a drift of the GPU's clock during the config falls on all of them alike:
+  timing    two modes, after warm-up, each the median of repeats (enough for --target-ms of GPU time):
             queued (ms, tflops): CUDA events around each call, the host running ahead, so its launch overhead
               hides behind the GPU's work, as in a long run of kernels nobody waits on;
             synced (ms_synced): the host's clock around the call and a wait for the GPU, every call starting on
               an idle GPU, as in a training loop that reads its loss each step: host time adds to GPU time.
             host_us: the host's time inside one call (input checks, configuration choice, allocation, launches),
-              the median over the queued mode's first 32 calls of each round (before the launch queue can fill
-              and make a launch wait for the GPU): the part of a call a short sequence cannot hide.
+              the median over the queued mode's first 32 calls (before the launch queue can fill and make a
+              launch wait for the GPU): the part of a call a short sequence cannot hide.
             Torch gets q, k, v, dO in its own (B, N, H, d) memory layout, as (B, H, N, d) transposed views (no
             copies). Torch forward runs under torch.no_grad() (its inference path); torch backward is
             torch.autograd.grad(out, (q, k, v), dO, retain_graph=True) on a graph built once: the backward
@@ -175,11 +173,15 @@ class _Clock:
 
 
 HOST_CALLS = 32  # host_us: the first calls of the queued mode, before the launch queue can fill
-ROUNDS = 4  # each config's implementations are timed in turns: every one once per round (see Runner._time)
 
 
-def queued_reps(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200):
-    """Warm fn up, then the number of queued calls that take about target_ms of GPU time (min_reps..max_reps)."""
+def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200):
+    """Queued timing: (median ms of fn() from CUDA events around every call, all recorded before one wait, so the
+    host runs ahead and its launch overhead hides behind the GPU's work; median us the host spends inside fn()).
+
+    The host time is the median over the first HOST_CALLS calls only. The driver queues about a thousand launches
+    and events; past that a launch waits for the GPU to retire earlier work, and that wait is the GPU's time, not
+    the launcher's (a long problem's later calls would all report it)."""
     for _ in range(warmup):
         fn()
     cupy.cuda.Device().synchronize()
@@ -188,39 +190,24 @@ def queued_reps(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=20
     fn()
     b.record()
     b.synchronize()
-    return int(min(max_reps, max(min_reps, target_ms / max(clock.elapsed(a, b), 1e-3))))
-
-
-def queued_samples(fn, clock, cupy, reps, host_calls=HOST_CALLS):
-    """Queued timing: (ms of each of reps calls of fn from CUDA events around it, all recorded before one wait, so
-    the host runs ahead and its launch overhead hides behind the GPU's work; us the host spends inside each of the
-    first host_calls calls).
-
-    The host time comes from the first calls only. The driver queues about a thousand launches and events; past
-    that a launch waits for the GPU to retire earlier work, and that wait is the GPU's time, not the launcher's (a
-    long problem's later calls would all report it)."""
-    cupy.cuda.Device().synchronize()
+    reps = int(min(max_reps, max(min_reps, target_ms / max(clock.elapsed(a, b), 1e-3))))
     starts, stops = [clock.event() for _ in range(reps)], [clock.event() for _ in range(reps)]
     host = []
     for i, (s, e) in enumerate(zip(starts, stops)):
         s.record()
         t0 = time.perf_counter()
         fn()
-        if i < host_calls:
+        if i < HOST_CALLS:
             host.append((time.perf_counter() - t0) * 1e6)
         e.record()
     stops[-1].synchronize()
-    return [clock.elapsed(s, e) for s, e in zip(starts, stops)], host
+    return statistics.median(clock.elapsed(s, e) for s, e in zip(starts, stops)), statistics.median(host)
 
 
-def time_call(fn, clock, cupy, *, target_ms, **reps):
-    """Queued timing in one go: (median ms of fn(), median us the host spends inside it; queued_samples)."""
-    ms, host = queued_samples(fn, clock, cupy, queued_reps(fn, clock, cupy, target_ms=target_ms, **reps))
-    return statistics.median(ms), statistics.median(host)
-
-
-def synced_reps(fn, cupy, *, target_ms, warmup=2, min_reps=10, max_reps=200):
-    """Warm fn up, then the number of synced calls that take about target_ms (min_reps..max_reps)."""
+def time_synced(fn, cupy, *, target_ms, warmup=2, min_reps=10, max_reps=200):
+    """Synced timing: median ms of fn() plus a wait for the GPU, on the host's clock. Each call starts on an idle
+    GPU, as in a training loop that reads its loss every step, so the host's time per call (input checks,
+    configuration, allocation, launches) adds to the GPU's."""
     for _ in range(warmup):
         fn()
     sync = cupy.cuda.Device().synchronize
@@ -228,22 +215,14 @@ def synced_reps(fn, cupy, *, target_ms, warmup=2, min_reps=10, max_reps=200):
     t0 = time.perf_counter()
     fn()
     sync()
-    return int(min(max_reps, max(min_reps, target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
-
-
-def synced_samples(fn, cupy, reps):
-    """Synced timing: ms of each of reps calls of fn plus a wait for the GPU, on the host's clock. Each call starts
-    on an idle GPU, as in a training loop that reads its loss every step, so the host's time per call (input
-    checks, configuration, allocation, launches) adds to the GPU's."""
-    sync = cupy.cuda.Device().synchronize
-    sync()
+    reps = int(min(max_reps, max(min_reps, target_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
     total = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         sync()
         total.append((time.perf_counter() - t0) * 1e3)
-    return total
+    return statistics.median(total)
 
 
 # ---------------------------------------------------------------------------------------------- data + reference
@@ -574,66 +553,26 @@ class Bench:
                          + ", ".join(notes) + f" -> {verdict}")
             self.mismatches += bad
             self.torch_outside += outside
-            timed = [key for key in entries if status[key] == "ok" or status[key].startswith("torch outside")]
-            times = self._time(cfg, direction, {key: entries[key] for key in timed}, status, progress)
-            for key in entries:
-                ms, synced = times.get(key, (None, None))
+            for key, (_, setup, extra) in entries.items():
+                ms = synced = None
+                if status[key] == "ok" or status[key].startswith("torch outside"):
+                    progress.show(f"{direction} {cfg.label()} {key[0]}/{key[1]}")
+                    try:
+                        with self._context(key, extra, direction), warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            fn = setup()
+                            ms, host = time_call(fn, self.clocks[key[0]], cupy, target_ms=self.args.target_ms)
+                            synced = (time_synced(fn, cupy, target_ms=self.args.target_ms / 2), host)
+                        del fn
+                    except Exception as e:
+                        status[key] = f"error: timing: {_short(e)}"
+                        self._recover()
                 rows.append(self._row(cfg, direction, key[0], key[1], ms=ms, synced=synced, status=status[key],
                                       ratio=ratio[key], worst=worst[key]))
             progress.step(f"{direction} {cfg.label()}")
         del data
         self._free()
         return rows
-
-    def _time(self, cfg, direction, entries, status, progress):
-        """{key: (queued ms, (synced ms, host us))} of the entries that passed their check.
-
-        The implementations take turns: ROUNDS rounds, each timing every implementation (queued, then synced) for
-        1 / ROUNDS of its repeats, in reverse order every other round. A drift of the GPU's clock over the seconds
-        a config takes (it slows as it heats) then falls on every implementation alike, where timing each to the
-        end before the next would put the drift between them. Each median is over the samples of all rounds (host
-        time: the first HOST_CALLS calls of each round, which starts on an empty queue). An implementation that
-        raises is marked in status and timed no further."""
-        cupy, clocks, target = self.cupy, self.clocks, self.args.target_ms
-        fns, reps, got = {}, {}, {}
-
-        def guarded(key, extra, work):
-            try:
-                with self._context(key, extra, direction), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    return work()
-            except Exception as e:
-                status[key] = f"error: timing: {_short(e)}"
-                fns.pop(key, None)
-                self._recover()
-
-        for key, (_, setup, extra) in entries.items():
-            progress.show(f"{direction} {cfg.label()} {key[0]}/{key[1]} (warm-up)")
-
-            def first(setup=setup, key=key):
-                fn = setup()
-                n_q = queued_reps(fn, clocks[key[0]], cupy, target_ms=target)
-                n_s = synced_reps(fn, cupy, target_ms=target / 2)
-                fns[key], reps[key], got[key] = fn, (-(-n_q // ROUNDS), -(-n_s // ROUNDS)), ([], [], [])
-            guarded(key, extra, first)
-        for r in range(ROUNDS):
-            for key in list(entries) if r % 2 == 0 else list(entries)[::-1]:
-                if key not in fns:
-                    continue
-                progress.show(f"{direction} {cfg.label()} {key[0]}/{key[1]} (round {r + 1}/{ROUNDS})")
-
-                def one_round(key=key, r=r):
-                    fn, (n_q, n_s), (queued, synced, host) = fns[key], reps[key], got[key]
-                    fn()  # the first call after another implementation's: not timed
-                    ms, us = queued_samples(fn, clocks[key[0]], cupy, n_q)
-                    queued += ms
-                    host += us
-                    synced += synced_samples(fn, cupy, n_s)
-                guarded(key, entries[key][2], one_round)
-        fns.clear()
-        med = statistics.median
-        return {key: (med(q), (med(s), med(h))) for key, (q, s, h) in got.items()
-                if not status[key].startswith("error")}
 
     def _prepare(self, cfg, with_grad):
         """Fresh full-size inputs: ours (CuPy, (B, H, N, d)), torch's (the same values in (B, N, H, d) memory),
