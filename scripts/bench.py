@@ -29,7 +29,9 @@ Method:
             column err_over_bound holds the worst output's error/bound for every row; a torch row past 1 is
             "torch outside the rule: ..." and still timed (it is the reference, not under test).
             tc-det must also give bit-identical dq, dk, dv on two runs.
-  timing    two modes, after warm-up, each the median of repeats (enough for --target-ms of GPU time):
+  timing    two modes, after a warm-up of --settle-ms of untimed calls (a GPU's clock drops under a power-hungry
+            kernel and recovers gradually: without it, whichever implementation follows cuDNN's backward would be
+            timed at that lower clock), each the median of repeats (enough for --target-ms of GPU time):
             queued (ms, tflops): CUDA events around each call, the host running ahead, so its launch overhead
               hides behind the GPU's work, as in a long run of kernels nobody waits on;
             synced (ms_synced): the host's clock around the call and a wait for the GPU, every call starting on
@@ -72,8 +74,9 @@ FP32_SEQS = (1024, 2048, 4096)  # N for fp32 (the fp32 kernels are ~10x slower)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16", "fp32")
 TARGET_MS = 300.0  # GPU time spent timing each (config, implementation), after warm-up
+SETTLE_MS = 200.0  # the warm-up: untimed calls for this long before each implementation's timing (settle)
 QUICK = dict(seqs=[512, 4096], fp32_seqs=[1024], head_dims=[64, 128], fp32_head_dims=[64], dtypes=["bf16", "fp32"],
-             target_ms=40.0)
+             target_ms=40.0, settle_ms=20.0)
 REF_BYTES = 6e9  # memory the chunked reference (o, lse our backward starts from) may use for its N x N matrices
 CHECK_SHAPE = (1, 2, 256)  # B, H, N of the small problem every implementation is checked on before timing
 
@@ -175,16 +178,29 @@ class _Clock:
 HOST_CALLS = 32  # host_us: the first calls of the queued mode, before the launch queue can fill
 
 
-def time_call(fn, clock, cupy, *, target_ms, warmup=2, min_reps=3, max_reps=200):
+def settle(fn, cupy, settle_ms=SETTLE_MS, min_calls=2, now=time.perf_counter):
+    """Untimed calls of fn, each waited for, until settle_ms have passed on the host's clock `now` (at least
+    min_calls); returns the number of calls. A GPU lowers its clock when its power draw is high, and raises it
+    again only gradually: right after a power-hungry implementation (cuDNN's backward, say) the next one runs
+    slower for a while, then steadies. Warmed up for a fixed time instead of a fixed number of calls, every
+    implementation is timed in the state its own work keeps the GPU in, whichever ran before it."""
+    sync = cupy.cuda.Device().synchronize
+    t0, n = now(), 0
+    while n < min_calls or (now() - t0) * 1e3 < settle_ms:
+        fn()
+        sync()
+        n += 1
+    return n
+
+
+def time_call(fn, clock, cupy, *, target_ms, settle_ms=SETTLE_MS, min_reps=3, max_reps=200):
     """Queued timing: (median ms of fn() from CUDA events around every call, all recorded before one wait, so the
     host runs ahead and its launch overhead hides behind the GPU's work; median us the host spends inside fn()).
 
     The host time is the median over the first HOST_CALLS calls only. The driver queues about a thousand launches
     and events; past that a launch waits for the GPU to retire earlier work, and that wait is the GPU's time, not
     the launcher's (a long problem's later calls would all report it)."""
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
+    settle(fn, cupy, settle_ms)
     a, b = clock.event(), clock.event()
     a.record()
     fn()
@@ -561,7 +577,8 @@ class Bench:
                         with self._context(key, extra, direction), warnings.catch_warnings():
                             warnings.simplefilter("ignore")
                             fn = setup()
-                            ms, host = time_call(fn, self.clocks[key[0]], cupy, target_ms=self.args.target_ms)
+                            ms, host = time_call(fn, self.clocks[key[0]], cupy, target_ms=self.args.target_ms,
+                                                 settle_ms=self.args.settle_ms)
                             synced = (time_synced(fn, cupy, target_ms=self.args.target_ms / 2), host)
                         del fn
                     except Exception as e:
@@ -673,6 +690,8 @@ def parse(argv):
     ap.add_argument("--tokens", type=int, default=TOKENS, help=f"B*N, B = tokens // N (default {TOKENS})")
     ap.add_argument("--heads", type=int, default=HEADS, help=f"H (default {HEADS})")
     ap.add_argument("--target-ms", type=float, default=None, help=f"GPU time per timing (default {TARGET_MS})")
+    ap.add_argument("--settle-ms", type=float, default=None,
+                    help=f"untimed calls for this long before each implementation's timing (default {SETTLE_MS})")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     ap.add_argument("--markdown", metavar="CSV", default=None,
                     help="print the README results table of a bench CSV and exit (no GPU needed)")
@@ -685,6 +704,7 @@ def parse(argv):
     args.fp32_head_dims = args.fp32_head_dims or quick.get("fp32_head_dims") or args.head_dims
     args.dtypes = args.dtypes or quick.get("dtypes") or list(DTYPES)
     args.target_ms = args.target_ms or quick.get("target_ms") or TARGET_MS
+    args.settle_ms = args.settle_ms if args.settle_ms is not None else quick.get("settle_ms", SETTLE_MS)
     return args
 
 
@@ -719,8 +739,8 @@ def main(argv=None):
     print(f"== FlashAttention-2 benchmark on {gpu}: torch {prov['torch']}, CuPy {prov['cupy']}, CUDA runtime "
           f"{prov['cuda_runtime']}, driver {prov['driver']}, commit {prov['git_commit']}, {prov['date']}", flush=True)
     print(f"   {len(cfgs)} configs x {directions}; B = {args.tokens} // N, H = {args.heads}; timing: CUDA events, "
-          f"warm-up, median over {args.target_ms:g} ms of GPU time; torch fwd under no_grad, torch bwd = "
-          "autograd.grad on a retained graph (no forward); FLOPs 4BHN^2d (/2 causal), bwd x2.5", flush=True)
+          f"{args.settle_ms:g} ms warm-up, median over {args.target_ms:g} ms of GPU time; torch fwd under no_grad, "
+          "torch bwd = autograd.grad on a retained graph (no forward); FLOPs 4BHN^2d (/2 causal), bwd x2.5", flush=True)
     bench = Bench(args, cupy, torch, gpu, prov)
     progress = Progress(len(cfgs) * len(directions))
     rows, t0, bugs = [], time.time(), 0

@@ -498,9 +498,10 @@ def results_readme(results_dir=None):
                   "per call adds to the GPU's. Ratios are PyTorch's time over ours (above 1: ours is faster), "
                   "for the forward (`pipelined` / flash) and the backward (`tc` / flash); host us is the median "
                   "host time inside one call (input checks, configuration, allocation, launches) over the queued "
-                  "mode's first 32 calls of each round, before the launch queue fills. The implementations of a "
-                  "config take turns (rounds of their repeats, the order reversed every other round), so a drift "
-                  "of the GPU's clock during a config falls on all of them alike.", "",
+                  "mode's first 32 calls, before the launch queue fills. Each implementation is timed after "
+                  "a warm-up of a fixed time (the GPU's clock recovers gradually after a power-hungry kernel, "
+                  "so a warm-up of a few calls would time the next implementation at the previous one's "
+                  "clock).", "",
                   modes, ""]
     d256 = results_dir / D256_CSV
     if d256.exists():

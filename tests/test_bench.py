@@ -195,6 +195,53 @@ def test_profile_backward_reads_ncus_units():
         pb._unit("furlong", {"ns": 1e-6})
 
 
+def test_warm_up_lasts_a_fixed_time_and_waits_for_every_call():
+    """bench.settle calls fn, waiting for the GPU after each call, until settle_ms have passed on its clock, and at
+    least min_calls times: a long call settles in min_calls calls, a short one in settle_ms / its time."""
+    bench = _load("bench")
+    t, log = [0.0], []
+
+    class Cupy:
+        class cuda:
+            class Device:
+                def synchronize(self):
+                    log.append("sync")
+
+    def call(ms):
+        def fn():
+            log.append("call")
+            t[0] += ms / 1e3
+        return fn
+
+    assert bench.settle(call(0.5), Cupy, settle_ms=200.0, now=lambda: t[0]) == 400
+    assert log[:4] == ["call", "sync", "call", "sync"] and len(log) == 800
+    assert bench.settle(call(150.0), Cupy, settle_ms=200.0, now=lambda: t[0]) == 2
+    assert bench.settle(call(500.0), Cupy, settle_ms=200.0, now=lambda: t[0]) == 2  # min_calls
+    assert bench.settle(call(500.0), Cupy, settle_ms=200.0, min_calls=1, now=lambda: t[0]) == 1
+
+
+def test_host_time_table_sums_the_backwards_floor(tmp_path):
+    """scripts/host_time.py's CSV -> the table, and the sum of the pieces a repeated backward cannot leave out
+    (counted as BACKWARD_FLOOR says); without one of the pieces there is no sum."""
+    steps = {"backward": 30.0, "call_key": 2.0, "pool allocation": 1.0, "array object": 1.5,
+             "cuLaunchKernel, GPU idle": 3.0, "cuLaunchKernel, GPU busy": 9.0}
+    rows = [dict(step=k, what=f"about {k}", us_median=f"{v:.2f}", us_min=f"{v - 0.5:.2f}", samples="15 x 200",
+                 problem="B=1 H=2 N=128 d=128 bf16 causal", git_commit="abc1234") for k, v in steps.items()]
+
+    def table(rows):
+        path = tmp_path / "host_time.csv"
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        return report.host_time_table(path, {"gpu": "GPU X", "command": "python scripts/host_time.py"})
+
+    text = table(rows)
+    assert "| cuLaunchKernel, GPU busy | about cuLaunchKernel, GPU busy | 9.0 | 8.5 |" in text
+    assert "= **14.5 us** of its 30.0 us" in text  # 2 + 2 x 1 + 3 x 1.5 + 2 x 3
+    assert "**" not in table([r for r in rows if r["step"] != "array object"])
+
+
 # ---- the committed results text is generated from results/*.csv (real measurements, not the synthetic rows above)
 
 def test_generated_results_match_the_committed_text():
