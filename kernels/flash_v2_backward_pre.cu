@@ -3,8 +3,9 @@
 //
 //   bwd_preprocess<T>: D_i = rowsum(dO_i * O_i) (Alg.2 L4) and the saved L_i rescaled for the main kernel.
 //   bwd_convert_dq<T>: dQ = scale * dQ_accum, cast to T (the fp32 atomic accumulator -> the output dtype), for
-//   version fp32, and for version tc on long heads; on short heads the tc kernel does this step itself (the last
-//   block of each head, flash_v2_backward_tc.cu; the launcher's fuse_dq_rule picks).
+//   version fp32 (scale: its accumulator holds dS K), and for version tc on long heads (scale 1: its atomics add
+//   scale dS K); on short heads the tc kernel does this step itself (the last block of each head,
+//   flash_v2_backward_tc.cu; the launcher's fuse_dq_rule picks).
 //
 // Used by both versions (fp32 and tc) in stages/03_flash_v2_backward/flash_v2_backward.py.
 //   python stages/03_flash_v2_backward/run.py
@@ -28,7 +29,8 @@ __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
 
 // D / 8 lanes per query row, each with 8 consecutive columns (16-byte loads); a warp takes 256 / D rows, a block of
 // 8 warps 2048 / D. grid = (Nq_pad * D / 2048, B*H), block = 256; D a multiple of 8, at most 256.
-// o, dO: (BH, Nq, D) contiguous; lse: (BH, Nq) natural log.
+// o, dO: (BH, ldq, D), rows 0..Nq-1 of each head read (ldq = Nq for a whole problem; a ring block's rows of its
+// shard: pointers at its first row, ldq the shard's length); lse: (BH, ldq) natural log.
 // Dvec, Lout: (BH, Nq_pad); rows Nq..Nq_pad-1 are padding (D = 0, L = +inf: their P is exp(-inf) = 0).
 // Lout = lse * lse_mult (the launcher passes 1: both backward kernels take L_i in natural units).
 // A fully masked row has lse = -inf; we store +inf so that P = exp(S - L) = 0 there, never NaN.
@@ -38,7 +40,7 @@ __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
 template <typename T>
 __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO, const float* __restrict__ lse,
                                float* __restrict__ Dvec, float* __restrict__ Lout, float* __restrict__ dQacc,
-                               int* __restrict__ done, int Nq, int Nq_pad, int D, float lse_mult, int zero_dq,
+                               int* __restrict__ done, int Nq, int ldq, int Nq_pad, int D, float lse_mult, int zero_dq,
                                int ndone) {
     if (zero_dq) {  // the counters: one per thread of the grid, from the first
         const long first = ((long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
@@ -49,7 +51,7 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
     const long bh = blockIdx.y;
     float acc = 0.f;
     if (row < Nq) {
-        const long at = (bh * Nq + row) * D + c;
+        const long at = (bh * ldq + row) * D + c;
         float a[8], b[8];
         load8(a, o + at);
         load8(b, dO + at);
@@ -65,7 +67,7 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
     if (c == 0 && row < Nq_pad) {
         Dvec[bh * Nq_pad + row] = acc;
         const float inf = __int_as_float(0x7f800000);  // NVRTC has no INFINITY macro
-        float L = row < Nq ? lse[bh * Nq + row] : -inf;
+        float L = row < Nq ? lse[bh * ldq + row] : -inf;
         Lout[bh * Nq_pad + row] = (L == -inf) ? inf : L * lse_mult;
     }
 }

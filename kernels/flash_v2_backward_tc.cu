@@ -154,7 +154,7 @@ __device__ __forceinline__ void red_dq(float* row, const float (*dq)[NQ][4], int
 // columns of a row with one 8-byte red.global.add.v2.f32 (sm_90), straight from the mma's registers.
 template <typename T, int HD, int HDP, int Br, int Bc, int MT, int LDK, int LDS>
 __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float* dQacc, int q_tile0, int Nq,
-                                               int pc, int warp, int lane) {
+                                               float scale, int pc, int warp, int lane) {
     constexpr int NW = Bc / 16;  // warps in the block
     constexpr int RG = Br / (16 * MT), NCOL = HDP / (NW / RG), NQ = NCOL / 8;  // warp -> rows qr0.., columns dc0..
     static_assert(NW % RG == 0 && NQ % 2 == 0, "dQ_i split: the warps must cover Br / (16 MT) row groups evenly");
@@ -187,6 +187,12 @@ __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float*
             }
         }
     }
+#pragma unroll
+    for (int m = 0; m < MT; ++m)  // dQ_i += scale dS_ij K_j: the accumulator holds dQ itself, whoever reads it
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[m][n][e] *= scale;
     const int q = q_tile0 + qr0 + g;  // this lane's first row
     float* row = dQacc + (long)q * HD + dc0 + 2 * t;
     if (q_tile0 + Br <= Nq)  // the same for the whole block
@@ -211,8 +217,9 @@ __device__ __forceinline__ void group_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
-// Q, dO: (BH, Nq, HD); K, V: (BH / group, Nk, HD); dK, dV: (BH, Nk, HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
-// +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed; dQ: (BH, Nq, HD) of TQ, done: one int per
+// Q, dO: (BH, Nq, HD); K, V: (BH / group, Nk, HD); dK, dV: like K, V; L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
+// +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed (it receives scale dS K, so it holds dQ); dQ:
+// (BH, Nq, HD) of TQ, done: one int per
 // row of heads of the grid, zeroed (both unused, may be null, without DQ_ATOMIC; null done: dQacc is left for
 // bwd_convert_dq, the launcher's choice for large problems: fuse_dq_rule). grid = (BH, ceil(Nk / Bc)) or,
 // with j_fast, (ceil(Nk / Bc), BH); 2 * Bc threads.
@@ -225,14 +232,18 @@ __device__ __forceinline__ void group_sync(int id, int n) {
 // x = c tanh(x / c), and dS_ij times 1 - tanh^2) and biased (ALiBi: x -= slope |q + off + a_off - kv|, slopes one
 // float per (batch, head), or null). a_off, q_off, k_off: 0, or where a ring block sits in the whole problem (ALiBi's
 // diagonal moves by a_off; dropout draws from global indices q_off + q, k_off + kv). Grouped-query k, v (VAR): K, V
-// have H / group heads and query head h reads kv head h / group; dK, dV are still written per query head (float), and
-// the launcher sums each group's heads.
+// have H / group heads and query head h reads kv head h / group; the group's query heads add their dK, dV into their
+// kv head's rows (float, red.add).
+// ldq, ldk: rows per head of Q, dO, dQacc and of K, V, dK, dV: Nq and Nk for a whole problem. A ring block (stage 04)
+// is rows a..b-1 of its query shard against keys c..m-1 of a key block: its pointers start at row a and key c, Nq =
+// b - a, Nk = m - c, and ldq, ldk are the shard's and the block's lengths, so nothing is copied, and its dQ, dK, dV
+// are added to the ring's float32 accumulators.
 // DROP (with VAR), dropout (dropout.cuh; an instantiation of its own, so the other variants carry none of its
 // registers): the forward's Z_ij regenerated from the seed; dV_j += (P_ij Z_ij)^T dO_i and dP_ij -> Z_ij dP_ij /
 // (1 - p) (the gradient through P~ = P Z / (1 - p)); D_i = rowsum(dO_i O_i) is unchanged, and dV_j is scaled by
 // rp = 1 / (1 - p) once, at the end.
 // Variable-length packed batches (VAR, cu_q != null): Q, dO, dQacc are (H, total_q, HD), K, V (H / group, total_k,
-// HD), dK, dV (H, total_k, HD), L2g, Dg (H, Nq_pad) with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..
+// HD), dK, dV (H / group, total_k, HD), L2g, Dg (H, Nq_pad) with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..
 // cu_q[s + 1] - 1 (keys: cu_k). The BH axis of the grid runs over (sequence, head), the Tc axis over the K/V tiles
 // of the longest sequence; a block past its sequence's last key returns at once. L_i, D_i of a sequence start at
 // any row, so they are read with plain loads (not 16-byte cp.async), rows past the sequence's end as L = +inf
@@ -244,7 +255,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
     TO* __restrict__ dK, TO* __restrict__ dV, TQ* __restrict__ dQ, int* __restrict__ done,
     const float* __restrict__ slopes, const int* __restrict__ cu_q,
-    const int* __restrict__ cu_k, int Nq, int Nk, int Nq_pad,
+    const int* __restrict__ cu_k, int Nq, int Nk, int ldq, int ldk, int Nq_pad,
     float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, int a_off, int q_off,
     int k_off, unsigned int keep, float rp, unsigned int seed_lo, unsigned int seed_hi) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warps
@@ -282,15 +293,17 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
     const int j = j_fast ? blockIdx.x : blockIdx.y;
     const long bh = j_fast ? blockIdx.y : blockIdx.x;
     const long kvh = VAR ? (bh / H) * (H / group) + (bh % H) / group : bh;  // the kv head query head bh reads
-    long q_row0 = bh * Nq, kv_row0 = kvh * Nk, dkv_row0 = bh * Nk, l_row0 = bh * Nq_pad;  // this head's first rows
+    // this head's first rows: of Q, dO, dQacc (ldq rows a head), K, V (ldk) and L_i, D_i; dK, dV are K, V's shape when
+    // float (summed over a kv group by red.add), the query heads' otherwise (no group then: kvh = bh)
+    long q_row0 = bh * ldq, kv_row0 = kvh * ldk, dkv_row0 = kvh * ldk, l_row0 = bh * Nq_pad;
     long hd = bh;  // the (batch, head) of the ALiBi slope and of dropout's counter
     bool varlen = false;
     if constexpr (VAR) {
         if (cu_q != nullptr) {  // varlen: this block's sequence s and head h
             const int sq = (int)bh / H, h = (int)bh % H;
-            q_row0 = (long)h * Nq + cu_q[sq];
-            kv_row0 = (long)(h / group) * Nk + cu_k[sq];
-            dkv_row0 = (long)h * Nk + cu_k[sq];
+            q_row0 = (long)h * ldq + cu_q[sq];
+            kv_row0 = (long)(h / group) * ldk + cu_k[sq];
+            dkv_row0 = kv_row0;
             l_row0 = (long)h * Nq_pad + cu_q[sq];
             Nq = cu_q[sq + 1] - cu_q[sq];
             Nk = cu_k[sq + 1] - cu_k[sq];
@@ -298,7 +311,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
             varlen = true;
             if (j * Bc >= Nk) {  // past this sequence's last K/V tile (the whole block: before any barrier)
                 if (DQ_ATOMIC && done != nullptr && Nk == 0 && j == 0 && blockIdx.z == 0)  // no keys: dQ = 0
-                    convert_dq<4>(dQacc + q_row0 * HD, dQ + q_row0 * HD, scale, (long)Nq * HD / 4, tid, NT);
+                    convert_dq<4>(dQacc + q_row0 * HD, dQ + q_row0 * HD, 1.f, (long)Nq * HD / 4, tid, NT);
                 return;
             }
         }
@@ -559,19 +572,21 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         }
         if (DQ_ATOMIC && DEFER_DQ && i > i_begin)  // dQ_{i-1}: its atomics drain at the next tile's barrier
             dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSs + (buf ^ 1) * Bc * LDS, Ks, dQacc, (i - 1) * Br,
-                                                                Nq, pc, warp, lane);
+                                                                Nq, scale, pc, warp, lane);
         if (DQ_ATOMIC && !DEFER_DQ) {
             __syncthreads();  // all of dS_ij^T is in shared memory before any warp reads other warps' rows
-            dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, pc, warp, lane);
+            dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSt, Ks, dQacc, i * Br, Nq, scale, pc, warp, lane);
         }
     }
     if (DQ_ATOMIC && DEFER_DQ && i_begin < Tr) {  // dQ of the last Q tile
         __syncthreads();  // every warp has written its rows of the last dS^T
         dq_tile_atomic<T, HD, HDP, Br, Bc, DQ_MT, LDK, LDS>(dSs + ((Tr - 1 - i_begin) & 1) * Bc * LDS, Ks, dQacc,
-                                                            (Tr - 1) * Br, Nq, pc, warp, lane);
+                                                            (Tr - 1) * Br, Nq, scale, pc, warp, lane);
     }
 
-    // Alg.2 L19: write dK_j = scale * (sum dS^T Q), dV_j as T, rows < Nk, this warp's columns
+    // Alg.2 L19: dK_j = scale * (sum dS^T Q), dV_j, rows < Nk, this warp's columns. 16-bit: written. float: ADDED
+    // (red.add) to what dK, dV hold: the query heads of a kv group sum into one kv head, and a ring block (stage 04)
+    // adds into the block's travelling dK, dV (the launcher zeroes them for a plain call).
 #pragma unroll
     for (int mt = 0; mt < MS; ++mt)
 #pragma unroll
@@ -583,13 +598,19 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                     const long idx = (long)kv * HD + pc + DW * wq + n * 8 + 2 * t;
                     const float* v = dv[mt * NDW + n];
                     const float* k = dk[mt * NDW + n];
-                    store2(dV + idx, (DROP ? rp : 1.f) * v[2 * h], (DROP ? rp : 1.f) * v[2 * h + 1]);
-                    store2(dK + idx, scale * k[2 * h], scale * k[2 * h + 1]);
+                    if constexpr (sizeof(TO) == 4) {
+                        red_add_f32x2<0>(reinterpret_cast<float*>(dV + idx), (DROP ? rp : 1.f) * v[2 * h],
+                                         (DROP ? rp : 1.f) * v[2 * h + 1]);
+                        red_add_f32x2<0>(reinterpret_cast<float*>(dK + idx), scale * k[2 * h], scale * k[2 * h + 1]);
+                    } else {
+                        store2(dV + idx, (DROP ? rp : 1.f) * v[2 * h], (DROP ? rp : 1.f) * v[2 * h + 1]);
+                        store2(dK + idx, scale * k[2 * h], scale * k[2 * h + 1]);
+                    }
                 }
             }
         }
 
-    // Alg.2 L21 (dQ = scale * dQ_accum, cast), by the last of this head's blocks to finish: its ceil(Nk / Bc) K/V
+    // Alg.2 L21 (dQ = dQ_accum, cast: the atomics added scale dS K), by the last of this head's blocks to finish: its ceil(Nk / Bc) K/V
     // tiles x DP column parts all add to the head's dQ_accum rows. Each block counts itself done once its atomics
     // are visible to the whole GPU (the fence before the count); the block whose count completes the head reads
     // the finished accumulator from L2 (recently written: mostly hits) and writes dQ. No third launch.
@@ -600,7 +621,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
         if (tid == 0) last = atomicAdd(done + bh, 1) == (Nk + Bc - 1) / Bc * (int)gridDim.z - 1;
         if (__syncthreads_or(last)) {
             __threadfence();  // the other blocks' atomics, made visible by their fences, before the reads
-            convert_dq<16>(dQacc, dQ, scale, (long)Nq * HD / 4, tid, NT);  // 16 loads in flight
+            convert_dq<16>(dQacc, dQ, 1.f, (long)Nq * HD / 4, tid, NT);  // 16 loads in flight
         }
     }
 }

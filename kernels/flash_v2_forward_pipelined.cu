@@ -57,11 +57,16 @@
 // cu_k). grid.y runs over (sequence, head), grid.x over the Q tiles of the longest sequence; a block past its own
 // sequence's end returns at once. Inside a block everything is that one sequence's attention (its own Nq, Nk and
 // bottom-right alignment; ALiBi and dropout take head h alone, each sequence being batch entry 0 of its own).
+// ldq, ldk: rows per head of q, o, lse and of k, v: Nq and Nk for a whole problem. A ring block (stage 04) is rows
+// a..b-1 of its query shard against keys c..m-1 of a key block: its pointers start at row a and key c, Nq = b - a,
+// Nk = m - c, and ldq, ldk are the shard's and the block's lengths, so no row is copied. Such a block has float O
+// (16-bit O is always a whole problem: ldq, ldk unused), and it merges into the running (O, L) it is given (below).
 template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, int VAR>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes,
-                           const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Nq, int Nk, float scale_log2, int causal, int HG, int H, int group, int left, int right,
+                           const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Nq, int Nk, int ldq, int ldk,
+                           float scale_log2, int causal, int HG, int H, int group, int left, int right,
                            float scale, float softcap, int a_off, int q_off, int k_off, unsigned int keep, float rp,
                            unsigned int seed_lo, unsigned int seed_hi) {
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
@@ -95,13 +100,14 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     // This head's K and V (pointers the loop needs); q, o, lse are offset where they are used, so no register
     // holds them across the loop.
     const int bkv = (int)bh / H * (H / group) + (int)bh % H / group;  // the kv head of query head bh (GQA)
-    long q_row0 = bh * Nq, kv_row0 = (long)bkv * Nk;  // this head's first row of q, o, lse and of k, v
+    if constexpr (sizeof(TO) == sizeof(T)) ldq = Nq, ldk = Nk;  // 16-bit O: always a whole problem
+    long q_row0 = bh * ldq, kv_row0 = (long)bkv * ldk;  // this head's first row of q, o, lse and of k, v
     long hd = bh;  // the (batch, head) of the ALiBi slope and of dropout's counter
     if constexpr (VAR) {
         if (cu_q != nullptr) {  // varlen: this block's sequence s and head h
             const int sq = (int)bh / H, h = (int)bh % H;
-            q_row0 = (long)h * Nq + cu_q[sq];
-            kv_row0 = (long)(h / group) * Nk + cu_k[sq];
+            q_row0 = (long)h * ldq + cu_q[sq];
+            kv_row0 = (long)(h / group) * ldk + cu_k[sq];
             Nq = cu_q[sq + 1] - cu_q[sq];
             Nk = cu_k[sq + 1] - cu_k[sq];
             hd = h;
@@ -331,8 +337,11 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     __syncthreads();     // ... every thread's copy is done before this warp's Q rows are reused for O below
 
     // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
-    // 16-bit O: staged through this warp's own rows of Qs, then 16-byte coalesced stores. float O (a block's
-    // partial result for the ring's merge) is twice as wide as the staging rows: stored from the fragments.
+    // 16-bit O: staged through this warp's own rows of Qs, then 16-byte coalesced stores.
+    // float O: a ring block (stage 04). (o, lse) hold the running (O, L) of these rows over the blocks merged so far
+    // (L = -inf: none yet), and this block's (O_i, L_i) is merged into them as ring.merge does:
+    //     L = log(e^L + e^L_i),   O = e^(L - L_new) O + e^(L_i - L_new) O_i
+    // so the ring keeps no partial result per block and makes no pass of its own over O.
     constexpr bool STAGE_O = sizeof(TO) == sizeof(T);
     T* Ow = Qs + wrow * LD;
 #pragma unroll
@@ -343,9 +352,14 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
             // fully masked row: O = 0; dropout: the kept probabilities' 1 / (1 - p), once (rp = 1 without dropout)
             const float inv_l = inverse_row_sum(l_i[m][h], l) * (VAR == 2 ? rp : 1.f);
             const int rl = m * 16 + g + 8 * h;            // row inside the warp's rows
+            float L_run = -INF;  // float O: this row's running L, read by lane t = 0 and passed to its quad, so every
+            if constexpr (!STAGE_O) {  // lane has it before lane t = 0 overwrites it below
+                if (t == 0 && row0 + wrow + rl < Nq) L_run = lse[q_row0 + row0 + wrow + rl];
+                L_run = __shfl_sync(0xffffffffu, L_run, lane & ~3);
+            }
             // Alg.1 L13, natural log: m_i is in base 2. The product in fp64: with huge logits m_i is ~1e4 and an
             // fp32 product would add its own rounding (~1e-3) to the lse.
-            if (t == 0 && row0 + wrow + rl < Nq)
+            if (STAGE_O && t == 0 && row0 + wrow + rl < Nq)
                 lse[q_row0 + row0 + wrow + rl] =
                     l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
             if constexpr (STAGE_O) {
@@ -353,10 +367,26 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 for (int d = 0; d < D / 8; ++d)
                     store2(Ow + rl * LD + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
             } else if (row0 + wrow + rl < Nq) {
+                const float L_i = l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+                float w_run = 0.f, w_new = inv_l, L = L_i;  // the first block these rows see: O = O_i, L = L_i
+                if (L_run > -INF) {  // merge (the max is finite, so both weights are in [0, 1])
+                    const float mx = fmaxf(L_run, L_i);
+                    const float e_run = expf(L_run - mx), e_new = expf(L_i - mx);  // e_new = 0 if L_i = -inf
+                    L = mx + logf(e_run + e_new);
+                    w_run = e_run / (e_run + e_new);
+                    w_new = inv_l * (e_new / (e_run + e_new));
+                }
+                if (t == 0) lse[q_row0 + row0 + wrow + rl] = L;
+                float* orow = o + (q_row0 + row0 + wrow + rl) * D + 2 * t;
 #pragma unroll
-                for (int d = 0; d < D / 8; ++d)
-                    store2(o + (q_row0 + row0 + wrow + rl) * D + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l,
-                           acc_o[m][d][2 * h + 1] * inv_l);
+                for (int d = 0; d < D / 8; ++d) {
+                    float lo = acc_o[m][d][2 * h] * w_new, hi = acc_o[m][d][2 * h + 1] * w_new;
+                    if (w_run != 0.f) {  // (never reads O where nothing was merged yet: it may be uninitialised)
+                        const float2 prev = *reinterpret_cast<const float2*>(orow + d * 8);
+                        lo += prev.x * w_run, hi += prev.y * w_run;
+                    }
+                    store2(orow + d * 8, lo, hi);
+                }
             }
         }
     if constexpr (!STAGE_O) return;

@@ -163,11 +163,13 @@ def _var_level(opts, causal, varlen):
     return 1 if window or varlen is not None else 0
 
 
-def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None, varlen=None):
+def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None, varlen=None, ld=None):
     """The launch of one problem on dev: the device check, the configuration, the compiled instantiation, its grid
     and scalar arguments (made once per problem by forward, through kernels.planned). opts: the variants
     (variants.Options without its ALiBi slopes, which come with each call), None for plain attention. varlen: (number
-    of sequences, longest query sequence) of a packed batch (B = 1, Nq and Nk the totals), or None."""
+    of sequences, longest query sequence) of a packed batch (B = 1, Nq and Nk the totals), or None. ld: (ldq, ldk),
+    the rows per head of q and of k when the call is a block of larger arrays (version pipelined: merge_into), or
+    None: (Nq, Nk)."""
     if dtype not in _CTYPE:
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
@@ -196,8 +198,10 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     ordered = causal and left < 0 and varlen is None
     smem = smem_bytes(version, D, cfg)
     fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, smem)
+    ldq, ldk = ld or (Nq, Nk)
     return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem,
-                          (np.int32(Nq), np.int32(Nk), np.float32(LOG2E if var == 2 else scale * LOG2E),
+                          (np.int32(Nq), np.int32(Nk), np.int32(ldq), np.int32(ldk),
+                           np.float32(LOG2E if var == 2 else scale * LOG2E),
                            np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
                            np.int32(right), np.float32(scale), np.float32(cap))
                           + variants.origin_scalars(opts, Nq, Nk) + variants.dropout_scalars(opts))
@@ -228,15 +232,44 @@ def call(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, va
     if version == "tc":
         return kernels.Call(launch, odtype)
     cu = (NULL, NULL) if varlen is None else varlen[:2]
+    merges = odtype == np.float32  # float o: the kernel merges into (o, lse), which run_forward starts empty
     if slopes is None:
-        return kernels.Call(launch, odtype, (NULL, *cu))
+        return kernels.Call(launch, odtype, (NULL, *cu), merges=merges)
     slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
-    return kernels.Call(launch, odtype, (slopes, *cu))
+    return kernels.Call(launch, odtype, (slopes, *cu), merges=merges)
 
 
 def forward(q, k, v, **kw):
     """o, lse: call(q, k, v, **kw), run once."""
     return call(q, k, v, **kw)(q, k, v)
+
+
+def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, opts=None):
+    """One block of ring attention (stage 04), merged in place: rows a:b of q (B, H, Lq, D) against keys c:m of k, v
+    (B, Hkv, Lk, D), and the result merged by version pipelined's epilogue into the running O, L of those rows
+    (o_run (B, H, Lq, D) float32, lse_run (B, H, Lq) float32; L = -inf where nothing was merged yet). No row is
+    copied: the kernel starts at row a and key c and steps over whole heads by Lq and Lk rows. CuPy arrays, checked
+    by the caller (the ring's prologue); opts: variants.Options (its window, softcap, ALiBi, dropout, origin) or
+    None."""
+    import cupy
+
+    (a, b), (c, m) = rows, keys
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    dev = device.device()
+    slopes = None if opts is None else opts.alibi_slopes
+    key_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
+    launch = kernels.planned(
+        _PLANS, ("merge_into", q.dtype, B, H, Hkv, b - a, m - c, Lq, Lk, D, bool(causal), scale, key_opts, dev),
+        lambda: _plan("pipelined", q.dtype, np.dtype(np.float32), B, H, Hkv, b - a, m - c, D, bool(causal), scale,
+                      dev, key_opts, ld=(Lq, Lk)))
+    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
+        launch = launch.with_scalars(launch.scalars[:-2] + variants.seed_scalars(opts.seed))
+    if slopes is not None:
+        slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
+    at_q, at_k = a * D * q.itemsize, c * D * k.itemsize  # byte offsets of row a, key c in every head
+    launch(q.data.ptr + at_q, k.data.ptr + at_k, v.data.ptr + at_k, o_run.data.ptr + 4 * a * D,
+           lse_run.data.ptr + 4 * a, NULL if slopes is None else slopes, NULL, NULL)
 
 
 NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)

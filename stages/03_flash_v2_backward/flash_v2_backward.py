@@ -347,10 +347,12 @@ _PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
 
 
 def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev, opts=None,
-          varlen=None):
+          varlen=None, ld=None):
     """The device check, tiles, compiled kernels, grids and scalar arguments of one problem on dev (made once per
     problem, through kernels.planned). opts: the variants (variants.Options, slopes given per call) or None.
-    varlen: (number of sequences, longest key sequence) of a packed batch (B = 1, Nq and Nk the totals), or None."""
+    varlen: (number of sequences, longest key sequence) of a packed batch (B = 1, Nq and Nk the totals), or None.
+    ld: (ldq, ldk) for a ring block of larger arrays (accumulate_into: version tc, float32 gradients added to the
+    ring's accumulators, no dQ accumulator or conversion of its own), or None: a whole problem."""
     BH = B * H
     ctype = _CTYPE[dtype]
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
@@ -384,6 +386,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     # whether the tc kernel converts dQ itself (a packed batch: by its total rows, a bound on its longest sequence)
     fuse = tc_config.get("fuse_dq")
     fuse = version == "tc" and not deterministic and (fuse_dq_rule(Nq, D) if fuse is None else bool(fuse))
+    fuse = fuse and ld is None  # a ring block leaves dQ in the ring's accumulator
+    ldq, ldk = ld or (Nq, Nk)
     args = (i32(Nq), i32(Nk), i32(Nq_pad), f32(scale), i32(causal))
     if version == "fp32":
         main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
@@ -404,7 +408,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         # and cu_q, cu_k. The variants' kernel gets those per call (_var_tail).
         fixed = () if var else (NULL, NULL, NULL)
         main = kernels.Launch(fn, (Tc, blocks, parts) if j_fast else (blocks, Tc, parts), (2 * bc,), smem_main,
-                              fixed + args + (i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0),
+                              fixed + (i32(Nq), i32(Nk), i32(ldq), i32(ldk), i32(Nq_pad), f32(scale), i32(causal),
+                                       i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0),
                                               i32(H), i32(group)) + variants.origin_scalars(opts, Nq, Nk)
                               + variants.dropout_scalars(opts))
     done = 0  # the tc kernel's counters, one per row of heads of its grid: the last block of a head converts dQ
@@ -412,22 +417,25 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         fn = kernels.function(mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
         last = kernels.Launch(fn, grid, block, smem_dq, args)
-    elif not fuse:  # dQ = scale * dQ_accum, cast to the output dtype (fp32, and tc on long heads)
+    elif ld is not None:  # a ring block: dQ stays in the ring's accumulator
+        last = None
+    elif not fuse:  # dQ = dQ_accum cast to the output dtype (fp32: scale dQ_accum), tc on long heads and fp32
         n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
         last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
-                              (min(-(-n // 1024), 65535),), (256,), 0, (f32(scale), np.int64(n)))
+                              (min(-(-n // 1024), 65535),), (256,), 0,
+                              (f32(scale if version == "fp32" else 1.0), np.int64(n)))
     else:
         last, done = None, blocks
     # the preprocess also zeroes the fp32 dQ accumulator the atomics add to, and the counters (deterministic mode
     # has neither)
+    own_acc = not deterministic and ld is None  # a dQ accumulator of its own, zeroed by the preprocess
     pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad * D // 2048, BH), (256,), 0,
-                         (i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(not deterministic), i32(done)))
+                         (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(own_acc), i32(done)))
     # plain attention: dq, dk, dv from one allocation (one trip to the memory pool; a training step uses all three
     # together). The variants' dK, dV are float until summed and cast: separate, so they are freed after.
-    outs = None if var else verify.out_layout([((B, H, Nq, D), odtype), ((B, H, Nk, D), odtype),
-                                               ((B, H, Nk, D), odtype)])
-    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if not deterministic else 1, done, outs,
-                 version == "tc")
+    outs = None if var or ld is not None else verify.out_layout([((B, H, Nq, D), odtype), ((B, H, Nk, D), odtype),
+                                                                   ((B, H, Nk, D), odtype)])
+    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if own_acc else 1, done, outs, version == "tc")
 
 
 class _Call(NamedTuple):
@@ -499,10 +507,12 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     _mark(profile, "preprocess+zero")
     if plan.outs is not None:
         dq, dk, dv = verify.empties(*plan.outs)
-    else:  # the variants' dK, dV per query head (a grouped-query problem sums them over each group below), float
+        if plan.tc and odtype == _F32:  # version tc adds float dK, dV into what they hold
+            dk.fill(0)
+            dv.fill(0)
+    else:  # the variants' dK, dV: float, k's shape; each kv group's query heads add into them (then cast below)
         B, H, Nq, D = q.shape
-        gshape = (B, H, k.shape[2], D)
-        dq, dk, dv = empty(cupy, (B, H, Nq, D), odtype), empty(cupy, gshape, _F32), empty(cupy, gshape, _F32)
+        dq, dk, dv = empty(cupy, (B, H, Nq, D), odtype), cupy.zeros(k.shape, _F32), cupy.zeros(k.shape, _F32)
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
@@ -518,11 +528,48 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
             plan.last(dq_acc, dq)
     _mark(profile, "main+dq" if plan.last is None else "dq pass" if deterministic else "convert")
     if opts is not None:
-        if opts.group > 1:
-            B, _, _, D = q.shape
-            dk, dv = (x.reshape(B, k.shape[1], opts.group, k.shape[2], D).sum(axis=2) for x in (dk, dv))
         dk, dv = (x.astype(odtype) if odtype != bfloat16 else cast(x, odtype) for x in (dk, dv))
     return dq, dk, dv
+
+
+def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, causal, scale, opts=None):
+    """One block of the ring backward (stage 04), added in place: the gradients of rows a:b of q, o, lse, do
+    (B, H, Lq, ...) against keys c:m of k, v (B, Hkv, Lk, D), added by version tc into the ring's float32
+    accumulators: dQ into rows a:b of dq_run (B, H, Lq, D) (atomically, as every K/V tile adds to dQ_i), dK, dV into
+    keys c:m of dk_run, dv_run (B, Hkv, Lk, D) (red.add in the epilogue). No row is copied: the kernels start at row a
+    and key c and step over whole heads by Lq and Lk rows. Two launches: the preprocess (D_i, L_i of rows a:b, in a
+    scratch buffer) and the main kernel. CuPy arrays, checked by the caller (the ring's prologue); opts:
+    variants.Options or None."""
+    import cupy
+
+    (a, b), (c, m) = rows, keys
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    dev = device.device()
+    var = opts is not None
+    key_opts = None if not var else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
+    plan = kernels.planned(
+        _PLANS, ("accumulate_into", q.dtype, B, H, b - a, m - c, Lq, Lk, D, bool(causal), scale, dev, key_opts),
+        lambda: _plan("tc", q.dtype, _F32, B, H, b - a, m - c, D, bool(causal), scale, False, {}, dev, key_opts,
+                      ld=(Lq, Lk)))
+    scratch = cupy.cuda.alloc(4 * 2 * plan.rows)  # D_i and L_i of rows a:b, (B H, Nq_pad) each
+    Dvec, Lvec = scratch.ptr, scratch.ptr + 4 * plan.rows
+    at_q, at_k = a * D * q.itemsize, c * D * k.itemsize  # byte offsets of row a, key c in every head
+    q_a, o_a, do_a = (x.data.ptr + at_q for x in (q, o, do))
+    plan.pre(o_a, do_a, lse.data.ptr + 4 * a, Dvec, Lvec, NULL, NULL)
+    main = plan.main
+    tail = ()
+    if var:
+        if opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
+            main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
+        slopes = None
+        if opts.alibi_slopes is not None:
+            slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
+                                                              (B, H)))
+        tail = _var_tail(slopes)
+    kv = 4 * c * D  # byte offset of key c in every head of the float32 accumulators
+    main(q_a, k.data.ptr + at_k, v.data.ptr + at_k, do_a, Lvec, Dvec, dq_run.data.ptr + 4 * a * D,
+         dk_run.data.ptr + kv, dv_run.data.ptr + kv, NULL, NULL, *tail)
 
 
 _F32 = np.dtype(np.float32)

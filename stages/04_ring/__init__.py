@@ -7,15 +7,15 @@ In one process (P simulated ranks as threads, the stage's one-API entry points):
     dq, dk, dv = backward(q, k, v, o, lse, do, causal=True, ranks=4, layout="zigzag")
 """
 from .comm import BACKENDS, simulate
-from .layout import LAYOUTS, BlockCall, plan, positions, shard, shard_len, steps, unshard
+from .layout import LAYOUTS, BlockCall, halves, plan, positions, shard, shard_len, steps, unshard
 from .ring import (
-    BLOCKS, RingMismatch, backward, check_same_everywhere, flash_version, forward, merge, ring_backward, ring_forward,
-    schedule,
+    BLOCKS, RingMismatch, backward, check_same_everywhere, flash_version, forward, memory_per_token, merge,
+    ring_backward, ring_forward, schedule,
 )
 
 
 __all__ = [
     "forward", "backward", "ring_forward", "ring_backward", "merge", "plan", "positions",
     "shard", "shard_len", "unshard", "flash_version", "simulate", "check_same_everywhere", "BLOCKS", "LAYOUTS",
-    "RingMismatch", "BACKENDS", "BlockCall", "steps", "schedule",
+    "RingMismatch", "BACKENDS", "BlockCall", "steps", "schedule", "halves", "memory_per_token",
 ]

@@ -1,18 +1,25 @@
 """Stage 04: how blocks move around the ring. One small interface, four backends.
 
     ring.rank, ring.size             this process's place in the ring
-    h = ring.start(sends, recvs, tag=0)  send each array to rank+1, receive each buffer from rank-1 (non-blocking);
-                                     transfers of one tag arrive in the order they were started
-    ring.wait(h)                     the receives have landed (GPU backends: the compute stream waits)
+    h = ring.rotate(buf, shift=1)    IN PLACE: this rank's bytes of buf go to rank + shift, and rank - shift's bytes
+                                     replace them (non-blocking where the backend can: a GPU stream); rotations
+                                     arrive in the order they were started
+    ring.wait(h)                     the rotation has landed in buf (GPU backends: the compute stream waits)
     ring.allgather(obj)              every rank's obj, as a list (the agreement checks)
+    ring.allreduce_sum(arrays)       the arrays summed over the ranks, the same bits on every rank (stage 05's
+                                     parameter gradients)
 
-    nccl     one GPU per rank: cupy.cuda.nccl send/recv, grouped, on a stream of its own. The compute
-             stream records an event before each transfer (its buffers are ready) and waits on the
-             transfer's event before using what arrived, so the next block is in flight while the
-             current one is computed, and the host never blocks.
-    mpi      CuPy arrays staged through host memory with mpi4py Isend/Irecv: works with more ranks than
-             GPUs (4 ranks on 1 GPU), slower (device -> host -> MPI -> host -> device).
-    numpy    numpy arrays on the CPU with mpi4py Isend/Irecv: any laptop, no GPU.
+A rotation works in place so that a block in flight costs no second copy of itself: the ring's memory per GPU is its
+shards, its accumulators and one travelling block, not two. Where the network cannot send and receive the same bytes
+at once (NCCL), the block is rotated a chunk at a time through a small staging buffer: send chunk c to rank + shift
+while rank - shift's chunk c lands in the staging buffer, then copy it over chunk c.
+
+    nccl     one GPU per rank: cupy.cuda.nccl send/recv, grouped, on a stream of its own. The compute stream
+             records an event before each rotation (the bytes are ready) and waits on the rotation's event before
+             using what arrived, so a half block travels while the other half is computed, and the host never blocks.
+    mpi      CuPy arrays staged through host memory with MPI_Sendrecv_replace: works with more ranks than GPUs
+             (4 ranks on 1 GPU), slower (device -> host -> MPI -> host -> device, and no overlap).
+    numpy    numpy arrays on the CPU with MPI_Sendrecv_replace: any laptop, no GPU.
     threads  P ranks as threads of ONE process (no MPI): the in-process simulation used by the notebook,
              the tests and `stages.ring.forward/backward`.
 
@@ -185,54 +192,86 @@ def abort(exc, comm=None, trace=""):
     comm.Abort(1)
 
 
+def fixed_order_sum(every):
+    """The sum of P ranks' arrays, added in rank order 0, 1, ..., P-1: every rank that adds the same arrays in the same
+    order gets the same bits (an MPI Allreduce may round differently on different ranks)."""
+    total = every[0].copy()
+    for x in every[1:]:
+        total += x
+    return total
+
+
+def _pack(arrays):
+    """One flat buffer of the arrays (all of one dtype, one array module): (flat, unpack), unpack(flat) -> list."""
+    xp = np if isinstance(arrays[0], np.ndarray) else __import__("cupy")
+    flat = xp.concatenate([a.reshape(-1) for a in arrays])  # (n,)
+
+    def unpack(buf):
+        out, at = [], 0
+        for a in arrays:
+            out.append(buf[at:at + a.size].reshape(a.shape))
+            at += a.size
+        return out
+
+    return flat, unpack
+
+
+MAX_MPI_BYTES = 1 << 30  # MPI counts are C ints: a rotation of more bytes goes in pieces
+
+
 class NumpyRing:
-    """numpy arrays, mpi4py non-blocking point-to-point."""
+    """numpy arrays on the CPU; MPI_Sendrecv_replace rotates a buffer in place (MPI keeps its own staging)."""
 
     def __init__(self, comm):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
 
-    def start(self, sends, recvs, tag=0, shift=1):
-        """Post sends to rank + shift and receives from rank - shift (shift 1: the ring's neighbours)."""
-        reqs = []
+    def _sendrecv_replace(self, host, shift):
         src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
-        for i, (s, r) in enumerate(zip(sends, recvs)):
-            reqs.append(self.comm.Irecv(_bytes(r), source=src, tag=8 * tag + i))
-            reqs.append(self.comm.Isend(_bytes(s), dest=dst, tag=8 * tag + i))
-        return reqs
+        for at in range(0, host.size, MAX_MPI_BYTES):
+            self.comm.Sendrecv_replace(host[at:at + MAX_MPI_BYTES], dest=dst, sendtag=7, source=src, recvtag=7)
 
-    def wait(self, reqs):
-        from mpi4py import MPI
+    def rotate(self, buf, shift=1):
+        """buf (1-D uint8, contiguous): rank + shift gets our bytes, we get rank - shift's. Done on return."""
+        self._sendrecv_replace(buf, shift)
 
-        MPI.Request.Waitall(reqs)
+    def wait(self, handle):
+        """Nothing left to wait for: rotate() returned after the exchange."""
 
     def allgather(self, obj):
         return self.comm.allgather(obj)
 
+    def allreduce_sum(self, arrays):
+        """The arrays summed over the ranks: gathered to every rank (a typed Allgather of one flat host buffer) and
+        added in rank order, so every rank gets the same bits."""
+        if self.size == 1:
+            return list(arrays)
+        from stages.common import to_numpy
+
+        xp = np if isinstance(arrays[0], np.ndarray) else __import__("cupy")
+        flat = np.ascontiguousarray(to_numpy(_pack(arrays)[0]))  # (n,) on the host
+        every = np.empty((self.size, flat.size), flat.dtype)
+        self.comm.Allgather(flat, every)
+        return _pack(arrays)[1](xp.asarray(fixed_order_sum(list(every))))
+
 
 class MpiRing(NumpyRing):
-    """CuPy arrays staged through the host: device -> host, MPI, host -> device.
+    """CuPy arrays staged through the host: device -> host, MPI_Sendrecv_replace, host -> device.
 
-    start() copies the sends to the host (this waits for the compute queued before it) and posts the
-    MPI calls; the next block's kernels are then queued on the GPU, and wait() blocks the host in MPI
-    while they run, then queues the host -> device copies behind them. More ranks than GPUs work.
+    rotate() copies the bytes to the host (this waits for the compute queued before it), exchanges them and copies
+    the neighbour's back: no overlap with the GPU's work, but more ranks than GPUs work.
     """
 
-    def start(self, sends, recvs, tag=0, shift=1):
-        host_sends = [_bytes(s).get() for s in sends]  # (nbytes,) uint8 on the host
-        host_recvs = [np.empty(r.nbytes, np.uint8) for r in recvs]
-        return super().start(host_sends, host_recvs, tag, shift), host_sends, host_recvs, recvs
-
-    def wait(self, handle):
-        from mpi4py import MPI
-
-        reqs, _, host_recvs, recvs = handle
-        MPI.Request.Waitall(reqs)  # the host arrays stay referenced by handle until here
-        for hr, r in zip(host_recvs, recvs):
-            _bytes(r).set(hr)  # host -> device on the compute stream
+    def rotate(self, buf, shift=1):
+        host = buf.get()  # (nbytes,) uint8 on the host, after the kernels that wrote buf
+        self._sendrecv_replace(host, shift)
+        buf.set(host)  # host -> device on the compute stream
 
 
 class NcclRing:
     """One GPU per rank: NCCL send/recv grouped on a dedicated stream, ordered by events."""
+
+    MIN_CHUNK = 8 << 20  # bytes: smaller pieces would cost more in launches than they save in staging memory
+    CHUNKS = 8  # a rotation in this many pieces: the staging buffer is 1/8 of the bytes in flight
 
     def __init__(self, comm):
         import cupy
@@ -245,21 +284,29 @@ class NcclRing:
         self.nc = nccl.NcclCommunicator(self.size, uid, self.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)  # transfers overlap the compute stream's kernels
 
-    def start(self, sends, recvs, tag=0, shift=1):  # one stream: every transfer arrives in the order started
+    def rotate(self, buf, shift=1):
+        """Post the in-place rotation of buf (1-D uint8) on the transfer stream, after the compute stream's work so
+        far; returns (event, buf, staging) for wait(). One stream: rotations run in the order they were posted."""
         import cupy
 
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(cupy.cuda.get_current_stream())  # the sends are written and the recv buffers free...
-        self.stream.wait_event(ready)  # ...in compute-stream order, before the transfer may start
+        ready.record(cupy.cuda.get_current_stream())  # buf is written (and read) by every kernel queued so far...
+        self.stream.wait_event(ready)  # ...in compute-stream order, before its bytes may leave
+        n = buf.nbytes
+        chunk = min(n, max(self.MIN_CHUNK, -(-n // self.CHUNKS)))
+        stage = cupy.empty(chunk, np.uint8)
         src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
-        self.nccl.groupStart()  # one group: every rank's send to r+shift pairs with r+shift's recv from r
-        for s, r in zip(sends, recvs):
-            self.nc.send(s.data.ptr, s.nbytes, self.nccl.NCCL_INT8, dst, self.stream.ptr)
-            self.nc.recv(r.data.ptr, r.nbytes, self.nccl.NCCL_INT8, src, self.stream.ptr)
-        self.nccl.groupEnd()
+        for at in range(0, n, chunk):
+            size = min(chunk, n - at)
+            self.nccl.groupStart()  # one group: our send to dst pairs with dst's receive from us
+            self.nc.send(buf.data.ptr + at, size, self.nccl.NCCL_INT8, dst, self.stream.ptr)
+            self.nc.recv(stage.data.ptr, size, self.nccl.NCCL_INT8, src, self.stream.ptr)
+            self.nccl.groupEnd()
+            cupy.cuda.runtime.memcpyAsync(buf.data.ptr + at, stage.data.ptr, size,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)  # chunk sent: refill
         done = cupy.cuda.Event(disable_timing=True)
         done.record(self.stream)
-        return done, sends, recvs  # keep the buffers referenced until the transfer is waited on
+        return done, buf, stage  # keep the buffers referenced until the rotation is waited on
 
     def wait(self, handle):
         import cupy
@@ -268,6 +315,22 @@ class NcclRing:
 
     def allgather(self, obj):
         return self.comm.allgather(obj)
+
+    def allreduce_sum(self, arrays):
+        """The arrays (CuPy, one dtype) summed over the ranks on the GPUs: one NCCL all-reduce of one flat buffer,
+        on the compute stream. NCCL gives every rank the same result bits (each reduced piece is computed once and
+        then copied to every rank)."""
+        import cupy
+
+        if self.size == 1:
+            return list(arrays)
+        flat, unpack = _pack(arrays)
+        kind = {np.dtype(np.float32): self.nccl.NCCL_FLOAT32, np.dtype(np.float64): self.nccl.NCCL_FLOAT64}
+        if flat.dtype not in kind:
+            raise TypeError(f"allreduce_sum: NCCL sums float32 or float64 here, got {flat.dtype}")
+        self.nc.allReduce(flat.data.ptr, flat.data.ptr, flat.size, kind[flat.dtype], self.nccl.NCCL_SUM,
+                          cupy.cuda.get_current_stream().ptr)
+        return unpack(flat)
 
 
 RINGS = {"nccl": NcclRing, "mpi": MpiRing, "numpy": NumpyRing}  # backend -> communicator class
@@ -290,19 +353,18 @@ class ThreadRing:
             except queue.Empty:
                 pass
 
-    def _box(self, rank, tag, sender):
-        with self.shared["cond"]:  # one FIFO per (receiver, tag, sender), as MPI matches source and tag
-            return self.shared["boxes"].setdefault((rank, tag, sender), queue.Queue())
+    def _box(self, rank, sender):
+        with self.shared["cond"]:  # one FIFO per (receiver, sender), as MPI matches source and tag
+            return self.shared["boxes"].setdefault((rank, sender), queue.Queue())
 
-    def start(self, sends, recvs, tag=0, shift=1):
-        dst = (self.rank + shift) % self.size
-        self._box(dst, tag, self.rank).put([s.copy() for s in sends])  # "send": a copy into rank+shift's mailbox
-        return recvs, tag, (self.rank - shift) % self.size
+    def rotate(self, buf, shift=1):
+        """Post a copy of buf to rank + shift's mailbox; wait() copies rank - shift's into buf."""
+        self._box((self.rank + shift) % self.size, self.rank).put(buf.copy())
+        return buf, (self.rank - shift) % self.size
 
     def wait(self, handle):
-        recvs, tag, src = handle
-        for r, got in zip(recvs, self._get(self._box(self.rank, tag, src))):
-            r[...] = got
+        buf, src = handle
+        buf[...] = self._get(self._box(self.rank, src))
 
     def allgather(self, obj):
         sh, gen = self.shared, self.calls
@@ -316,6 +378,17 @@ class ThreadRing:
                     raise RuntimeError("another simulated rank failed")
                 sh["cond"].wait(0.05)
         return [x[0] for x in slot]
+
+    def allreduce_sum(self, arrays):
+        """Every rank's arrays (host copies), added in rank order: the same bits on every rank."""
+        if self.size == 1:
+            return list(arrays)
+        from stages.common import to_numpy
+
+        xp = np if isinstance(arrays[0], np.ndarray) else __import__("cupy")
+        flat, unpack = _pack(arrays)
+        every = self.allgather(to_numpy(flat))
+        return unpack(xp.asarray(fixed_order_sum(every)))
 
 
 def simulate(fn, P):

@@ -11,6 +11,7 @@ Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; a 
     unshard(shards, n, layout)    the global array back from the P shards
     plan(qpos, kpos, nq, nk, causal, window, runs)  the kernel calls that cover exactly the visible (query, key) pairs
     steps(P, nq, nk, layout, causal, window)  the ring steps at which some rank has work (a window skips the rest)
+    halves(L, P, layout)          the two halves a key block travels in (rows of the shard)
 """
 import functools
 from typing import NamedTuple
@@ -71,6 +72,26 @@ def unshard(shards, n, layout):
     pos = np.concatenate([positions(r, P, n, layout) for r in range(P)])
     order = np.argsort(pos)[:n]  # local row -> global position, padding (pos >= n) sorts last
     return full[:, :, xp.asarray(order)]
+
+
+def halves(L, P, layout):
+    """The rows of a key block (L rows, local order) in the two halves it travels in: [rows of half 0, rows of half 1].
+
+    The ring computes with one half of a block while the other half travels (ring.py), so each half should carry
+    about half of every step's work. The shard is one chunk (contiguous) or two (zigzag), and half 0 takes the first
+    part of each chunk, half 1 the rest: whichever rows of the block a step's queries see (a prefix, under a causal
+    mask; all; one chunk), both halves hold some of them. The cut inside a chunk is rounded up to a multiple of 16
+    rows, so a half starts on the kernels' 16-row dropout grid whenever its chunk does. One rank: one half, the whole
+    block (nothing travels)."""
+    if P == 1:
+        return [np.arange(L)]
+    chunks = [(0, L)] if layout == "contiguous" else [(0, L // 2), (L // 2, L)]
+    first, second = [], []
+    for a, b in chunks:
+        cut = a + min(b - a, -(-(-(-(b - a) // 2)) // 16) * 16)  # ceil(length / 2), rounded up to 16
+        first.append(np.arange(a, cut))
+        second.append(np.arange(cut, b))
+    return [np.concatenate(first), np.concatenate(second)]
 
 
 # ----------------------------------------------------------------------------- which keys each query sees

@@ -8,26 +8,40 @@ j = (r - s) mod P, computes that block's partial attention with a single-device 
 Forward (per rank, P steps):
     O_r, L_r = 0, -inf
     for s in 0..P-1:                           j = (r - s) mod P
-        send K_j, V_j to r+1, receive the next block from r-1   (in flight while we compute)
         O_rj, L_rj = attention(Q_r, K_j, V_j)                  the block's own softmax
         O_r, L_r = merge(O_r, L_r, O_rj, L_rj)                 log-sum-exp merge, fp32
+        pass K_j, V_j to r+1                                   (in flight while we compute the next block)
 Backward: with the final O_r and the global L_r, P_rj = exp(S_rj - L_r) is already the exact
 softmax restricted to block j, so each block's backward gives exact partial dQ_r, dK_j, dV_j.
-dQ_r stays home; dK_j, dV_j are accumulators that travel WITH K_j, V_j (one step behind) and
-arrive back at rank j after P steps.
+dQ_r stays home; dK_j, dV_j are float32 accumulators that travel WITH K_j, V_j and arrive back
+at rank j after the last step.
+
+How a block travels (what makes the ring pay on real GPUs):
+  * In halves. A block (K_j, V_j and, in the backward, dK_j, dV_j) is cut into two halves by key rows
+    (layout.halves). The rank computes with half 0 while half 1 is still arriving, then sends half 0 on while it
+    computes with half 1: every transfer hides behind the other half's compute, and dK_j, dV_j can be added to in
+    place because they arrived before the compute that adds to them.
+  * In place. Each half is one contiguous slot of bytes that the ring rotates in place (comm.py): a rank holds one
+    block, not two, so its memory is its shards, its accumulators and one block.
+  * Merged where it is computed. On the GPU the kernels add each block into the ring's float32 accumulators
+    themselves: version pipelined merges O_rj, L_rj into O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
+    atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
+    returns its partial result and merge() / += add it (the same arithmetic).
+  * No copies: a block call reads rows a:b of the shard and keys c:m of the half in place.
 
 Causal across shards, sliding windows, the layouts (contiguous, zigzag), padding to any length, `plan` (which
-kernel calls cover exactly the visible (query, key) pairs) and `steps` (the steps at which some rank has work) live
-in layout.py. With a window most steps have no work: the loops above run over `steps` only, K_j, V_j hop straight
-to the next such step, and dK_j, dV_j go home in one hop after the last. Grouped-query K, V travel with their own
-Hkv heads. ALiBi and dropout see each pair's global indices: every block call is told where it sits in the whole
-problem (origin = the global query row and key of its first row and key), so its bias -slope |i + shift - j| and its
-dropout bits Z_ij are those of the whole problem, and the ring gives the one-device result, mask and all.
+kernel calls cover exactly the visible (query, key) pairs), `halves` and `steps` (the steps at which some rank has
+work) live in layout.py. With a window most steps have no work: the loops run over `steps` only, the halves hop
+straight to the next such step, and dK_j, dV_j go home in one hop after the last. Grouped-query K, V travel with
+their own Hkv heads. ALiBi and dropout see each pair's global indices: every block call is told where it sits in
+the whole problem (origin = the global query row and key of its first row and key), so its bias and its dropout
+bits are those of the whole problem, and the ring gives the one-device result, mask and all.
 
-The communication (comm.py) and the block kernels (BLOCKS) are pluggable; this file holds the
-schedule and the merge. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
+The communication is comm.py's; this file holds the schedule, the merge and the block calls. It runs unchanged on
+numpy (CPU) and CuPy (GPU) arrays.
 """
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -37,18 +51,19 @@ from stages.common import (
     cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale, variants,
 )
 
-from .layout import LAYOUTS, check_layout, check_ranks, plan, positions, shard, shard_len, steps, unshard
+from .layout import LAYOUTS, check_layout, check_ranks, halves, plan, positions, shard, shard_len, steps, unshard
 
 __all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version",
            "RingMismatch", "check_same_everywhere", "LAYOUTS", "plan", "positions", "shard", "shard_len", "unshard",
-           "steps", "schedule"]
+           "steps", "schedule", "memory_per_token"]
 
 
 # ----------------------------------------------------------------------------- block kernels
-# How one (query shard, key block) pair is computed. Each returns the block's partial result in float32
-# (float64 for float64 inputs): O_rj, and the parts of dQ_r, dK_j, dV_j, straight from the kernels' float32
-# accumulators, never rounded to 16 bits. The ring merges and adds them in float32 and rounds once at the end,
-# as a single-device kernel rounds its accumulators once, so the ring's error does not grow with P.
+# How one (query shard, key block) call is computed when its kernel does not add into the ring's accumulators
+# itself. Each returns the block's partial result in float32 (float64 for float64 inputs): O_rj, and the parts of
+# dQ_r, dK_j, dV_j, straight from the kernels' float32 accumulators, never rounded to 16 bits. The ring merges and
+# adds them in float32 and rounds once at the end, as a single-device kernel rounds its accumulators once, so the
+# ring's error does not grow with P.
 #   "flash": stage 02 forward / stage 03 backward: the CUDA kernels on CuPy arrays, their numpy tile mirrors on
 #            numpy arrays (exact but slow on the CPU). version: the stage 02/03 version (None: "auto").
 #   "naive": stage 00, computed as a kernel computes for the dtype (fast on the CPU, but it materialises the
@@ -58,28 +73,28 @@ def _partial_dtype(dtype):
 
 
 # Every block takes the mask of its call (causal, window) and the options of the whole problem (**opts: softcap,
-# alibi_slopes, dropout_p, seed, origin).
-def _flash_forward(q, k, v, *, causal, scale, version=None, **opts):
+# alibi_slopes, dropout_p, seed, origin). out_dtype: the partial result's dtype (None: the inputs', for a call that
+# is the whole problem).
+def _flash_forward(q, k, v, *, causal, scale, version=None, out_dtype=None, **opts):
     from stages import flash_v2
 
-    return flash_v2.forward(q, k, v, causal=causal, scale=scale, version=version or "auto",
-                            out_dtype=_partial_dtype(q.dtype), **opts)
+    return flash_v2.forward(q, k, v, causal=causal, scale=scale, version=version or "auto", out_dtype=out_dtype,
+                            **opts)
 
 
-def _flash_backward(q, k, v, o, lse, do, *, causal, scale, version=None, **opts):
+def _flash_backward(q, k, v, o, lse, do, *, causal, scale, version=None, out_dtype=None, **opts):
     from stages import flash_v2_backward
 
     return flash_v2_backward.backward(q, k, v, o, cast(lse, np.float32), do, causal=causal, scale=scale,
-                                      version=version or "auto", out_dtype=_partial_dtype(q.dtype), **opts)
+                                      version=version or "auto", out_dtype=out_dtype, **opts)
 
 
-def _naive_forward(q, k, v, *, causal, scale, version=None, **opts):
-    return naive.forward(q, k, v, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype), **opts)
+def _naive_forward(q, k, v, *, causal, scale, version=None, out_dtype=None, **opts):
+    return naive.forward(q, k, v, causal=causal, scale=scale, out_dtype=out_dtype, **opts)
 
 
-def _naive_backward(q, k, v, o, lse, do, *, causal, scale, version=None, **opts):
-    return naive.backward(q, k, v, o, lse, do, causal=causal, scale=scale, out_dtype=_partial_dtype(q.dtype),
-                          **opts)
+def _naive_backward(q, k, v, o, lse, do, *, causal, scale, version=None, out_dtype=None, **opts):
+    return naive.backward(q, k, v, o, lse, do, causal=causal, scale=scale, out_dtype=out_dtype, **opts)
 
 
 BLOCKS = {
@@ -123,33 +138,12 @@ def merge(o_a, lse_a, o_b, lse_b):
     return o_a, lse_a
 
 
-def _accumulate(acc, x):
-    """acc += x in place, x upcast element by element (no full-size temporary in acc's dtype)."""
-    xp = np if isinstance(acc, np.ndarray) else __import__("cupy")
-    xp.add(acc, x, out=acc)
-
-
-_MERGE = []
-
-
+@functools.cache
 def _merge_kernel():
     """O_a = O_a * w_a + O_b * w_b as one CuPy elementwise kernel (w broadcast over D)."""
-    if not _MERGE:
-        import cupy
-
-        _MERGE.append(cupy.ElementwiseKernel("T w_a, T o_b, T w_b", "T o_a", "o_a = o_a * w_a + o_b * w_b",
-                                             "ring_merge_o"))
-    return _MERGE[0]
-
-
-# ----------------------------------------------------------------------------- timing marks
-def _marker(xp):
-    """mark() -> a time stamp on the compute stream; ms(a, b) after the stream is done."""
-    if xp is np:
-        return time.perf_counter, lambda a, b: (b - a) * 1e3
     import cupy
 
-    return (lambda: cupy.cuda.get_current_stream().record()), cupy.cuda.get_elapsed_time
+    return cupy.ElementwiseKernel("T w_a, T o_b, T w_b", "T o_a", "o_a = o_a * w_a + o_b * w_b", "ring_merge_o")
 
 
 def _rows(x, a, b):
@@ -179,11 +173,22 @@ def check_same_everywhere(ring, **facts):
                            f"(every rank must pass the same shapes, dtype and options):\n{lines}")
 
 
+# ----------------------------------------------------------------------------- what every rank agrees on
+@functools.lru_cache(maxsize=1024)
+def _planned(P, r, nq, nk, layout, causal, window, runs, s, h):
+    """(calls, key positions) of this rank's queries against half h of the block it holds at step s: the kernel
+    calls (layout.plan) and the global positions of the half's keys. A pure function of the problem's shape, so it is
+    made once per (problem, step, half) and remembered: a repeated ring call plans nothing."""
+    qpos = positions(r, P, nq, layout)
+    kpos = positions((r - s) % P, P, nk, layout)[halves(shard_len(nk, P, layout), P, layout)[h]]
+    return tuple(plan(qpos, kpos, nq, nk, causal, window, runs)), kpos
+
+
 @dataclasses.dataclass(frozen=True)
-class Call:
-    """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the
-    shard shapes (B, H, Hkv, Lq, Lk, D), the global lengths, the resolved mask, scale and the options that act on
-    scores or probabilities (softcap, ALiBi, dropout), and the steps with work (layout.steps)."""
+class Problem:
+    """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the shard
+    shapes (B, H, Hkv, Lq, Lk, D), the global lengths, the layout, the resolved mask, scale and the options that act
+    on scores or probabilities (softcap, ALiBi, dropout), and the steps with work (layout.steps)."""
     P: int
     r: int
     xp: object
@@ -195,6 +200,7 @@ class Call:
     D: int
     nq: int
     nk: int
+    layout: str
     causal: bool
     scale: float
     window: object  # (left, right) or None
@@ -203,6 +209,19 @@ class Call:
     dropout_p: float
     seed: int
     todo: tuple  # the steps at which some rank has work
+
+    @property
+    def key_halves(self):
+        """The rows of a key block in each half it travels in (layout.halves)."""
+        return halves(self.Lk, self.P, self.layout)
+
+    def calls(self, s, h):
+        """(block calls, key positions) of this rank's queries against half h of the block it holds at step s."""
+        runs = self.alibi_slopes is not None or bool(self.dropout_p)  # each call on consecutive global positions
+        return _planned(self.P, self.r, self.nq, self.nk, self.layout, self.causal, self.window, runs, s, h)
+
+    def qpos(self):
+        return positions(self.r, self.P, self.nq, self.layout)
 
     def options(self, qpos, kpos, c):
         """The options block call c takes besides its mask (none for plain attention): softcap when set; with ALiBi or
@@ -214,11 +233,21 @@ class Call:
                        origin=(int(qpos[c.a]), int(kpos[c.c]), self.nk - self.nq))
         return out
 
-    def calls(self, qpos, src, layout):
-        """The kernel calls of this rank's queries against the block of rank src, with the keys' global positions."""
-        kpos = positions(src, self.P, self.nk, layout)
-        runs = self.alibi_slopes is not None or bool(self.dropout_p)  # each call on consecutive global positions
-        return plan(qpos, kpos, self.nq, self.nk, self.causal, self.window, runs), kpos
+    @property
+    def plain(self):
+        """No option that acts on scores or probabilities, and one kv head per query head."""
+        return self.softcap is None and self.alibi_slopes is None and not self.dropout_p and self.Hkv == self.H
+
+    def whole_call(self):
+        """(call, key positions) when this is a ring of one rank whose plan is one call over the whole shard and block
+        (plain and causal attention of any length, except odd zigzag lengths), else None. The ring is then one kernel
+        call: nothing travels, nothing is merged, and the call writes its result in the inputs' dtype itself."""
+        if self.P != 1 or self.todo != (0,):
+            return None
+        calls, kpos = self.calls(0, 0)
+        if len(calls) == 1 and (calls[0].a, calls[0].b, calls[0].c, calls[0].m) == (0, self.Lq, 0, self.Lk):
+            return calls[0], kpos
+        return None
 
 
 def check_block(block, version, where="ring attention"):
@@ -241,35 +270,36 @@ def check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, s
     return window, opts
 
 
-def check_dropout_tiles(call, layout, block, where):
+def check_dropout_tiles(prob, block, where):
     """Dropout through the CUDA kernels: they draw the mask 16 x 16 blocks at a time, so every block call of this
     rank must start at a global query row and key that are multiples of 16 (variants.check_kernel_origin). That holds
     when the shards are whole 16-row tiles and there is no left window side (a band's calls start one key apart).
     A clear error before the ring turns, instead of one in the middle of it."""
-    if not call.dropout_p or block != "flash" or call.xp is np:
+    if not prob.dropout_p or block != "flash" or prob.xp is np:
         return
-    qpos = positions(call.r, call.P, call.nq, layout)
-    for s in call.todo:
-        calls, kpos = call.calls(qpos, (call.r - s) % call.P, layout)
-        for c in calls:
-            if qpos[c.a] % 16 or kpos[c.c] % 16:
-                raise ValueError(
-                    f"{where}: dropout on the GPU: the kernels draw the mask in 16 x 16 blocks of the whole problem, "
-                    f"and with {call.P} ranks, layout {layout}, nq={call.nq}, nk={call.nk} and window "
-                    f"{call.window} a block call starts at query {qpos[c.a]}, key {kpos[c.c]}. Use lengths whose "
-                    "shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) and no left window "
-                    "side (a band's calls start one key apart), or block='naive'")
+    qpos = prob.qpos()
+    for s in prob.todo:
+        for h in range(len(prob.key_halves)):
+            calls, kpos = prob.calls(s, h)
+            for c in calls:
+                if qpos[c.a] % 16 or kpos[c.c] % 16:
+                    raise ValueError(
+                        f"{where}: dropout on the GPU: the kernels draw the mask in 16 x 16 blocks of the whole "
+                        f"problem, and with {prob.P} ranks, layout {prob.layout}, nq={prob.nq}, nk={prob.nk} and "
+                        f"window {prob.window} a block call starts at query {qpos[c.a]}, key {kpos[c.c]}. Use lengths "
+                        "whose shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) and no "
+                        "left window side (a band's calls start one key apart), or block='naive'")
 
 
 def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra, window, softcap, alibi_slopes,
               dropout_p, seed):
-    """Checks shared by forward and backward, agreed by every rank; returns a Call.
+    """Checks shared by forward and backward, agreed by every rank; returns a Problem.
 
     The local checks run first and their error (if any) is shared with the agreement check, so a bad input on
     one rank is an error on every rank."""
     P, r = ring.size, ring.rank
     where = "ring attention backward" if extra else "ring attention"
-    call = None
+    prob = None
     try:
         xp, B, H, Lq, Lk, D = (check_backward_inputs(q, k, v, *extra, where=where, gqa=True) if extra
                                else check_attention_inputs(q, k, v, where=where, gqa=True))
@@ -284,16 +314,16 @@ def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extr
                              f"nq={nq} and nk={nk} they must have {shard_len(nq, P, layout)} / "
                              f"{shard_len(nk, P, layout)} (cut them with ring.shard)")
         scale = resolve_scale(scale, D)
-        call = Call(P, r, xp, B, H, k.shape[1], Lq, Lk, D, nq, nk, causal, scale, window, softcap,
-                    opts.alibi_slopes, opts.dropout_p, opts.seed, tuple(steps(P, nq, nk, layout, causal, window)))
-        check_dropout_tiles(call, layout, block, where)
+        prob = Problem(P, r, xp, B, H, k.shape[1], Lq, Lk, D, nq, nk, layout, causal, scale, window, softcap,
+                       opts.alibi_slopes, opts.dropout_p, opts.seed, tuple(steps(P, nq, nk, layout, causal, window)))
+        check_dropout_tiles(prob, block, where)
         facts = _facts(q, k, v, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, extra=extra,
                        window=window, softcap=softcap, alibi_slopes=opts.alibi_slopes, dropout_p=opts.dropout_p,
                        seed=opts.seed)
     except (TypeError, ValueError) as e:
         facts = {"problem": f"{type(e).__name__}: {e}"}
     check_same_everywhere(ring, **facts)
-    return call
+    return prob
 
 
 def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=(), window=None, softcap=None, alibi_slopes=None,
@@ -321,6 +351,183 @@ def schedule(P, nq, nk, *, layout="zigzag", causal=False, window=None, kv_shape=
     return out
 
 
+def memory_per_token(H, Hkv, D, dtype, P):
+    """What one rank holds per token of its shard, in bytes, by buffer: {name: bytes per token}. The ring's own
+    buffers (comm.py's staging not counted: 1/8 of a half block in flight) next to the shards it is given and the
+    outputs it returns; peak of one forward + backward, as the ring holds them at its busiest moment (the last step of
+    the backward, or the casts after it, whichever is larger: they are about equal)."""
+    e, f = np.dtype(dtype).itemsize, _partial_dtype(dtype).itemsize
+    kv = 2 * Hkv * D
+    out = {"q, k, v, dO shards (inputs)": (2 * H * D + kv) * e,
+           "o (forward output, kept for the backward)": H * D * e,
+           "dQ accumulator (float32)": H * D * f,
+           "travelling block: dK, dV (float32)": kv * f}
+    if P > 1:
+        out["travelling block: K, V (the rank's own, copied in)"] = kv * e
+    out["dq, dk, dv (outputs, made at the end)"] = (H * D + kv) * e
+    return out
+
+
+# ----------------------------------------------------------------------------- the travelling block
+class _Travel:
+    """The key block this rank holds, in halves (layout.halves): each half one contiguous slot of bytes holding the
+    half's dK, dV accumulators (float32, backward only) then its K, V rows. arrive(h) waits for half h; depart(h, hop)
+    rotates it in place to rank r + hop (the gradients only on the way home). With one rank the block is the
+    caller's own k, v and nothing travels."""
+
+    def __init__(self, ring, prob, k, v, grads):
+        xp, self.ring = prob.xp, ring
+        acc = _partial_dtype(k.dtype)
+        self.slots, self.pending = [], []
+        for rows in prob.key_halves:
+            shape = (prob.B, prob.Hkv, len(rows), prob.D)  # (B, Hkv, L_h, D)
+            n = int(np.prod(shape))
+            sizes = [n * acc.itemsize] * (2 if grads else 0) + [n * k.dtype.itemsize] * (2 if prob.P > 1 else 0)
+            buf = xp.empty(sum(sizes), np.uint8)  # [dK_h | dV_h | K_h | V_h]
+            views, at = [], 0
+            for size, dt in zip(sizes, [acc] * (2 if grads else 0) + [k.dtype] * 2):
+                views.append(buf[at:at + size].view(dt).reshape(shape))
+                at += size
+            slot = {"bytes": buf, "grad_bytes": 2 * n * acc.itemsize if grads else 0}
+            if grads:
+                slot["dk"], slot["dv"] = views[0], views[1]
+                slot["dk"][...] = 0
+                slot["dv"][...] = 0
+            if prob.P > 1:  # the rank's own rows of this half, copied into the slot that will travel
+                slot["k"], slot["v"] = views[-2], views[-1]
+                for a, b, at in _runs(rows):
+                    slot["k"][:, :, at:at + b - a] = k[:, :, a:b]
+                    slot["v"][:, :, at:at + b - a] = v[:, :, a:b]
+            else:  # one rank: the caller's arrays, never sent
+                slot["k"], slot["v"] = k, v
+            self.slots.append(slot)
+            self.pending.append(None)
+
+    def arrive(self, h):
+        """Half h has landed here (GPU: the compute stream waits for it; the host does not)."""
+        if self.pending[h] is not None:
+            self.ring.wait(self.pending[h])
+            self.pending[h] = None
+
+    def depart(self, h, hop, grads_only=False):
+        """Send half h on to rank r + hop (and receive rank r - hop's half h in its place), after the work queued on
+        it so far."""
+        slot = self.slots[h]
+        n = slot["grad_bytes"] if grads_only else slot["bytes"].nbytes
+        if hop and n:
+            self.pending[h] = self.ring.rotate(slot["bytes"][:n], hop)
+
+
+def _runs(rows):
+    """[(a, b, at)]: rows is rows a:b of the shard at position at of the half, run by run (a half is one run of
+    consecutive rows per chunk), so halves are filled and emptied with slice copies."""
+    cut = np.flatnonzero(np.diff(rows) != 1) + 1
+    edges = [0, *cut.tolist(), len(rows)]
+    return [(int(rows[e0]), int(rows[e1 - 1]) + 1, e0) for e0, e1 in zip(edges[:-1], edges[1:]) if e1 > e0]
+
+
+def _hop(todo, idx, P, home):
+    """Ranks the block moves after step todo[idx]: to the next step with work, or (home=True, the gradients after
+    the last step) back to the block's own rank; 0 = stays."""
+    s = todo[idx]
+    if idx + 1 < len(todo):
+        return todo[idx + 1] - s
+    return (P - s) % P if home else 0
+
+
+# ----------------------------------------------------------------------------- one block call
+def _call_options(prob, qpos, kpos, c):
+    """variants.Options of block call c for the kernels that add into the ring's accumulators (its mask, and the
+    problem's softcap, ALiBi, dropout, grouped-query), or None for plain or causal attention."""
+    mask = c.mask()
+    if prob.plain and "window" not in mask:
+        return mask["causal"], None
+    shape_q = (prob.B, prob.H, c.b - c.a)  # only the shapes matter to the check
+    shape_k = (prob.B, prob.Hkv, c.m - c.c)
+    opts = variants.check(np.empty(shape_q + (0,)), np.empty(shape_k + (0,)), causal=mask["causal"],
+                          window=mask.get("window"), **prob.options(qpos, kpos, c))
+    return mask["causal"], None if opts.plain else opts
+
+
+class _Blocks:
+    """The block calls of one ring call: `fused` where the GPU kernels add into the ring's accumulators themselves
+    (stage 02 version pipelined, stage 03 version tc), else the block functions of BLOCKS and merge() / +=."""
+
+    def __init__(self, prob, block, version, dtype, backward):
+        self.prob, self.version = prob, version
+        self.fwd, self.bwd = BLOCKS[block]
+        self.fused = False
+        if block == "flash" and prob.xp is not np:
+            try:
+                if backward:
+                    from stages import flash_v2_backward
+
+                    self.fused = flash_v2_backward.resolve_version(version or "auto", dtype) == "tc"
+                else:
+                    self.fused = flash_version(dtype, version) == "pipelined"
+            except (TypeError, ValueError):  # a dtype or version the kernels refuse: the block call says so
+                self.fused = False
+        self.qpos = prob.qpos()
+
+    def forward(self, q, k, v, o_run, lse_run, c, kpos):
+        """Rows c.a:c.b of q against keys c.c:c.m of k, v (a half block), merged into rows c.a:c.b of o_run, lse_run."""
+        prob = self.prob
+        if self.fused:
+            from stages.flash_v2 import tc
+
+            causal, opts = _call_options(prob, self.qpos, kpos, c)
+            tc.merge_into(q, k, v, o_run, lse_run, (c.a, c.b), (c.c, c.m), causal=causal, scale=prob.scale, opts=opts)
+            return
+        o_b, lse_b = self.fwd(_rows(q, c.a, c.b), _rows(k, c.c, c.m), _rows(v, c.c, c.m), scale=prob.scale,
+                              version=self.version, out_dtype=_partial_dtype(q.dtype), **c.mask(),
+                              **prob.options(self.qpos, kpos, c))  # O_rj, L_rj: (B, H, b-a, [D])
+        merge(o_run[:, :, c.a:c.b], lse_run[:, :, c.a:c.b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
+
+    def backward(self, q, k, v, o, lse, do, dq_run, dk_run, dv_run, c, kpos):
+        """The gradients of block call c, added into rows c.a:c.b of dq_run and keys c.c:c.m of dk_run, dv_run."""
+        prob = self.prob
+        if self.fused:
+            from stages import flash_v2_backward
+
+            causal, opts = _call_options(prob, self.qpos, kpos, c)
+            flash_v2_backward.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, (c.a, c.b), (c.c, c.m),
+                                              causal=causal, scale=prob.scale, opts=opts)
+            return
+        dq_b, dk_b, dv_b = self.bwd(_rows(q, c.a, c.b), _rows(k, c.c, c.m), _rows(v, c.c, c.m), _rows(o, c.a, c.b),
+                                    _rows(lse, c.a, c.b), _rows(do, c.a, c.b), scale=prob.scale, version=self.version,
+                                    out_dtype=_partial_dtype(q.dtype), **c.mask(), **prob.options(self.qpos, kpos, c))
+        xp = prob.xp
+        xp.add(dq_run[:, :, c.a:c.b], dq_b, out=dq_run[:, :, c.a:c.b])  # dQ_r += dS_rj K_j   (scale included)
+        xp.add(dk_run[:, :, c.c:c.m], dk_b, out=dk_run[:, :, c.c:c.m])  # dK_j += dS_rj^T Q_r
+        xp.add(dv_run[:, :, c.c:c.m], dv_b, out=dv_run[:, :, c.c:c.m])  # dV_j += P_rj^T dO_r
+
+
+# ----------------------------------------------------------------------------- timing marks
+class _Timeline:
+    """Marks on the compute stream around each half step: before waiting for the half, after it arrived, after its
+    calls. record(timeline) appends {step, compute_ms, exposed_ms} per step (exposed: the compute stream waited for a
+    transfer)."""
+
+    def __init__(self, xp):
+        self.xp, self.marks = xp, []
+        if xp is np:
+            self.mark, self.ms = time.perf_counter, lambda a, b: (b - a) * 1e3
+        else:
+            import cupy
+
+            self.mark, self.ms = (lambda: cupy.cuda.get_current_stream().record()), cupy.cuda.get_elapsed_time
+
+    def record(self, timeline):
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+        per_step = {}
+        for s, t0, t1, t2 in self.marks:
+            step = per_step.setdefault(s, {"step": s, "compute_ms": 0.0, "exposed_ms": 0.0})
+            step["exposed_ms"] += self.ms(t0, t1)
+            step["compute_ms"] += self.ms(t1, t2)
+        timeline.extend(per_step.values())
+
+
 # ----------------------------------------------------------------------------- forward
 def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, layout="contiguous",
                  block="flash", version=None, timeline=None, window=None, softcap=None, alibi_slopes=None,
@@ -334,63 +541,43 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     timeline: a list that receives one dict per step with work {step, compute_ms, exposed_ms} (exposed = time
     waiting on the ring).
     """
-    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (), window, softcap,
+    prob = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (), window, softcap,
                      alibi_slopes, dropout_p, seed)
-    P, r, xp, B, H, Lq, D, nq = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq
-    fwd, _ = BLOCKS[block]
-    acc = np.float64 if q.dtype == np.float64 else np.float32
-    o_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # O_r: normalised over the keys merged so far
-    lse_acc = xp.full((B, H, Lq), -np.inf, dtype=acc)  # L_r
-    qpos = positions(r, P, nq, layout)
-    mark, ms = _marker(xp)
-    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, Hkv, Lk, D) row-major: transfers move raw bytes
-    k_cur, v_cur, spare = k, v, None  # double buffers: the block in use and the one arriving
-
-    def receive(shift):  # post the transfer of the block in use to rank r + shift (ours comes from r - shift)
-        nxt = spare if spare is not None else (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
-        return nxt, ring.start([k_cur, v_cur], list(nxt), shift=shift)
-
-    seen = np.zeros(Lq, dtype=bool)  # rows that already hold a partial result
-    marks, todo = [], call.todo
+    xp, blocks = prob.xp, _Blocks(prob, block, version, q.dtype, backward=False)
+    q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))  # row-major: the kernels read rows in place
+    whole = prob.whole_call()
+    if whole is not None:  # one rank, one call: the kernel writes the result in the inputs' dtype itself
+        c, kpos = whole
+        marks = _Timeline(xp)
+        t0 = marks.mark()
+        o, lse = blocks.fwd(q, k, v, scale=prob.scale, version=version, **c.mask(),
+                            **prob.options(blocks.qpos, kpos, c))
+        if timeline is not None:
+            marks.marks.append((0, t0, t0, marks.mark()))
+            marks.record(timeline)
+        return o, lse
+    acc = _partial_dtype(q.dtype)
+    o_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # O_r: normalised over the keys merged so far
+    lse_run = xp.full((prob.B, prob.H, prob.Lq), -np.inf, dtype=acc)  # L_r
+    travel = _Travel(ring, prob, k, v, grads=False)
+    marks = _Timeline(xp)
+    todo = prob.todo
     if todo and todo[0] > 0:  # the first step with work is not our own block's: fetch that block first
-        nxt, handle = receive(todo[0])
-        ring.wait(handle)
-        k_cur, v_cur = nxt
-    for idx, s in enumerate(todo):
-        src = (r - s) % P  # Alg.: at step s rank r holds the block of rank r - s
-        last = idx == len(todo) - 1
-        if not last:  # post the next block's transfer before computing on this one (steps without work skipped)
-            nxt, handle = receive(todo[idx + 1] - s)
-        t0 = mark()
-        calls, kpos = call.calls(qpos, src, layout)
-        for c in calls:
-            o_b, lse_b = fwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m), scale=call.scale,
-                             version=version, **c.mask(), **call.options(qpos, kpos, c))  # O_rj, L_rj (B, H, b-a, [D])
-            if seen[c.a:c.b].any():  # (a row not seen yet holds O = 0, L = -inf: the merge takes the new block)
-                merge(o_acc[:, :, c.a:c.b], lse_acc[:, :, c.a:c.b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
-            else:  # first block these rows see: nothing to merge with
-                xp.copyto(o_acc[:, :, c.a:c.b], o_b)  # upcast into the accumulator, no temporary
-                lse_acc[:, :, c.a:c.b] = lse_b
-            seen[c.a:c.b] = True
-        t1 = mark()
-        if not last:
-            ring.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
-            spare = (k_cur, v_cur) if k_cur is not k else None  # the caller's k, v are never overwritten
-            k_cur, v_cur = nxt
-        marks.append((s, t0, t1, mark()))
-    o = cast(o_acc, q.dtype)
-    lse = lse_acc.astype(np.float64 if acc == np.float64 else np.float32)  # (B, H, Lq): float32 by the API
-    _record(timeline, marks, ms, xp)
-    return o, lse
-
-
-def _record(timeline, marks, ms, xp):
-    if timeline is None:
-        return
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
-    for s, t0, t1, t2 in marks:
-        timeline.append({"step": s, "compute_ms": ms(t0, t1), "exposed_ms": ms(t1, t2)})
+        for h in range(len(travel.slots)):
+            travel.depart(h, todo[0])
+    for idx, s in enumerate(todo):  # Alg.: at step s rank r holds the block of rank r - s
+        for h, slot in enumerate(travel.slots):
+            t0 = marks.mark()
+            travel.arrive(h)  # half h of K_j, V_j is here
+            t1 = marks.mark()
+            calls, kpos = prob.calls(s, h)
+            for c in calls:
+                blocks.forward(q, slot["k"], slot["v"], o_run, lse_run, c, kpos)
+            travel.depart(h, _hop(todo, idx, prob.P, home=False))  # on its way while the other half computes
+            marks.marks.append((s, t0, t1, marks.mark()))
+    if timeline is not None:
+        marks.record(timeline)
+    return cast(o_run, q.dtype), lse_run  # lse: float32 by the API (float64 for float64 inputs)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -399,72 +586,62 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
                   alibi_slopes=None, dropout_p=0.0, seed=0):
     """This rank's part of the ring backward: (dq, dk, dv) for its own shards.
 
-    o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in the forward;
-    the dK, dV accumulators of each block follow one step behind, and after the last step with work s_last they go
-    home to the block's rank (a hop of P - s_last). With grouped-query k, v the accumulators have Hkv heads: each
-    block's backward has already summed its group's H / Hkv query heads.
+    o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in the forward,
+    and the dK, dV accumulators of each block travel with them, in the same slots: each rank adds its part, and after
+    the last step with work s_last they go home to the block's rank (a hop of P - s_last). With grouped-query k, v the
+    accumulators have Hkv heads: each block's backward has already summed its group's H / Hkv query heads.
     """
-    call = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do), window, softcap,
+    prob = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do), window, softcap,
                      alibi_slopes, dropout_p, seed)
-    P, r, xp, B, H, Lq, D, nq = call.P, call.r, call.xp, call.B, call.H, call.Lq, call.D, call.nq
-    _, bwd = BLOCKS[block]
-    acc = np.float64 if q.dtype == np.float64 else np.float32
-    valid = int((positions(r, P, nq, layout) < nq).sum())  # padding rows are a suffix of the shard
-    if valid < Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
+    xp, blocks = prob.xp, _Blocks(prob, block, version, q.dtype, backward=True)
+    q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
+    whole = prob.whole_call()
+    if whole is not None:  # one rank, one call: the kernels write the gradients in the inputs' dtype themselves
+        c, kpos = whole
+        marks = _Timeline(xp)
+        t0 = marks.mark()
+        grads = blocks.bwd(q, k, v, o, lse, do, scale=prob.scale, version=version, **c.mask(),
+                           **prob.options(blocks.qpos, kpos, c))
+        if timeline is not None:
+            marks.marks.append((0, t0, t0, marks.mark()))
+            marks.record(timeline)
+        return grads
+    acc = _partial_dtype(q.dtype)
+    valid = int((blocks.qpos < prob.nq).sum())  # padding rows are a suffix of the shard
+    if valid < prob.Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
         do = do.copy()
         do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
-    dq_acc = xp.zeros((B, H, Lq, D), dtype=acc)  # dQ_r stays home
-    travel = [(xp.zeros(k.shape, dtype=acc), xp.zeros(k.shape, dtype=acc)), None]  # dK_j, dV_j: 2 buffers
-    qpos = positions(r, P, nq, layout)
-    mark, ms = _marker(xp)
-    k, v = xp.ascontiguousarray(k), xp.ascontiguousarray(v)  # (B, Hkv, Lk, D) row-major: transfers move raw bytes
-    k_cur, v_cur, spare = k, v, None  # double buffers
-
-    def receive(shift):
-        nxt = spare if spare is not None else (xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
-        return nxt, ring.start([k_cur, v_cur], list(nxt), tag=0, shift=shift)
-
-    marks, dkv_handle, todo = [], None, call.todo
-    if todo and todo[0] > 0:  # the first step with work is not our own block's: fetch that block first
-        nxt, kv_handle = receive(todo[0])
-        ring.wait(kv_handle)
-        k_cur, v_cur = nxt
+    o, lse, do = xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=np.float32), xp.ascontiguousarray(do)
+    dq_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # dQ_r stays home
+    travel = _Travel(ring, prob, k, v, grads=True)  # K_j, V_j and their dK_j, dV_j accumulators
+    marks = _Timeline(xp)
+    todo = prob.todo
+    if todo and todo[0] > 0:
+        for h in range(len(travel.slots)):
+            travel.depart(h, todo[0])
     for idx, s in enumerate(todo):
-        src = (r - s) % P
-        last = idx == len(todo) - 1
-        if not last:  # K_j, V_j for the next step with work, in flight during this step's compute
-            nxt, kv_handle = receive(todo[idx + 1] - s)
-        t0 = mark()
-        block_grads = []  # this step's dK_j, dV_j parts, until block j's accumulator arrives
-        calls, kpos = call.calls(qpos, src, layout)
-        for c in calls:
-            dq_b, dk_b, dv_b = bwd(_rows(q, c.a, c.b), _rows(k_cur, c.c, c.m), _rows(v_cur, c.c, c.m),
-                                   _rows(o, c.a, c.b), _rows(lse, c.a, c.b), _rows(do, c.a, c.b), scale=call.scale,
-                                   version=version, **c.mask(), **call.options(qpos, kpos, c))
-            _accumulate(dq_acc[:, :, c.a:c.b], dq_b)  # dQ_r += dS_rj K_j   (scale included)
-            block_grads.append((c, dk_b, dv_b))
-        t1 = mark()
-        if idx > 0:
-            ring.wait(dkv_handle)  # block j's accumulator, from the rank that computed with block j last, is here
-        for c, dk_b, dv_b in block_grads:  # (first step: travel[0] starts at zero)
-            _accumulate(travel[0][0][:, :, c.c:c.m], dk_b)  # dK_j += dS_rj^T Q_r
-            _accumulate(travel[0][1][:, :, c.c:c.m], dv_b)  # dV_j += P_rj^T dO_r
-        hop = todo[idx + 1] - s if not last else (P - s) % P  # on to the next step with work, or home
-        if hop:
-            if travel[1] is None:
-                travel[1] = (xp.empty_like(travel[0][0]), xp.empty_like(travel[0][1]))
-            dkv_handle = ring.start(list(travel[0]), list(travel[1]), tag=1, shift=hop)  # dK_j, dV_j follow K_j, V_j
-            travel.reverse()  # the buffer just received into is next step's accumulator
-        if not last:
-            ring.wait(kv_handle)
-            spare = (k_cur, v_cur) if k_cur is not k else None
-            k_cur, v_cur = nxt
-        marks.append((s, t0, t1, mark()))
-    if todo and todo[-1] > 0:
-        ring.wait(dkv_handle)  # our own dK_r, dV_r are home, in travel[0]
-    dk, dv = travel[0]
-    _record(timeline, marks, ms, xp)
-    return cast(dq_acc, q.dtype), cast(dk, k.dtype), cast(dv, v.dtype)
+        for h, slot in enumerate(travel.slots):
+            t0 = marks.mark()
+            travel.arrive(h)  # half h of K_j, V_j and of the dK_j, dV_j summed so far is here
+            t1 = marks.mark()
+            calls, kpos = prob.calls(s, h)
+            for c in calls:
+                blocks.backward(q, slot["k"], slot["v"], o, lse, do, dq_run, slot["dk"], slot["dv"], c, kpos)
+            last = idx == len(todo) - 1
+            travel.depart(h, _hop(todo, idx, prob.P, home=True), grads_only=last)  # the last hop: dK, dV go home
+            marks.marks.append((s, t0, t1, marks.mark()))
+    for h in range(len(travel.slots)):
+        travel.arrive(h)  # our own dK_r, dV_r are home
+    if timeline is not None:
+        marks.record(timeline)
+    dq = cast(dq_run, q.dtype)
+    del dq_run  # (the accumulator's memory goes back to the pool before dk, dv are made)
+    dk, dv = xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype)
+    for rows, slot in zip(prob.key_halves, travel.slots):  # back from the halves into the shard's row order
+        for a, b, at in _runs(rows):
+            dk[:, :, a:b] = cast(slot["dk"][:, :, at:at + b - a], k.dtype)
+            dv[:, :, a:b] = cast(slot["dv"][:, :, at:at + b - a], v.dtype)
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- P ranks in one process

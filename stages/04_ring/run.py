@@ -17,9 +17,17 @@ on a T4).
    lse, as stages.common.check_backward does), gathered to rank 0 and held to the tolerance rule against the
    fp64 oracle on the full sequence, with the same yardsticks as one device.
 2. Time (only after the check passed): time per rank, compute and exposed communication per ring step, peak
-   memory per rank, and one device on the whole sequence (rank 0 alone).
+   memory per rank, and one device on the whole sequence (rank 0 alone). Then, in words: the per-GPU efficiency
+   (one device's time over P times the ring's, for the same total work: 1.00 means the ring costs nothing) and the
+   memory per GPU against one device's and against 1/P.
 
-    mpirun -n 4 python stages/04_ring/run.py                   # CPU (numpy) or 1 GPU (mpi backend)
+The default sizes are where the ring pays on GPUs: 16 heads of 128 dims and 16k tokens per GPU (N = 16k P in all).
+There each step's attention takes milliseconds, more than the half block it hides takes to cross NVLink, and the
+ring's fixed costs (the launches of each step) are a small part of it. With far fewer tokens per GPU the transfers and
+launches would show. When several ranks share one GPU (the mpi backend) the run checks the ring and shows its steps,
+but says nothing about speed or memory per GPU: every rank computes on the same GPU.
+
+    mpirun -n 4 python stages/04_ring/run.py                   # 4 GPUs (nccl), 1 GPU (mpi backend) or the CPU
     mpirun -n 4 python stages/04_ring/run.py --quick           # small, for scripts/run_all.py
     mpirun -n 2 python stages/04_ring/run.py --backend nccl    # 2 GPUs, one per rank
     mpirun -n 8 --hostfile hosts python stages/04_ring/run.py  # 2 nodes x 4 GPUs (see README.md)
@@ -43,10 +51,12 @@ from stages.ring import comm as comm_mod  # noqa: E402
 
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
-HEADS = 4  # H (2 with --quick)
+HEADS = {"cpu": 4, "gpu": 16, "gpu_sm75": 16}  # H (2 with --quick)
 HEAD_DIM = {"cpu": 64, "gpu": 128, "gpu_sm75": 64}  # D (gpu_sm75: a GPU without bf16 tensor cores)
 CHECK_SEQ = 1000  # total N of the check (the fp64 oracle runs on rank 0's CPU; 256 with --quick)
-SEQ = {"cpu": 1000, "gpu": 16384, "gpu_sm75": 16384}  # total N timed (256 CPU / 4096 GPU with --quick)
+# tokens per rank timed (N = P times this): a GPU per rank; ranks sharing a GPU (mpi backend); the CPU. --quick:
+# 1024 per rank on GPUs, 64 on the CPU.
+TOKENS_PER_RANK = {"gpu": 16384, "gpu_sm75": 16384, "shared": 2048, "cpu": 250}
 LAYOUT = "zigzag"  # contiguous | zigzag
 REPEAT = 3  # timed repeats (median)
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": bfloat16}
@@ -71,7 +81,8 @@ def parse(argv):
     ap.add_argument("--check-seq", type=positive_int, default=None,
                     help=f"total sequence length of the check (default {CHECK_SEQ}; 256 with --quick)")
     ap.add_argument("--seq", type=positive_int, default=None,
-                    help=f"total sequence length timed (default {SEQ}; 256 CPU / 4096 GPU with --quick)")
+                    help=f"total sequence length timed (default P x {TOKENS_PER_RANK} tokens per rank; --quick: "
+                         "P x 1024 on GPUs, P x 64 on the CPU)")
     ap.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     ap.add_argument("--kv-heads", type=positive_int, default=None,
                     help="k, v heads Hkv (grouped-query attention; must divide --heads; default: the same as q)")
@@ -185,9 +196,12 @@ def main(argv=None):
         dev = "gpu_sm75"
     dtype = DTYPES[args.dtype or ("bfloat16" if dev == "gpu" else "float32")]
     D = args.head_dim if args.head_dim is not None else HEAD_DIM[dev]
-    H = args.heads if args.heads is not None else (2 if args.quick else HEADS)
+    H = args.heads if args.heads is not None else (2 if args.quick else HEADS[dev])
     n_check = args.check_seq if args.check_seq is not None else (256 if args.quick else CHECK_SEQ)
-    n_time = args.seq if args.seq is not None else ((4096 if gpu else 256) if args.quick else SEQ[dev])
+    shared = backend != "nccl" and P > 1  # ranks share a device: the run shows the ring's steps, not its scaling
+    per_rank = (1024 if gpu else 64) if args.quick else TOKENS_PER_RANK["cpu" if not gpu else "shared" if shared
+                                                                        else dev]
+    n_time = args.seq if args.seq is not None else P * per_rank
     causal, layout = not args.no_causal, args.layout
     Hkv = args.kv_heads or H
     if H % Hkv:
@@ -259,16 +273,31 @@ def main(argv=None):
                   + f" {row['peak'] / 2**20:>9.1f}")
         t_f, t_b = max(r["fwd"] for r in rows), max(r["bwd"] for r in rows)  # the slowest rank sets the pace
         peak = max(r["peak"] for r in rows)
+        rate = f"{flops / P / t_f / 1e9:.1f} TFLOP/s per GPU" if gpu else f"{flops / P / t_f / 1e6:.2f} GFLOP/s a rank"
         print(f"one device, whole sequence: fwd {single['fwd']:.2f} ms, bwd {single['bwd']:.2f} ms, "
-              f"peak {single['peak'] / 2**20:.1f} MB")
-        print(f"speedup over one device: fwd {single['fwd'] / t_f:.2f}x, bwd {single['bwd'] / t_b:.2f}x with {P} "
-              f"ranks; ring fwd {flops / t_f / 1e6:.1f} GFLOP/s; peak memory per rank / one device = "
-              f"{peak / max(single['peak'], 1):.2f} (1/P = {1 / P:.2f})")
-        if backend != "nccl" and P > 1:
-            print(f"(the {P} ranks share {'the GPU(s)' if gpu else 'the CPU cores'} here: the speedup shows the "
-                  "ring's overhead, not its scaling; scaling needs a GPU per rank, --backend nccl)")
+              f"peak {single['peak'] / 2**20:.1f} MB; ring fwd {rate}")
+        print(report(P, single, t_f, t_b, peak, shared=shared, gpu=gpu))
         print(f"SUMMARY 04_ring PASS {P} ranks {backend}, {layout}, fwd+bwd within tolerance on the full sequence")
     return True
+
+
+def report(P, single, t_f, t_b, peak, *, shared, gpu):
+    """What the timing says, in words: per-GPU efficiency and memory per GPU against one device (and 1/P)."""
+    eff = (single["fwd"] + single["bwd"]) / (P * (t_f + t_b))
+    mem = peak / max(single["peak"], 1)
+    e_f, e_b = single["fwd"] / (P * t_f), single["bwd"] / (P * t_b)
+    lines = [f"per-GPU efficiency {eff:.2f} (fwd {e_f:.2f}, bwd {e_b:.2f}): "
+             f"the {P} ranks took {(t_f + t_b) / (single['fwd'] + single['bwd']):.2f}x one device's time for the same "
+             f"work, so together they ran {eff * P:.2f}x as fast as one (1.00 per GPU = the ring costs nothing)",
+             f"memory per rank {peak / 2**20:.0f} MB = {mem:.2f} of one device's {single['peak'] / 2**20:.0f} MB "
+             f"(1/P = {1 / P:.2f}: a rank also holds its accumulators and the block in flight; README.md says what "
+             "each buffer costs)"]
+    if shared:
+        where = "one GPU" if gpu else "the CPU cores"
+        lines.append(f"(the {P} ranks share {where} here: this run checks the ring and shows its steps, not its speed "
+                     "or its memory per GPU, since every rank computes on the same device; run one rank per GPU, "
+                     "--backend nccl, to see those)")
+    return "\n".join(lines)
 
 
 def _one_device(block):

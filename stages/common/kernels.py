@@ -210,14 +210,16 @@ class Call(NamedTuple):
     """A forward call as its launcher planned it: call(q, k, v) returns o (in odtype) and lse through run_forward, with
     the extra arguments after lse (ALiBi slopes, packed-batch bounds). A plain call's Call depends only on what its
     plan does, so flash_v2.forward keeps it per key and a repeated call goes straight to it, with outs (joint_outputs)
-    set: its o and lse then come from one allocation."""
+    set: its o and lse then come from one allocation. merges: the kernel merges its result into the (o, lse) it is
+    given (version pipelined with float32 o, the ring's block kernel): lse starts at -inf, "nothing merged yet"."""
     launch: Launch
     odtype: np.dtype
     extra: tuple = ()
     outs: tuple | None = None
+    merges: bool = False
 
     def __call__(self, q, k, v):
-        return run_forward(self.launch, q, k, v, self.odtype, *self.extra, outs=self.outs)
+        return run_forward(self.launch, q, k, v, self.odtype, *self.extra, outs=self.outs, merges=self.merges)
 
     def joint_outputs(self, q):
         """This Call with o and lse carved from one allocation (verify.empties) for inputs shaped like q: the pair is
@@ -226,7 +228,7 @@ class Call(NamedTuple):
         return self._replace(outs=out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nq), np.float32)]))
 
 
-def run_forward(launch, q, k, v, odtype, *extra, outs=None):
+def run_forward(launch, q, k, v, odtype, *extra, outs=None, merges=False):
     """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
     (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
     kernel does not write fails the check), both from one allocation when outs (Call.joint_outputs) is given, and
@@ -241,6 +243,8 @@ def run_forward(launch, q, k, v, odtype, *extra, outs=None):
         B, H, Nq, D = q.shape
         o = empty(cupy, (B, H, Nq, D), odtype)
         lse = empty(cupy, (B, H, Nq), np.float32)
+    if merges:
+        lse.fill(-np.inf)
     launch(q, k, v, o, lse, *extra)
     return o, lse
 
