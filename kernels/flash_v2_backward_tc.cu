@@ -584,9 +584,10 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                                                             (Tr - 1) * Br, Nq, scale, pc, warp, lane);
     }
 
-    // Alg.2 L19: dK_j = scale * (sum dS^T Q), dV_j, rows < Nk, this warp's columns. 16-bit: written. float: ADDED
-    // (red.add) to what dK, dV hold: the query heads of a kv group sum into one kv head, and a ring block (stage 04)
-    // adds into the block's travelling dK, dV (the launcher zeroes them for a plain call).
+    // Alg.2 L19: dK_j = scale * (sum dS^T Q), dV_j, rows < Nk, this warp's columns. 16-bit, or deterministic mode:
+    // written. float in atomic mode: ADDED (red.add) to what dK, dV hold: the query heads of a kv group sum into one
+    // kv head, and a ring block (stage 04) adds into the block's travelling dK, dV (the launcher zeroes them for a
+    // plain call).
 #pragma unroll
     for (int mt = 0; mt < MS; ++mt)
 #pragma unroll
@@ -598,7 +599,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_bwd_tc(
                     const long idx = (long)kv * HD + pc + DW * wq + n * 8 + 2 * t;
                     const float* v = dv[mt * NDW + n];
                     const float* k = dk[mt * NDW + n];
-                    if constexpr (sizeof(TO) == 4) {
+                    if constexpr (sizeof(TO) == 4 && DQ_ATOMIC) {
                         red_add_f32x2<0>(reinterpret_cast<float*>(dV + idx), (DROP ? rp : 1.f) * v[2 * h],
                                          (DROP ? rp : 1.f) * v[2 * h + 1]);
                         red_add_f32x2<0>(reinterpret_cast<float*>(dK + idx), scale * k[2 * h], scale * k[2 * h + 1]);
