@@ -361,21 +361,22 @@ BACKWARD_MISTAKES = [
 
 def _alg_forward(m, out_dtype=None):
     """A forward (stage API, or a ring block when out_dtype is given) that makes algorithm mistake m."""
-    def fwd(q, k, v, *, causal=False, scale=None, version=None):
+    def fwd(q, k, v, *, causal=False, scale=None, version=None, **block_kw):  # block_kw: the ring's out_dtype
         vis = _visible(q.shape[2], k.shape[2], causal, m.shift, m.drop_tile)
-        return _forward(q, k, v, vis, resolve_scale(scale, q.shape[-1]) * m.factor, out_dtype or q.dtype)
+        return _forward(q, k, v, vis, resolve_scale(scale, q.shape[-1]) * m.factor,
+                        block_kw.get("out_dtype") or out_dtype or q.dtype)
     return fwd
 
 
 def _alg_backward(m, out_dtype=None):
-    def bwd(q, k, v, o, lse, do, *, causal=False, scale=None, version=None):
+    def bwd(q, k, v, o, lse, do, *, causal=False, scale=None, version=None, **block_kw):
         vis = _visible(q.shape[2], k.shape[2], causal, m.shift, m.drop_tile)
         if m.o_read is not None:
             o = _times(o, m.o_read)
         if m.lse_add:
             lse = lse + lse.dtype.type(m.lse_add)
         return _backward(q, k, v, o, lse, do, vis, resolve_scale(scale, q.shape[-1]) * m.factor,
-                         out_dtype or q.dtype)
+                         block_kw.get("out_dtype") or out_dtype or q.dtype)
     return bwd
 
 

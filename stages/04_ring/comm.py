@@ -1,18 +1,21 @@
 """Stage 04: how blocks move around the ring. One small interface, four backends.
 
     ring.rank, ring.size             this process's place in the ring
+    h = ring.exchange(sends, recvs, shift=1)  each array of sends goes to rank + shift, rank - shift's arrive in recvs
     h = ring.rotate(buf, shift=1)    IN PLACE: this rank's bytes of buf go to rank + shift, and rank - shift's bytes
-                                     replace them (non-blocking where the backend can: a GPU stream); rotations
-                                     arrive in the order they were started
-    ring.wait(h)                     the rotation has landed in buf (GPU backends: the compute stream waits)
+                                     replace them
+    ring.wait(h)                     the transfer has landed (GPU backends: the compute stream waits); transfers are
+                                     non-blocking where the backend can (a GPU stream) and arrive in the order started
     ring.allgather(obj)              every rank's obj, as a list (the agreement checks)
     ring.allreduce_sum(arrays)       the arrays summed over the ranks, the same bits on every rank (stage 05's
                                      parameter gradients)
 
-A rotation works in place so that a block in flight costs no second copy of itself: the ring's memory per GPU is its
-shards, its accumulators and one travelling block, not two. Where the network cannot send and receive the same bytes
-at once (NCCL), the block is rotated a chunk at a time through a small staging buffer: send chunk c to rank + shift
-while rank - shift's chunk c lands in the staging buffer, then copy it over chunk c.
+The forward exchanges whole blocks: the block in use goes on while the next one lands in a second buffer. The
+backward's blocks carry float32 dK, dV as well, and travel by rotation, in place, so that a block in flight costs no
+second copy of itself: the ring's memory per GPU is its shards, its accumulators and one travelling block. Where the
+network cannot send and receive the same bytes at once (NCCL), a rotation goes a chunk at a time through a small
+staging buffer: send chunk c to rank + shift while rank - shift's chunk c lands in the staging buffer, then copy it
+over chunk c.
 
     nccl     one GPU per rank: cupy.cuda.nccl send/recv, grouped, on a stream of its own. The compute stream
              records an event before each rotation (the bytes are ready) and waits on the rotation's event before
@@ -230,12 +233,25 @@ class NumpyRing:
         for at in range(0, host.size, MAX_MPI_BYTES):
             self.comm.Sendrecv_replace(host[at:at + MAX_MPI_BYTES], dest=dst, sendtag=7, source=src, recvtag=7)
 
+    def exchange(self, sends, recvs, shift=1):
+        """Post sends to rank + shift and receives from rank - shift (shift 1: the ring's neighbours)."""
+        reqs = []
+        src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
+        for i, (s, r) in enumerate(zip(sends, recvs)):
+            reqs.append(self.comm.Irecv(_bytes(r), source=src, tag=i))
+            reqs.append(self.comm.Isend(_bytes(s), dest=dst, tag=i))
+        return reqs
+
     def rotate(self, buf, shift=1):
         """buf (1-D uint8, contiguous): rank + shift gets our bytes, we get rank - shift's. Done on return."""
         self._sendrecv_replace(buf, shift)
 
     def wait(self, handle):
-        """Nothing left to wait for: rotate() returned after the exchange."""
+        """The receives of exchange() have landed (rotate() returns done: None)."""
+        if handle is not None:
+            from mpi4py import MPI
+
+            MPI.Request.Waitall(handle)
 
     def allgather(self, obj):
         return self.comm.allgather(obj)
@@ -261,10 +277,27 @@ class MpiRing(NumpyRing):
     the neighbour's back: no overlap with the GPU's work, but more ranks than GPUs work.
     """
 
+    def exchange(self, sends, recvs, shift=1):
+        """Copies the sends to the host (this waits for the compute queued before it) and posts the MPI calls; wait()
+        blocks the host in MPI, then queues the host -> device copies."""
+        host_sends = [_bytes(s).get() for s in sends]  # (nbytes,) uint8 on the host
+        host_recvs = [np.empty(r.nbytes, np.uint8) for r in recvs]
+        return super().exchange(host_sends, host_recvs, shift), host_sends, host_recvs, recvs
+
     def rotate(self, buf, shift=1):
         host = buf.get()  # (nbytes,) uint8 on the host, after the kernels that wrote buf
         self._sendrecv_replace(host, shift)
         buf.set(host)  # host -> device on the compute stream
+
+    def wait(self, handle):
+        if handle is None:
+            return
+        from mpi4py import MPI
+
+        reqs, _, host_recvs, recvs = handle
+        MPI.Request.Waitall(reqs)  # the host arrays stay referenced by handle until here
+        for hr, r in zip(host_recvs, recvs):
+            _bytes(r).set(hr)  # host -> device on the compute stream
 
 
 class NcclRing:
@@ -282,16 +315,44 @@ class NcclRing:
         uid = comm.bcast(uid, root=0)  # the NCCL id travels over MPI
         self.nccl = nccl
         self.nc = nccl.NcclCommunicator(self.size, uid, self.rank)
-        self.stream = cupy.cuda.Stream(non_blocking=True)  # transfers overlap the compute stream's kernels
+        # Transfers overlap the compute stream's kernels. High priority: when a compute kernel's block ends, the
+        # scheduler starts NCCL's blocks before the next compute block, instead of after the whole kernel.
+        # (CUDA clamps a priority to its range [0, -5 or so], lower is higher: -100 is the highest the GPU has.)
+        self.stream = cupy.cuda.Stream(non_blocking=True, priority=-100)
 
-    def rotate(self, buf, shift=1):
-        """Post the in-place rotation of buf (1-D uint8) on the transfer stream, after the compute stream's work so
-        far; returns (event, buf, staging) for wait(). One stream: rotations run in the order they were posted."""
+    def _after_compute(self):
+        """The transfer stream waits for the work queued on the compute stream so far (what it sends is written, what
+        it overwrites is no longer read)."""
         import cupy
 
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(cupy.cuda.get_current_stream())  # buf is written (and read) by every kernel queued so far...
-        self.stream.wait_event(ready)  # ...in compute-stream order, before its bytes may leave
+        ready.record(cupy.cuda.get_current_stream())
+        self.stream.wait_event(ready)
+
+    def _done(self, *keep):
+        import cupy
+
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self.stream)
+        return (done, *keep)  # keep the buffers referenced until the transfer is waited on
+
+    def exchange(self, sends, recvs, shift=1):
+        """Post sends to rank + shift and receives from rank - shift, grouped, on the transfer stream."""
+        self._after_compute()
+        src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
+        self.nccl.groupStart()  # one group: every rank's send to r+shift pairs with r+shift's recv from r
+        for s, r in zip(sends, recvs):
+            self.nc.send(s.data.ptr, s.nbytes, self.nccl.NCCL_INT8, dst, self.stream.ptr)
+            self.nc.recv(r.data.ptr, r.nbytes, self.nccl.NCCL_INT8, src, self.stream.ptr)
+        self.nccl.groupEnd()
+        return self._done(sends, recvs)
+
+    def rotate(self, buf, shift=1):
+        """Post the in-place rotation of buf (1-D uint8) on the transfer stream, after the compute stream's work so
+        far; returns (event, buf, staging) for wait(). One stream: transfers run in the order they were posted."""
+        import cupy
+
+        self._after_compute()
         n = buf.nbytes
         chunk = min(n, max(self.MIN_CHUNK, -(-n // self.CHUNKS)))
         stage = cupy.empty(chunk, np.uint8)
@@ -304,9 +365,7 @@ class NcclRing:
             self.nccl.groupEnd()
             cupy.cuda.runtime.memcpyAsync(buf.data.ptr + at, stage.data.ptr, size,
                                           cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)  # chunk sent: refill
-        done = cupy.cuda.Event(disable_timing=True)
-        done.record(self.stream)
-        return done, buf, stage  # keep the buffers referenced until the rotation is waited on
+        return self._done(buf, stage)
 
     def wait(self, handle):
         import cupy
@@ -357,14 +416,19 @@ class ThreadRing:
         with self.shared["cond"]:  # one FIFO per (receiver, sender), as MPI matches source and tag
             return self.shared["boxes"].setdefault((rank, sender), queue.Queue())
 
+    def exchange(self, sends, recvs, shift=1):
+        """Post copies of the sends to rank + shift's mailbox; wait() copies rank - shift's into recvs."""
+        self._box((self.rank + shift) % self.size, self.rank).put([s.copy() for s in sends])
+        return recvs, (self.rank - shift) % self.size
+
     def rotate(self, buf, shift=1):
         """Post a copy of buf to rank + shift's mailbox; wait() copies rank - shift's into buf."""
-        self._box((self.rank + shift) % self.size, self.rank).put(buf.copy())
-        return buf, (self.rank - shift) % self.size
+        return self.exchange([buf], [buf], shift)
 
     def wait(self, handle):
-        buf, src = handle
-        buf[...] = self._get(self._box(self.rank, src))
+        recvs, src = handle
+        for r, got in zip(recvs, self._get(self._box(self.rank, src))):
+            r[...] = got
 
     def allgather(self, obj):
         sh, gen = self.shared, self.calls

@@ -17,12 +17,14 @@ dQ_r stays home; dK_j, dV_j are float32 accumulators that travel WITH K_j, V_j a
 at rank j after the last step.
 
 How a block travels (what makes the ring pay on real GPUs):
-  * In halves. A block (K_j, V_j and, in the backward, dK_j, dV_j) is cut into two halves by key rows
-    (layout.halves). The rank computes with half 0 while half 1 is still arriving, then sends half 0 on while it
-    computes with half 1: every transfer hides behind the other half's compute, and dK_j, dV_j can be added to in
-    place because they arrived before the compute that adds to them.
-  * In place. Each half is one contiguous slot of bytes that the ring rotates in place (comm.py): a rank holds one
-    block, not two, so its memory is its shards, its accumulators and one block.
+  * Forward: whole blocks, double-buffered. The next K_j, V_j lands in a second buffer while the current one is
+    computed (one kernel call per step and mask run: long loops over many keys, which is what keeps the kernels fast).
+  * Backward: in halves, in place. The block (K_j, V_j and the float32 dK_j, dV_j summed so far) is cut into two
+    halves by key rows (layout.halves), each one contiguous slot of bytes. The rank computes with half 0 while half 1
+    is still arriving, then sends half 0 on (rotating it in place, comm.py) while it computes with half 1: every
+    transfer hides behind the other half's compute, dK_j, dV_j are added to in place because they arrived before the
+    compute that adds to them, and a rank holds one block, not two (one in use and one arriving): its memory is its
+    shards, its accumulators and one block.
   * Merged where it is computed. On the GPU the kernels add each block into the ring's float32 accumulators
     themselves: version pipelined merges O_rj, L_rj into O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
     atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
@@ -176,11 +178,13 @@ def check_same_everywhere(ring, **facts):
 # ----------------------------------------------------------------------------- what every rank agrees on
 @functools.lru_cache(maxsize=1024)
 def _planned(P, r, nq, nk, layout, causal, window, runs, s, h):
-    """(calls, key positions) of this rank's queries against half h of the block it holds at step s: the kernel
-    calls (layout.plan) and the global positions of the half's keys. A pure function of the problem's shape, so it is
+    """(calls, key positions) of this rank's queries against half h (None: all) of the block it holds at step s: the
+    kernel calls (layout.plan) and the global positions of the keys. A pure function of the problem's shape, so it is
     made once per (problem, step, half) and remembered: a repeated ring call plans nothing."""
     qpos = positions(r, P, nq, layout)
-    kpos = positions((r - s) % P, P, nk, layout)[halves(shard_len(nk, P, layout), P, layout)[h]]
+    kpos = positions((r - s) % P, P, nk, layout)
+    if h is not None:
+        kpos = kpos[halves(shard_len(nk, P, layout), P, layout)[h]]
     return tuple(plan(qpos, kpos, nq, nk, causal, window, runs)), kpos
 
 
@@ -215,8 +219,9 @@ class Problem:
         """The rows of a key block in each half it travels in (layout.halves)."""
         return halves(self.Lk, self.P, self.layout)
 
-    def calls(self, s, h):
-        """(block calls, key positions) of this rank's queries against half h of the block it holds at step s."""
+    def calls(self, s, h=None):
+        """(block calls, key positions) of this rank's queries against half h (None: all) of the block it holds at
+        step s."""
         runs = self.alibi_slopes is not None or bool(self.dropout_p)  # each call on consecutive global positions
         return _planned(self.P, self.r, self.nq, self.nk, self.layout, self.causal, self.window, runs, s, h)
 
@@ -244,7 +249,7 @@ class Problem:
         call: nothing travels, nothing is merged, and the call writes its result in the inputs' dtype itself."""
         if self.P != 1 or self.todo != (0,):
             return None
-        calls, kpos = self.calls(0, 0)
+        calls, kpos = self.calls(0)
         if len(calls) == 1 and (calls[0].a, calls[0].b, calls[0].c, calls[0].m) == (0, self.Lq, 0, self.Lk):
             return calls[0], kpos
         return None
@@ -279,7 +284,7 @@ def check_dropout_tiles(prob, block, where):
         return
     qpos = prob.qpos()
     for s in prob.todo:
-        for h in range(len(prob.key_halves)):
+        for h in [None, *range(len(prob.key_halves))]:  # the forward's whole blocks, the backward's halves
             calls, kpos = prob.calls(s, h)
             for c in calls:
                 if qpos[c.a] % 16 or kpos[c.c] % 16:
@@ -517,14 +522,15 @@ class _Timeline:
 
             self.mark, self.ms = (lambda: cupy.cuda.get_current_stream().record()), cupy.cuda.get_elapsed_time
 
-    def record(self, timeline):
+    def record(self, timeline, compute_first=False):
+        """Marks (s, t0, t1, t2): waited t0..t1 then computed t1..t2; compute_first: computed t0..t1, waited t1..t2."""
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
         per_step = {}
         for s, t0, t1, t2 in self.marks:
             step = per_step.setdefault(s, {"step": s, "compute_ms": 0.0, "exposed_ms": 0.0})
-            step["exposed_ms"] += self.ms(t0, t1)
-            step["compute_ms"] += self.ms(t1, t2)
+            step["compute_ms" if compute_first else "exposed_ms"] += self.ms(t0, t1)
+            step["exposed_ms" if compute_first else "compute_ms"] += self.ms(t1, t2)
         timeline.extend(per_step.values())
 
 
@@ -559,24 +565,34 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     acc = _partial_dtype(q.dtype)
     o_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # O_r: normalised over the keys merged so far
     lse_run = xp.full((prob.B, prob.H, prob.Lq), -np.inf, dtype=acc)  # L_r
-    travel = _Travel(ring, prob, k, v, grads=False)
     marks = _Timeline(xp)
+    k_cur, v_cur, spare = k, v, None  # double buffers: the block in use and the one arriving
+
+    def receive(hop):  # post the transfer of the block in use to rank r + hop (ours comes from r - hop)
+        nxt = spare if spare is not None else (xp.empty_like(k), xp.empty_like(v))
+        return nxt, ring.exchange([k_cur, v_cur], list(nxt), shift=hop)
+
     todo = prob.todo
     if todo and todo[0] > 0:  # the first step with work is not our own block's: fetch that block first
-        for h in range(len(travel.slots)):
-            travel.depart(h, todo[0])
+        nxt, handle = receive(todo[0])
+        ring.wait(handle)
+        k_cur, v_cur = nxt
     for idx, s in enumerate(todo):  # Alg.: at step s rank r holds the block of rank r - s
-        for h, slot in enumerate(travel.slots):
-            t0 = marks.mark()
-            travel.arrive(h)  # half h of K_j, V_j is here
-            t1 = marks.mark()
-            calls, kpos = prob.calls(s, h)
-            for c in calls:
-                blocks.forward(q, slot["k"], slot["v"], o_run, lse_run, c, kpos)
-            travel.depart(h, _hop(todo, idx, prob.P, home=False))  # on its way while the other half computes
-            marks.marks.append((s, t0, t1, marks.mark()))
+        hop = _hop(todo, idx, prob.P, home=False)
+        if hop:  # post the next block's transfer before computing on this one (steps without work skipped)
+            nxt, handle = receive(hop)
+        t0 = marks.mark()
+        calls, kpos = prob.calls(s)
+        for c in calls:
+            blocks.forward(q, k_cur, v_cur, o_run, lse_run, c, kpos)
+        t1 = marks.mark()
+        if hop:
+            ring.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
+            spare = (k_cur, v_cur) if k_cur is not k else None  # the caller's k, v are never overwritten
+            k_cur, v_cur = nxt
+        marks.marks.append((s, t0, t1, marks.mark()))  # computed t0..t1, waited t1..t2
     if timeline is not None:
-        marks.record(timeline)
+        marks.record(timeline, compute_first=True)
     return cast(o_run, q.dtype), lse_run  # lse: float32 by the API (float64 for float64 inputs)
 
 
