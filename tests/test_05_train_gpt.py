@@ -5,13 +5,23 @@ backward that the check catches; the whole model's gradient the same way; AdamW 
 task's construction and the text data; the loss curves of naive, flash_v1 and flash_v2 attention agree (float32),
 and a kernel with a 10% error in dQ moves the curve far outside that tolerance; mixed precision (bfloat16
 activations) follows the float32 curve; the ring run in one process (2 and 4 simulated ranks, both layouts) and
-under `mpirun -n 2` (both layouts) gives the single-device curve; the --quick config learns the task, and the
-same run with attention that only sees the current token stays at chance; clear errors on bad input.
+under `mpirun -n 2` (both layouts) gives the single-device curve; the gradient sum over the ranks goes through the
+communicator's allreduce_sum once a step and leaves every rank's parameters bit-identical; the ring's block choice
+(flash where stages 02/03 take the head dim and dtype, else naive with the reason in the header; an explicit flash
+that cannot run is a clear error); the --quick config learns the task, and the same run with attention that only
+sees the current token stays at chance; clear errors on bad input; --help shows every default and the docstring's
+commands parse; dev/train_scaling.py's search (doubling, bisection, ranks agreeing on an out-of-memory) and its
+mpirun smoke run on the numpy backend.
 gpu: the float32 curves on CuPy against numpy, the bfloat16 curves of the three kernels by the tolerance rule,
-the ring on one GPU (4 ranks, mpi backend, both layouts), the PyTorch autograd.Function against SDPA.
+the ring on one GPU (4 ranks, mpi backend, both layouts), the ring on 2 GPUs (nccl: every rank's parameters
+bit-identical, float32 and bfloat16), the PyTorch autograd.Function against SDPA.
 Every RNG is seeded (the seed is in the failure messages).
 """
+import csv
+import importlib
+import importlib.util
 import pathlib
+import shlex
 import subprocess
 import sys
 
@@ -24,6 +34,7 @@ from stages.common.launch import mpi_env, mpirun_command
 L = T.layers
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "stages" / "05_train_gpt" / "train.py"
+SCALING = ROOT / "dev" / "train_scaling.py"
 SEED = 1234
 from stages.train_gpt.gradcheck import numerical_grad, probe, rel_error  # noqa: E402
 
@@ -283,6 +294,153 @@ def test_mpirun_two_ranks_ring_training_matches_one_device(layout, tmp_path):
     assert diff < CURVE_TOL, f"mpirun ring ({layout}) vs one device: max loss difference {diff:.2e} (seed {SEED})"
 
 
+class _CountingRing:
+    """A communicator that counts its allreduce_sum calls (everything else goes to the wrapped ring)."""
+
+    def __init__(self, ring):
+        self.ring, self.sums = ring, 0
+
+    def __getattr__(self, name):
+        return getattr(self.ring, name)
+
+    def allreduce_sum(self, arrays):
+        self.sums += 1
+        return self.ring.allreduce_sum(arrays)
+
+
+def test_ring_gradient_sum_keeps_every_rank_identical():
+    """Each rank's gradients are those of its own tokens; after the sum (the communicator's allreduce_sum, once a
+    step) every rank holds the same bits, takes the same AdamW step, and its parameters stay bit-identical."""
+    from stages.ring import simulate
+
+    data = T.RecallTask(CURVE["context"], n_values=8, seed=SEED)
+    cfg = T.GPTConfig(vocab_size=data.vocab_size, **CURVE)
+    init = T.init_params(cfg, SEED)
+    steps = 4
+
+    def rank(ring):
+        counting = _CountingRing(ring)
+        hist = T.train(cfg, data, attention="ring", steps=steps, batch=4, lr=3e-3, seed=SEED, ring=counting)
+        return hist, counting.sums
+
+    (h0, sums0), (h1, sums1) = simulate(rank, 2)
+    assert sums0 == sums1 == steps, f"allreduce_sum called {sums0}, {sums1} times in {steps} steps"
+    assert h0["loss"] == h1["loss"] and h0["grad_norm"] == h1["grad_norm"]
+    for name, p in h0["params"].items():
+        assert np.array_equal(p, h1["params"][name]), f"{name} differs between the ranks after {steps} steps"
+    moved = [n for n, p in h0["params"].items() if not np.array_equal(p, init[n])]
+    assert len(moved) == len(init), f"parameters that did not move: {set(init) - set(moved)}"
+
+
+RING_FALLBACK = ("ring blocks naive (stage 00): head dim 32 is not taken by stage 03 version tc, which takes 64, 128, "
+                 "256")
+
+
+def test_ring_blocks_choose_flash_only_where_stages_02_03_take_the_head_dim_and_dtype():
+    from stages.common import bfloat16
+
+    gpu = dict(gpu=True, sm80=True)
+    assert T.ring_blocks(None, dtype=bfloat16, head_dim=128, **gpu) == (
+        "flash", "flash (stage 02 version pipelined, stage 03 version tc)")
+    assert T.ring_blocks(None, dtype=np.float32, head_dim=32, **gpu)[0] == "flash"  # fp32 / fp32 take 32
+    block, text = T.ring_blocks(None, dtype=bfloat16, head_dim=32, **gpu)
+    assert (block, f"ring blocks {text}") == ("naive", RING_FALLBACK)
+    block, text = T.ring_blocks(None, dtype=bfloat16, head_dim=64, gpu=True, sm80=False)  # a T4
+    assert block == "naive" and "need an sm_80 or newer GPU" in text, text
+    block, text = T.ring_blocks(None, dtype=np.float64, head_dim=64, **gpu)
+    assert block == "naive" and "dtype float64 is not taken" in text, text
+    assert T.ring_blocks(None, dtype=bfloat16, head_dim=128, gpu=False)[0] == "naive"  # the CPU default
+    assert T.ring_blocks("naive", dtype=bfloat16, head_dim=128, **gpu)[0] == "naive"
+    assert T.ring_blocks("flash", dtype=bfloat16, head_dim=64, gpu=False)[0] == "flash"  # the tile mirrors
+    with pytest.raises(ValueError, match="--ring-block flash cannot run here: head dim 32 is not taken by stage 03 "
+                                         "version tc, which takes 64, 128, 256; use --ring-block naive"):
+        T.ring_blocks("flash", dtype=bfloat16, head_dim=32, **gpu)
+    with pytest.raises(ValueError, match="sm_80"):
+        T.ring_blocks("flash", dtype=bfloat16, head_dim=64, gpu=True, sm80=False)
+
+
+def test_ring_fallback_is_said_in_the_header_and_explicit_flash_is_a_clear_error(monkeypatch, capsys):
+    """The run as a GPU would see it (the device facts say GPU; the arrays stay numpy): bf16 at head dim 32 falls back
+    to naive blocks and the header says why; --ring-block flash stops before any step, with a message."""
+    train_module = importlib.import_module("stages.train_gpt.train")  # the module (T.train is the function)
+
+    monkeypatch.setattr(train_module, "device_facts", lambda xp: {"gpu": True, "sm80": True})
+    args = ["--attention", "ring", "--simulate-ranks", "2", "--dtype", "bfloat16", "--context", "32", "--layers", "1",
+            "--d-model", "64", "--heads", "2", "--batch", "4", "--steps", "2"]  # head dim 32
+    assert T.train_main(args) == 0
+    assert RING_FALLBACK in capsys.readouterr().out
+    assert T.train_main(args + ["--ring-block", "flash"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: --ring-block flash cannot run here: head dim 32") and "Traceback" not in err
+
+
+def test_help_shows_every_default_and_the_docstring_commands_parse():
+    train_module = importlib.import_module("stages.train_gpt.train")  # the module (T.train is the function)
+
+    ap = train_module.parser()
+    for action in ap._actions:
+        if action.dest != "help":
+            assert "default" in (action.help or "").lower(), f"{action.option_strings}: no default in its help"
+    doc = train_module.__doc__.replace("\\\n", " ")
+    commands = [line.split("#")[0].split() for line in doc.splitlines() if "stages/05_train_gpt/train.py" in line]
+    assert len(commands) >= 6
+    for words in commands:
+        args = words[words.index("stages/05_train_gpt/train.py") + 1:]
+        train_module.parse(args)  # SystemExit on an unknown option or a bad value
+
+
+def _scaling_module():
+    spec = importlib.util.spec_from_file_location("train_scaling", SCALING)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("threshold,start", [(1000, 64), (50, 64), (10**6, 64)])
+def test_scaling_search_doubles_then_bisects_to_an_eighth(threshold, start):
+    S = _scaling_module()
+    unit, limit, tried = 4, 4096, []
+
+    def fits(n):
+        assert n % unit == 0 and unit <= n <= limit, n
+        tried.append(n)
+        return n <= threshold
+
+    n, why = S.longest_context(fits, start, unit, limit)
+    if threshold >= limit:
+        assert (n, why) == (limit, "search_max")
+    else:
+        assert why == "memory" and n % unit == 0 and n <= threshold < n + max(unit, n // S.RESOLUTION), (n, tried)
+    assert len(tried) <= 2 * np.log2(limit), tried
+
+
+def test_scaling_trial_verdict_is_agreed_by_every_rank():
+    """One rank out of memory: every rank learns that the context does not fit; an error on one rank is raised on
+    every rank (the ranks never wait for one that has stopped)."""
+    from stages.ring import simulate
+
+    S = _scaling_module()
+    assert simulate(lambda ring: S.agreed(ring.allgather, "oom" if ring.rank == 1 else "ok"), 2) == [False, False]
+    assert simulate(lambda ring: S.agreed(ring.allgather, "ok"), 2) == [True, True]
+    with pytest.raises(RuntimeError, match="failed on rank 0: error: boom"):
+        simulate(lambda ring: S.agreed(ring.allgather, "error: boom" if ring.rank == 0 else "ok"), 2)
+
+
+@pytest.mark.mpi
+def test_mpirun_train_scaling_smoke_writes_its_csv(tmp_path):
+    out = tmp_path / "scaling.csv"
+    cmd = mpirun_command(2) + [sys.executable, str(SCALING), *shlex.split(
+        "--backend numpy --context 64 --layers 1 --d-model 32 --heads 2 --steps 2 --search-start 16 --search-max 64"),
+        "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = list(csv.DictReader(open(out)))
+    assert [r["gpus"] for r in rows] == ["1", "2"], rows
+    assert rows[0]["speedup"] == "1.0" and float(rows[1]["tokens_per_s"]) > 0
+    assert all(r["longest_context"] == "64" and r["longest_limited_by"] == "search_max" for r in rows), rows
+    assert all(r["backend"] == "numpy" and r["one_gpu_attention"] and r["git_commit"] for r in rows), rows
+
+
 # ---------------------------------------------------------------- it learns
 
 
@@ -396,6 +554,37 @@ def test_gpu_mpirun_ring_training_on_one_gpu_matches(layout, tmp_path):
     one_loss = np.loadtxt(one_csv, delimiter=",", skiprows=1, usecols=1)
     diff = np.max(np.abs(ring_loss - one_loss))
     assert diff < 1e-3, f"ring (4 ranks, one GPU, {layout}) vs one device: max loss difference {diff:.2e}"
+
+
+NCCL_RANKS_SAME = r"""
+import hashlib, sys
+import cupy
+from stages import train_gpt as T
+from stages.ring import comm
+ring, backend, _ = comm.setup("nccl")
+data = T.RecallTask(256, n_values=16, seed=1)
+cfg = T.GPTConfig(vocab_size=data.vocab_size, context=256, n_layer=2, d_model=128, n_head=2)  # head dim 64
+hist = T.train(cfg, data, attention="ring", steps=6, batch=4, dtype=sys.argv[1], xp=cupy, ring=ring)
+digest = hashlib.sha256(b"".join(cupy.asnumpy(p).tobytes() for p in hist["params"].values())).hexdigest()
+every = ring.allgather(digest)
+if ring.rank == 0:
+    print("SAME" if len(set(every)) == 1 else f"DIFFERENT {every}", hist["loss"][-1], flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_nccl_ring_training_keeps_every_rank_identical(dtype):
+    """Two GPUs, one rank each: the gradients summed by the NCCL all-reduce leave every rank's parameters bit-identical
+    (bfloat16: the flash blocks run in the ring)."""
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs (the nccl backend: one GPU per rank)")
+    cmd = mpirun_command(2) + [sys.executable, "-c", NCCL_RANKS_SAME, dtype]
+    p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "SAME" in p.stdout, p.stdout + p.stderr
 
 
 def _torch_cuda():

@@ -5,6 +5,10 @@ Each kernel object has the stage API restricted to what a decoder needs (causal,
     dq, dk, dv = attn.backward(q, k, v, o, lse, do)
 A stage that does not take the model's compute dtype gets its inputs cast to one it takes (flash_v1 only
 takes float32: bfloat16 activations are widened for it, and its results rounded back).
+
+The ring computes each (query shard, key block) pair with stage 00 ("naive" blocks) or stages 02/03 ("flash"
+blocks); ring_blocks() decides which, from the head dim, the dtype and the device (passed in as arguments, so the
+decision is tested without a GPU).
 """
 import numpy as np
 
@@ -87,6 +91,65 @@ class RingAttention:
                                     layout=self.layout, block=self.block)
 
 
+def _dims(dims):
+    """Head dims as a reader writes them: '64, 128, 256', or '1..128' for a long run."""
+    dims = sorted(dims)
+    return f"{dims[0]}..{dims[-1]}" if len(dims) > 4 else ", ".join(map(str, dims))
+
+
+def _flash_versions(dtype):
+    """(stage 02 version, stage 03 version) the flash blocks run for dtype (each stage's "auto"); TypeError if none."""
+    dtype = np.dtype(dtype)
+    return (_stage("flash_v2").resolve_version("auto", dtype),
+            _stage("flash_v2_backward").resolve_version("auto", dtype))
+
+
+def flash_blocks_missing(dtype, head_dim, *, gpu, sm80=True):
+    """Why the ring's flash blocks (stage 02 forward, stage 03 backward, the versions their "auto" picks for dtype)
+    cannot run here, or "" when they can. gpu: the arrays are CuPy arrays; sm80: that GPU has the sm_80 instructions
+    the 16-bit kernels need (stages.common.device: Arch.bf16). On the CPU the stages' tile mirrors run, with the same
+    dtypes and head dims as the kernels."""
+    dtype = np.dtype(dtype)
+    try:
+        vf, vb = _flash_versions(dtype)
+    except TypeError:
+        return f"dtype {dtype.name} is not taken by stages 02/03 (float32, float16, bfloat16)"
+    for stage, version, dims in (("02", vf, _stage("flash_v2").head_dims(vf)),
+                                 ("03", vb, _stage("flash_v2_backward").HEAD_DIMS[vb])):
+        if head_dim not in dims:
+            return f"head dim {head_dim} is not taken by stage {stage} version {version}, which takes {_dims(dims)}"
+    if gpu and dtype != np.float32 and not sm80:
+        return (f"stage 02 version {vf} and stage 03 version {vb} ({dtype.name} tensor cores) need an sm_80 or "
+                "newer GPU")
+    return ""
+
+
+def ring_blocks(requested, *, dtype, head_dim, gpu, sm80=True):
+    """(block, description) for the ring inside the GPT: "flash" or "naive", and a phrase for the run's header.
+
+    requested None chooses: flash (stages 02/03) on a GPU where they take head_dim and dtype, naive (stage 00)
+    otherwise, and on the CPU (where the stages' tile mirrors would be exact but slow); the description says why.
+    An explicit "flash" that cannot run here is a ValueError that says what to change; "naive" always runs."""
+    if requested not in (None, "naive", "flash"):
+        raise ValueError(f"ring block {requested!r} is not known; use naive or flash")
+    why = flash_blocks_missing(dtype, head_dim, gpu=gpu, sm80=sm80)
+    if requested == "flash" and why:
+        fix = ""
+        if why.startswith("head dim"):  # the head dims both stages take in this dtype
+            vf, vb = _flash_versions(dtype)
+            both = set(_stage("flash_v2").head_dims(vf)) & set(_stage("flash_v2_backward").HEAD_DIMS[vb])
+            fix = f", or a head dim (d_model / heads) of {_dims(both)}"
+        raise ValueError(f"--ring-block flash cannot run here: {why}; use --ring-block naive (stage 00){fix}")
+    if requested == "naive":
+        return "naive", "naive (stage 00, as asked)"
+    if requested is None and not gpu:
+        return "naive", "naive (stage 00, the CPU default: the stage 02/03 tile mirrors are exact but slow)"
+    if why:
+        return "naive", f"naive (stage 00): {why}"
+    vf, vb = _flash_versions(dtype)
+    return "flash", f"flash (stage 02 version {vf}, stage 03 version {vb})"
+
+
 def make_attention(name, head_dim, dtype):
     """The single-device kernel object for --attention `name` (ring: build RingAttention with a communicator)."""
     if name not in ATTENTIONS:
@@ -94,4 +157,5 @@ def make_attention(name, head_dim, dtype):
     return StageAttention(name, head_dim, dtype)
 
 
-__all__ = ["ATTENTIONS", "StageAttention", "RingAttention", "make_attention"]
+__all__ = ["ATTENTIONS", "StageAttention", "RingAttention", "make_attention", "ring_blocks",
+           "flash_blocks_missing"]

@@ -199,7 +199,8 @@ def cross_entropy_forward(logits, targets):
 
     logits (B, N, V), targets (B, N) int with -1 where there is nothing to predict (the loss ignores it).
     Stable softmax: subtract the row max before exp. Returns (loss_sum, count, probs); the mean loss is
-    loss_sum / count over every token of the batch (summed over ranks under the ring)."""
+    loss_sum / count over every token of the batch (summed over ranks under the ring). loss_sum and count are 0-d
+    arrays on the logits' device (float() / int() read them): the forward never waits for the GPU."""
     xp = array_module(logits)
     B, N, V = logits.shape
     z = cast(logits, acc_dtype(logits.dtype))
@@ -212,7 +213,7 @@ def cross_entropy_forward(logits, targets):
     z_t = z.reshape(B * N, V)[xp.arange(B * N), t].reshape(B, N)  # (B, N) the target's logit
     logp_t = z_t - xp.log(sumexp[..., 0])  # (B, N) log softmax at the target
     loss_sum = -(logp_t * mask).sum()
-    return loss_sum, int(mask.sum()), probs
+    return loss_sum, mask.sum(), probs
 
 
 def cross_entropy_backward(probs, targets, count):
@@ -267,5 +268,8 @@ class AdamW:
 
 
 def grad_norm(grads):
-    """The global L2 norm of every gradient together (for clipping): sqrt(sum of squares), as a float."""
-    return math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+    """The global L2 norm of every gradient together (for clipping): sqrt(sum of squares), summed in float64.
+
+    A 0-d array on the gradients' device (float() reads it): computing it does not make the host wait for the GPU."""
+    xp = array_module(*grads.values())
+    return xp.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values()))

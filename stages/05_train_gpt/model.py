@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from stages.common import cast
+from stages.common import array_module, cast
 
 from . import layers as Lyr
 
@@ -85,15 +85,17 @@ def n_params(cfg):
 
 def forward(params, cfg, tokens, targets, pos, attn, cd):
     """Loss of one batch. tokens, targets (B, N) int (target -1: no loss there); pos (N,) global positions of
-    these tokens; attn: the attention kernel; cd: compute dtype of the activations (layers.py).
+    these tokens, a numpy array (checked on the host, then copied to the parameters' device); attn: the attention
+    kernel; cd: compute dtype of the activations (layers.py).
 
-    Returns (loss_sum, count, cache): the summed loss over the tokens with a target, how many there were,
-    and everything the backward needs."""
-    last = int(pos.max())  # the farthest global position among these tokens
+    Returns (loss_sum, count, cache): the summed loss over the tokens with a target and how many there were (0-d
+    arrays on the device: nothing here waits for the GPU), and everything the backward needs."""
+    last = int(np.max(pos))  # the farthest global position among these tokens
     if tokens.shape[1] > cfg.context or last >= cfg.context:
         raise ValueError(f"sequence of {tokens.shape[1]} tokens (positions up to {last}) does not fit the context "
                          f"of {cfg.context}")
     p, H = params, cfg.n_head
+    pos = array_module(p["wpe"]).asarray(pos)  # (N,) on the parameters' device
     x = Lyr.embedding_forward(tokens, pos, p["wte"], p["wpe"])  # (B, N, C), master dtype
     blocks = []
     for i in range(cfg.n_layer):
@@ -154,5 +156,5 @@ def backward(params, cfg, cache, attn, count):
 def loss_and_grads(params, cfg, tokens, targets, pos, attn, cd, count=None):
     """forward + backward on one device: (mean loss, grads)."""
     loss_sum, n, cache = forward(params, cfg, tokens, targets, pos, attn, cd)
-    count = count or n
+    count = count or int(n)
     return float(loss_sum) / count, backward(params, cfg, cache, attn, count)
