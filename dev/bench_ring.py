@@ -293,11 +293,13 @@ def _provenance():
         out["torch"] = torch.__version__
     except Exception:  # noqa: BLE001
         out["torch"] = ""
-    try:
-        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        out["commit"] = ""
+    out["commit"] = os.environ.get("ATTN_GIT_COMMIT", "")  # a copy of the tree without .git: the caller says
+    if not out["commit"]:
+        try:
+            out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001
+            out["commit"] = ""
     return out
 
 
