@@ -2,8 +2,10 @@
 
 One launch measures every ring size up to the number of ranks: with `mpirun -n 4` it times rings of 1, 2 and 4
 GPUs (sub-communicators of the first P ranks; the others sleep meanwhile). For each ring size P and each problem
-of CONFIGS (tokens per GPU T, heads H, kv heads Hkv, layout, mask) it times, with CUDA events (warm-up, median of
-repeats), on the same GPUs and the same problem:
+of CONFIGS (tokens per GPU T, heads H, kv heads Hkv, layout, mask) it times, with CUDA events, on the same GPUs and
+the same problem, in two modes: queued (calls back to back, as a training step queues them: the host's work for
+one call overlaps the GPU's work for the one before; the efficiencies use this) and synced (a wait after every
+call, the median of the repeats: the host's work before the first kernel shows; PyTorch's times are synced):
   ours        the ring forward and backward on P GPUs, total length N = P T (the slowest rank sets the time)
   one GPU     stage 02 forward and stage 03 backward on rank 0's GPU alone at the same N
   torch CP    PyTorch's context parallel (dev/torch_cp.py) on the same P GPUs, flash and cuDNN SDPA inside (when
@@ -39,7 +41,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # C
 import numpy as np  # noqa: E402
 
 from stages import ring as R  # noqa: E402
-from stages.common import PeakMemory, attention_flops, bfloat16, cast, gpu_name, time_ms  # noqa: E402
+from stages.common import PeakMemory, attention_flops, bfloat16, cast, gpu_name, time_ms, time_queued_ms  # noqa: E402
 from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
 from stages.ring.run import check_on_ranks  # noqa: E402
@@ -215,16 +217,23 @@ def _time_ring(ring, args, cfg, n, dtype, versions, block, gpu):
     with PeakMemory(gpu) as mem:  # the shards are the caller's; the ring's outputs, buffers and gradients count
         o, lse = R.ring_forward(q, k, v, version=versions[0], **kw)
         R.ring_backward(q, k, v, o, lse, do, version=versions[1], **kw)
-    warm = 1 if cfg.tokens * ring.size >= 65536 else 2
-    t_f = time_ms(lambda: R.ring_forward(q, k, v, version=versions[0], **kw), gpu=gpu, warmup=warm,
-                  repeat=args.repeat)
-    t_b = time_ms(lambda: R.ring_backward(q, k, v, o, lse, do, version=versions[1], **kw), gpu=gpu, warmup=warm,
-                  repeat=args.repeat)
+    out = _times(lambda: R.ring_forward(q, k, v, version=versions[0], **kw),
+                 lambda: R.ring_backward(q, k, v, o, lse, do, version=versions[1], **kw), args, gpu,
+                 cfg.tokens * ring.size)
     tl_f, tl_b = [], []
     R.ring_forward(q, k, v, version=versions[0], timeline=tl_f, **kw)
     R.ring_backward(q, k, v, o, lse, do, version=versions[1], timeline=tl_b, **kw)
-    return dict(fwd=t_f, bwd=t_b, peak=mem.peak + shards, exposed_f=sum(t["exposed_ms"] for t in tl_f),
+    return dict(out, peak=mem.peak + shards, exposed_f=sum(t["exposed_ms"] for t in tl_f),
                 exposed_b=sum(t["exposed_ms"] for t in tl_b))
+
+
+def _times(fwd, bwd, args, gpu, n):
+    """{fwd, bwd}: queued times; {fwd_synced, bwd_synced}: synced (median). Fewer warm-up calls for long problems."""
+    warm = 1 if n >= 65536 else 2
+    return dict(fwd=time_queued_ms(fwd, gpu=gpu, warmup=warm, repeat=args.repeat),
+                bwd=time_queued_ms(bwd, gpu=gpu, warmup=warm, repeat=args.repeat),
+                fwd_synced=time_ms(fwd, gpu=gpu, warmup=0, repeat=args.repeat),
+                bwd_synced=time_ms(bwd, gpu=gpu, warmup=0, repeat=args.repeat))
 
 
 def _one_gpu_kernels(gpu):
@@ -248,11 +257,9 @@ def _one_gpu(args, cfg, n, dtype, kernels, versions, gpu):
     with PeakMemory(gpu) as mem:
         o, lse = fwd(q, k, v, version=versions[0], **kw)
         bwd(q, k, v, o, lse, do, version=versions[1], **kw)
-    warm = 1 if n >= 65536 else 2
-    t_f = time_ms(lambda: fwd(q, k, v, version=versions[0], **kw), gpu=gpu, warmup=warm, repeat=args.repeat)
-    t_b = time_ms(lambda: bwd(q, k, v, o, lse, do, version=versions[1], **kw), gpu=gpu, warmup=warm,
-                  repeat=args.repeat)
-    return dict(fwd=t_f, bwd=t_b, peak=mem.peak + shards)
+    out = _times(lambda: fwd(q, k, v, version=versions[0], **kw),
+                 lambda: bwd(q, k, v, o, lse, do, version=versions[1], **kw), args, gpu, n)
+    return dict(out, peak=mem.peak + shards)
 
 
 def _time_torch(world, P, args, cfg, kernel):
@@ -305,6 +312,7 @@ def _provenance():
 
 def _row(name, backend, args, P, cfg, n, got, one, torch_rows):
     t_f, t_b = max(g["fwd"] for g in got), max(g["bwd"] for g in got)  # the slowest rank sets the pace
+    s_f, s_b = max(g["fwd_synced"] for g in got), max(g["bwd_synced"] for g in got)
     D = args.head_dim
     flops = attention_flops(BATCH, cfg.heads, n, n, D, causal=cfg.causal)
     bflops = attention_flops(BATCH, cfg.heads, n, n, D, causal=cfg.causal, backward=True)
@@ -314,9 +322,12 @@ def _row(name, backend, args, P, cfg, n, got, one, torch_rows):
         kv_heads=cfg.kv_heads, head_dim=D, tokens_per_gpu=cfg.tokens, total_tokens=n, layout=cfg.layout,
         causal=cfg.causal,
         ring_fwd_ms=r4(t_f), ring_bwd_ms=r4(t_b), one_gpu_fwd_ms=r4(one["fwd"]), one_gpu_bwd_ms=r4(one["bwd"]),
+        ring_fwd_ms_synced=r4(s_f), ring_bwd_ms_synced=r4(s_b), one_gpu_fwd_ms_synced=r4(one["fwd_synced"]),
+        one_gpu_bwd_ms_synced=r4(one["bwd_synced"]),
         ring_fwd_tflops_per_gpu=r4(flops / P / t_f / 1e9), ring_bwd_tflops_per_gpu=r4(bflops / P / t_b / 1e9),
         fwd_efficiency=r4(one["fwd"] / (P * t_f)), bwd_efficiency=r4(one["bwd"] / (P * t_b)),
         efficiency=r4((one["fwd"] + one["bwd"]) / (P * (t_f + t_b))),
+        efficiency_synced=r4((one["fwd_synced"] + one["bwd_synced"]) / (P * (s_f + s_b))),
         efficiency_target=cfg.target if cfg.target and P > 1 else "",
         fwd_exposed_comm_ms_max_rank=r4(max(g["exposed_f"] for g in got)),
         bwd_exposed_comm_ms_max_rank=r4(max(g["exposed_b"] for g in got)),
@@ -342,7 +353,8 @@ def _print(r):
     verdict = "" if target == "" else (" meets" if r["efficiency"] >= target else " MISSES") + f" {target}"
     mask = "causal" if r["causal"] else "full"
     line = (f"P={r['gpus']} {r['config']:>20} T={r['tokens_per_gpu']:>6}/GPU H={r['heads']}/{r['kv_heads']} "
-            f"{r['layout']:>10} {mask:>6} | ours fwd {r['ring_fwd_ms']:8.2f} bwd {r['ring_bwd_ms']:8.2f} ms | "
+            f"{r['layout']:>10} {mask:>6} | ours fwd {r['ring_fwd_ms']:8.2f} bwd {r['ring_bwd_ms']:8.2f} ms (synced "
+            f"{r['ring_fwd_ms_synced']:.2f} {r['ring_bwd_ms_synced']:.2f}) | "
             f"efficiency fwd {r['fwd_efficiency']:.3f} bwd {r['bwd_efficiency']:.3f} fwd+bwd {r['efficiency']:.3f}"
             f"{verdict} | exposed fwd {r['fwd_exposed_comm_ms_max_rank']:.2f} bwd "
             f"{r['bwd_exposed_comm_ms_max_rank']:.2f} ms | peak/GPU {r['peak_mb_per_gpu']:.0f} MB = "

@@ -4,7 +4,8 @@ What is measured. The stage 05 GPT (default 4 layers, d_model 512, 4 heads of di
 float32 master weights, batch 1) is trained through stage 04's ring (zigzag layout, one process per GPU, NCCL),
 for each ring size P = 1, 2, 4 in one launch: the first P ranks form the ring (a sub-communicator), the others wait.
 
-  1. Speed at a fixed context (default 65536 tokens, the same model and the same total work at every P):
+  1. Speed at a fixed context (default 131072 tokens, the same model and the same total work at every P; long
+     enough that each GPU's share of a step outweighs the host's fixed work per step, which does not shrink with P):
      WARMUP untimed training steps, then STEPS timed ones. A step is everything the training loop does: the
      batch, the forward, the backward, the gradient sum over the ranks, the clipping and the AdamW step, ending
      with the one read of the loss that makes the host wait for the GPU. The median step time of the slowest rank
@@ -59,7 +60,7 @@ from stages.train_gpt.train import DTYPES, device_facts  # noqa: E402
 LAYERS, D_MODEL, HEADS = 4, 512, 4  # head dim 128: stages 02/03 take it in bfloat16
 DTYPE = "bfloat16"  # activations on GPUs (float32 on the numpy backend)
 BATCH = 1  # sequences per step
-CONTEXT = 65536  # tokens per sequence of the speed runs: the same total work at every P
+CONTEXT = 131072  # tokens per sequence of the speed runs: the same total work at every P
 WARMUP, STEPS = 2, 5  # untimed, then timed training steps (median)
 LR = 1e-3
 LAYOUT = "zigzag"

@@ -227,6 +227,7 @@ class NumpyRing:
 
     def __init__(self, comm):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self._sending = []  # send requests still in flight: their buffers may be received into only once they are done
 
     def _sendrecv_replace(self, host, shift):
         src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
@@ -234,13 +235,18 @@ class NumpyRing:
             self.comm.Sendrecv_replace(host[at:at + MAX_MPI_BYTES], dest=dst, sendtag=7, source=src, recvtag=7)
 
     def exchange(self, sends, recvs, shift=1):
-        """Post sends to rank + shift and receives from rank - shift (shift 1: the ring's neighbours)."""
-        reqs = []
+        """Post sends to rank + shift and receives from rank - shift (shift 1: the ring's neighbours). A buffer that
+        an earlier exchange sends from may be a receive buffer here (as on a GPU stream, where transfers run in the
+        order they were posted): the earlier sends are finished first."""
+        from mpi4py import MPI
+
+        MPI.Request.Waitall(self._sending)
+        reqs, self._sending = [], []
         src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
         for i, (s, r) in enumerate(zip(sends, recvs)):
             reqs.append(self.comm.Irecv(_bytes(r), source=src, tag=i))
-            reqs.append(self.comm.Isend(_bytes(s), dest=dst, tag=i))
-        return reqs
+            self._sending.append(self.comm.Isend(_bytes(s), dest=dst, tag=i))
+        return reqs + self._sending
 
     def rotate(self, buf, shift=1):
         """buf (1-D uint8, contiguous): rank + shift gets our bytes, we get rank - shift's. Done on return."""

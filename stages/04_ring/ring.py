@@ -19,12 +19,12 @@ at rank j after the last step.
 How a block travels (what makes the ring pay on real GPUs):
   * Forward: whole blocks, double-buffered. The next K_j, V_j lands in a second buffer while the current one is
     computed (one kernel call per step and mask run: long loops over many keys, which is what keeps the kernels fast).
-  * Backward: in halves, in place. The block (K_j, V_j and the float32 dK_j, dV_j summed so far) is cut into two
-    halves by key rows (layout.halves), each one contiguous slot of bytes. The rank computes with half 0 while half 1
-    is still arriving, then sends half 0 on (rotating it in place, comm.py) while it computes with half 1: every
-    transfer hides behind the other half's compute, dK_j, dV_j are added to in place because they arrived before the
-    compute that adds to them, and a rank holds one block, not two (one in use and one arriving): its memory is its
-    shards, its accumulators and one block.
+  * Backward: in halves. The block (K_j, V_j and the float32 dK_j, dV_j summed so far) is cut into two halves by
+    key rows (layout.halves), each one contiguous slot of bytes. The rank computes with half 0 while half 1 is still
+    arriving, then sends half 0 on while it computes with half 1: every transfer hides behind the other half's
+    compute, and dK_j, dV_j are added to in place because they arrived before the compute that adds to them. A rank
+    holds a block and a half (the half in flight lands in a spare), not the two blocks and two gradient buffers of
+    a double-buffered ring: its memory is its shards, its accumulators and 1.5 blocks.
   * Merged where it is computed. On the GPU the kernels add each block into the ring's float32 accumulators
     themselves: version pipelined merges O_rj, L_rj into O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
     atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
@@ -377,29 +377,29 @@ def memory_per_token(H, Hkv, D, dtype, P):
 class _Travel:
     """The key block this rank holds, in halves (layout.halves): each half one contiguous slot of bytes holding the
     half's dK, dV accumulators (float32, backward only) then its K, V rows. arrive(h) waits for half h; depart(h, hop)
-    rotates it in place to rank r + hop (the gradients only on the way home). With one rank the block is the
-    caller's own k, v and nothing travels."""
+    sends it to rank r + hop while rank r - hop's half h arrives (the gradients only, on the way home). With one rank
+    the block is the caller's own k, v and nothing travels.
+
+    Two ways to move a half (SPARE): exchange it with a spare half-sized buffer that the arriving half lands in (the
+    slot and the spare then swap buffers: one transfer, no copy, half a block more memory), or rotate it in place
+    (comm.rotate: the bytes go through a staging buffer of 1/8 of them, chunk by chunk, and are copied back: the
+    least memory, but a rotation is a chain of small transfers and copies, and on a GPU busy with the other half's
+    kernels each of them waits for a free SM, so it can outlast that half's compute). The spare is the default."""
+    SPARE = True
 
     def __init__(self, ring, prob, k, v, grads):
-        xp, self.ring = prob.xp, ring
-        acc = _partial_dtype(k.dtype)
+        xp, self.ring, self.xp = prob.xp, ring, prob.xp
+        self.acc, self.dtype, self.grads, self.P = _partial_dtype(k.dtype), k.dtype, grads, prob.P
+        self.shapes = [(prob.B, prob.Hkv, len(rows), prob.D) for rows in prob.key_halves]  # (B, Hkv, L_h, D)
+        self.nbytes = max(self._sizes(shape)[-1] for shape in self.shapes)  # every slot the same size: they swap
+        self.spare = xp.empty(self.nbytes, np.uint8) if self.SPARE and prob.P > 1 else None
         self.slots, self.pending = [], []
-        for rows in prob.key_halves:
-            shape = (prob.B, prob.Hkv, len(rows), prob.D)  # (B, Hkv, L_h, D)
-            n = int(np.prod(shape))
-            sizes = [n * acc.itemsize] * (2 if grads else 0) + [n * k.dtype.itemsize] * (2 if prob.P > 1 else 0)
-            buf = xp.empty(sum(sizes), np.uint8)  # [dK_h | dV_h | K_h | V_h]
-            views, at = [], 0
-            for size, dt in zip(sizes, [acc] * (2 if grads else 0) + [k.dtype] * 2):
-                views.append(buf[at:at + size].view(dt).reshape(shape))
-                at += size
-            slot = {"bytes": buf, "grad_bytes": 2 * n * acc.itemsize if grads else 0}
+        for rows, shape in zip(prob.key_halves, self.shapes):
+            slot = self._slot(xp.empty(self.nbytes, np.uint8), shape)  # [dK_h | dV_h | K_h | V_h]
             if grads:
-                slot["dk"], slot["dv"] = views[0], views[1]
                 slot["dk"][...] = 0
                 slot["dv"][...] = 0
             if prob.P > 1:  # the rank's own rows of this half, copied into the slot that will travel
-                slot["k"], slot["v"] = views[-2], views[-1]
                 for a, b, at in _runs(rows):
                     slot["k"][:, :, at:at + b - a] = k[:, :, a:b]
                     slot["v"][:, :, at:at + b - a] = v[:, :, a:b]
@@ -407,6 +407,21 @@ class _Travel:
                 slot["k"], slot["v"] = k, v
             self.slots.append(slot)
             self.pending.append(None)
+
+    def _sizes(self, shape):
+        """Byte offsets in a slot: [0, end of dK, end of dV, end of K, end of V] (dK, dV in the backward only)."""
+        n = int(np.prod(shape))
+        widths = [n * self.acc.itemsize] * (2 if self.grads else 0) + [n * self.dtype.itemsize] * 2
+        return [0] + np.cumsum(widths).tolist()
+
+    def _slot(self, buf, shape):
+        """The views of one slot's bytes: dk, dv (backward), k, v, each (B, Hkv, L_h, D)."""
+        at = self._sizes(shape)
+        names = (["dk", "dv"] if self.grads else []) + ["k", "v"]
+        dts = [self.acc] * (2 if self.grads else 0) + [self.dtype] * 2
+        slot = {name: buf[at[i]:at[i + 1]].view(dt).reshape(shape) for i, (name, dt) in enumerate(zip(names, dts))}
+        slot.update(bytes=buf, grad_bytes=at[2] if self.grads else 0, size=at[-1])
+        return slot
 
     def arrive(self, h):
         """Half h has landed here (GPU: the compute stream waits for it; the host does not)."""
@@ -418,9 +433,16 @@ class _Travel:
         """Send half h on to rank r + hop (and receive rank r - hop's half h in its place), after the work queued on
         it so far."""
         slot = self.slots[h]
-        n = slot["grad_bytes"] if grads_only else slot["bytes"].nbytes
-        if hop and n:
+        n = slot["grad_bytes"] if grads_only else slot["size"]
+        if not (hop and n):
+            return
+        if self.spare is None:
             self.pending[h] = self.ring.rotate(slot["bytes"][:n], hop)
+            return
+        arriving = self.spare  # the spare receives; the slot's own buffer is the spare once its bytes have left
+        self.pending[h] = self.ring.exchange([slot["bytes"][:n]], [arriving[:n]], hop)
+        self.spare = slot["bytes"]
+        self.slots[h] = self._slot(arriving, self.shapes[h])
 
 
 def _runs(rows):
