@@ -20,7 +20,8 @@ EXPECTED_FIGURES = {
                                  # cp.async timeline, TF32 bits, 3xTF32 errors, benchmark; variants: masks,
                                  # window tiles, softcap and ALiBi
     "03_flash_v2_backward": 3,   # memory (store vs recompute), causal tiles visited, benchmark
-    "04_ring": 5,                # schedule, backward schedule, zigzag work, window steps, timeline
+    "04_ring": 7,                # schedule, backward schedule, zigzag work, window steps, timeline, the halves,
+                                 # efficiency and memory on 4 GPUs
     "05_train_gpt": 1,           # loss curves of the kernels on the recall task
 }
 MAX_NOTEBOOK_BYTES = 1_000_000   # outputs stay small: PNGs at a modest dpi, no huge printouts

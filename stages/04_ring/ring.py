@@ -278,7 +278,8 @@ def check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, s
 def check_dropout_tiles(prob, block, where):
     """Dropout through the CUDA kernels: they draw the mask 16 x 16 blocks at a time, so every block call of this
     rank must start at a global query row and key that are multiples of 16 (variants.check_kernel_origin). That holds
-    when the shards are whole 16-row tiles and there is no left window side (a band's calls start one key apart).
+    when the shards are whole 16-row tiles (the backward's halves are cut on the grid too), with a left window side
+    only where the band's calls (which start one key apart) still land on the grid.
     A clear error before the ring turns, instead of one in the middle of it."""
     if not prob.dropout_p or block != "flash" or prob.xp is np:
         return
@@ -293,7 +294,7 @@ def check_dropout_tiles(prob, block, where):
                         f"problem, and with {prob.P} ranks, layout {prob.layout}, nq={prob.nq}, nk={prob.nk} and "
                         f"window {prob.window} a block call starts at query {qpos[c.a]}, key {kpos[c.c]}. Use lengths "
                         "whose shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) and no "
-                        "left window side (a band's calls start one key apart), or block='naive'")
+                        "left window side off that grid (a band's calls start one key apart), or block='naive'")
 
 
 def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra, window, softcap, alibi_slopes,
@@ -356,21 +357,19 @@ def schedule(P, nq, nk, *, layout="zigzag", causal=False, window=None, kv_shape=
     return out
 
 
-def memory_per_token(H, Hkv, D, dtype, P):
-    """What one rank holds per token of its shard, in bytes, by buffer: {name: bytes per token}. The ring's own
-    buffers (comm.py's staging not counted: 1/8 of a half block in flight) next to the shards it is given and the
-    outputs it returns; peak of one forward + backward, as the ring holds them at its busiest moment (the last step of
-    the backward, or the casts after it, whichever is larger: they are about equal)."""
+def memory_per_token(H, Hkv, D, dtype):
+    """What a rank of a ring of P >= 2 holds per token of its shard at its busiest moment (the backward's steps), in
+    bytes, by buffer: [(buffer, bytes per token)]. The same for every P: a rank's memory follows its shard. One device
+    holds per token of the whole sequence its inputs, o, a float32 dQ accumulator and the gradients, (4 H + 4 Hkv) D e
+    + 4 H D bytes (e: the dtype's size), so a rank holds about sum(memory_per_token) / (P x that) of one device's
+    peak: more than 1/P, because of the float32 accumulators and the block in flight (stage 04's README). A ring of
+    one rank is one stages 02/03 call: one device's memory."""
     e, f = np.dtype(dtype).itemsize, _partial_dtype(dtype).itemsize
-    kv = 2 * Hkv * D
-    out = {"q, k, v, dO shards (inputs)": (2 * H * D + kv) * e,
-           "o (forward output, kept for the backward)": H * D * e,
-           "dQ accumulator (float32)": H * D * f,
-           "travelling block: dK, dV (float32)": kv * f}
-    if P > 1:
-        out["travelling block: K, V (the rank's own, copied in)"] = kv * e
-    out["dq, dk, dv (outputs, made at the end)"] = (H * D + kv) * e
-    return out
+    kv = 2 * Hkv * D  # K and V, or dK and dV, per token
+    return [("q, k, v, dO shards (the caller's)", (2 * H * D + kv) * e),
+            ("o, lse (the forward's result, kept for the backward)", H * D * e + 4 * H),
+            ("dQ_r accumulator, float32", H * D * f),
+            ("the block in halves: K, V and dK, dV (float32); two halves and a spare", 3 * kv * (e + f) // 2)]
 
 
 # ----------------------------------------------------------------------------- the travelling block
@@ -649,7 +648,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     if valid < prob.Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
         do = do.copy()
         do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
-    o, lse, do = xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=np.float32), xp.ascontiguousarray(do)
+    o, lse, do = xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=acc), xp.ascontiguousarray(do)
     dq_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # dQ_r stays home
     travel = _Travel(ring, prob, k, v, grads=True)  # K_j, V_j and their dK_j, dV_j accumulators
     marks = _Timeline(xp)
@@ -670,10 +669,11 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
             marks.marks.append((s, t0, t1, marks.mark()))
     for h in range(len(travel.slots)):
         travel.arrive(h)  # our own dK_r, dV_r are home
+    travel.spare = None  # (memory back to the pool before the outputs are made; as the accumulator below)
     if timeline is not None:
         marks.record(timeline)
     dq = cast(dq_run, q.dtype)
-    del dq_run  # (the accumulator's memory goes back to the pool before dk, dv are made)
+    del dq_run
     dk, dv = xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype)
     for rows, slot in zip(prob.key_halves, travel.slots):  # back from the halves into the shard's row order
         for a, b, at in _runs(rows):

@@ -95,7 +95,7 @@ def parse(argv):
                     help="ALiBi with the paper's geometric slopes (S -> S - slope_h |i - j|, global distances)")
     ap.add_argument("--dropout", type=float, default=None, metavar="P",
                     help="dropout probability (seed 0): the ring draws the one-device mask (on the GPU: lengths of "
-                         "whole 16-row tiles per shard chunk, no left window side)")
+                         "whole 16-row tiles per shard chunk, no left window side off that grid)")
     ap.add_argument("--repeat", type=positive_int, default=REPEAT, help="timed calls, queued back to back")
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds), for scripts/run_all.py")
     return ap.parse_args(argv)
