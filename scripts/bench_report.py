@@ -438,7 +438,7 @@ def ring_table(rows, *, full=False):
 
 def _ring_shape(rows):
     r = rows[0]
-    return f"{r['dtype']}, B = {r['batch']}, d = {r['head_dim']}, backend {r['backend']}, commit {r['commit']}"
+    return f"{r['dtype']}, B = {r['batch']}, d = {r['head_dim']}, backend {r['backend']}"
 
 
 def ring_section(results_dir):
@@ -487,7 +487,7 @@ def scaling_section(results_dir):
     rows = read_scaling_csv(path)
     r = rows[0]
     return (f"Sequence-parallel training (stage 05 through the ring) on **{max(x['gpus'] for x in rows)} x "
-            f"{r['gpu']}** (`results/{SCALING_CSV}`, commit {r['git_commit']}): {r['layers']} layers, d_model "
+            f"{r['gpu']}** (`results/{SCALING_CSV}`): {r['layers']} layers, d_model "
             f"{r['d_model']}, {r['heads']} heads, {r['dtype']}, batch {r['batch']}; tokens/s at the same context on "
             f"every ring size, and the longest context whose training steps fit a {float(r['mem_cap_gib']):g} GiB "
             "memory pool per GPU (found by search):\n\n" + scaling_table(rows))
@@ -656,7 +656,7 @@ def variants_table(path, source):
     ours (above 1: ours is faster)."""
     rows = read_rows(path)
     r0 = rows[0]
-    out = [f"{source['gpu']}, commit {r0['git_commit']}, `{source['command']}`; bf16, N = {r0['seq']}, H = "
+    out = [f"{source['gpu']}, `{source['command']}`; bf16, N = {r0['seq']}, H = "
            f"{r0['heads']}, d = {r0['head_dim']}, B = 1 (the packed batch: 8 causal sequences). Ratio: the "
            "reference's time over ours (above 1: ours is faster).", "",
            "| variant | ours, ms | reference | reference, ms | ratio |", "|---|---:|---|---:|---:|"]
@@ -676,7 +676,7 @@ def host_time_table(path, source):
     rows = read_rows(path)
     r0 = rows[0]
     by = {r["step"]: r for r in rows}
-    out = [f"{source['gpu']}, commit {r0['git_commit']}, `{source['command']}`; {r0['problem']}: a problem small "
+    out = [f"{source['gpu']}, `{source['command']}`; {r0['problem']}: a problem small "
            "enough that the GPU never holds the host up. Median and min over the samples (a whole call and most "
            "pieces: rounds of calls back to back; cuLaunchKernel: one launch at a time, after a wait for the GPU "
            "or behind queued work).", "",
@@ -805,7 +805,7 @@ def ring_error_table(results_dir):
     r0 = rows[0]
     out = [f"B = {r0['B']}, H = {r0['H']}, N = {r0['N']}, d = {r0['D']}, {r0['layout']}, causal, block "
            f"{r0['block']}; max error against the float64 oracle, and its bound under the tolerance rule "
-           f"(`{path.name}`, commit {r0['git_commit']}, `python scripts/ring_errors.py`).", "",
+           f"(`{path.name}`, `python scripts/ring_errors.py`).", "",
            "| dtype | ranks P | " + " | ".join(f"{n} error / bound" for n in names) + " |",
            "|---|---:|" + "---:|" * len(names)]
     for r in rows:
@@ -820,7 +820,7 @@ def vs_torch_table(results_dir):
     path = pathlib.Path(results_dir) / "train_gpt_vs_torch.csv"
     rows = read_rows(path)
     r0 = rows[0]
-    out = [f"`{path.name}`: {r0['gpu']}, commit {r0['git_commit']}, `python stages/05_train_gpt/gpu_runs.py --parts 2`;"
+    out = [f"`{path.name}`: {r0['gpu']}, `python stages/05_train_gpt/gpu_runs.py --parts 2`;"
            f" {len({r['step'] for r in rows})} steps. Max over the run of |loss - PyTorch SDPA's loss|, and the final "
            "losses:", "",
            "| task | dtype | ours (CuPy, flash_v2) | PyTorch, SDPA math | PyTorch + our attention | final loss: ours / "

@@ -7,5 +7,7 @@ set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 echo "[test] ruff check ."
 ruff check .
-echo "[test] pytest"
+echo "[test] pytest on every core: the stages' CPU tests and tile mirrors, the mpirun ring tests, the notebooks, and"
+echo "       an NVRTC compile of every kernel configuration for sm_75 to sm_90 (the slowest part: a few minutes on"
+echo "       two cores, mostly at the end of the progress bar). GPU tests skip on a machine without a GPU."
 python -m pytest -q -n auto "$@"

@@ -103,7 +103,12 @@ def test_bad_inputs_raise_clear_errors():
         flash_v1.forward(q, k, v, scale=0.0)
     with pytest.raises(ValueError, match="empty input"):
         flash_v1.forward(q[:, :, :0], k, v)
+    for bad in ("no", "yes", 0.5, None):  # causal takes True or False, as every stage does
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            flash_v1.forward(q, k, v, causal=bad)
     o, lse = flash_v1.forward(q, k, v)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        flash_v1.backward(q, k, v, o, lse, o, causal="no")
     with pytest.raises(ValueError, match="lse"):
         flash_v1.backward(q, k, v, o, lse[..., :3], o)
     with pytest.raises(ValueError, match="head_dim 160"):

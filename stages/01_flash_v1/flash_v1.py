@@ -9,7 +9,9 @@ per (batch, head). Supported: float32, any head_dim from 1 to 128, any Nq and Nk
 """
 import numpy as np
 
-from stages.common import check_attention_inputs, check_backward_inputs, device, empty, load_module, resolve_scale
+from stages.common import (
+    check_attention_inputs, check_backward_inputs, check_causal, device, empty, load_module, resolve_scale,
+)
 
 from . import mirror
 
@@ -75,6 +77,7 @@ def kernel_plans(dev):
 def forward(q, k, v, *, causal=False, scale=None, version="paper"):
     """FlashAttention v1 forward. Returns o (B, H, Nq, D) and lse (B, H, Nq), both float32."""
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=DTYPES, where="flash_v1.forward")
+    causal = check_causal(causal, "flash_v1.forward")
     _check_common(D, version, "flash_v1.forward")
     scale = resolve_scale(scale, D)
     if xp is np:
@@ -97,6 +100,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="paper"):
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="paper"):
     """FlashAttention v1 backward from the saved lse. Returns dq, dk, dv (float32, like q, k, v)."""
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, dtypes=DTYPES, where="flash_v1.backward")
+    causal = check_causal(causal, "flash_v1.backward")
     _check_common(D, version, "flash_v1.backward")
     scale = resolve_scale(scale, D)
     lse = lse.astype(np.float32, copy=False)  # (B, H, Nq)

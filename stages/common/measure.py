@@ -35,7 +35,8 @@ def gpu_status():
         raise RuntimeError(f"an NVIDIA driver is present but CuPy cannot use the GPU ({problem}); fix the CuPy "
                            "install (cupy-cuda12x or cupy-cuda13x to match the driver), or run on the CPU only "
                            "with CUDA_VISIBLE_DEVICES=-1")
-    return False, f"no CUDA GPU: no NVIDIA driver on this machine ({problem})"
+    # (CuPy's own error here, "insufficient driver", only says that no driver is installed: it is not repeated)
+    return False, "no CUDA GPU on this machine (no NVIDIA driver): this check runs on a GPU"
 
 
 def has_gpu():
