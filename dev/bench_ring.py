@@ -29,7 +29,6 @@ import argparse
 import csv
 import os
 import pathlib
-import subprocess
 import sys
 from typing import NamedTuple
 
@@ -41,7 +40,9 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # C
 import numpy as np  # noqa: E402
 
 from stages import ring as R  # noqa: E402
-from stages.common import PeakMemory, attention_flops, bfloat16, cast, gpu_name, time_ms, time_queued_ms  # noqa: E402
+from stages.common import (  # noqa: E402
+    PeakMemory, attention_flops, bfloat16, cast, code_version, gpu_name, time_ms, time_queued_ms,
+)
 from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
 from stages.ring.run import check_on_ranks  # noqa: E402
@@ -300,13 +301,7 @@ def _provenance():
         out["torch"] = torch.__version__
     except Exception:  # noqa: BLE001
         out["torch"] = ""
-    out["commit"] = os.environ.get("ATTN_GIT_COMMIT", "")  # a copy of the tree without .git: the caller says
-    if not out["commit"]:
-        try:
-            out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True, timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001
-            out["commit"] = ""
+    out["commit"] = code_version()
     return out
 
 
@@ -369,12 +364,4 @@ def _print(r):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(0 if main() else 1)
-    except SystemExit:
-        raise
-    except BaseException as e:  # one rank's error ends the job (never a hang)
-        import traceback
-
-        comm_mod.abort(e, trace=traceback.format_exc())
-    sys.exit(1)
+    comm_mod.run_main(lambda: 0 if main() else 1)  # one rank's error ends every rank (never a hang)

@@ -25,9 +25,9 @@ for each ring size P = 1, 2, 4 in one launch: the first P ranks form the ring (a
      What does not shrink with P: the parameters, their gradients and AdamW's moments, on every rank; the position
      table among them has one row per token of the context.
 
-Why. Issue 33: training on 4 GPUs was slower than on 1, because the parameter gradients went through the host
-(an MPI Allgather) every step. They are now summed by one NCCL all-reduce on the GPUs (train.py: the ring's
-allreduce_sum); this measures what that gives.
+Why. Splitting the sequence splits the attention and the activations over the GPUs, but every step also sums the
+parameter gradients over the ranks (train.py: the ring's allreduce_sum, one NCCL all-reduce on the GPUs), a cost
+that does not shrink with P; the speedup says whether the split pays at this context.
 
     mpirun -n 4 python dev/train_scaling.py --out results/train_gpt_scaling.csv       # 4 GPUs: P = 1, 2, 4
     mpirun -n 2 python dev/train_scaling.py --context 16384 --no-search                # quicker, P = 1, 2
@@ -39,7 +39,6 @@ import argparse
 import csv
 import os
 import pathlib
-import subprocess
 import sys
 import threading
 
@@ -51,7 +50,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # C
 import numpy as np  # noqa: E402
 
 from stages import train_gpt as T  # noqa: E402
-from stages.common import gpu_name  # noqa: E402
+from stages.common import code_version, gpu_name  # noqa: E402
 from stages.common.cli import nonnegative_int, positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
 from stages.train_gpt.train import DTYPES, device_facts  # noqa: E402
@@ -225,19 +224,8 @@ def search(ring, sub, args, xp, dtype, block, say):
 
 # ---------------------------------------------------------------------------- rows, provenance
 def provenance():
-    """git commit (ATTN_GIT_COMMIT for a copy of the tree without .git; '-dirty' with uncommitted changes to tracked
-    files) and the CuPy version."""
-    commit = os.environ.get("ATTN_GIT_COMMIT")
-    if not commit:
-        try:
-            git = ["git", "-C", str(ROOT)]
-            commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True,
-                                    timeout=10).stdout.strip() or "unknown"
-            dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, timeout=10).stdout.strip()
-            commit += "-dirty" if dirty and commit != "unknown" else ""
-        except (OSError, subprocess.SubprocessError):
-            commit = "unknown"
+    """The code this run measured (git commit) and the CuPy version."""
+    commit = code_version()
     try:
         import cupy
 
@@ -349,12 +337,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except SystemExit:
-        raise
-    except BaseException as e:  # one rank's error ends the job (never a hang)
-        import traceback
-
-        comm_mod.abort(e, trace=traceback.format_exc())
-    sys.exit(1)
+    comm_mod.run_main(main)  # one rank's error ends every rank (never a hang)

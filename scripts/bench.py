@@ -123,21 +123,20 @@ def provenance(cupy, torch, gpu):
     """The columns that say which run a CSV row comes from (the same on every row of one run)."""
     import datetime
 
+    from stages.common import code_version
+
     def out(cmd):
         try:
             return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
         except Exception:
             return ""
 
-    # ATTN_GIT_COMMIT: the commit of a copy of the tree made elsewhere (a GPU machine given the files, not the repo)
-    commit = os.environ.get("ATTN_GIT_COMMIT") or out(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
-    if not os.environ.get("ATTN_GIT_COMMIT") and out(["git", "status", "--porcelain"]):
-        commit += "-dirty"
     driver = str(cupy.cuda.runtime.driverGetVersion())
     smi = out(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()
     if smi and smi[0].strip():
         driver += f" ({smi[0].strip()})"
-    return dict(git_commit=commit, gpu=gpu, driver=driver, cuda_runtime=str(cupy.cuda.runtime.runtimeGetVersion()),
+    return dict(git_commit=code_version(), gpu=gpu, driver=driver,
+                cuda_runtime=str(cupy.cuda.runtime.runtimeGetVersion()),
                 cupy=cupy.__version__, torch=getattr(torch, "__version__", "") if torch is not None else "",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 

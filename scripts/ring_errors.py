@@ -13,12 +13,11 @@ import argparse
 import csv
 import datetime
 import pathlib
-import subprocess
 
 import numpy as np
 
 from stages import ring
-from stages.common import bfloat16, make_inputs, verify
+from stages.common import bfloat16, code_version, make_inputs, verify
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPE = (1, 2, 256, 64)  # B, H, N, D
@@ -29,8 +28,7 @@ NAMES = ("o", "lse", "dq", "dk", "dv")
 
 def rows(seed=0):
     B, H, N, D = SHAPE
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = code_version()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     for name, dtype in DTYPES.items():
         q, k, v, do = make_inputs(B, H, N, N, D, dtype=dtype, seed=seed, grad=True)

@@ -223,6 +223,16 @@ def test_ring_simulated_cases(case, layout):
     _check_ring(q, k, v, do, causal, layout=layout, ranks=P)
 
 
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_backward_rotating_its_halves_in_place(layout, causal, monkeypatch):
+    """The backward's low-memory way to move a half (no spare: each half rotates in place, comm.rotate) gives the same
+    gradients as the default (a spare half the arriving one lands in)."""
+    monkeypatch.setattr(ring.ring._Travel, "SPARE", False)
+    q, k, v, do = make_inputs(1, 2, 67, 67, 32, dtype=np.float32, grad=True)
+    _check_ring(q, k, v, do, causal, layout=layout, ranks=4)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])

@@ -195,6 +195,26 @@ def abort(exc, comm=None, trace=""):
     comm.Abort(1)
 
 
+def run_main(main, everywhere=()):
+    """Exit with main()'s status on this rank; an error on one rank ends the whole job (abort) instead of leaving the
+    other ranks blocked in a transfer. Errors of the types in `everywhere` are raised on every rank at once: each rank
+    prints its own before the job ends. SystemExit (argparse's --help or a bad option) exits as usual."""
+    try:
+        status = main()
+    except SystemExit:
+        raise
+    except everywhere as e:
+        world().Barrier()  # every rank has reached this point (and printed) before the abort
+        abort(e)
+    except BaseException as e:
+        import traceback
+
+        abort(e, trace=traceback.format_exc())
+    else:
+        sys.exit(status)
+    os._exit(1)  # MPI_Abort returned (some MPIs do, while mpirun tears the job down): never exit 0
+
+
 def fixed_order_sum(every):
     """The sum of P ranks' arrays, added in rank order 0, 1, ..., P-1: every rank that adds the same arrays in the same
     order gets the same bits (an MPI Allreduce may round differently on different ranks)."""

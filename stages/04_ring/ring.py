@@ -53,7 +53,7 @@ from stages.common import (
     cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale, variants,
 )
 
-from .layout import LAYOUTS, check_layout, check_ranks, halves, plan, positions, shard, shard_len, steps, unshard
+from .layout import LAYOUTS, _runs, check_layout, check_ranks, halves, plan, positions, shard, shard_len, steps, unshard
 
 __all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version",
            "RingMismatch", "check_same_everywhere", "LAYOUTS", "plan", "positions", "shard", "shard_len", "unshard",
@@ -374,8 +374,8 @@ def memory_per_token(H, Hkv, D, dtype):
 
 # ----------------------------------------------------------------------------- the travelling block
 class _Travel:
-    """The key block this rank holds, in halves (layout.halves): each half one contiguous slot of bytes holding the
-    half's dK, dV accumulators (float32, backward only) then its K, V rows. arrive(h) waits for half h; depart(h, hop)
+    """The backward's key block on this rank, in halves (layout.halves): each half one contiguous slot of bytes holding
+    the half's dK, dV accumulators (float32) then its K, V rows. arrive(h) waits for half h; depart(h, hop)
     sends it to rank r + hop while rank r - hop's half h arrives (the gradients only, on the way home). With one rank
     the block is the caller's own k, v and nothing travels.
 
@@ -386,20 +386,19 @@ class _Travel:
     kernels each of them waits for a free SM, so it can outlast that half's compute). The spare is the default."""
     SPARE = True
 
-    def __init__(self, ring, prob, k, v, grads):
-        xp, self.ring, self.xp = prob.xp, ring, prob.xp
-        self.acc, self.dtype, self.grads, self.P = _partial_dtype(k.dtype), k.dtype, grads, prob.P
+    def __init__(self, ring, prob, k, v):
+        xp, self.ring = prob.xp, ring
+        self.acc, self.dtype = _partial_dtype(k.dtype), k.dtype
         self.shapes = [(prob.B, prob.Hkv, len(rows), prob.D) for rows in prob.key_halves]  # (B, Hkv, L_h, D)
         self.nbytes = max(self._sizes(shape)[-1] for shape in self.shapes)  # every slot the same size: they swap
         self.spare = xp.empty(self.nbytes, np.uint8) if self.SPARE and prob.P > 1 else None
         self.slots, self.pending = [], []
         for rows, shape in zip(prob.key_halves, self.shapes):
             slot = self._slot(xp.empty(self.nbytes, np.uint8), shape)  # [dK_h | dV_h | K_h | V_h]
-            if grads:
-                slot["dk"][...] = 0
-                slot["dv"][...] = 0
+            slot["dk"][...] = 0
+            slot["dv"][...] = 0
             if prob.P > 1:  # the rank's own rows of this half, copied into the slot that will travel
-                for a, b, at in _runs(rows):
+                for a, b, at in _row_runs(rows):
                     slot["k"][:, :, at:at + b - a] = k[:, :, a:b]
                     slot["v"][:, :, at:at + b - a] = v[:, :, a:b]
             else:  # one rank: the caller's arrays, never sent
@@ -408,18 +407,17 @@ class _Travel:
             self.pending.append(None)
 
     def _sizes(self, shape):
-        """Byte offsets in a slot: [0, end of dK, end of dV, end of K, end of V] (dK, dV in the backward only)."""
+        """Byte offsets in a slot: [0, end of dK, end of dV, end of K, end of V]."""
         n = int(np.prod(shape))
-        widths = [n * self.acc.itemsize] * (2 if self.grads else 0) + [n * self.dtype.itemsize] * 2
-        return [0] + np.cumsum(widths).tolist()
+        return [0] + np.cumsum([n * self.acc.itemsize] * 2 + [n * self.dtype.itemsize] * 2).tolist()
 
     def _slot(self, buf, shape):
-        """The views of one slot's bytes: dk, dv (backward), k, v, each (B, Hkv, L_h, D)."""
+        """The views of one slot's bytes: dk, dv, k, v, each (B, Hkv, L_h, D)."""
         at = self._sizes(shape)
-        names = (["dk", "dv"] if self.grads else []) + ["k", "v"]
-        dts = [self.acc] * (2 if self.grads else 0) + [self.dtype] * 2
-        slot = {name: buf[at[i]:at[i + 1]].view(dt).reshape(shape) for i, (name, dt) in enumerate(zip(names, dts))}
-        slot.update(bytes=buf, grad_bytes=at[2] if self.grads else 0, size=at[-1])
+        dts = [self.acc, self.acc, self.dtype, self.dtype]
+        slot = {name: buf[at[i]:at[i + 1]].view(dt).reshape(shape) for i, (name, dt) in enumerate(zip(
+            ("dk", "dv", "k", "v"), dts))}
+        slot.update(bytes=buf, grad_bytes=at[2], size=at[-1])
         return slot
 
     def arrive(self, h):
@@ -444,12 +442,10 @@ class _Travel:
         self.slots[h] = self._slot(arriving, self.shapes[h])
 
 
-def _runs(rows):
-    """[(a, b, at)]: rows is rows a:b of the shard at position at of the half, run by run (a half is one run of
-    consecutive rows per chunk), so halves are filled and emptied with slice copies."""
-    cut = np.flatnonzero(np.diff(rows) != 1) + 1
-    edges = [0, *cut.tolist(), len(rows)]
-    return [(int(rows[e0]), int(rows[e1 - 1]) + 1, e0) for e0, e1 in zip(edges[:-1], edges[1:]) if e1 > e0]
+def _row_runs(rows):
+    """[(a, b, at)]: a half's rows are rows a:b of the shard at position at of the half, run by run (layout's runs of
+    consecutive rows: one per chunk), so halves are filled and emptied with slice copies."""
+    return [(int(rows[e0]), int(rows[e0]) + e1 - e0, e0) for e0, e1 in _runs(rows) if e1 > e0]
 
 
 def _hop(todo, idx, P, home):
@@ -462,16 +458,15 @@ def _hop(todo, idx, P, home):
 
 
 # ----------------------------------------------------------------------------- one block call
-def _call_options(prob, qpos, kpos, c):
-    """variants.Options of block call c for the kernels that add into the ring's accumulators (its mask, and the
-    problem's softcap, ALiBi, dropout, grouped-query), or None for plain or causal attention."""
+def _call_options(prob, q, k, qpos, kpos, c):
+    """variants.Options of block call c (rows c.a:c.b of q against keys c.c:c.m of k) for the kernels that add into
+    the ring's accumulators (its mask, and the problem's softcap, ALiBi, dropout, grouped-query), or None for plain or
+    causal attention."""
     mask = c.mask()
     if prob.plain and "window" not in mask:
         return mask["causal"], None
-    shape_q = (prob.B, prob.H, c.b - c.a)  # only the shapes matter to the check
-    shape_k = (prob.B, prob.Hkv, c.m - c.c)
-    opts = variants.check(np.empty(shape_q + (0,)), np.empty(shape_k + (0,)), causal=mask["causal"],
-                          window=mask.get("window"), **prob.options(qpos, kpos, c))
+    opts = variants.check(q[:, :, c.a:c.b], k[:, :, c.c:c.m], causal=mask["causal"], window=mask.get("window"),
+                          **prob.options(qpos, kpos, c))
     return mask["causal"], None if opts.plain else opts
 
 
@@ -501,7 +496,7 @@ class _Blocks:
         if self.fused:
             from stages.flash_v2 import tc
 
-            causal, opts = _call_options(prob, self.qpos, kpos, c)
+            causal, opts = _call_options(prob, q, k, self.qpos, kpos, c)
             tc.merge_into(q, k, v, o_run, lse_run, (c.a, c.b), (c.c, c.m), causal=causal, scale=prob.scale, opts=opts)
             return
         o_b, lse_b = self.fwd(_rows(q, c.a, c.b), _rows(k, c.c, c.m), _rows(v, c.c, c.m), scale=prob.scale,
@@ -515,7 +510,7 @@ class _Blocks:
         if self.fused:
             from stages import flash_v2_backward
 
-            causal, opts = _call_options(prob, self.qpos, kpos, c)
+            causal, opts = _call_options(prob, q, k, self.qpos, kpos, c)
             flash_v2_backward.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, (c.a, c.b), (c.c, c.m),
                                               causal=causal, scale=prob.scale, opts=opts)
             return
@@ -530,12 +525,12 @@ class _Blocks:
 
 # ----------------------------------------------------------------------------- timing marks
 class _Timeline:
-    """Marks on the compute stream around each half step: before waiting for the half, after it arrived, after its
-    calls. record(timeline) appends {step, compute_ms, exposed_ms} per step (exposed: the compute stream waited for a
-    transfer)."""
+    """Marks on the compute stream (events on the GPU, the host clock on the CPU): add(s, compute, waited) records a
+    step's compute interval and the interval its compute stream waited for a transfer, each (start mark, end mark);
+    record(timeline) appends {step, compute_ms, exposed_ms} per step, summed over its halves."""
 
     def __init__(self, xp):
-        self.xp, self.marks = xp, []
+        self.xp, self.steps = xp, []
         if xp is np:
             self.mark, self.ms = time.perf_counter, lambda a, b: (b - a) * 1e3
         else:
@@ -543,16 +538,30 @@ class _Timeline:
 
             self.mark, self.ms = (lambda: cupy.cuda.get_current_stream().record()), cupy.cuda.get_elapsed_time
 
-    def record(self, timeline, compute_first=False):
-        """Marks (s, t0, t1, t2): waited t0..t1 then computed t1..t2; compute_first: computed t0..t1, waited t1..t2."""
+    def add(self, s, compute, waited=None):
+        self.steps.append((s, compute, waited))
+
+    def record(self, timeline):
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
         per_step = {}
-        for s, t0, t1, t2 in self.marks:
+        for s, compute, waited in self.steps:
             step = per_step.setdefault(s, {"step": s, "compute_ms": 0.0, "exposed_ms": 0.0})
-            step["compute_ms" if compute_first else "exposed_ms"] += self.ms(t0, t1)
-            step["exposed_ms" if compute_first else "compute_ms"] += self.ms(t1, t2)
+            step["compute_ms"] += self.ms(*compute)
+            step["exposed_ms"] += self.ms(*waited) if waited else 0.0
         timeline.extend(per_step.values())
+
+
+def _one_call(xp, timeline, fn):
+    """fn(): the ring of one rank whose plan is one call over the whole shard (Problem.whole_call), timed as step 0
+    when timeline is a list."""
+    marks = _Timeline(xp)
+    t0 = marks.mark()
+    out = fn()
+    if timeline is not None:
+        marks.add(0, (t0, marks.mark()))
+        marks.record(timeline)
+    return out
 
 
 # ----------------------------------------------------------------------------- forward
@@ -575,14 +584,8 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernel writes the result in the inputs' dtype itself
         c, kpos = whole
-        marks = _Timeline(xp)
-        t0 = marks.mark()
-        o, lse = blocks.fwd(q, k, v, scale=prob.scale, version=version, **c.mask(),
-                            **prob.options(blocks.qpos, kpos, c))
-        if timeline is not None:
-            marks.marks.append((0, t0, t0, marks.mark()))
-            marks.record(timeline)
-        return o, lse
+        return _one_call(xp, timeline, lambda: blocks.fwd(q, k, v, scale=prob.scale, version=version, **c.mask(),
+                                                          **prob.options(blocks.qpos, kpos, c)))
     acc = _partial_dtype(q.dtype)
     o_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # O_r: normalised over the keys merged so far
     lse_run = xp.full((prob.B, prob.H, prob.Lq), -np.inf, dtype=acc)  # L_r
@@ -611,9 +614,9 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
             ring.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
             spare = (k_cur, v_cur) if k_cur is not k else None  # the caller's k, v are never overwritten
             k_cur, v_cur = nxt
-        marks.marks.append((s, t0, t1, marks.mark()))  # computed t0..t1, waited t1..t2
+        marks.add(s, (t0, t1), (t1, marks.mark()))  # computed, then waited for the next block
     if timeline is not None:
-        marks.record(timeline, compute_first=True)
+        marks.record(timeline)
     return cast(o_run, q.dtype), lse_run  # lse: float32 by the API (float64 for float64 inputs)
 
 
@@ -635,14 +638,8 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernels write the gradients in the inputs' dtype themselves
         c, kpos = whole
-        marks = _Timeline(xp)
-        t0 = marks.mark()
-        grads = blocks.bwd(q, k, v, o, lse, do, scale=prob.scale, version=version, **c.mask(),
-                           **prob.options(blocks.qpos, kpos, c))
-        if timeline is not None:
-            marks.marks.append((0, t0, t0, marks.mark()))
-            marks.record(timeline)
-        return grads
+        return _one_call(xp, timeline, lambda: blocks.bwd(q, k, v, o, lse, do, scale=prob.scale, version=version,
+                                                          **c.mask(), **prob.options(blocks.qpos, kpos, c)))
     acc = _partial_dtype(q.dtype)
     valid = int((blocks.qpos < prob.nq).sum())  # padding rows are a suffix of the shard
     if valid < prob.Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
@@ -650,7 +647,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
         do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
     o, lse, do = xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=acc), xp.ascontiguousarray(do)
     dq_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # dQ_r stays home
-    travel = _Travel(ring, prob, k, v, grads=True)  # K_j, V_j and their dK_j, dV_j accumulators
+    travel = _Travel(ring, prob, k, v)  # K_j, V_j and their dK_j, dV_j accumulators
     marks = _Timeline(xp)
     todo = prob.todo
     if todo and todo[0] > 0:
@@ -666,7 +663,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
                 blocks.backward(q, slot["k"], slot["v"], o, lse, do, dq_run, slot["dk"], slot["dv"], c, kpos)
             last = idx == len(todo) - 1
             travel.depart(h, _hop(todo, idx, prob.P, home=True), grads_only=last)  # the last hop: dK, dV go home
-            marks.marks.append((s, t0, t1, marks.mark()))
+            marks.add(s, (t1, marks.mark()), (t0, t1))  # waited for the half, then computed
     for h in range(len(travel.slots)):
         travel.arrive(h)  # our own dK_r, dV_r are home
     travel.spare = None  # (memory back to the pool before the outputs are made; as the accumulator below)
@@ -676,7 +673,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     del dq_run
     dk, dv = xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype)
     for rows, slot in zip(prob.key_halves, travel.slots):  # back from the halves into the shard's row order
-        for a, b, at in _runs(rows):
+        for a, b, at in _row_runs(rows):
             dk[:, :, a:b] = cast(slot["dk"][:, :, at:at + b - a], k.dtype)
             dv[:, :, a:b] = cast(slot["dv"][:, :, at:at + b - a], v.dtype)
     return dq, dk, dv

@@ -335,15 +335,4 @@ def _time(fwd, bwd, shape, dtype, xp, gpu, repeat, kw_f, kw_b, Hkv):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(0 if main() else 1)
-    except SystemExit:
-        raise  # argparse (--help, a bad option) or our own exit: every rank exits the same way
-    except R.RingMismatch as e:  # raised on every rank at once: each prints, then the job ends
-        comm_mod.world().Barrier()  # every rank has reached this point (and printed) before the abort
-        comm_mod.abort(e)
-    except BaseException as e:  # an error on one rank: end the whole job now, never leave the others hanging
-        import traceback
-
-        comm_mod.abort(e, trace=traceback.format_exc())
-    os._exit(1)  # MPI_Abort returned (some MPIs do, while mpirun tears the job down): never exit 0
+    comm_mod.run_main(lambda: 0 if main() else 1, everywhere=R.RingMismatch)  # one rank's error ends every rank

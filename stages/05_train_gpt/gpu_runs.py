@@ -36,18 +36,12 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from stages import train_gpt as T  # noqa: E402
-from stages.common import PeakMemory, gpu_name, has_gpu  # noqa: E402
+from stages.common import PeakMemory, code_version, gpu_name, has_gpu  # noqa: E402
 
 RESULTS = ROOT / "results"
 
 
 def provenance():
-    try:  # ATTN_GIT_COMMIT: the commit of a copy of the tree made elsewhere (a GPU machine given the files)
-        commit = os.environ.get("ATTN_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-            timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - no git: say so in the CSV
-        commit = "unknown"
     import cupy
 
     try:
@@ -56,7 +50,7 @@ def provenance():
         tv = torch.__version__
     except ImportError:
         tv = "absent"
-    return {"git_commit": commit, "gpu": gpu_name(), "cupy": cupy.__version__, "torch": tv,
+    return {"git_commit": code_version(), "gpu": gpu_name(), "cupy": cupy.__version__, "torch": tv,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 

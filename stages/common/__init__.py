@@ -7,7 +7,9 @@ from .checks import (
 )
 from . import device, tolerance
 from .tolerance import max_error, tolerance_report
-from .measure import attention_flops, time_ms, time_queued_ms, PeakMemory, gpu_name, gpu_status, has_gpu, run_devices
+from .measure import (
+    attention_flops, code_version, time_ms, time_queued_ms, PeakMemory, gpu_name, gpu_status, has_gpu, run_devices,
+)
 from .inputs import make_inputs, bfloat16, to_numpy, cast, rng, seed_everything, base_seed
 from .kernels import load_module, compile_only, KERNELS_DIR
 from . import verify
@@ -17,7 +19,8 @@ __all__ = [
     "array_module", "check_attention_inputs", "check_backward_inputs", "check_causal", "check_out_dtype",
     "resolve_scale",
     "SUPPORTED_FLOAT_DTYPES", "device", "tolerance", "max_error", "tolerance_report",
-    "attention_flops", "time_ms", "time_queued_ms", "PeakMemory", "gpu_name", "gpu_status", "has_gpu", "run_devices",
+    "attention_flops", "code_version", "time_ms", "time_queued_ms", "PeakMemory", "gpu_name", "gpu_status", "has_gpu",
+    "run_devices",
     "make_inputs",
     "bfloat16",
     "to_numpy", "cast", "rng", "seed_everything", "base_seed", "load_module", "compile_only", "KERNELS_DIR", "verify",

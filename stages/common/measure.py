@@ -1,5 +1,8 @@
-"""FLOP counts, timing (CUDA events on the GPU), peak memory, device facts."""
+"""FLOP counts, timing (CUDA events on the GPU), peak memory, device facts, the code a measurement ran."""
+import os
+import pathlib
 import statistics
+import subprocess
 import time
 import tracemalloc
 
@@ -59,6 +62,27 @@ def gpu_name():
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"]
     return name.decode() if isinstance(name, bytes) else name
+
+
+def code_version():
+    """The code a measurement ran, for a CSV's git_commit column: ATTN_GIT_COMMIT where the caller names it (a copy of
+    the tree without .git, e.g. on a GPU machine given the files), else git's short HEAD, with '-dirty' when tracked
+    files differ from it, else 'unknown'."""
+    if os.environ.get("ATTN_GIT_COMMIT"):
+        return os.environ["ATTN_GIT_COMMIT"]
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def attention_flops(B, H, Nq, Nk, D, *, causal=False, backward=False):
