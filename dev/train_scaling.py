@@ -22,6 +22,9 @@ for each ring size P = 1, 2, 4 in one launch: the first P ranks form the ring (a
      another already waits for it in a transfer, that trial would never end: a watchdog ends the job after
      TRIAL_TIMEOUT_S, with a message, and the rows of the ring sizes done so far are already in the CSV.
      Contexts are multiples of 2P (zigzag).
+     On the numpy backend (a CPU run, which checks this script rather than measuring scaling) the ranks share the
+     host's memory, which no pool cap bounds: the context and the search are small (CPU_CONTEXT, CPU_SEARCH_START
+     up to CPU_SEARCH_MAX).
      What does not shrink with P: the parameters, their gradients and AdamW's moments, on every rank; the position
      table among them has one row per token of the context.
 
@@ -60,12 +63,14 @@ LAYERS, D_MODEL, HEADS = 4, 512, 4  # head dim 128: stages 02/03 take it in bflo
 DTYPE = "bfloat16"  # activations on GPUs (float32 on the numpy backend)
 BATCH = 1  # sequences per step
 CONTEXT = 131072  # tokens per sequence of the speed runs: the same total work at every P
+CPU_CONTEXT = 256  # the same on the numpy backend (a CPU run checks the script, not the scaling)
 WARMUP, STEPS = 2, 5  # untimed, then timed training steps (median)
 LR = 1e-3
 LAYOUT = "zigzag"
 SIZES = (1, 2, 4, 8)  # ring sizes, up to the number of ranks
 SEARCH_START = 16384  # the first context of the longest-context search
 SEARCH_MAX = 1 << 22  # the doubling stops here
+CPU_SEARCH_START, CPU_SEARCH_MAX = 256, 2048  # the same on the numpy backend (no memory cap: a bound instead)
 RESOLUTION = 8  # the bisection stops when the gap is at most 1/RESOLUTION of the last context that fitted
 MEM_CAP_GIB = 8.0  # CuPy memory pool limit per GPU during the search
 TRIAL_STEPS = 2  # training steps of one search trial (the second reuses the first's memory)
@@ -84,18 +89,20 @@ def parse(argv=None):
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help=f"activations (default {DTYPE} on GPUs, float32 on the numpy backend)")
     ap.add_argument("--batch", type=positive_int, default=BATCH, help=f"default {BATCH}")
-    ap.add_argument("--context", type=positive_int, default=CONTEXT,
+    ap.add_argument("--context", type=positive_int, default=None,
                     help=f"tokens per sequence of the speed runs, a multiple of 2 x the largest ring "
-                         f"(default {CONTEXT})")
+                         f"(default {CONTEXT} on GPUs, {CPU_CONTEXT} on the numpy backend)")
     ap.add_argument("--warmup", type=nonnegative_int, default=WARMUP, help=f"untimed steps (default {WARMUP})")
     ap.add_argument("--steps", type=positive_int, default=STEPS, help=f"timed steps, median (default {STEPS})")
     ap.add_argument("--no-search", action="store_true", help="skip the longest-context search (default: search)")
     ap.add_argument("--mem-cap-gib", type=float, default=MEM_CAP_GIB,
                     help=f"per-GPU CuPy pool limit during the search (default {MEM_CAP_GIB}; none on the CPU)")
-    ap.add_argument("--search-start", type=positive_int, default=SEARCH_START,
-                    help=f"first context of the search (default {SEARCH_START})")
-    ap.add_argument("--search-max", type=positive_int, default=SEARCH_MAX,
-                    help=f"largest context the search tries (default {SEARCH_MAX})")
+    ap.add_argument("--search-start", type=positive_int, default=None,
+                    help=f"first context of the search (default {SEARCH_START}; {CPU_SEARCH_START} on the numpy "
+                         "backend)")
+    ap.add_argument("--search-max", type=positive_int, default=None,
+                    help=f"largest context the search tries (default {SEARCH_MAX}; {CPU_SEARCH_MAX} on the numpy "
+                         "backend, whose ranks share the host's memory, which no pool cap bounds)")
     ap.add_argument("--trial-timeout", type=positive_int, default=TRIAL_TIMEOUT_S,
                     help=f"seconds after which a search trial ends the job (default {TRIAL_TIMEOUT_S})")
     ap.add_argument("--out", default=None,
@@ -306,6 +313,9 @@ def main(argv=None):
     xp = __import__("cupy") if gpu else np
     sizes = args.gpus or [p for p in SIZES if p <= size]
     dtype = args.dtype or (DTYPE if gpu else "float32")
+    args.context = args.context or (CONTEXT if gpu else CPU_CONTEXT)  # the sizes of this device
+    args.search_start = args.search_start or (SEARCH_START if gpu else CPU_SEARCH_START)
+    args.search_max = args.search_max or (SEARCH_MAX if gpu else CPU_SEARCH_MAX)
     block, blocks, error = check(args, sizes, size, dtype, xp)
     if error:
         say(f"train_scaling.py: error: {error}", flush=True)
