@@ -23,7 +23,7 @@ it; nothing is timed if a check fails.
     mpirun -n 2 python dev/bench_ring.py --configs 8k-causal --repeat 3       # quicker
     mpirun -n 2 python dev/bench_ring.py --backend numpy --tokens 64 --heads 2 --head-dim 32   # CPU smoke run
 Every CSV row names the GPU, the backend, the software and the commit, so files from several machines can be put
-together; dev/ring_report.py turns the CSV into the tables and the plot of stage 04's README.
+together; scripts/bench_report.py turns the CSV into the tables and the plot of stage 04's README.
 """
 import argparse
 import csv
@@ -72,6 +72,8 @@ CONFIGS = (
     Config("32k-causal", 32768, 32, 32, "zigzag", True, 0.95),
 )
 BATCH, HEAD_DIM = 1, 128
+CPU_TOKENS, CPU_HEADS = 128, 4  # every config's sizes on the numpy backend (a CPU run checks this script; its ranks
+# share the host's cores and memory, so it shows no scaling)
 CHECK_SEQ = 512  # total N of the checks that run before each ring size is timed
 TORCH_BACKENDS = ("flash", "cudnn")
 
@@ -83,8 +85,11 @@ def parse(argv):
                     help="ring sizes to time (default: 1, 2, 4, ... up to the number of ranks)")
     ap.add_argument("--configs", nargs="+", default=None, choices=[c.name for c in CONFIGS],
                     help="problems to time (default: all of CONFIGS)")
-    ap.add_argument("--tokens", type=positive_int, default=None, help="tokens per GPU for every config (smoke runs)")
-    ap.add_argument("--heads", type=positive_int, default=None, help="heads H (and Hkv) for every config")
+    ap.add_argument("--tokens", type=positive_int, default=None,
+                    help=f"tokens per GPU for every config (default: the config's; {CPU_TOKENS} on the numpy backend)")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help=f"heads H (and Hkv) for every config (default: the config's; {CPU_HEADS} on the numpy "
+                         "backend)")
     ap.add_argument("--head-dim", type=positive_int, default=HEAD_DIM, help="head dimension D")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="input dtype")
     ap.add_argument("--repeat", type=positive_int, default=5, help="timed repeats (median)")
@@ -113,6 +118,8 @@ def main(argv=None):
     if max(sizes) > size:
         raise SystemExit(f"--gpus {max(sizes)} needs at least that many ranks; started with {size}")
     dtype = {"bfloat16": bfloat16, "float16": np.float16, "float32": np.float32}[args.dtype]
+    if not gpu:  # the sizes of this device
+        args.tokens, args.heads = args.tokens or CPU_TOKENS, args.heads or CPU_HEADS
     todo = configs(args)
     vf, vb = (R.flash_version(dtype), "auto") if gpu else (None, None)
     name = gpu_name() if gpu else "CPU"
