@@ -6,7 +6,9 @@ of CONFIGS (tokens per GPU T, heads H, kv heads Hkv, layout, mask) it times, wit
 the same problem, in two modes: queued (calls back to back, as a training step queues them: the host's work for
 one call overlaps the GPU's work for the one before; the efficiencies use this) and synced (a wait after every
 call, the median of the repeats: the host's work before the first kernel shows; PyTorch's times are synced):
-  ours        the ring forward and backward on P GPUs, total length N = P T (the slowest rank sets the time)
+  ours        the ring forward and backward on P GPUs, total length N = P T (the slowest rank sets the time), and
+              with --schemes the other ways to split the sequence (stage 04's gather.py: allgather, alltoall) on the
+              same problem, a row each (column scheme; a ring of one GPU is one call whatever the scheme)
   one GPU     stage 02 forward and stage 03 backward on rank 0's GPU alone at the same N
   torch CP    PyTorch's context parallel (dev/torch_cp.py) on the same P GPUs, flash and cuDNN SDPA inside (when
               torch with CUDA is there; --no-torch skips it)
@@ -21,6 +23,7 @@ it; nothing is timed if a check fails.
 
     mpirun -n 4 python dev/bench_ring.py --out results/ring_gpus.csv           # rings of 1, 2 and 4 GPUs
     mpirun -n 2 python dev/bench_ring.py --configs 8k-causal --repeat 3       # quicker
+    mpirun -n 2 python dev/bench_ring.py --schemes ring allgather alltoall --out results/ring_schemes.csv
     mpirun -n 2 python dev/bench_ring.py --backend numpy --tokens 64 --heads 2 --head-dim 32   # CPU smoke run
 Every CSV row names the GPU, the backend, the software and the commit, so files from several machines can be put
 together; scripts/bench_report.py turns the CSV into the tables and the plot of stage 04's README.
@@ -91,6 +94,8 @@ def parse(argv):
                     help=f"heads H (and Hkv) for every config (default: the config's; {CPU_HEADS} on the numpy "
                          "backend)")
     ap.add_argument("--head-dim", type=positive_int, default=HEAD_DIM, help="head dimension D")
+    ap.add_argument("--schemes", nargs="+", choices=R.SCHEMES, default=["ring"],
+                    help="ways to split the sequence to time, a row each (default: the ring)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="input dtype")
     ap.add_argument("--repeat", type=positive_int, default=5, help="timed repeats (median)")
     ap.add_argument("--no-torch", action="store_true", help="skip PyTorch's context parallel")
@@ -137,23 +142,27 @@ def main(argv=None):
     for P in sizes:
         sub = world.Split(0 if rank < P else 1, rank)  # the first P ranks form this ring
         ring = comm_mod.RINGS[backend](sub) if rank < P else None
-        if not _checked(world, sub, ring, P, todo, args, dtype, block, (vf, vb), gpu):
+        schemes = ["ring"] if P == 1 else args.schemes  # one GPU: one call, whatever the scheme
+        if not all(_checked(world, sub, ring, P, todo, args, dtype, block, (vf, vb), gpu, s) for s in schemes):
             return False
         for cfg in todo:
             n = P * cfg.tokens
-            got = _time_ring(ring, args, cfg, n, dtype, (vf, vb), block, gpu) if ring else None
-            got = world.gather(got, root=0)
             one_gpu = _one_gpu(args, cfg, n, dtype, one, (vf, vb), gpu) if rank == 0 else None
             comm_mod.quiet_barrier(world)  # the other ranks sleep while rank 0 times one GPU alone
             torch_rows = {}
             if torch_ok is True and not (cfg.causal and cfg.layout == "contiguous"):  # (PyTorch balances causal)
                 for kernel in TORCH_BACKENDS:
                     torch_rows[kernel] = _time_torch(world, P, args, cfg, kernel)
-            if rank == 0:
-                rows.append(_row(name, backend, args, P, cfg, n, got[:P], one_gpu, torch_rows))
-                _print(rows[-1])
-            if gpu:
-                __import__("cupy").get_default_memory_pool().free_all_blocks()
+            for scheme in schemes:
+                if scheme == "alltoall" and (cfg.heads % P or cfg.kv_heads % P):
+                    continue  # (the all-to-all needs P | H and P | Hkv)
+                got = _time_ring(ring, args, cfg, n, dtype, (vf, vb), block, gpu, scheme) if ring else None
+                got = world.gather(got, root=0)
+                if rank == 0:
+                    rows.append(_row(name, backend, args, P, cfg, n, got[:P], one_gpu, torch_rows, scheme))
+                    _print(rows[-1])
+                if gpu:
+                    __import__("cupy").get_default_memory_pool().free_all_blocks()
         sub.Free()
     if rank == 0 and args.out:
         path = pathlib.Path(args.out)
@@ -183,25 +192,26 @@ def _torch(world, wanted):
     return True if all(x is True for x in every) else next(x for x in every if x is not True)
 
 
-def _checked(world, sub, ring, P, todo, args, dtype, block, versions, gpu):
-    """Check the ring of the first P ranks on a small problem for every (layout, mask, grouping) of todo."""
+def _checked(world, sub, ring, P, todo, args, dtype, block, versions, gpu, scheme="ring"):
+    """Check the ring (or scheme) of the first P ranks on a small problem for every (layout, mask, grouping) of
+    todo."""
     failed = None
     kinds = sorted({(c.layout, c.causal, c.heads // c.kv_heads) for c in todo})
     for layout, causal, group in kinds:
         try:
             if ring is not None:
-                check_on_ranks(sub, ring, B=1, H=2 * group, n=CHECK_SEQ, D=args.head_dim, dtype=dtype, causal=causal,
+                check_on_ranks(sub, ring, B=1, H=P * group, n=CHECK_SEQ, D=args.head_dim, dtype=dtype, causal=causal,
                                layout=layout, block=block, versions=versions, xp=__import__("cupy") if gpu else np,
-                               Hkv=2)
+                               Hkv=P, scheme=scheme)
         except AssertionError as e:
-            failed = f"ring of {P}, {layout}, causal={causal}, H/Hkv={group}: {e}"
+            failed = f"{scheme} of {P}, {layout}, causal={causal}, H/Hkv={group}: {e}"
         failed = world.bcast(failed, root=0)
         if failed:
             if world.Get_rank() == 0:
                 print(f"CHECK FAILED: {failed}\nThe ring is out of tolerance: nothing timed.", flush=True)
             return False
     if world.Get_rank() == 0:
-        print(f"ring of {P}: checked (N={CHECK_SEQ}, every layout, mask and grouping) within tolerance. Timing.",
+        print(f"{scheme} of {P}: checked (N={CHECK_SEQ}, every layout, mask and grouping) within tolerance.",
               flush=True)
     return True
 
@@ -217,9 +227,9 @@ def _inputs(args, cfg, L, dtype, gpu):
     return _random(qs, dtype, gpu), _random(ks, dtype, gpu), _random(ks, dtype, gpu), _random(qs, dtype, gpu)
 
 
-def _time_ring(ring, args, cfg, n, dtype, versions, block, gpu):
-    """This rank's ring forward/backward times, exposed communication and peak memory at total length n."""
-    kw = dict(ring=ring, nq=n, nk=n, causal=cfg.causal, layout=cfg.layout, block=block)
+def _time_ring(ring, args, cfg, n, dtype, versions, block, gpu, scheme="ring"):
+    """This rank's ring (or scheme) forward/backward times, exposed communication and peak memory at total length n."""
+    kw = dict(ring=ring, nq=n, nk=n, causal=cfg.causal, layout=cfg.layout, block=block, scheme=scheme)
     q, k, v, do = _inputs(args, cfg, R.shard_len(n, ring.size, cfg.layout), dtype, gpu)
     shards = q.nbytes + k.nbytes + v.nbytes + do.nbytes  # the activations a rank holds anyway
     with PeakMemory(gpu) as mem:  # the shards are the caller's; the ring's outputs, buffers and gradients count
@@ -312,7 +322,7 @@ def _provenance():
     return out
 
 
-def _row(name, backend, args, P, cfg, n, got, one, torch_rows):
+def _row(name, backend, args, P, cfg, n, got, one, torch_rows, scheme="ring"):
     t_f, t_b = max(g["fwd"] for g in got), max(g["bwd"] for g in got)  # the slowest rank sets the pace
     s_f, s_b = max(g["fwd_synced"] for g in got), max(g["bwd_synced"] for g in got)
     D = args.head_dim
@@ -320,9 +330,9 @@ def _row(name, backend, args, P, cfg, n, got, one, torch_rows):
     bflops = attention_flops(BATCH, cfg.heads, n, n, D, causal=cfg.causal, backward=True)
     peak = max(g["peak"] for g in got)
     row = dict(
-        gpu=name, backend=backend, gpus=P, config=cfg.name, dtype=args.dtype, batch=BATCH, heads=cfg.heads,
-        kv_heads=cfg.kv_heads, head_dim=D, tokens_per_gpu=cfg.tokens, total_tokens=n, layout=cfg.layout,
-        causal=cfg.causal,
+        gpu=name, backend=backend, gpus=P, config=cfg.name, scheme=scheme, dtype=args.dtype, batch=BATCH,
+        heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=D, tokens_per_gpu=cfg.tokens, total_tokens=n,
+        layout=cfg.layout, causal=cfg.causal,
         ring_fwd_ms=r4(t_f), ring_bwd_ms=r4(t_b), one_gpu_fwd_ms=r4(one["fwd"]), one_gpu_bwd_ms=r4(one["bwd"]),
         ring_fwd_ms_synced=r4(s_f), ring_bwd_ms_synced=r4(s_b), one_gpu_fwd_ms_synced=r4(one["fwd_synced"]),
         one_gpu_bwd_ms_synced=r4(one["bwd_synced"]),
@@ -354,7 +364,8 @@ def _print(r):
     target = r["efficiency_target"]
     verdict = "" if target == "" else (" meets" if r["efficiency"] >= target else " MISSES") + f" {target}"
     mask = "causal" if r["causal"] else "full"
-    line = (f"P={r['gpus']} {r['config']:>20} T={r['tokens_per_gpu']:>6}/GPU H={r['heads']}/{r['kv_heads']} "
+    line = (f"P={r['gpus']} {r['config']:>20} {r['scheme']:>9} T={r['tokens_per_gpu']:>6}/GPU "
+            f"H={r['heads']}/{r['kv_heads']} "
             f"{r['layout']:>10} {mask:>6} | ours fwd {r['ring_fwd_ms']:8.2f} bwd {r['ring_bwd_ms']:8.2f} ms (synced "
             f"{r['ring_fwd_ms_synced']:.2f} {r['ring_bwd_ms_synced']:.2f}) | "
             f"efficiency fwd {r['fwd_efficiency']:.3f} bwd {r['bwd_efficiency']:.3f} fwd+bwd {r['efficiency']:.3f}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a machine of several GPUs runs for stages 04 and 05:
-#   dev/multi_gpu_run.sh OUT_DIR ring    the ring's multi-GPU tests, the mission's command, dev/bench_ring.py
+#   dev/multi_gpu_run.sh OUT_DIR ring    the ring's multi-GPU tests, the mission's command (each scheme),
+#                                        dev/bench_ring.py (each scheme)
 #   dev/multi_gpu_run.sh OUT_DIR train   stage 05's multi-GPU tests and training run, dev/train_scaling.py
 #   dev/multi_gpu_run.sh OUT_DIR all     both; OUT_DIR/DONE is written at the end
 # Logs and CSVs go to OUT_DIR. Needs the GPU packages already there (numpy, cupy, mpi4py with an MPI, pytest;
@@ -30,9 +31,13 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.txt, print its 
 nvidia-smi -L > "$OUT/gpus.txt"
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 if [ "$PART" = ring ] || [ "$PART" = all ]; then
-  step ring_tests 400 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_04_ring.py &&
+  step ring_tests 400 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_04_ring.py tests/test_04_schemes.py &&
   step ring_mission 150 "${MPIRUN[@]}" "$PY" stages/04_ring/run.py
-  step ring_bench 420 "${MPIRUN[@]}" "$PY" dev/bench_ring.py --repeat 3 --out "$OUT/ring_gpus.csv"
+  for scheme in allgather alltoall; do
+    step "ring_mission_$scheme" 150 "${MPIRUN[@]}" "$PY" stages/04_ring/run.py --scheme "$scheme"
+  done
+  step ring_bench 420 "${MPIRUN[@]}" "$PY" dev/bench_ring.py --repeat 3 --schemes ring allgather alltoall \
+    --out "$OUT/ring_gpus.csv"
 fi
 if [ "$PART" = train ] || [ "$PART" = all ]; then
   step train_tests 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_05_train_gpt.py

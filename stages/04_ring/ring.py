@@ -39,6 +39,10 @@ their own Hkv heads. ALiBi and dropout see each pair's global indices: every blo
 the whole problem (origin = the global query row and key of its first row and key), so its bias and its dropout
 bits are those of the whole problem, and the ring gives the one-device result, mask and all.
 
+Two other ways to split the sequence take the same arguments and give the same result (scheme=): "allgather" (K, V
+gathered once, as Llama 3 trains) and "alltoall" (heads scattered, as DeepSpeed-Ulysses); gather.py says how they
+move the data and when each wins.
+
 The communication is comm.py's; this file holds the schedule, the merge and the block calls. It runs unchanged on
 numpy (CPU) and CuPy (GPU) arrays.
 """
@@ -53,11 +57,13 @@ from stages.common import (
     cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale, variants,
 )
 
+from . import gather
+from .gather import SCHEMES, check_scheme
 from .layout import LAYOUTS, _runs, check_layout, check_ranks, halves, plan, positions, shard, shard_len, steps, unshard
 
 __all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version",
            "RingMismatch", "check_same_everywhere", "LAYOUTS", "plan", "positions", "shard", "shard_len", "unshard",
-           "steps", "schedule", "memory_per_token"]
+           "steps", "schedule", "memory_per_token", "SCHEMES"]
 
 
 # ----------------------------------------------------------------------------- block kernels
@@ -188,6 +194,14 @@ def _planned(P, r, nq, nk, layout, causal, window, runs, s, h):
     return tuple(plan(qpos, kpos, nq, nk, causal, window, runs)), kpos
 
 
+@functools.lru_cache(maxsize=256)
+def _gathered(P, r, nq, nk, layout, causal, window, runs):
+    """(calls, key positions) of this rank's queries against every key of the sequence, in order (scheme
+    "allgather"): one call per run of query rows whose visible keys move the same way, two for causal zigzag."""
+    kpos = np.arange(P * shard_len(nk, P, layout))
+    return tuple(plan(positions(r, P, nq, layout), kpos, nq, nk, causal, window, runs)), kpos
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the shard
@@ -213,6 +227,7 @@ class Problem:
     dropout_p: float
     seed: int
     todo: tuple  # the steps at which some rank has work
+    scheme: str = "ring"  # SCHEMES: how the ranks share the keys
 
     @property
     def key_halves(self):
@@ -224,6 +239,12 @@ class Problem:
         step s."""
         runs = self.alibi_slopes is not None or bool(self.dropout_p)  # each call on consecutive global positions
         return _planned(self.P, self.r, self.nq, self.nk, self.layout, self.causal, self.window, runs, s, h)
+
+    def gathered_calls(self):
+        """(block calls, key positions) of this rank's queries against the whole sequence of keys (scheme
+        "allgather")."""
+        runs = self.alibi_slopes is not None or bool(self.dropout_p)
+        return _gathered(self.P, self.r, self.nq, self.nk, self.layout, self.causal, self.window, runs)
 
     def qpos(self):
         return positions(self.r, self.P, self.nq, self.layout)
@@ -284,21 +305,22 @@ def check_dropout_tiles(prob, block, where):
     if not prob.dropout_p or block != "flash" or prob.xp is np:
         return
     qpos = prob.qpos()
-    for s in prob.todo:
-        for h in [None, *range(len(prob.key_halves))]:  # the forward's whole blocks, the backward's halves
-            calls, kpos = prob.calls(s, h)
-            for c in calls:
-                if qpos[c.a] % 16 or kpos[c.c] % 16:
-                    raise ValueError(
-                        f"{where}: dropout on the GPU: the kernels draw the mask in 16 x 16 blocks of the whole "
-                        f"problem, and with {prob.P} ranks, layout {prob.layout}, nq={prob.nq}, nk={prob.nk} and "
-                        f"window {prob.window} a block call starts at query {qpos[c.a]}, key {kpos[c.c]}. Use lengths "
-                        "whose shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) and no "
-                        "left window side off that grid (a band's calls start one key apart), or block='naive'")
+    planned = ([prob.gathered_calls()] if prob.scheme == "allgather" else
+               [prob.calls(s, h) for s in prob.todo  # the forward's whole blocks, the backward's halves
+                for h in [None, *range(len(prob.key_halves))]])
+    for calls, kpos in planned:
+        for c in calls:
+            if qpos[c.a] % 16 or kpos[c.c] % 16:
+                raise ValueError(
+                    f"{where}: dropout on the GPU: the kernels draw the mask in 16 x 16 blocks of the whole "
+                    f"problem, and with {prob.P} ranks, layout {prob.layout}, nq={prob.nq}, nk={prob.nk} and "
+                    f"window {prob.window} a block call starts at query {qpos[c.a]}, key {kpos[c.c]}. Use lengths "
+                    "whose shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) and no "
+                    "left window side off that grid (a band's calls start one key apart), or block='naive'")
 
 
 def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra, window, softcap, alibi_slopes,
-              dropout_p, seed):
+              dropout_p, seed, scheme):
     """Checks shared by forward and backward, agreed by every rank; returns a Problem.
 
     The local checks run first and their error (if any) is shared with the agreement check, so a bad input on
@@ -320,12 +342,14 @@ def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extr
                              f"nq={nq} and nk={nk} they must have {shard_len(nq, P, layout)} / "
                              f"{shard_len(nk, P, layout)} (cut them with ring.shard)")
         scale = resolve_scale(scale, D)
+        check_scheme(scheme, P, H, k.shape[1], opts.dropout_p, where)
         prob = Problem(P, r, xp, B, H, k.shape[1], Lq, Lk, D, nq, nk, layout, causal, scale, window, softcap,
-                       opts.alibi_slopes, opts.dropout_p, opts.seed, tuple(steps(P, nq, nk, layout, causal, window)))
+                       opts.alibi_slopes, opts.dropout_p, opts.seed, tuple(steps(P, nq, nk, layout, causal, window)),
+                       scheme)
         check_dropout_tiles(prob, block, where)
         facts = _facts(q, k, v, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, extra=extra,
                        window=window, softcap=softcap, alibi_slopes=opts.alibi_slopes, dropout_p=opts.dropout_p,
-                       seed=opts.seed)
+                       seed=opts.seed, scheme=scheme)
     except (TypeError, ValueError) as e:
         facts = {"problem": f"{type(e).__name__}: {e}"}
     check_same_everywhere(ring, **facts)
@@ -333,11 +357,12 @@ def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extr
 
 
 def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=(), window=None, softcap=None, alibi_slopes=None,
-           dropout_p=0.0, seed=0):
+           dropout_p=0.0, seed=0, scheme="ring"):
     slopes = None if alibi_slopes is None else tuple(cast(alibi_slopes, np.float64).ravel().tolist())
     return dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
                 device=type(q).__module__.split(".")[0], nq=nq, nk=nk, causal=bool(causal), scale=float(scale),
                 layout=layout, window=window, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, seed=seed,
+                scheme=scheme,
                 **{f"arg{i}": (tuple(t.shape), str(t.dtype)) for i, t in enumerate(extra)})
 
 
@@ -388,6 +413,7 @@ class _Travel:
 
     def __init__(self, ring, prob, k, v):
         xp, self.ring = prob.xp, ring
+        self.xp, self.rows = xp, prob.key_halves
         self.acc, self.dtype = _partial_dtype(k.dtype), k.dtype
         self.shapes = [(prob.B, prob.Hkv, len(rows), prob.D) for rows in prob.key_halves]  # (B, Hkv, L_h, D)
         self.nbytes = max(self._sizes(shape)[-1] for shape in self.shapes)  # every slot the same size: they swap
@@ -419,6 +445,15 @@ class _Travel:
             ("dk", "dv", "k", "v"), dts))}
         slot.update(bytes=buf, grad_bytes=at[2], size=at[-1])
         return slot
+
+    def gradients(self, k, v):
+        """dK_r, dV_r in k's dtype, from the halves (home after the last hop) back into the shard's row order."""
+        dk, dv = self.xp.empty(k.shape, k.dtype), self.xp.empty(v.shape, v.dtype)
+        for rows, slot in zip(self.rows, self.slots):
+            for a, b, at in _row_runs(rows):
+                dk[:, :, a:b] = cast(slot["dk"][:, :, at:at + b - a], k.dtype)
+                dv[:, :, a:b] = cast(slot["dv"][:, :, at:at + b - a], v.dtype)
+        return dk, dv
 
     def arrive(self, h):
         """Half h has landed here (GPU: the compute stream waits for it; the host does not)."""
@@ -567,7 +602,7 @@ def _one_call(xp, timeline, fn):
 # ----------------------------------------------------------------------------- forward
 def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, layout="contiguous",
                  block="flash", version=None, timeline=None, window=None, softcap=None, alibi_slopes=None,
-                 dropout_p=0.0, seed=0):
+                 dropout_p=0.0, seed=0, scheme="ring"):
     """This rank's part of ring attention: (o, lse) for its query shard.
 
     q (B, H, Lq, D), k and v (B, Hkv, Lk, D): this rank's shards in `layout` (see shard()); Hkv divides H
@@ -575,10 +610,10 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     P*Lk). window=(left, right), softcap, alibi_slopes, dropout_p and seed as in stage 00 (variants.py): the result
     is the one-device result, the same dropout mask included. ring: a communicator from comm.py.
     timeline: a list that receives one dict per step with work {step, compute_ms, exposed_ms} (exposed = time
-    waiting on the ring).
+    waiting on the ring). scheme: "ring" (this file), "allgather" or "alltoall" (gather.py), the same result.
     """
     prob = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (), window, softcap,
-                     alibi_slopes, dropout_p, seed)
+                     alibi_slopes, dropout_p, seed, scheme)
     xp, blocks = prob.xp, _Blocks(prob, block, version, q.dtype, backward=False)
     q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))  # row-major: the kernels read rows in place
     whole = prob.whole_call()
@@ -586,10 +621,24 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
         c, kpos = whole
         return _one_call(xp, timeline, lambda: blocks.fwd(q, k, v, scale=prob.scale, version=version, **c.mask(),
                                                           **prob.options(blocks.qpos, kpos, c)))
-    acc = _partial_dtype(q.dtype)
-    o_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # O_r: normalised over the keys merged so far
-    lse_run = xp.full((prob.B, prob.H, prob.Lq), -np.inf, dtype=acc)  # L_r
     marks = _Timeline(xp)
+    if prob.scheme == "alltoall":
+        o, lse = _alltoall_forward(ring, prob, blocks, version, q, k, v, marks)
+    else:
+        acc = _partial_dtype(q.dtype)
+        o_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # O_r: normalised over the keys merged so far
+        lse_run = xp.full((prob.B, prob.H, prob.Lq), -np.inf, dtype=acc)  # L_r
+        turn = _turn_forward if prob.scheme == "ring" else _gathered_forward
+        turn(ring, prob, blocks, q, k, v, o_run, lse_run, marks)
+        o, lse = cast(o_run, q.dtype), lse_run  # lse: float32 by the API (float64 for float64 inputs)
+    if timeline is not None:
+        marks.record(timeline)
+    return o, lse
+
+
+def _turn_forward(ring, prob, blocks, q, k, v, o_run, lse_run, marks):
+    """The ring: the blocks travel, each merged into O_r, L_r at the step it is here."""
+    xp = prob.xp
     k_cur, v_cur, spare = k, v, None  # double buffers: the block in use and the one arriving
 
     def receive(hop):  # post the transfer of the block in use to rank r + hop (ours comes from r - hop)
@@ -615,24 +664,63 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
             spare = (k_cur, v_cur) if k_cur is not k else None  # the caller's k, v are never overwritten
             k_cur, v_cur = nxt
         marks.add(s, (t0, t1), (t1, marks.mark()))  # computed, then waited for the next block
-    if timeline is not None:
-        marks.record(timeline)
-    return cast(o_run, q.dtype), lse_run  # lse: float32 by the API (float64 for float64 inputs)
+
+
+def _gathered_forward(ring, prob, blocks, q, k, v, o_run, lse_run, marks):
+    """scheme "allgather": K, V of the whole sequence gathered in order, then this rank's queries against all of them
+    in a few long calls, merged into O_r, L_r as the ring merges its blocks."""
+    t0 = marks.mark()
+    k_all, v_all = gather.gather_sequence(ring, [k, v], prob.nk, prob.layout, prob.xp)  # (B, Hkv, P Lk, D)
+    t1 = marks.mark()
+    calls, kpos = prob.gathered_calls()
+    for c in calls:
+        blocks.forward(q, k_all, v_all, o_run, lse_run, c, kpos)
+    marks.add(0, (t1, marks.mark()), (t0, t1))  # computed, after waiting for the gather
+
+
+def _head_options(prob):
+    """The options of scheme "alltoall"'s one call: the whole problem's mask and options, for this rank's heads."""
+    out = {"causal": prob.causal}
+    if prob.window is not None:
+        out["window"] = prob.window
+    if prob.softcap is not None:
+        out["softcap"] = prob.softcap
+    if prob.alibi_slopes is not None:
+        h = prob.H // prob.P
+        out["alibi_slopes"] = prob.alibi_slopes[..., prob.r * h:(prob.r + 1) * h]  # (H,) or (B, H): our heads
+    return out
+
+
+def _alltoall_forward(ring, prob, blocks, version, q, k, v, marks):
+    """scheme "alltoall": this rank's H/P heads over the whole sequence (heads_to_sequence), one single-device call,
+    and O, L back to the token shards."""
+    xp, layout = prob.xp, prob.layout
+    t0 = marks.mark()
+    q_h, = gather.heads_to_sequence(ring, [q], prob.nq, layout, xp)  # (B, H/P, nq, D)
+    k_h, v_h = gather.heads_to_sequence(ring, [k, v], prob.nk, layout, xp)  # (B, Hkv/P, nk, D)
+    t1 = marks.mark()
+    o_h, lse_h = blocks.fwd(q_h, k_h, v_h, scale=prob.scale, version=version, **_head_options(prob))
+    t2 = marks.mark()
+    o, lse = gather.sequence_to_heads(ring, [o_h, lse_h], prob.nq, layout, xp)  # (B, H, Lq, D), (B, H, Lq)
+    marks.add(0, (t1, t2), (t0, t1))
+    marks.add(0, (t2, t2), (t2, marks.mark()))  # (the transfer back: no compute beside it)
+    return o, lse
 
 
 # ----------------------------------------------------------------------------- backward
 def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, scale=None,
                   layout="contiguous", block="flash", version=None, timeline=None, window=None, softcap=None,
-                  alibi_slopes=None, dropout_p=0.0, seed=0):
+                  alibi_slopes=None, dropout_p=0.0, seed=0, scheme="ring"):
     """This rank's part of the ring backward: (dq, dk, dv) for its own shards.
 
     o, lse: this rank's shard of the FINAL forward output (ring_forward's result). K, V rotate as in the forward,
     and the dK, dV accumulators of each block travel with them, in the same slots: each rank adds its part, and after
     the last step with work s_last they go home to the block's rank (a hop of P - s_last). With grouped-query k, v the
     accumulators have Hkv heads: each block's backward has already summed its group's H / Hkv query heads.
+    scheme: as ring_forward's.
     """
     prob = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do), window, softcap,
-                     alibi_slopes, dropout_p, seed)
+                     alibi_slopes, dropout_p, seed, scheme)
     xp, blocks = prob.xp, _Blocks(prob, block, version, q.dtype, backward=True)
     q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
     whole = prob.whole_call()
@@ -640,15 +728,31 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
         c, kpos = whole
         return _one_call(xp, timeline, lambda: blocks.bwd(q, k, v, o, lse, do, scale=prob.scale, version=version,
                                                           **c.mask(), **prob.options(blocks.qpos, kpos, c)))
-    acc = _partial_dtype(q.dtype)
-    valid = int((blocks.qpos < prob.nq).sum())  # padding rows are a suffix of the shard
-    if valid < prob.Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
-        do = do.copy()
-        do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
-    o, lse, do = xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=acc), xp.ascontiguousarray(do)
-    dq_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # dQ_r stays home
-    travel = _Travel(ring, prob, k, v)  # K_j, V_j and their dK_j, dV_j accumulators
     marks = _Timeline(xp)
+    if prob.scheme == "alltoall":
+        grads = _alltoall_backward(ring, prob, blocks, version, q, k, v, o, lse, do, marks)
+    else:
+        acc = _partial_dtype(q.dtype)
+        valid = int((blocks.qpos < prob.nq).sum())  # padding rows are a suffix of the shard
+        if valid < prob.Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
+            do = do.copy()
+            do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
+        o, lse, do = xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=acc), xp.ascontiguousarray(do)
+        dq_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # dQ_r stays home
+        turn = _turn_backward if prob.scheme == "ring" else _gathered_backward
+        dkv = turn(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks)  # () -> dK_r, dV_r in k's dtype
+        dq = cast(dq_run, q.dtype)
+        del dq_run  # (memory back to the pool before dK, dV are made)
+        grads = (dq, *dkv())
+    if timeline is not None:
+        marks.record(timeline)
+    return grads
+
+
+def _turn_backward(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks):
+    """The ring: the key blocks travel in halves with their dK, dV accumulators (_Travel); returns a function that
+    makes dK_r, dV_r once they are home."""
+    travel = _Travel(ring, prob, k, v)  # K_j, V_j and their dK_j, dV_j accumulators
     todo = prob.todo
     if todo and todo[0] > 0:
         for h in range(len(travel.slots)):
@@ -666,74 +770,103 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
             marks.add(s, (t1, marks.mark()), (t0, t1))  # waited for the half, then computed
     for h in range(len(travel.slots)):
         travel.arrive(h)  # our own dK_r, dV_r are home
-    travel.spare = None  # (memory back to the pool before the outputs are made; as the accumulator below)
-    if timeline is not None:
-        marks.record(timeline)
-    dq = cast(dq_run, q.dtype)
-    del dq_run
-    dk, dv = xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype)
-    for rows, slot in zip(prob.key_halves, travel.slots):  # back from the halves into the shard's row order
-        for a, b, at in _row_runs(rows):
-            dk[:, :, a:b] = cast(slot["dk"][:, :, at:at + b - a], k.dtype)
-            dv[:, :, a:b] = cast(slot["dv"][:, :, at:at + b - a], v.dtype)
+    travel.spare = None  # (memory back to the pool before the outputs are made)
+    return lambda: travel.gradients(k, v)
+
+
+def _gathered_backward(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks):
+    """scheme "allgather": K, V gathered again, dK, dV of every key added into float32 accumulators of the whole
+    sequence, then reduce-scattered (gather.scatter_sum); returns a function that makes dK_r, dV_r."""
+    xp = prob.xp
+    t0 = marks.mark()
+    k_all, v_all = gather.gather_sequence(ring, [k, v], prob.nk, prob.layout, xp)
+    t1 = marks.mark()
+    dk_all, dv_all = (xp.zeros(k_all.shape, _partial_dtype(k.dtype)) for _ in range(2))
+    calls, kpos = prob.gathered_calls()
+    for c in calls:
+        blocks.backward(q, k_all, v_all, o, lse, do, dq_run, dk_all, dv_all, c, kpos)
+    t2 = marks.mark()
+    del k_all, v_all
+    dk, dv = gather.scatter_sum(ring, [dk_all, dv_all], prob.nk, prob.layout, xp)  # this rank's keys, summed
+    marks.add(0, (t1, t2), (t0, t1))
+    marks.add(0, (t2, t2), (t2, marks.mark()))
+    return lambda: (cast(dk, k.dtype), cast(dv, v.dtype))
+
+
+def _alltoall_backward(ring, prob, blocks, version, q, k, v, o, lse, do, marks):
+    """scheme "alltoall": q, k, v, o, L, dO of this rank's heads over the whole sequence, one single-device backward,
+    and dQ, dK, dV back to the token shards."""
+    xp, layout = prob.xp, prob.layout
+    t0 = marks.mark()
+    q_h, o_h, do_h, lse_h = gather.heads_to_sequence(ring, [q, o, do, lse], prob.nq, layout, xp)
+    k_h, v_h = gather.heads_to_sequence(ring, [k, v], prob.nk, layout, xp)
+    t1 = marks.mark()
+    dq_h, dk_h, dv_h = blocks.bwd(q_h, k_h, v_h, o_h, lse_h, do_h, scale=prob.scale, version=version,
+                                  **_head_options(prob))
+    t2 = marks.mark()
+    dq, = gather.sequence_to_heads(ring, [dq_h], prob.nq, layout, xp)
+    dk, dv = gather.sequence_to_heads(ring, [dk_h, dv_h], prob.nk, layout, xp)
+    marks.add(0, (t1, t2), (t0, t1))
+    marks.add(0, (t2, t2), (t2, marks.mark()))
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- P ranks in one process
 def _check_api(q, k, causal, scale, D, layout, ranks, block, version, where, window, softcap, alibi_slopes,
-               dropout_p, seed):
+               dropout_p, seed, scheme):
     """The options of the one-process API, checked before any shard is cut."""
     check_causal(causal, where)
     resolve_scale(scale, D)
     check_layout(layout, where)
     check_ranks(ranks, where)
     check_block(block, version, where)
-    check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, seed, where)
+    _, opts = check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, seed, where)
+    check_scheme(scheme, ranks, q.shape[1], k.shape[1], opts.dropout_p, where)
 
 
 def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive", version=None,
-            window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=0):
+            window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=0, scheme="ring"):
     """The one API: ring attention of full (B, H, N, D) arrays with `ranks` simulated ranks (threads).
 
     layout: "contiguous" or "zigzag"; block: "naive" (stage 00) or "flash" (stages 02/03); version: the block
     kernel's version (stage 02/03 `version=`; None picks the fastest for the dtype). k, v may have Hkv heads
-    (grouped-query); window, softcap, alibi_slopes, dropout_p and seed as in stage 00. Each thread runs
-    ring_forward on its shard, exactly as an MPI rank would; the shards are gathered. Inputs are checked here first,
-    so an error quotes the caller's arrays, not a shard.
+    (grouped-query); window, softcap, alibi_slopes, dropout_p and seed as in stage 00. scheme: "ring", "allgather"
+    or "alltoall" (gather.py). Each thread runs ring_forward on its shard, exactly as an MPI rank would; the shards
+    are gathered. Inputs are checked here first, so an error quotes the caller's arrays, not a shard.
     """
     from .comm import simulate
 
     _, _, _, nq, nk, D = check_attention_inputs(q, k, v, where="ring.forward", gqa=True)
     _check_api(q, k, causal, scale, D, layout, ranks, block, version, "ring.forward", window, softcap, alibi_slopes,
-               dropout_p, seed)
+               dropout_p, seed, scheme)
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
         return ring_forward(shard(q, r, P, layout), shard(k, r, P, layout), shard(v, r, P, layout), ring=ring,
                             nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, block=block,
                             version=version, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                            dropout_p=dropout_p, seed=seed)
+                            dropout_p=dropout_p, seed=seed, scheme=scheme)
 
     outs = simulate(rank_fn, ranks)
     return unshard([o for o, _ in outs], nq, layout), unshard([lse for _, lse in outs], nq, layout)
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", ranks=4, block="naive",
-             version=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=0):
+             version=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=0, scheme="ring"):
     """The one API's backward: ring_backward on `ranks` simulated ranks; returns full (dq, dk, dv).
     Inputs are checked here first, so an error quotes the caller's arrays, not a shard."""
     from .comm import simulate
 
     _, _, _, nq, nk, D = check_backward_inputs(q, k, v, o, lse, do, where="ring.backward", gqa=True)
     _check_api(q, k, causal, scale, D, layout, ranks, block, version, "ring.backward", window, softcap,
-               alibi_slopes, dropout_p, seed)
+               alibi_slopes, dropout_p, seed, scheme)
 
     def rank_fn(ring):
         r, P = ring.rank, ring.size
         cut = [shard(x, r, P, layout) for x in (q, k, v, o, lse, do)]
         return ring_backward(*cut, ring=ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout,
                              block=block, version=version, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             dropout_p=dropout_p, seed=seed)
+                             dropout_p=dropout_p, seed=seed, scheme=scheme)
 
     outs = simulate(rank_fn, ranks)
     return tuple(unshard([g[i] for g in outs], n, layout) for i, n in enumerate((nq, nk, nk)))

@@ -7,6 +7,8 @@ also rotates the dK_j, dV_j accumulators.
 Versions (the layouts, --layout):
   contiguous  rank r holds rows [rN/P, (r+1)N/P): simple; under a causal mask rank P-1 does 2P-1 times rank 0's work.
   zigzag      rank r holds chunks r and 2P-1-r of 2P: every rank does the same causal work.
+Schemes (--scheme): ring (the default: K, V travel hop by hop behind the compute), allgather (K, V gathered once, as
+Llama 3 trains) or alltoall (heads scattered, as DeepSpeed-Ulysses; P must divide the heads); gather.py compares them.
 Backends (--backend; auto picks and says why): nccl (a GPU per rank), mpi (CuPy staged through the host: more
 ranks than GPUs), numpy (CPU). Blocks (--block): flash (stage 02 forward, stage 03 backward; the GPU default)
 or naive (stage 00; the CPU default, where the stage 02/03 tile mirrors are exact but slow, and the GPU default where
@@ -30,6 +32,7 @@ but says nothing about speed or memory per GPU: every rank computes on the same 
     mpirun -n 4 python stages/04_ring/run.py                   # 4 GPUs (nccl), 1 GPU (mpi backend) or the CPU
     mpirun -n 4 python stages/04_ring/run.py --quick           # small, for scripts/run_all.py
     mpirun -n 2 python stages/04_ring/run.py --backend nccl    # 2 GPUs, one per rank
+    mpirun -n 4 python stages/04_ring/run.py --scheme alltoall  # the same check and timing, heads scattered
     mpirun -n 8 --hostfile hosts python stages/04_ring/run.py  # 2 nodes x 4 GPUs (see README.md)
     python stages/04_ring/run.py --help
 """
@@ -68,6 +71,9 @@ def parse(argv):
     ap.add_argument("--backend", choices=comm_mod.BACKENDS, default="auto",
                     help="auto: nccl with a GPU per rank, mpi with fewer GPUs than ranks, numpy without a GPU")
     ap.add_argument("--layout", choices=R.LAYOUTS, default=LAYOUT, help="how the sequence is cut into shards")
+    ap.add_argument("--scheme", choices=R.SCHEMES, default="ring",
+                    help="how the ranks share the keys: ring (hop by hop), allgather (K, V gathered once) or alltoall "
+                         "(heads scattered; the number of ranks must divide --heads and --kv-heads)")
     ap.add_argument("--block", choices=sorted(R.BLOCKS), default=None,
                     help="per-block kernels: flash (stages 02/03) or naive (stage 00); default flash on GPUs, "
                          "naive on the CPU and where the GPU's flash kernels cannot take --kv-heads, --window, "
@@ -101,7 +107,8 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
-def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, versions, xp, Hkv=None, opts=None):
+def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, versions, xp, Hkv=None, opts=None,
+                   scheme="ring"):
     """Every rank of `comm`: the ring forward, and the ring backward from the oracle's o and lse, at total length
     n on fresh inputs (k, v with Hkv heads; opts: window, softcap, alibi_slopes, dropout_p); gathered to rank 0 and
     checked there exactly as stages.common.verify checks one device (stages.common.verify.rule and check_outputs).
@@ -115,7 +122,7 @@ def check_on_ranks(comm, ring, *, B, H, n, D, dtype, causal, layout, block, vers
     rule = verify.rule(q, k, v, do, causal=causal, opts=opts) if rank == 0 else None  # oracle, bounds, start
     start = rule[2] if rank == 0 else None
     o_in, lse_in = comm.bcast(start, root=0)
-    kw = dict(ring=ring, nq=n, nk=n, causal=causal, layout=layout, block=block, **opts)
+    kw = dict(ring=ring, nq=n, nk=n, causal=causal, layout=layout, block=block, scheme=scheme, **opts)
     mine = [xp.asarray(R.shard(x, rank, P, layout)) for x in (q, k, v, do, o_in, lse_in)]  # (B, H, L, ...)
     o, lse = R.ring_forward(*mine[:3], version=versions[0], **kw)
     grads = R.ring_backward(*mine[:3], mine[4], mine[5], mine[3], version=versions[1], **kw)
@@ -197,7 +204,8 @@ def main(argv=None):
         dev = "gpu_sm75"
     dtype = DTYPES[args.dtype or ("bfloat16" if dev == "gpu" else "float32")]
     D = args.head_dim if args.head_dim is not None else HEAD_DIM[dev]
-    H = args.heads if args.heads is not None else (2 if args.quick else HEADS[dev])
+    quick_heads = max(2, P) if args.scheme == "alltoall" else 2  # the all-to-all needs P | H
+    H = args.heads if args.heads is not None else (quick_heads if args.quick else HEADS[dev])
     n_check = args.check_seq if args.check_seq is not None else (256 if args.quick else CHECK_SEQ)
     shared = backend != "nccl" and P > 1  # ranks share a device: the run shows the ring's steps, not its scaling
     per_rank = (1024 if gpu else 64) if args.quick else TOKENS_PER_RANK["cpu" if not gpu else "shared" if shared
@@ -205,10 +213,16 @@ def main(argv=None):
     n_time = args.seq if args.seq is not None else P * per_rank
     causal, layout = not args.no_causal, args.layout
     Hkv = args.kv_heads or H
-    if H % Hkv:
+    bad = (f"--kv-heads {Hkv} must divide --heads {H} (grouped-query attention: each k, v head serves H / Hkv query "
+           "heads)" if H % Hkv else
+           f"--scheme alltoall gives each of the {P} ranks H/P query heads and Hkv/P kv heads: {P} ranks must divide "
+           f"--heads {H} and --kv-heads {Hkv} (use --scheme ring or allgather, or other head counts)"
+           if args.scheme == "alltoall" and (H % P or Hkv % P) else
+           "--scheme alltoall with --dropout: each rank's heads are a problem of their own, so the dropout mask would "
+           "not be one device's; use --scheme ring or allgather" if args.scheme == "alltoall" and args.dropout else "")
+    if bad:
         if rank == 0:
-            print(f"run.py: error: --kv-heads {Hkv} must divide --heads {H} (grouped-query attention: each k, v head "
-                  "serves H / Hkv query heads)", file=sys.stderr, flush=True)
+            print(f"run.py: error: {bad}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     opts = {key: val for key, val in (("window", tuple(args.window) if args.window else None),
                                       ("softcap", args.softcap), ("dropout_p", args.dropout),
@@ -222,13 +236,15 @@ def main(argv=None):
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
         print(f"   blocks {block}" + (f" (stage 02 version {versions[0]}, stage 03 version {versions[1]})"
                                       if block == "flash" else f" (stage 00{'; ' + why if why else ''})")
-              + f", layout {layout}, causal={causal}, {np.dtype(dtype).name}, B={args.batch} H={H} Hkv={Hkv} D={D}"
+              + f", scheme {args.scheme}, layout {layout}, causal={causal}, {np.dtype(dtype).name}, "
+              + f"B={args.batch} H={H} Hkv={Hkv} D={D}"
               + "".join(f", {key}={val}" for key, val in opts.items()) + f", on {where} (rank 0)", flush=True)
 
     # 1. check, before any timing
     try:
         errs = check_on_ranks(world, ring, B=args.batch, H=H, n=n_check, D=D, dtype=dtype, causal=causal,
-                              layout=layout, block=block, versions=versions, xp=xp, Hkv=Hkv, opts=opts)
+                              layout=layout, block=block, versions=versions, xp=xp, Hkv=Hkv, opts=opts,
+                              scheme=args.scheme)
         ok = True
         if rank == 0:
             print(f"check on the full sequence (N={n_check}) against the fp64 oracle (tolerance rule): "
@@ -245,15 +261,19 @@ def main(argv=None):
 
     # 2. time: the ring on every rank, then one device on the whole sequence (rank 0 alone)
     kw_f = dict(ring=ring, nq=n_time, nk=n_time, causal=causal, layout=layout, block=block, version=versions[0],
-                **opts)
+                scheme=args.scheme, **opts)
     kw_b = dict(kw_f, version=versions[1])
     shape = (args.batch, H, R.shard_len(n_time, P, layout), D)
-    if rank == 0:
+    if rank == 0 and args.scheme == "ring":
         plan = R.schedule(P, n_time, n_time, layout=layout, causal=causal, window=opts.get("window"),
                           kv_shape=(args.batch, Hkv) + shape[2:], dtype=dtype)
         print(f"ring schedule at N={n_time}: steps with work {plan['steps']} of {P}; K, V hops "
               f"{plan['kv_hops']} x {plan['kv_bytes_per_hop'] / 2**20:.2f} MB (Hkv={Hkv} heads); backward dK, dV hops "
               f"{plan['dkv_hops']} x {plan['dkv_bytes_per_hop'] / 2**20:.2f} MB (float32)", flush=True)
+    elif rank == 0:
+        sent = [args.batch * x / 2**20 for x in R.traffic(args.scheme, P, shape[2], H, Hkv, D, dtype)]
+        print(f"{args.scheme} at N={n_time}: a rank sends {sent[0]:.2f} MB per forward, {sent[1]:.2f} MB per backward, "
+              "before (and after) its compute", flush=True)
     rows = world.gather(_time(R.ring_forward, R.ring_backward, shape, dtype, xp, gpu, args.repeat, kw_f, kw_b, Hkv),
                         root=0)
     if rank == 0:
@@ -277,12 +297,19 @@ def main(argv=None):
         rate = f"{flops / P / t_f / 1e9:.1f} TFLOP/s per GPU" if gpu else f"{flops / P / t_f / 1e6:.2f} GFLOP/s a rank"
         print(f"one device, whole sequence: fwd {single['fwd']:.2f} ms, bwd {single['bwd']:.2f} ms, "
               f"peak {single['peak'] / 2**20:.1f} MB; ring fwd {rate}")
-        print(report(P, single, t_f, t_b, peak, shared=shared, gpu=gpu))
+        print(report(P, single, t_f, t_b, peak, shared=shared, gpu=gpu, scheme=args.scheme))
         print(f"SUMMARY 04_ring PASS {P} ranks {backend}, {layout}, fwd+bwd within tolerance on the full sequence")
     return True
 
 
-def report(P, single, t_f, t_b, peak, *, shared, gpu):
+HOLDS = {  # what a rank holds besides its shards, by scheme (README.md and gather.py say what each costs)
+    "ring": "a rank also holds its accumulators and the block in flight; README.md says what each buffer costs",
+    "allgather": "a rank also holds K, V of the whole sequence, and in the backward their float32 gradients",
+    "alltoall": "a rank also holds its heads over the whole sequence, about its shards' size again",
+}
+
+
+def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring"):
     """What the timing says, in words: per-GPU efficiency and memory per GPU against one device (and 1/P)."""
     eff = (single["fwd"] + single["bwd"]) / (P * (t_f + t_b))
     mem = peak / max(single["peak"], 1)
@@ -291,8 +318,7 @@ def report(P, single, t_f, t_b, peak, *, shared, gpu):
              f"the {P} ranks took {(t_f + t_b) / (single['fwd'] + single['bwd']):.2f}x one device's time for the same "
              f"work, so together they ran {eff * P:.2f}x as fast as one (1.00 per GPU = the ring costs nothing)",
              f"memory per rank {peak / 2**20:.0f} MB = {mem:.2f} of one device's {single['peak'] / 2**20:.0f} MB "
-             f"(1/P = {1 / P:.2f}: a rank also holds its accumulators and the block in flight; README.md says what "
-             "each buffer costs)"]
+             f"(1/P = {1 / P:.2f}: {HOLDS[scheme]})"]
     if shared:
         where = "one GPU" if gpu else "the CPU cores"
         lines.append(f"(the {P} ranks share {where} here: this run checks the ring and shows its steps, not its speed "

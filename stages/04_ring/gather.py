@@ -1,0 +1,171 @@
+"""Stage 04: two other ways to split attention over P ranks, beside the ring: all-gather and all-to-all.
+
+The ring (ring.py) moves K, V one shard per step and hides each move behind a step's compute. Two other schemes
+train long-context models today. Both take the same shards, options and checks as the ring and give the same result
+as one device (scheme= of ring_forward / ring_backward and of forward / backward):
+
+  allgather  (Llama 3's context parallelism, Dubey et al. 2024, section 3.3)  Every rank gathers the whole K, V once,
+             puts the keys in sequence order, and its query shard attends to them in a few long kernel calls (one per
+             run of consecutive query positions: one for contiguous shards, two for zigzag). The backward gathers K, V
+             again, adds dK, dV for every key into float32 accumulators of the whole sequence, and reduce-scatters
+             them: each rank receives the P parts of its own shard and sums them in rank order.
+  alltoall   (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509)  Heads are scattered. One all-to-all turns each
+             rank's (all H heads, N/P tokens) of q, k, v into (H/P heads, all N tokens); each rank runs the
+             single-device kernel on the whole sequence for its heads, and a second all-to-all brings O and L back to
+             the token shards. The backward does the same with q, k, v, o, L, dO and brings dQ, dK, dV back. P must
+             divide H and Hkv: a rank needs whole heads.
+
+What a rank sends per call, e bytes per element, L = N/P tokens a rank, heads H and Hkv of D dims (traffic() below):
+
+              forward                        backward                                 hidden behind compute
+  ring        (P-1) 2 L Hkv D e              (P-1) 2 L Hkv D e + P 2 L Hkv D 4         yes, hop by hop
+  allgather   (P-1) 2 L Hkv D e              (P-1) 2 L Hkv D (e + 4)                   no: gathered first
+  alltoall    (P-1)/P (2 H + 2 Hkv) L D e    (P-1)/P (4 H + 4 Hkv) L D e               no
+              (+ 4 H L (P-1)/P: the lse)     (+ 4 H L (P-1)/P: the lse)
+(The ring's float32 dK, dV make one hop more than its K, V: the last one takes them home.)
+
+So the ring and the all-gather move about the same bytes, and they grow with P (each rank sees every other rank's K, V);
+the all-to-all moves a constant amount per token, about 1/P of theirs for every head its own: it wins at large P on
+a fast all-to-all network (NVLink in a node), but it cannot use more ranks than kv heads, and nothing hides its
+transfers. The all-gather is the simplest and its kernel calls are the longest (the whole sequence of keys in one
+call); it pays where K, V are small (grouped-query attention, Llama 3's 8 kv heads) and P is small, and it holds
+K, V of the whole sequence (and their float32 gradients in the backward) on every rank. The ring holds one and a
+half blocks and hides its hops, which is what lets it scale to any P when each step's compute outlasts a hop.
+
+This file holds the two schemes' data movement. The block calls, the merge and the checks are the ring's (ring.py
+calls these functions with them); nothing here knows a kernel.
+"""
+import numpy as np
+
+from .layout import _runs, positions, shard_len
+
+SCHEMES = ("ring", "allgather", "alltoall")
+
+
+def check_scheme(scheme, P, H, Hkv, dropout_p, where="ring attention"):
+    """scheme must be one of SCHEMES; the all-to-all gives each rank H/P query heads and Hkv/P kv heads."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"{where}: scheme {scheme!r} is not known; use one of {SCHEMES}")
+    if scheme != "alltoall":
+        return scheme
+    if H % P or Hkv % P:
+        raise ValueError(f"{where}: scheme 'alltoall' gives each of the {P} ranks H/P query heads and Hkv/P kv heads, "
+                         f"so {P} must divide H = {H} and Hkv = {Hkv}; use scheme 'ring' or 'allgather' (any P)")
+    if dropout_p:
+        raise ValueError(f"{where}: scheme 'alltoall' runs each rank's heads as a problem of its own, and dropout "
+                         "draws its bits from a head's index in the call, so the mask would not be one device's; use "
+                         "scheme 'ring' or 'allgather' with dropout")
+    return scheme
+
+
+def traffic(scheme, P, L, H, Hkv, D, dtype):
+    """(forward, backward): bytes a rank sends per call, with L tokens a rank and every step of the ring busy."""
+    e, f = np.dtype(dtype).itemsize, 8 if np.dtype(dtype) == np.float64 else 4  # f: the float32 lse and gradients
+    if scheme == "alltoall":
+        share = (P - 1) / P * L
+        return int(share * ((2 * H + 2 * Hkv) * D * e + H * f)), int(share * ((4 * H + 4 * Hkv) * D * e + H * f))
+    kv = 2 * L * Hkv * D  # K and V of one shard (or dK and dV)
+    if scheme == "ring":
+        return (P - 1) * kv * e, (P - 1) * kv * e + P * kv * f
+    return (P - 1) * kv * e, (P - 1) * kv * (e + f)
+
+
+# ----------------------------------------------------------------------------- shards <-> the sequence in order
+def _placements(j, P, n, layout):
+    """[(a, b, at)]: rows a:b of rank j's shard are rows at:at + b - a of the sequence (padding rows included: they sit
+    at positions >= n, after every real row). Zigzag shards are two runs, contiguous ones one."""
+    pos = positions(j, P, n, layout)
+    return [(a, b, int(pos[a])) for a, b in _runs(pos)]
+
+
+def to_sequence(parts, P, n, layout, out):
+    """out (B, h, P L, ...) in sequence order, from parts[j] (B, h, L, ...), rank j's shard."""
+    for j, part in enumerate(parts):
+        for a, b, at in _placements(j, P, n, layout):
+            out[:, :, at:at + b - a] = part[:, :, a:b]
+    return out
+
+
+def from_sequence(x, j, P, n, layout, xp):
+    """Rank j's shard (B, h, L, ...) of x (B, h, m, ...), a sequence in order of m <= P L rows; rows past m are zero."""
+    L = shard_len(n, P, layout)
+    out = xp.zeros(x.shape[:2] + (L,) + x.shape[3:], x.dtype)
+    for a, b, at in _placements(j, P, n, layout):
+        b = min(b, a + max(0, x.shape[2] - at))  # rows past the end of x stay zero (padding)
+        out[:, :, a:b] = x[:, :, at:at + b - a]
+    return out
+
+
+def _post(ring, sends, recv):
+    """An all-to-all of sends[j] -> rank j into recv[j] (recv: (P, ...) one buffer); returns the handle."""
+    return ring.alltoall(sends, [recv[j] for j in range(recv.shape[0])])
+
+
+# ----------------------------------------------------------------------------- all-gather
+def gather_sequence(ring, arrays, n, layout, xp):
+    """Every rank's shards of `arrays` (each (B, h, L, D)), gathered and put in sequence order: (B, h, P L, D) each.
+    One all-to-all per array, every rank sending its shard to every rank, all posted before the first wait."""
+    P = ring.size
+    recvs = [xp.empty((P,) + x.shape, x.dtype) for x in arrays]
+    handles = [_post(ring, [x] * P, recv) for x, recv in zip(arrays, recvs)]
+    out = []
+    for x, recv, handle in zip(arrays, recvs, handles):
+        ring.wait(handle)
+        full = xp.empty(x.shape[:2] + (P * x.shape[2],) + x.shape[3:], x.dtype)
+        out.append(to_sequence(list(recv), P, n, layout, full))
+    return out
+
+
+def scatter_sum(ring, arrays, n, layout, xp):
+    """The reduce-scatter of the backward: arrays (B, h, P L, D) in sequence order hold every rank's part of every
+    key's gradient; rank j receives everyone's rows of its shard and adds them in rank order 0..P-1 (the same bits
+    on every rank, whatever the network). Returns this rank's sums, (B, h, L, D) each. (A library's reduce-scatter
+    adds on the way and needs no P receive buffers; this one shows the arithmetic.)"""
+    P = ring.size
+    sends = [xp.stack([from_sequence(x, j, P, n, layout, xp) for j in range(P)]) for x in arrays]  # (P, B, h, L, D)
+    recvs = [xp.empty_like(s) for s in sends]
+    handles = [_post(ring, list(s), r) for s, r in zip(sends, recvs)]
+    out = []
+    for recv, handle in zip(recvs, handles):
+        ring.wait(handle)
+        total = recv[0].copy()
+        for part in recv[1:]:
+            total += part
+        out.append(total)
+    return out
+
+
+# ----------------------------------------------------------------------------- all-to-all
+def heads_to_sequence(ring, arrays, n, layout, xp):
+    """(B, H, L, ...) token shards of every rank -> (B, H/P, n, ...): this rank's H/P heads over the whole sequence,
+    in order (rank r takes heads r H/P .. (r+1) H/P). Padding rows (positions >= n) are dropped."""
+    P = ring.size
+    recvs, handles = [], []
+    for x in arrays:
+        h = x.shape[1] // P
+        recv = xp.empty((P, x.shape[0], h) + x.shape[2:], x.dtype)
+        handles.append(_post(ring, [xp.ascontiguousarray(x[:, j * h:(j + 1) * h]) for j in range(P)], recv))
+        recvs.append(recv)
+    out = []
+    for x, recv, handle in zip(arrays, recvs, handles):
+        ring.wait(handle)
+        full = xp.empty(recv.shape[1:3] + (P * x.shape[2],) + x.shape[3:], x.dtype)
+        full = to_sequence(list(recv), P, n, layout, full)
+        out.append(full if n == full.shape[2] else xp.ascontiguousarray(full[:, :, :n]))
+    return out
+
+
+def sequence_to_heads(ring, arrays, n, layout, xp):
+    """The way back: (B, H/P, n, ...) of this rank's heads -> (B, H, L, ...), this rank's token shard of every head."""
+    P = ring.size
+    recvs, handles = [], []
+    for x in arrays:
+        send = xp.stack([from_sequence(x, j, P, n, layout, xp) for j in range(P)])  # [j]: rank j's rows
+        recv = xp.empty_like(send)
+        handles.append(_post(ring, list(send), recv))
+        recvs.append(recv)
+    out = []
+    for recv, handle in zip(recvs, handles):
+        ring.wait(handle)
+        out.append(xp.concatenate(list(recv), axis=1))  # rank j's heads are heads j H/P .. (j+1) H/P
+    return out
