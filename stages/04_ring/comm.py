@@ -4,8 +4,6 @@
     h = ring.exchange(sends, recvs, shift=1)  each array of sends goes to rank + shift, rank - shift's arrive in recvs
     h = ring.rotate(buf, shift=1)    IN PLACE: this rank's bytes of buf go to rank + shift, and rank - shift's bytes
                                      replace them
-    h = ring.alltoall(sends, recvs)  sends[j] goes to rank j, rank j's lands in recvs[j] (j = 0..P-1, this rank too):
-                                     the all-gather and all-to-all schemes (gather.py)
     ring.wait(h)                     the transfer has landed (GPU backends: the compute stream waits); transfers are
                                      non-blocking where the backend can (a GPU stream) and arrive in the order started
     ring.allgather(obj)              every rank's obj, as a list (the agreement checks)
@@ -270,20 +268,6 @@ class NumpyRing:
             self._sending.append(self.comm.Isend(_bytes(s), dest=dst, tag=i))
         return reqs + self._sending
 
-    def alltoall(self, sends, recvs):
-        """Post sends[j] to rank j and a receive from rank j into recvs[j], for every j (our own piece is copied)."""
-        from mpi4py import MPI
-
-        MPI.Request.Waitall(self._sending)
-        reqs, self._sending = [], []
-        for j, (s, r) in enumerate(zip(sends, recvs)):
-            if j == self.rank:
-                _bytes(r)[...] = _bytes(s)
-                continue
-            reqs.append(self.comm.Irecv(_bytes(r), source=j, tag=100))
-            self._sending.append(self.comm.Isend(_bytes(s), dest=j, tag=100))
-        return reqs + self._sending
-
     def rotate(self, buf, shift=1):
         """buf (1-D uint8, contiguous): rank + shift gets our bytes, we get rank - shift's. Done on return."""
         self._sendrecv_replace(buf, shift)
@@ -325,12 +309,6 @@ class MpiRing(NumpyRing):
         host_sends = [_bytes(s).get() for s in sends]  # (nbytes,) uint8 on the host
         host_recvs = [np.empty(r.nbytes, np.uint8) for r in recvs]
         return super().exchange(host_sends, host_recvs, shift), host_sends, host_recvs, recvs
-
-    def alltoall(self, sends, recvs):
-        """As exchange(): staged through the host, the device copies queued by wait()."""
-        host_sends = [_bytes(s).get() for s in sends]
-        host_recvs = [np.empty(r.nbytes, np.uint8) for r in recvs]
-        return super().alltoall(host_sends, host_recvs), host_sends, host_recvs, recvs
 
     def rotate(self, buf, shift=1):
         host = buf.get()  # (nbytes,) uint8 on the host, after the kernels that wrote buf
@@ -392,17 +370,6 @@ class NcclRing:
         for s, r in zip(sends, recvs):
             self.nc.send(s.data.ptr, s.nbytes, self.nccl.NCCL_INT8, dst, self.stream.ptr)
             self.nc.recv(r.data.ptr, r.nbytes, self.nccl.NCCL_INT8, src, self.stream.ptr)
-        self.nccl.groupEnd()
-        return self._done(sends, recvs)
-
-    def alltoall(self, sends, recvs):
-        """Post sends[j] to rank j and a receive from rank j into recvs[j] for every j (NCCL pairs a rank's send to
-        itself with its own receive), as one group on the transfer stream."""
-        self._after_compute()
-        self.nccl.groupStart()
-        for j, (s, r) in enumerate(zip(sends, recvs)):
-            self.nc.send(s.data.ptr, s.nbytes, self.nccl.NCCL_INT8, j, self.stream.ptr)
-            self.nc.recv(r.data.ptr, r.nbytes, self.nccl.NCCL_INT8, j, self.stream.ptr)
         self.nccl.groupEnd()
         return self._done(sends, recvs)
 
@@ -478,22 +445,16 @@ class ThreadRing:
     def exchange(self, sends, recvs, shift=1):
         """Post copies of the sends to rank + shift's mailbox; wait() copies rank - shift's into recvs."""
         self._box((self.rank + shift) % self.size, self.rank).put([s.copy() for s in sends])
-        return [(recvs, (self.rank - shift) % self.size)]
-
-    def alltoall(self, sends, recvs):
-        """Post a copy of sends[j] to rank j's mailbox, for every j; wait() copies rank j's into recvs[j]."""
-        for j, s in enumerate(sends):
-            self._box(j, self.rank).put([s.copy()])
-        return [([r], j) for j, r in enumerate(recvs)]
+        return recvs, (self.rank - shift) % self.size
 
     def rotate(self, buf, shift=1):
         """Post a copy of buf to rank + shift's mailbox; wait() copies rank - shift's into buf."""
         return self.exchange([buf], [buf], shift)
 
     def wait(self, handle):
-        for recvs, src in handle:
-            for r, got in zip(recvs, self._get(self._box(self.rank, src))):
-                r[...] = got
+        recvs, src = handle
+        for r, got in zip(recvs, self._get(self._box(self.rank, src))):
+            r[...] = got
 
     def allgather(self, obj):
         sh, gen = self.shared, self.calls

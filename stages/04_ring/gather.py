@@ -79,8 +79,8 @@ def _placements(j, P, n, layout):
 
 
 def to_sequence(parts, P, n, layout, out):
-    """out (B, h, P L, ...) in sequence order, from parts[j] (B, h, L, ...), rank j's shard."""
-    for j, part in enumerate(parts):
+    """Put shards into out (B, h, P L, ...), a sequence in order: parts {j: rank j's shard (B, h, L, ...)}."""
+    for j, part in parts.items():
         for a, b, at in _placements(j, P, n, layout):
             out[:, :, at:at + b - a] = part[:, :, a:b]
     return out
@@ -96,76 +96,76 @@ def from_sequence(x, j, P, n, layout, xp):
     return out
 
 
-def _post(ring, sends, recv):
-    """An all-to-all of sends[j] -> rank j into recv[j] (recv: (P, ...) one buffer); returns the handle."""
-    return ring.alltoall(sends, [recv[j] for j in range(recv.shape[0])])
+def _heads(x, j, P):
+    """Rank j's share of the heads of x (B, H, ...): heads j H/P .. (j+1) H/P (a view)."""
+    h = x.shape[1] // P
+    return x[:, j * h:(j + 1) * h]
 
+
+# Both schemes move their data by P - 1 pairwise exchanges, the ring's own primitive (comm.exchange) with a longer
+# reach: at shift s = 1 .. P-1 rank r sends to rank r + s what that rank needs and receives from rank r - s what it
+# needs itself. A rank holds one piece in flight at a time (a shard's worth), never P of them.
 
 # ----------------------------------------------------------------------------- all-gather
 def gather_sequence(ring, arrays, n, layout, xp):
-    """Every rank's shards of `arrays` (each (B, h, L, D)), gathered and put in sequence order: (B, h, P L, D) each.
-    One all-to-all per array, every rank sending its shard to every rank, all posted before the first wait."""
-    P = ring.size
-    recvs = [xp.empty((P,) + x.shape, x.dtype) for x in arrays]
-    handles = [_post(ring, [x] * P, recv) for x, recv in zip(arrays, recvs)]
-    out = []
-    for x, recv, handle in zip(arrays, recvs, handles):
-        ring.wait(handle)
-        full = xp.empty(x.shape[:2] + (P * x.shape[2],) + x.shape[3:], x.dtype)
-        out.append(to_sequence(list(recv), P, n, layout, full))
-    return out
+    """Every rank's shards of `arrays` (each (B, h, L, D)), gathered and put in sequence order: (B, h, P L, D) each."""
+    P, r = ring.size, ring.rank
+    full = [xp.empty(x.shape[:2] + (P * x.shape[2],) + x.shape[3:], x.dtype) for x in arrays]
+    for f, x in zip(full, arrays):
+        to_sequence({r: x}, P, n, layout, f)
+    landing = [xp.empty_like(x) for x in arrays]
+    for s in range(1, P):
+        ring.wait(ring.exchange(arrays, landing, shift=s))  # rank r - s's shards are here
+        for f, x in zip(full, landing):
+            to_sequence({(r - s) % P: x}, P, n, layout, f)
+    return full
 
 
 def scatter_sum(ring, arrays, n, layout, xp):
-    """The reduce-scatter of the backward: arrays (B, h, P L, D) in sequence order hold every rank's part of every
-    key's gradient; rank j receives everyone's rows of its shard and adds them in rank order 0..P-1 (the same bits
-    on every rank, whatever the network). Returns this rank's sums, (B, h, L, D) each. (A library's reduce-scatter
-    adds on the way and needs no P receive buffers; this one shows the arithmetic.)"""
-    P = ring.size
-    sends = [xp.stack([from_sequence(x, j, P, n, layout, xp) for j in range(P)]) for x in arrays]  # (P, B, h, L, D)
-    recvs = [xp.empty_like(s) for s in sends]
-    handles = [_post(ring, list(s), r) for s, r in zip(sends, recvs)]
-    out = []
-    for recv, handle in zip(recvs, handles):
-        ring.wait(handle)
-        total = recv[0].copy()
-        for part in recv[1:]:
-            total += part
-        out.append(total)
-    return out
+    """The reduce-scatter of the backward: arrays (B, h, P L, D) in sequence order hold this rank's part of every
+    key's gradient; each rank receives everyone's part of its own shard and adds them in a fixed order (its own, then
+    rank r - 1's, r - 2's, ...). Returns this rank's sums, (B, h, L, D) each."""
+    P, r = ring.size, ring.rank
+    totals = [from_sequence(x, r, P, n, layout, xp) for x in arrays]
+    landing = [xp.empty_like(t) for t in totals]
+    for s in range(1, P):
+        parts = [from_sequence(x, (r + s) % P, P, n, layout, xp) for x in arrays]  # rank r + s's rows
+        ring.wait(ring.exchange(parts, landing, shift=s))  # rank r - s's part of our rows
+        for t, x in zip(totals, landing):
+            t += x
+    return totals
 
 
 # ----------------------------------------------------------------------------- all-to-all
 def heads_to_sequence(ring, arrays, n, layout, xp):
     """(B, H, L, ...) token shards of every rank -> (B, H/P, n, ...): this rank's H/P heads over the whole sequence,
     in order (rank r takes heads r H/P .. (r+1) H/P). Padding rows (positions >= n) are dropped."""
-    P = ring.size
-    recvs, handles = [], []
-    for x in arrays:
-        h = x.shape[1] // P
-        recv = xp.empty((P, x.shape[0], h) + x.shape[2:], x.dtype)
-        handles.append(_post(ring, [xp.ascontiguousarray(x[:, j * h:(j + 1) * h]) for j in range(P)], recv))
-        recvs.append(recv)
-    out = []
-    for x, recv, handle in zip(arrays, recvs, handles):
-        ring.wait(handle)
-        full = xp.empty(recv.shape[1:3] + (P * x.shape[2],) + x.shape[3:], x.dtype)
-        full = to_sequence(list(recv), P, n, layout, full)
-        out.append(full if n == full.shape[2] else xp.ascontiguousarray(full[:, :, :n]))
-    return out
+    P, r = ring.size, ring.rank
+    full = [xp.empty(_heads(x, r, P).shape[:2] + (P * x.shape[2],) + x.shape[3:], x.dtype) for x in arrays]
+    for f, x in zip(full, arrays):
+        to_sequence({r: _heads(x, r, P)}, P, n, layout, f)
+    landing = [xp.empty(_heads(x, r, P).shape, x.dtype) for x in arrays]
+    for s in range(1, P):
+        sends = [xp.ascontiguousarray(_heads(x, (r + s) % P, P)) for x in arrays]  # rank r + s's heads, our rows
+        ring.wait(ring.exchange(sends, landing, shift=s))  # our heads, rank r - s's rows
+        for f, x in zip(full, landing):
+            to_sequence({(r - s) % P: x}, P, n, layout, f)
+    return [f if n == f.shape[2] else xp.ascontiguousarray(f[:, :, :n]) for f in full]
 
 
 def sequence_to_heads(ring, arrays, n, layout, xp):
     """The way back: (B, H/P, n, ...) of this rank's heads -> (B, H, L, ...), this rank's token shard of every head."""
-    P = ring.size
-    recvs, handles = [], []
-    for x in arrays:
-        send = xp.stack([from_sequence(x, j, P, n, layout, xp) for j in range(P)])  # [j]: rank j's rows
-        recv = xp.empty_like(send)
-        handles.append(_post(ring, list(send), recv))
-        recvs.append(recv)
+    P, r = ring.size, ring.rank
     out = []
-    for recv, handle in zip(recvs, handles):
-        ring.wait(handle)
-        out.append(xp.concatenate(list(recv), axis=1))  # rank j's heads are heads j H/P .. (j+1) H/P
+    for x in arrays:
+        own = from_sequence(x, r, P, n, layout, xp)  # (B, H/P, L, ...)
+        mine = xp.empty((x.shape[0], P * x.shape[1]) + own.shape[2:], x.dtype)
+        _heads(mine, r, P)[...] = own
+        out.append(mine)
+    landing = [xp.empty_like(_heads(o, r, P)) for o in out]
+    for s in range(1, P):
+        sends = [from_sequence(x, (r + s) % P, P, n, layout, xp) for x in arrays]  # rank r + s's rows, our heads
+        ring.wait(ring.exchange(sends, landing, shift=s))  # our rows, rank r - s's heads
+        for o, x in zip(out, landing):
+            _heads(o, (r - s) % P, P)[...] = x
     return out

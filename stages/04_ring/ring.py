@@ -700,6 +700,7 @@ def _alltoall_forward(ring, prob, blocks, version, q, k, v, marks):
     k_h, v_h = gather.heads_to_sequence(ring, [k, v], prob.nk, layout, xp)  # (B, Hkv/P, nk, D)
     t1 = marks.mark()
     o_h, lse_h = blocks.fwd(q_h, k_h, v_h, scale=prob.scale, version=version, **_head_options(prob))
+    del q_h, k_h, v_h  # (memory back to the pool before the way back)
     t2 = marks.mark()
     o, lse = gather.sequence_to_heads(ring, [o_h, lse_h], prob.nq, layout, xp)  # (B, H, Lq, D), (B, H, Lq)
     marks.add(0, (t1, t2), (t0, t1))
@@ -803,6 +804,7 @@ def _alltoall_backward(ring, prob, blocks, version, q, k, v, o, lse, do, marks):
     t1 = marks.mark()
     dq_h, dk_h, dv_h = blocks.bwd(q_h, k_h, v_h, o_h, lse_h, do_h, scale=prob.scale, version=version,
                                   **_head_options(prob))
+    del q_h, k_h, v_h, o_h, lse_h, do_h
     t2 = marks.mark()
     dq, = gather.sequence_to_heads(ring, [dq_h], prob.nq, layout, xp)
     dk, dv = gather.sequence_to_heads(ring, [dk_h, dv_h], prob.nk, layout, xp)
