@@ -18,11 +18,11 @@ as one device (scheme= of ring_forward / ring_backward and of forward / backward
 What a rank sends per call, e bytes per element, L = N/P tokens a rank, heads H and Hkv of D dims (traffic() below):
 
               forward                        backward                                 hidden behind compute
-  ring        (P-1) 2 L Hkv D e              P 2 L Hkv D e + (P-1) 2 L Hkv D 4         yes, hop by hop
+  ring        (P-1) 2 L Hkv D e              (P-1) 2 L Hkv D e + P 2 L Hkv D 4         yes, hop by hop
   allgather   (P-1) 2 L Hkv D e              (P-1) 2 L Hkv D (e + 4)                   no: gathered first
   alltoall    (P-1)/P (2 H + 2 Hkv) L D e    (P-1)/P (4 H + 4 Hkv) L D e               no
               (+ 4 H L (P-1)/P: the lse)     (+ 4 H L (P-1)/P: the lse)
-(The ring's backward sends its K, V one hop more: each block starts one hop away and ends at home, ring.py.)
+(The ring's float32 dK, dV make one hop more than its K, V: the last one takes them home.)
 
 So the ring and the all-gather move about the same bytes, and they grow with P (each rank sees every other rank's K, V);
 the all-to-all moves a constant amount per token, about 1/P of theirs for every head its own: it wins at large P on
@@ -66,7 +66,7 @@ def traffic(scheme, P, L, H, Hkv, D, dtype):
         return int(share * ((2 * H + 2 * Hkv) * D * e + H * f)), int(share * ((4 * H + 4 * Hkv) * D * e + H * f))
     kv = 2 * L * Hkv * D  # K and V of one shard (or dK and dV)
     if scheme == "ring":
-        return (P - 1) * kv * e, P * kv * e + (P - 1) * kv * f
+        return (P - 1) * kv * e, (P - 1) * kv * e + P * kv * f
     return (P - 1) * kv * e, (P - 1) * kv * (e + f)
 
 

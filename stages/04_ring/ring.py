@@ -25,11 +25,6 @@ How a block travels (what makes the ring pay on real GPUs):
     compute, and dK_j, dV_j are added to in place because they arrived before the compute that adds to them. A rank
     holds a block and a half (the half in flight lands in a spare), not the two blocks and two gradient buffers of
     a double-buffered ring: its memory is its shards, its accumulators and 1.5 blocks.
-  * The own block last. The backward visits its steps in the order 1, 2, ..., P-1 and then 0, the rank's own block
-    (once round the ring): each block starts one hop away, with K, V only (its gradients are still zero), and is home
-    when the last step ends, its dK, dV complete. What a rank waits for is then the first half of K, V (16 bits)
-    before its first step, not the last half of float32 dK, dV after its last one (twice the bytes, and nothing
-    left to compute beside them).
   * Merged where it is computed. On the GPU the kernels add each block into the ring's float32 accumulators
     themselves: version pipelined merges O_rj, L_rj into O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
     atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
@@ -39,11 +34,10 @@ How a block travels (what makes the ring pay on real GPUs):
 Causal across shards, sliding windows, the layouts (contiguous, zigzag), padding to any length, `plan` (which
 kernel calls cover exactly the visible (query, key) pairs), `halves` and `steps` (the steps at which some rank has
 work) live in layout.py. With a window most steps have no work: the loops run over `steps` only, the halves hop
-straight to the next such step, and the backward's dK_j, dV_j go home with its last step, the own block's.
-Grouped-query K, V travel with their own Hkv heads. ALiBi and dropout see each pair's global indices: every block
-call is told where it sits in the whole problem (origin = the global query row and key of its first row and key),
-so its bias and its dropout bits are those of the whole problem, and the ring gives the one-device result, mask and
-all.
+straight to the next such step, and dK_j, dV_j go home in one hop after the last. Grouped-query K, V travel with
+their own Hkv heads. ALiBi and dropout see each pair's global indices: every block call is told where it sits in
+the whole problem (origin = the global query row and key of its first row and key), so its bias and its dropout
+bits are those of the whole problem, and the ring gives the one-device result, mask and all.
 
 Two other ways to split the sequence take the same arguments and give the same result (scheme=): "allgather" (K, V
 gathered once, as Llama 3 trains) and "alltoall" (heads scattered, as DeepSpeed-Ulysses); gather.py says how they
@@ -373,17 +367,14 @@ def _facts(q, k, v, *, nq, nk, causal, scale, layout, extra=(), window=None, sof
 
 
 def schedule(P, nq, nk, *, layout="zigzag", causal=False, window=None, kv_shape=None, dtype=None):
-    """What the ring will do, as a dict: the steps with work (layout.steps) out of P, the hops K, V make in the forward
-    and in the backward (its first one, to the first step, carries K, V alone), the hops the dK, dV accumulators make
-    with them (the last takes them home: the own block's step, or one hop more when that step has no work), and, given
+    """What the ring will do, as a dict: the steps with work (layout.steps) out of P, the hops K, V make (forward
+    and backward) and the hops the dK, dV accumulators make (backward; the last one takes them home), and, given
     one rank's K shard shape (B, Hkv, Lk, D) and dtype, the bytes of one hop: K and V, dK and dV (float32).
     Grouped-query k, v travel with their Hkv heads: H / Hkv times fewer bytes than H heads."""
     todo = steps(P, nq, nk, layout, causal, window)
-    order = _visits(todo, P)  # the backward's order (its own block last)
     out = {"steps": todo, "of": P,
            "kv_hops": len(todo) - 1 + (1 if todo and todo[0] > 0 else 0) if todo else 0,
-           "bwd_kv_hops": len(order) - 1 + (1 if order and order[0] > 0 else 0) if order else 0,
-           "dkv_hops": len(order) - 1 + (1 if order and order[-1] % P else 0) if order else 0}
+           "dkv_hops": len(todo) - 1 + (1 if todo and todo[-1] > 0 else 0) if todo else 0}
     if kv_shape is not None:
         n = int(np.prod(kv_shape))
         out["kv_bytes_per_hop"] = 2 * n * np.dtype(dtype).itemsize
@@ -470,38 +461,26 @@ class _Travel:
             self.ring.wait(self.pending[h])
             self.pending[h] = None
 
-    def depart(self, h, hop, part="all"):
+    def depart(self, h, hop, grads_only=False):
         """Send half h on to rank r + hop (and receive rank r - hop's half h in its place), after the work queued on
-        it so far: "all" of it, its "grads" alone (on the way home) or its "kv" alone (before any gradient: the
-        arriving half's dK, dV start at zero here)."""
+        it so far."""
         slot = self.slots[h]
-        a, b = {"all": (0, slot["size"]), "grads": (0, slot["grad_bytes"]),
-                "kv": (slot["grad_bytes"], slot["size"])}[part]  # a slot is [dK | dV | K | V]
-        if not (hop and b > a):
+        n = slot["grad_bytes"] if grads_only else slot["size"]
+        if not (hop and n):
             return
         if self.spare is None:
-            self.pending[h] = self.ring.rotate(slot["bytes"][a:b], hop)  # (in place: zero dK, dV stay zero)
+            self.pending[h] = self.ring.rotate(slot["bytes"][:n], hop)
             return
         arriving = self.spare  # the spare receives; the slot's own buffer is the spare once its bytes have left
-        self.pending[h] = self.ring.exchange([slot["bytes"][a:b]], [arriving[a:b]], hop)
+        self.pending[h] = self.ring.exchange([slot["bytes"][:n]], [arriving[:n]], hop)
         self.spare = slot["bytes"]
         self.slots[h] = self._slot(arriving, self.shapes[h])
-        if part == "kv":
-            self.slots[h]["dk"][...] = 0
-            self.slots[h]["dv"][...] = 0
 
 
 def _row_runs(rows):
     """[(a, b, at)]: a half's rows are rows a:b of the shard at position at of the half, run by run (layout's runs of
     consecutive rows: one per chunk), so halves are filled and emptied with slice copies."""
     return [(int(rows[e0]), int(rows[e0]) + e1 - e0, e0) for e0, e1 in _runs(rows) if e1 > e0]
-
-
-def _visits(todo, P):
-    """The backward's order of the steps with work: the own block (step 0) last, as step P, once round the ring."""
-    if P > 1 and todo and todo[0] == 0:
-        return [*todo[1:], P]
-    return list(todo)
 
 
 def _hop(todo, idx, P, home):
@@ -775,23 +754,23 @@ def _turn_backward(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks):
     """The ring: the key blocks travel in halves with their dK, dV accumulators (_Travel); returns a function that
     makes dK_r, dV_r once they are home."""
     travel = _Travel(ring, prob, k, v)  # K_j, V_j and their dK_j, dV_j accumulators
-    order = _visits(prob.todo, prob.P)  # 1, 2, ..., P-1, then P: the own block last
-    if order and order[0] > 0:
+    todo = prob.todo
+    if todo and todo[0] > 0:
         for h in range(len(travel.slots)):
-            travel.depart(h, order[0], part="kv")  # each block to its first step: K, V only, no gradient yet
-    for idx, s in enumerate(order):
+            travel.depart(h, todo[0])
+    for idx, s in enumerate(todo):
         for h, slot in enumerate(travel.slots):
             t0 = marks.mark()
             travel.arrive(h)  # half h of K_j, V_j and of the dK_j, dV_j summed so far is here
             t1 = marks.mark()
-            calls, kpos = prob.calls(s % prob.P, h)
+            calls, kpos = prob.calls(s, h)
             for c in calls:
                 blocks.backward(q, slot["k"], slot["v"], o, lse, do, dq_run, slot["dk"], slot["dv"], c, kpos)
-            last = idx == len(order) - 1
-            travel.depart(h, _hop(order, idx, prob.P, home=True), part="grads" if last else "all")
-            marks.add(s % prob.P, (t1, marks.mark()), (t0, t1))  # waited for the half, then computed
+            last = idx == len(todo) - 1
+            travel.depart(h, _hop(todo, idx, prob.P, home=True), grads_only=last)  # the last hop: dK, dV go home
+            marks.add(s, (t1, marks.mark()), (t0, t1))  # waited for the half, then computed
     for h in range(len(travel.slots)):
-        travel.arrive(h)  # our own dK_r, dV_r are home (already, when the own block came last)
+        travel.arrive(h)  # our own dK_r, dV_r are home
     travel.spare = None  # (memory back to the pool before the outputs are made)
     return lambda: travel.gradients(k, v)
 
