@@ -4,7 +4,7 @@
     python stages/05_train_gpt/train.py --attention flash_v2         # the same run through stages 02 + 03
     python stages/05_train_gpt/train.py --quick                      # tiny config on the CPU: the loss must fall
     python stages/05_train_gpt/train.py --data README.md --steps 500 # any text file, character level
-    python stages/05_train_gpt/train.py --device gpu --context 4096 --layers 6 --d-model 384 --heads 6 \
+    python stages/05_train_gpt/train.py --device gpu --context 4096 --layers 6 --d-model 384 --heads 6 \\
         --batch 1 --steps 50 --attention flash_v2                    # long context on a GPU, bfloat16 activations
     mpirun -n 4 python stages/05_train_gpt/train.py --attention ring # sequence parallel through the ring
     python stages/05_train_gpt/train.py --attention ring --simulate-ranks 4   # the same, ranks as threads
