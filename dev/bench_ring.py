@@ -26,7 +26,7 @@ it; nothing is timed if a check fails.
     mpirun -n 2 python dev/bench_ring.py --schemes ring allgather alltoall --out results/ring_schemes.csv
     mpirun -n 2 python dev/bench_ring.py --backend numpy --tokens 64 --heads 2 --head-dim 32   # CPU smoke run
 Every CSV row names the GPU, the backend, the software and the commit, so files from several machines can be put
-together; scripts/bench_report.py turns the CSV into the tables and the plot of stage 04's README.
+together; dev/bench_report.py turns the CSV into the tables and the plot of stage 04's README.
 """
 import argparse
 import csv

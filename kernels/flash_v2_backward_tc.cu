@@ -58,10 +58,10 @@
 // hidden only by the other 7 warps. Instruction order matters as much as instruction count: a burst of memory
 // instructions that reuse one address register makes each wait for the one before it to read that register
 // (hence the cp.async copies spread over the S^T loop and the atomics from one base). With WQ = 2 the kernel
-// issues as many ldmatrix as FA2's; scripts/profile_backward.py compares the two kernels' counters.
+// issues as many ldmatrix as FA2's; dev/profile_backward.py compares the two kernels' counters.
 //
 // Run: python stages/03_flash_v2_backward/run.py --version tc --dtype bf16   (tests: pytest
-//      tests/test_03_flash_v2_backward.py; timings beside PyTorch: python scripts/bench.py --direction bwd)
+//      tests/test_03_flash_v2_backward.py; timings beside PyTorch: python dev/bench.py --direction bwd)
 #include "common.cuh"
 #include "dropout.cuh"
 

@@ -34,7 +34,7 @@
 // mma.sync fragment layout (lane = 4 g + t): see kernels/common.cuh.
 //
 // Run: python stages/02_flash_v2/run.py --version pipelined   (tests: pytest tests/test_02_flash_v2.py;
-//      timings beside PyTorch: python scripts/bench.py --direction fwd)
+//      timings beside PyTorch: python dev/bench.py --direction fwd)
 #include "attention_tiles.cuh"
 #include "dropout.cuh"
 

@@ -54,7 +54,7 @@ def run_parallel(steps, out_dir, env, timeout):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="folder for the logs")
-    ap.add_argument("--bench-args", default="--quick", help="arguments for scripts/bench.py")
+    ap.add_argument("--bench-args", default="--quick", help="arguments for dev/bench.py")
     ap.add_argument("--skip", nargs="*", default=[], help="steps to skip: tests, stages, ring, train_gpt, bench")
     ap.add_argument("--timeout", type=int, default=900, help="seconds allowed per step")
     ap.add_argument("--jobs", type=int, default=8,
@@ -85,10 +85,10 @@ def main(argv=None):
                 steps.append((f"run_{folder}", [py, f"stages/{folder}/run.py"]))
     if "ring" not in args.skip and (ROOT / "stages/04_ring/run.py").exists():
         steps.append(("ring_mpi_4ranks_1gpu", mpirun_command(4) + [py, "stages/04_ring/run.py", "--backend", "mpi"]))
-    if "train_gpt" not in args.skip and (ROOT / "stages/05_train_gpt/gpu_runs.py").exists():
-        steps.append(("train_gpt_gpu_runs", [py, "stages/05_train_gpt/gpu_runs.py"]))  # writes results/train_gpt_*
-    if "bench" not in args.skip and (ROOT / "scripts/bench.py").exists():
-        steps.append(("bench", [py, "scripts/bench.py", "--out", str(out_dir)] + shlex.split(args.bench_args)))
+    if "train_gpt" not in args.skip and (ROOT / "dev/train_gpt_gpu_runs.py").exists():
+        steps.append(("train_gpt_gpu_runs", [py, "dev/train_gpt_gpu_runs.py"]))  # writes results/train_gpt_*
+    if "bench" not in args.skip and (ROOT / "dev/bench.py").exists():
+        steps.append(("bench", [py, "dev/bench.py", "--out", str(out_dir)] + shlex.split(args.bench_args)))
     results += [run(name, cmd, out_dir, env, args.timeout) for name, cmd in steps]
     print("\n================ GPU check summary ================")
     results = [(n, rc if rc != 0 or " passed" in last or not n.startswith("gpu_tests") else 5, t, last)

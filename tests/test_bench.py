@@ -1,4 +1,4 @@
-"""scripts/bench.py and scripts/bench_report.py on the CPU: the CSV -> table/markdown/plot path, and a clear
+"""dev/bench.py and dev/bench_report.py on the CPU: the CSV -> table/markdown/plot path, and a clear
 exit when there is no GPU. The CSV here is SYNTHETIC (made-up TFLOP/s, GPU "synthetic-gpu"): it only
 exercises the report code and is never a measurement.
 """
@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "dev" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -156,7 +156,7 @@ def test_plots_are_pngs(csv_path, tmp_path):
 
 
 def test_bench_markdown_mode_needs_no_gpu(csv_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--markdown", str(csv_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "dev/bench.py"), "--markdown", str(csv_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "| bf16 | no | 64 | 8192 |" in proc.stdout
@@ -164,7 +164,7 @@ def test_bench_markdown_mode_needs_no_gpu(csv_path):
 
 @pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
 def test_bench_without_gpu_exits_with_a_message(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "dev/bench.py"), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
@@ -175,7 +175,7 @@ def test_bench_without_gpu_exits_with_a_message(tmp_path):
 @pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
 def test_profile_backward_without_gpu_exits_with_a_message(tmp_path):
     out = tmp_path / "profile.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/profile_backward.py"), "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "dev/profile_backward.py"), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
@@ -186,7 +186,7 @@ def test_profile_backward_without_gpu_exits_with_a_message(tmp_path):
 def test_profile_backward_reads_ncus_units():
     """ncu's CSV gives each metric's unit (a duration in ns, us or ms; bytes with a prefix, per block): the script
     scales by the part before '/', and an unknown unit is an error, not a number in the wrong unit."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "dev"))
     import profile_backward as pb
 
     assert pb._unit("ns", {"ns": 1e-6}) == 1e-6
@@ -221,7 +221,7 @@ def test_warm_up_lasts_a_fixed_time_and_waits_for_every_call():
 
 
 def test_host_time_table_sums_the_backwards_floor(tmp_path):
-    """scripts/host_time.py's CSV -> the table, and the sum of the pieces a repeated backward cannot leave out
+    """dev/host_time.py's CSV -> the table, and the sum of the pieces a repeated backward cannot leave out
     (counted as BACKWARD_FLOOR says); without one of the pieces there is no sum."""
     steps = {"backward": 30.0, "call_key": 2.0, "pool allocation": 1.0, "array object": 1.5,
              "cuLaunchKernel, GPU idle": 3.0, "cuLaunchKernel, GPU busy": 9.0}
@@ -234,7 +234,7 @@ def test_host_time_table_sums_the_backwards_floor(tmp_path):
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        return report.host_time_table(path, {"gpu": "GPU X", "command": "python scripts/host_time.py"})
+        return report.host_time_table(path, {"gpu": "GPU X", "command": "python dev/host_time.py"})
 
     text = table(rows)
     assert "| cuLaunchKernel, GPU busy | about cuLaunchKernel, GPU busy | 9.0 | 8.5 |" in text
@@ -248,7 +248,7 @@ def test_generated_results_match_the_committed_text():
     """README.md's results and GPU sections and results/README.md are exactly what the generator makes from
     results/*.csv and the launchers: a number in them that no CSV holds, or a stale table, fails here."""
     stale = [str(p.relative_to(ROOT)) for p in report.stale(ROOT)]
-    assert not stale, f"{stale} differ from what `python scripts/bench_report.py --write` generates: run it"
+    assert not stale, f"{stale} differ from what `python dev/bench_report.py --write` generates: run it"
 
 
 def test_every_results_csv_has_a_source():

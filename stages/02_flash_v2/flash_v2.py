@@ -81,7 +81,7 @@ def fp32_candidates(D, dev=None):
     TM x 8 block of S_ij reuses every value it reads 8 times); d > 64: TM = 4 with 8 warps (O_i's TM x d/8 block per
     lane grows with d, and TM = 8 would not fit in the registers). Then smaller Q tiles for GPUs with less shared
     memory (Br = 64, Br = 32) and, last, Br = 32 with V_j in K_j's buffer (a T4 at d > 64). ASYNC_V where the
-    architecture has cp.async (dev None: assumed) and rows are 16-byte aligned. `python scripts/sweep_flash_v2.py`
+    architecture has cp.async (dev None: assumed) and rows are 16-byte aligned. `python dev/sweep_flash_v2.py`
     times the alternatives."""
     async_v = D % 4 == 0 and (dev is None or dev.arch.cp_async)
     first = Fp32Config(8, 4, async_v) if D <= 64 else Fp32Config(4, 8, async_v)
@@ -193,7 +193,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     o is in the inputs' dtype, or in float32 with out_dtype=np.float32: O_i = diag(l_i)^-1 O_i straight from
     the float32 accumulators, not rounded to 16 bits (the ring merges such partial results).
     config: the fp32 CUDA kernel only, an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) instead
-    of the device's choice (scripts/sweep_flash_v2.py times several); None: the device's choice.
+    of the device's choice (dev/sweep_flash_v2.py times several); None: the device's choice.
     Variants (stages/common/variants.py): k, v with fewer heads (grouped-query), window=(left, right),
     alibi_slopes, softcap, dropout_p with seed, and origin (a block of a larger problem: the ring). The mirrors take
     them all; on the GPU version 'pipelined' takes them all too (dropout draws the same bits as the mirrors: same

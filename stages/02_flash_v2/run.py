@@ -12,7 +12,7 @@ Versions (kernels/flash_v2_forward_<version>.cu; --version):
              tiles.
   fp32x3     float32 on TF32 tensor cores by the 3xTF32 split.
 On the CPU the numpy tile mirror runs instead (same tiles and loop order, tensor-core rounding emulated).
-Comparisons with torch SDPA and the fp32 kernel's other tile configurations: scripts/sweep_flash_v2.py.
+Comparisons with torch SDPA and the fp32 kernel's other tile configurations: dev/sweep_flash_v2.py.
 
     python stages/02_flash_v2/run.py                      # CPU mirror, and the kernels when CuPy sees a GPU
     python stages/02_flash_v2/run.py --quick              # small sizes (seconds), for scripts/run_all.py

@@ -34,7 +34,7 @@ _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat1
 TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of flash_bwd_tc per head dim (Bc / 16 warps): the mirror's tiles
 # The tc kernel's atomic dQ for Q tile i runs one tile late, at the end of the next tile (one barrier per tile
 # instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (tc_config=
-# {"defer_dq": False}; scripts/sweep_backward.py compares).
+# {"defer_dq": False}; dev/sweep_backward.py compares).
 TC_DEFER_DQ = True
 # Per head dim: m-tiles (16 rows) of dQ_i per warp in the tc kernel's dQ step (2: 32 x 32 tiles at both head dims),
 # and whether each warp keeps its K_j, V_j A fragments in registers (KREG) instead of reloading them from shared
@@ -89,7 +89,7 @@ class TcTiles(NamedTuple):
 # needs 178 KB and (64, 128) at d = 128 173 KB (191 KB with wq = 2), more than an A100 allows a block (163 KB);
 # (64, 128) at d = 64 and (32, 128) at d = 128 fit an A100 (109 and 123 KB), Bc = 64 (4 warps) an RTX 3090 / 4090
 # (99 KB). d = 256: (64, 64) needs 217 KB (an H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs). Each
-# list is in the order of speed on the H100 (results/sweep_backward_layout_h100.csv, from scripts/sweep_backward.py).
+# list is in the order of speed on the H100 (results/sweep_backward_layout_h100.csv, from dev/sweep_backward.py).
 # The pair layout (wq = 2) comes first only at d = 128 with Br = 64: at d = 64 each warp's K_j, V_j fragments already
 # stay in registers (KREG), so S^T reads only Q_i and the pairs' round trip of P^T, dS^T costs more than it saves;
 # with smaller tiles and at d = 256 it was slower too.
@@ -161,7 +161,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients). On the GPU
     without variants the three share one allocation (verify.empties), returned to the pool when all three are freed.
 
-    For tuning (scripts/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc, "wq":
+    For tuning (dev/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc, "wq":
     1 or 2, "defer_dq": bool, "j_fast": bool, "fuse_dq": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ,
     j_fast_order, fuse_dq_rule (None or a missing key: the default; neither br nor bc: the device's TcTiles);
     profile, a list that receives (name, cupy.cuda.Event) after each launch.
@@ -317,7 +317,7 @@ def smem_bytes(version, D, br=None, bc=None, wq=1):
 
 
 def _mark(profile, name):
-    """Record an event after a launch when profile is a list (per-kernel times for scripts/sweep_backward.py)."""
+    """Record an event after a launch when profile is a list (per-kernel times for dev/sweep_backward.py)."""
     if profile is not None:
         import cupy
 

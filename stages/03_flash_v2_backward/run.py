@@ -14,7 +14,7 @@ Versions (--version; both dQ modes unless --deterministic):
     tc    float16/bfloat16 on tensor cores (mma.sync, ldmatrix, cp.async double buffers). Head dims 64, 128, 256.
 With --version all, the versions that take --head-dim run.
 On the CPU the numpy tile mirror runs instead (same tiles and loop order).
-Comparisons with torch SDPA's backward, per-launch times and the tc kernel's other tiles: scripts/sweep_backward.py.
+Comparisons with torch SDPA's backward, per-launch times and the tc kernel's other tiles: dev/sweep_backward.py.
 
     python stages/03_flash_v2_backward/run.py                      # CPU mirror (and GPU kernels if any)
     python stages/03_flash_v2_backward/run.py --quick              # small, for scripts/run_all.py

@@ -2,7 +2,7 @@
 
 See model.py (the network), layers.py (each layer's forward and backward), attention.py (any stage as the
 attention kernel), data.py (associative recall, or a text file), train.py (AdamW, the loop, the ring),
-torch_attention.py and torch_gpt.py (PyTorch, optional), gpu_runs.py (the GPU measurements).
+torch_attention.py and torch_gpt.py (PyTorch, optional); the GPU measurements: dev/train_gpt_gpu_runs.py.
 """
 from . import layers
 from .attention import ATTENTIONS, RingAttention, StageAttention, make_attention, ring_blocks

@@ -185,7 +185,7 @@ def planned(cache, key, build):
     A launcher's per-problem decisions (the device's configuration, the kernel's name, its compile, its grid) depend
     only on the key: the device, dtypes, shapes and options. Keeping them per key leaves a call with its input
     checks, its output allocations and its launches, which is what keeps small problems from waiting on the host
-    (scripts/bench.py reports the host time per call, host_us)."""
+    (dev/bench.py reports the host time per call, host_us)."""
     plan = cache.get(key)
     if plan is None:
         plan = build()

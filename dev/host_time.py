@@ -1,18 +1,18 @@
 """Where the host's time in one call goes: the launchers' whole calls beside PyTorch's, and the pieces they are made
 of, on one GPU, in one run.
 
-    python scripts/host_time.py [--out results/host_time_h100.csv]
+    python dev/host_time.py [--out results/host_time_h100.csv]
 
 The problem is tiny (B = 1, H = 2, N = 128, d = 128, bf16, causal), so the GPU finishes each call's kernels before
 the host has the next call ready: what is timed is the host. A whole call is timed as the mean over 200 calls back
 to back (median and min over 15 rounds); so are the pieces, except cuLaunchKernel alone, which is timed one launch
 at a time: after a wait for the GPU (idle), and behind about 10 ms of queued matrix products (busy: the driver's
-cost of a launch while the GPU works, as in scripts/bench.py's queued mode and in a training step).
+cost of a launch while the GPU works, as in dev/bench.py's queued mode and in a training step).
 
 Rows: the whole calls (forward: one launch and two outputs; backward: two launches, three outputs and the scratch;
 deterministic backward: three launches), PyTorch's scaled_dot_product_attention (flash) and its backward on the same
 inputs, then kernels.call_key, a pool allocation, one array object over pool memory, one kernels.Launch, and
-cuLaunchKernel alone. scripts/bench_report.py puts the table in results/README.md.
+cuLaunchKernel alone. dev/bench_report.py puts the table in results/README.md.
 """
 import argparse
 import csv
@@ -23,7 +23,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 import bench  # noqa: E402  (environment, provenance, DLPack helpers)
 

@@ -1,6 +1,6 @@
 """Time the variants of stage 02's forward (version 'pipelined') beside PyTorch on one GPU, in one run.
 
-    python scripts/bench_variants.py [--out results] [--seq 16384] [--heads 16] [--head-dim 128]
+    python dev/bench_variants.py [--out results] [--seq 16384] [--heads 16] [--head-dim 128]
 
 Rows (bf16, B = 1, causal unless named):
     plain            ours against SDPA's flash backend
@@ -31,7 +31,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 import bench  # noqa: E402  (timing, provenance, DLPack helpers)
 

@@ -1,8 +1,8 @@
 """Stage 05 on a GPU, in one invocation (sized for a few minutes): every measurement the stage reports.
 
-    python stages/05_train_gpt/gpu_runs.py                 # all parts
-    python stages/05_train_gpt/gpu_runs.py --parts 1 2     # some of them
-    python stages/05_train_gpt/gpu_runs.py --quick         # fewer steps and lengths (a smoke run)
+    python dev/train_gpt_gpu_runs.py                 # all parts
+    python dev/train_gpt_gpu_runs.py --parts 1 2     # some of them
+    python dev/train_gpt_gpu_runs.py --quick         # fewer steps and lengths (a smoke run)
 
   1. torch.autograd.Function over stages 02/03 (torch_attention.py) against scaled_dot_product_attention:
      forward and backward, fp16, bf16, fp32, causal and not, by the repository's tolerance rule.
@@ -30,7 +30,7 @@ import tempfile
 import time
 import traceback
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402

@@ -2,9 +2,9 @@
 torch SDPA in the same run. Each configuration is checked against the fp64 oracle (tolerance rule, on a small
 problem) before it is timed; a configuration that fails is reported and not timed.
 
-    python scripts/sweep_flash_v2.py                                   # default configs, d=64 and 128
-    python scripts/sweep_flash_v2.py --configs 8,4,1,1 4,8,1,0 --head-dims 64
-    python scripts/sweep_flash_v2.py --torch --versions fp32 pipelined  # ours beside torch SDPA
+    python dev/sweep_flash_v2.py                                   # default configs, d=64 and 128
+    python dev/sweep_flash_v2.py --configs 8,4,1,1 4,8,1,0 --head-dims 64
+    python dev/sweep_flash_v2.py --torch --versions fp32 pipelined  # ours beside torch SDPA
 
 A config is TM,NWARPS[,ASYNC_V[,PREFETCH_K]] (flash_v2.forward's config=; Br = 4 * NWARPS * TM). TM = 8 spills
 registers above d = 64. torch: fp32 against its EFFICIENT_ATTENTION backend, fp16/bf16 against FLASH_ATTENTION.

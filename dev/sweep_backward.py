@@ -7,11 +7,11 @@ the tc kernel with other tiles (--tiles D:BR:BC), the other order of its atomic 
 block order (--j-fast), dQ converted by the kernel or by a launch of its own (--fuse-dq), and torch's backends.
 Configurations are passed to flash_v2_backward.backward(tc_config=...); nothing is patched.
 
-    python scripts/sweep_backward.py                                  # B=4 H=16 N=4096, d=64 and 128
-    python scripts/sweep_backward.py --tiles 64:64:64 128:64:128:1 --defer-dq false
-    python scripts/sweep_backward.py --shape 16 16 1024 --j-fast true false   # the two block orders
-    python scripts/sweep_backward.py --shape 1 16 16384 --fuse-dq true false  # who converts dQ
-    python scripts/sweep_backward.py --csv results/bwd.csv            # rows in results/bench.csv's format
+    python dev/sweep_backward.py                                  # B=4 H=16 N=4096, d=64 and 128
+    python dev/sweep_backward.py --tiles 64:64:64 128:64:128:1 --defer-dq false
+    python dev/sweep_backward.py --shape 16 16 1024 --j-fast true false   # the two block orders
+    python dev/sweep_backward.py --shape 1 16 16384 --fuse-dq true false  # who converts dQ
+    python dev/sweep_backward.py --csv results/bwd.csv            # rows in results/bench.csv's format
 """
 import argparse
 import sys

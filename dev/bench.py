@@ -1,10 +1,10 @@
 """Benchmark: our FlashAttention-2 kernels (stage 02 forward, stage 03 backward) beside PyTorch's
 scaled_dot_product_attention, side by side in one run on one GPU.
 
-    python3 scripts/bench.py                           # the full sweep (several minutes on an H100)
-    python3 scripts/bench.py --quick                   # a small subset (about a minute)
-    python3 scripts/bench.py --direction fwd --dtypes bf16 --head-dims 128 --seqs 4096 8192
-    python3 scripts/bench.py --markdown results/bench.csv   # the README table from a committed CSV (no GPU)
+    python3 dev/bench.py                           # the full sweep (several minutes on an H100)
+    python3 dev/bench.py --quick                   # a small subset (about a minute)
+    python3 dev/bench.py --direction fwd --dtypes bf16 --head-dims 128 --seqs 4096 8192
+    python3 dev/bench.py --markdown results/bench.csv   # the README table from a committed CSV (no GPU)
 
 Implementations (CSV impl/version):
   ours  fp32       stages.flash_v2.forward(version="fp32") / stages.flash_v2_backward.backward(version="fp32")
@@ -45,7 +45,7 @@ Method:
             alone, no forward. Ours: backward(q, k, v, o, lse, dO) with o, lse from the reference.
   FLOPs     4*B*H*N*N*d, half when causal; backward 2.5x the forward (stages.common.attention_flops).
 Outputs: a table on screen (GPU named), DIR/bench.csv (this run only, overwritten; columns in
-scripts/bench_report.py, with provenance: git commit, GPU, driver, CUDA runtime, CuPy, torch, date),
+dev/bench_report.py, with provenance: git commit, GPU, driver, CUDA runtime, CuPy, torch, date),
 DIR/bench_forward.png and DIR/bench_backward.png. Exit status 1 when any row of ours is a mismatch (or this
 script fails on a config).
 """
@@ -62,7 +62,7 @@ import time
 import traceback
 import warnings
 
-import bench_report as report  # scripts/ is on sys.path: this file runs as a script from it
+import bench_report as report  # dev/ is on sys.path: this file runs as a script from it
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def _short(e, n=160):
 # ---------------------------------------------------------------------------------------------- environment
 def _environment():
     """(cupy, torch) or SystemExit with a message saying what is missing."""
-    hint = "(to turn a committed CSV into the README table without a GPU: python3 scripts/bench.py --markdown CSV)"
+    hint = "(to turn a committed CSV into the README table without a GPU: python3 dev/bench.py --markdown CSV)"
     try:
         import cupy
 

@@ -1,14 +1,14 @@
 """Where the backward's time goes: Nsight Compute counters of stage 03's tensor-core kernel (version 'tc') and of
 PyTorch's FlashAttention-2 backward kernel on the same problem, one CSV row per kernel.
 
-    python3 scripts/profile_backward.py --out results/profile_backward_h100.csv
-    python3 scripts/profile_backward.py --dtype fp16 --head-dim 64 --seq 4096 --batch 4 --heads 16 --causal
+    python3 dev/profile_backward.py --out results/profile_backward_h100.csv
+    python3 dev/profile_backward.py --dtype fp16 --head-dim 64 --seq 4096 --batch 4 --heads 16 --causal
 
 Needs a CUDA GPU, CuPy, PyTorch and Nsight Compute's `ncu` (on PATH or in /usr/local/cuda/bin) with permission to
 read the GPU's performance counters. The script runs itself under ncu once per kernel: the child makes the inputs,
 runs stage 02's forward, then each backward twice; ncu measures the second launch of the kernel it is given (the
 first is a warm-up). ncu runs one kernel at a time at fixed clocks, so its durations compare the two kernels with
-each other; scripts/bench.py gives the speeds.
+each other; dev/bench.py gives the speeds.
 
 Columns, per kernel:
     duration_ms           the kernel's time under ncu
@@ -20,7 +20,7 @@ Columns, per kernel:
     short_scoreboard      cycles per warp stalled waiting on shared-memory / ldmatrix results (short scoreboard)
     registers, smem_kb    registers per thread, dynamic shared memory per block (KB)
     occupancy_pct         achieved occupancy (active warps / the SM's maximum)
-and the run's provenance (scripts/bench.py's columns, plus the ncu version).
+and the run's provenance (dev/bench.py's columns, plus the ncu version).
 """
 import argparse
 import csv
@@ -34,7 +34,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 METRICS = {  # CSV column -> ncu metric
     "duration_ms": "gpu__time_duration.sum",
@@ -68,7 +68,7 @@ def child(args):
         flash_v2_backward.backward(q, k, v, o, lse, do, causal=args.causal)
     cupy.cuda.Device().synchronize()
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    # PyTorch's own layout, (B, N, H, d) in memory, seen as (B, H, N, d): as scripts/bench.py gives it
+    # PyTorch's own layout, (B, N, H, d) in memory, seen as (B, H, N, d): as dev/bench.py gives it
     tq, tk, tv, tdo = (torch.as_tensor(x.view(cupy.uint16), device="cuda").view(tdt).transpose(1, 2).contiguous()
                        .transpose(1, 2) for x in (q, k, v, do))
     for t in (tq, tk, tv):
