@@ -31,7 +31,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log to OUT/NAME.txt, print its 
 nvidia-smi -L > "$OUT/gpus.txt"
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 if [ "$PART" = ring ] || [ "$PART" = all ]; then
-  step ring_tests 400 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_04_ring.py tests/test_04_schemes.py &&
+  step ring_tests 400 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_04_*.py &&
   step ring_mission 150 "${MPIRUN[@]}" "$PY" stages/04_ring/run.py
   for scheme in allgather alltoall; do
     step "ring_mission_$scheme" 150 "${MPIRUN[@]}" "$PY" stages/04_ring/run.py --scheme "$scheme"

@@ -13,7 +13,8 @@ import pytest
 from stages import naive, ring
 from stages.common import bfloat16, make_inputs
 from tests.conftest import CASE_IDS, CASES, DROPOUT_CASES, VARIANT_CASES, variant_inputs
-from tests.test_04_ring import GPU_CASES, RING_GPU_VARIANTS, RING_VARIANTS, _check_ring, _gpu_count, _launch
+from tests.test_04_mpirun import _gpu_count, _launch
+from tests.test_04_ring import GPU_CASES, RING_GPU_VARIANTS, RING_VARIANTS, _check_ring
 
 OTHER = ("allgather", "alltoall")
 

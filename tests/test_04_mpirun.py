@@ -1,0 +1,309 @@
+"""Stage 04 under mpirun: run.py (the mission's command) and dev/bench_ring.py as a learner starts them.
+
+mpi: `mpirun -n 2` and `-n 4` of run.py on the numpy backend (both layouts, causal and not, lengths that need
+padding, bf16 with stage 02/03 blocks, --backend auto), the two faults (ranks that disagree; an error on one rank:
+nonzero exit within seconds, with a timeout so that a hang fails instead of blocking CI), dev/bench_ring.py's CPU
+smoke run, run.py's block choice. gpu: run.py with 4 ranks on one GPU (mpi backend); the NCCL ring's transfers on
+one GPU (a rank sending to itself); with two and four GPUs, run.py on the nccl backend (skipped with the reason
+otherwise).
+"""
+import csv
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from stages.common import bfloat16
+from stages.common.launch import mpi_env, mpirun_command
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RUN = ROOT / "stages" / "04_ring" / "run.py"
+
+
+# ---------------------------------------------------------------- mpirun
+
+
+FAULT_SECONDS = 30  # a fault must end the job within this (start-up included); a hang hits the 60 s timeout
+
+
+def _launch(n, *args, timeout=60):
+    env = mpi_env()
+    cmd = mpirun_command(n) + [sys.executable, str(RUN), *args]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mpirun hung for {timeout} s: {' '.join(cmd)}\n{e.stdout}\n{e.stderr}")
+    _launch.seconds = time.monotonic() - t0
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_mpi_env_puts_this_checkout_first_on_the_ranks_path(monkeypatch):
+    """The ranks import the `stages` of this checkout (the one the tests import), installed or not; an existing
+    PYTHONPATH stays after it."""
+    import stages
+
+    root = str(pathlib.Path(stages.__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/elsewhere", ""]))
+    assert mpi_env()["PYTHONPATH"].split(os.pathsep) == [root, "/elsewhere"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert mpi_env()["PYTHONPATH"] == root
+    assert mpi_env(PYTHONPATH="/only")["PYTHONPATH"] == "/only"  # an explicit value still wins
+
+
+MPI_RUNS = [  # (ranks, layout, causal, total length): both layouts, both masks, lengths that need padding
+    (2, "contiguous", False, 101),
+    (2, "zigzag", True, 99),
+    (4, "zigzag", True, 257),
+    (4, "contiguous", False, 130),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,layout,causal,seq", MPI_RUNS,
+                         ids=[f"n{n}-{lay}-{'causal' if c else 'full'}-N{s}" for n, lay, c, s in MPI_RUNS])
+def test_mpirun_numpy_backend(n, layout, causal, seq):
+    extra = [] if causal else ["--no-causal"]
+    rc, out = _launch(n, "--quick", "--backend", "numpy", "--layout", layout, "--check-seq", str(seq),
+                      "--seq", "64", *extra)
+    assert rc == 0, out
+    assert f"check on the full sequence (N={seq})" in out, out
+    assert "backend numpy -> numpy" in out and "All results match" in out
+    assert out.rstrip().splitlines()[-1].startswith(f"SUMMARY 04_ring PASS {n} ranks numpy"), out
+
+
+@pytest.mark.mpi
+def test_mpirun_bfloat16_with_stage_02_03_blocks():
+    """bf16 shards moved as raw bytes by MPI, blocks computed by the stage 02/03 calls (their tile mirrors)."""
+    rc, out = _launch(2, "--quick", "--backend", "numpy", "--block", "flash", "--dtype", "bfloat16",
+                      "--check-seq", "301", "--seq", "64")
+    assert rc == 0, out
+    assert "blocks flash (stage 02 version pipelined, stage 03 version tc)" in out, out
+    assert "SUMMARY 04_ring PASS 2 ranks numpy" in out, out
+
+
+@pytest.mark.mpi
+def test_mpirun_with_grouped_query_window_and_softcap():
+    """MPI point-to-point with the window's skipped steps (a hop of two ranks, and the dK, dV hop home): 4 ranks,
+    zigzag, N = 256 (shards of 64), window (30, -1): steps 0, 1 and 3 have work. One k, v head for 4 query heads."""
+    rc, out = _launch(4, "--quick", "--backend", "numpy", "--heads", "4", "--kv-heads", "1", "--window", "30", "-1",
+                      "--softcap", "20", "--check-seq", "256", "--seq", "256")
+    assert rc == 0, out
+    assert "steps with work [0, 1, 3] of 4" in out and "All results match" in out, out
+    assert "SUMMARY 04_ring PASS 4 ranks numpy" in out, out
+
+
+@pytest.mark.mpi
+def test_mpirun_auto_backend_says_what_it_picked():
+    rc, out = _launch(2, "--quick", "--check-seq", "64", "--seq", "64")
+    assert rc == 0, out
+    assert "backend auto -> " in out and "SUMMARY 04_ring PASS 2 ranks" in out, out
+
+
+# Fault injection: run.py itself, under mpirun, with one rank's ring patched before run.py starts (run.py has
+# no fault options). argv: fault ("mismatch" or "error"), the faulty rank, then run.py's own options.
+FAULT_RUN = """
+import runpy, sys
+from stages import ring
+from stages.ring import comm
+fault, bad, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if comm.world().Get_rank() == bad:
+    if fault == "mismatch":  # this rank calls the ring with the other mask: the ranks disagree
+        ring_forward = ring.ring_forward
+        ring.ring_forward = lambda *a, **kw: ring_forward(*a, **dict(kw, causal=not kw["causal"]))
+    else:  # this rank's second block call raises, mid-ring, while the others wait on it
+        fwd, bwd = ring.BLOCKS["naive"]
+        calls = []
+        def failing(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure on this rank")
+            return fwd(*a, **kw)
+        ring.BLOCKS["naive"] = (failing, bwd)
+sys.argv = [run] + sys.argv[4:]
+runpy.run_path(run, run_name="__main__")
+"""
+
+
+def _launch_fault(n, fault, bad, *args, timeout=60):
+    cmd = mpirun_command(n) + [sys.executable, "-c", FAULT_RUN, fault, str(bad), str(RUN), *args]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mpirun hung for {timeout} s: {fault} on rank {bad}\n{e.stdout}\n{e.stderr}")
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+
+
+@pytest.mark.mpi
+def test_mpirun_ranks_that_disagree_get_an_error_each():
+    rc, out, seconds = _launch_fault(2, "mismatch", 1, "--quick", "--backend", "numpy")
+    assert rc != 0
+    assert seconds < FAULT_SECONDS, f"the job took {seconds:.0f} s to end"
+    for r in range(2):
+        assert f"[rank {r}] ERROR: RingMismatch: ring attention: ranks [1] disagree with rank 0" in out, out
+    assert "SUMMARY" not in out
+
+
+@pytest.mark.mpi
+def test_mpirun_error_on_one_rank_aborts_the_job():
+    rc, out, seconds = _launch_fault(4, "error", 2, "--quick", "--backend", "numpy", "--block", "naive")
+    assert rc != 0
+    assert seconds < FAULT_SECONDS, f"the job took {seconds:.0f} s to end"
+    assert "[rank 2] ERROR: RuntimeError: injected failure" in out, out
+    assert "SUMMARY" not in out
+
+
+@pytest.mark.mpi
+def test_bench_ring_runs_on_the_cpu_and_writes_its_csv(tmp_path):
+    """dev/bench_ring.py is for GPUs; its numpy backend runs the same code on the CPU, so it cannot rot unseen."""
+    out = tmp_path / "ring_cpu.csv"
+    cmd = mpirun_command(2) + [sys.executable, str(ROOT / "dev" / "bench_ring.py"), "--backend", "numpy",
+                               "--configs", "8k-causal", "8k-causal-gqa", "8k-full", "--tokens", "32", "--heads", "2",
+                               "--head-dim", "16", "--repeat", "1", "--out", str(out)]
+    env = mpi_env()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["gpus"]) for r in rows] == [1, 1, 1, 2, 2, 2]  # rings of 1 and 2 ranks, 3 configs each
+    assert [r["config"] for r in rows[:3]] == ["8k-causal", "8k-causal-gqa", "8k-full"]
+    for r in rows:
+        assert float(r["ring_fwd_ms"]) > 0 and float(r["one_gpu_bwd_ms"]) > 0 and float(r["peak_mb_per_gpu"]) > 0
+        assert 0 < float(r["efficiency"]) and r["torch_cp_flash_fwd_ms"] == ""  # no PyTorch CP on the CPU
+        assert r["gpu"] == "CPU" and r["backend"] == "numpy"
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
+def test_gpu_mpirun_mpi_backend_four_ranks_one_gpu(layout, causal):
+    extra = [] if causal else ["--no-causal"]
+    rc, out = _launch(4, "--quick", "--backend", "mpi", "--layout", layout, "--check-seq", "1001", "--seq", "2048",
+                      *extra, timeout=240)
+    assert rc == 0, out
+    assert "blocks flash (stage 02 version" in out, out  # the blocks ran stages 02/03
+    assert "SUMMARY 04_ring PASS 4 ranks mpi" in out, out
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_gpu_mpirun_mpi_backend_with_grouped_query_and_window():
+    """The mpi backend (CuPy staged through the host) with hops of more than one rank: 4 ranks on one GPU. The blocks
+    are stage 02/03 (bfloat16) on sm_80 and newer; a T4 (float32 by default) runs stage 00 blocks on the GPU and says
+    why."""
+    from stages.common import device
+
+    rc, out = _launch(4, "--quick", "--backend", "mpi", "--heads", "8", "--kv-heads", "2", "--window", "300", "-1",
+                      "--check-seq", "2048", "--seq", "8192", timeout=240)
+    assert rc == 0, out
+    assert "steps with work [0, 1, 3] of 4" in out, out
+    if device.device().arch.bf16:
+        assert "blocks flash (stage 02 version pipelined, stage 03 version tc)" in out, out
+    else:
+        assert "blocks naive (stage 00; on the GPU the flash blocks take" in out, out
+    assert "SUMMARY 04_ring PASS 4 ranks mpi" in out, out
+
+
+NCCL_SELF_TEST = """
+import sys; sys.path.insert(0, ".")
+import cupy, numpy as np
+from stages.common import bfloat16, cast
+from stages.ring import comm
+ring, backend, why = comm.setup("nccl")
+ring.MIN_CHUNK = 4096  # several chunks through the staging buffer, as a large block takes
+x = cast(cupy.random.default_rng().standard_normal((2, 3, 100, 64), dtype=np.float32), bfloat16)
+buf = x.reshape(-1).view(cupy.uint8)
+before = buf.copy()
+h = ring.rotate(buf, shift=1)  # one rank: its bytes go to itself and come back, chunk by chunk
+ring.wait(h)
+assert bool((buf == before).all()), "NCCL rotation changed the bytes"
+total = ring.allreduce_sum([cupy.arange(5, dtype=np.float32)])[0]
+assert bool((total == cupy.arange(5, dtype=np.float32)).all()), "NCCL all-reduce of one rank changed the values"
+print("NCCL self transfer OK", backend, why)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_gpu_nccl_ring_transfers_on_one_gpu():
+    """The nccl backend's own code (NCCL id over MPI, grouped send/recv on its stream, the staging buffer, events) on
+    ONE GPU: the one rank's ring rotates a buffer to itself. (Two ranks need two GPUs: NCCL refuses two ranks on one
+    GPU.)"""
+    env = mpi_env()
+    p = subprocess.run(mpirun_command(1) + [sys.executable, "-c", NCCL_SELF_TEST], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "NCCL self transfer OK nccl" in p.stdout, p.stdout + p.stderr
+
+
+def _gpu_count():
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
+def test_gpu_mpirun_nccl_backend_two_gpus(layout, causal, dtype):
+    if _gpu_count() < 2:
+        pytest.skip(f"the nccl backend needs 2 GPUs (one per rank); this machine has {_gpu_count()}")
+    extra = [] if causal else ["--no-causal"]
+    rc, out = _launch(2, "--quick", "--backend", "nccl", "--layout", layout, "--dtype", dtype, "--check-seq",
+                      "1001", "--seq", "8192", *extra, timeout=240)
+    assert rc == 0, out
+    assert "blocks flash (stage 02 version" in out, out
+    assert "SUMMARY 04_ring PASS 2 ranks nccl" in out, out
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.parametrize("extra", [[], ["--no-causal", "--layout", "contiguous"],
+                                   ["--heads", "8", "--kv-heads", "2", "--window", "700", "-1", "--softcap", "30"],
+                                   ["--alibi", "--dropout", "0.1", "--check-seq", "1024"]],
+                         ids=["zigzag-causal", "contiguous-full", "gqa-window-softcap", "alibi-dropout"])
+def test_gpu_mpirun_nccl_backend_four_gpus(extra):
+    """Four GPUs, one rank each: the halves travel over NCCL (in place, through the staging buffer) while the kernels
+    add into the accumulators; with the variants too. Checked against the fp64 oracle on the full sequence."""
+    if _gpu_count() < 4:
+        pytest.skip(f"needs 4 GPUs (one per rank); this machine has {_gpu_count()}")
+    rc, out = _launch(4, "--quick", "--backend", "nccl", "--check-seq", "1001", *extra, timeout=300)
+    assert rc == 0, out
+    assert "blocks flash (stage 02 version pipelined, stage 03 version tc)" in out, out
+    assert "SUMMARY 04_ring PASS 4 ranks nccl" in out, out
+
+
+def _run_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ring_run", RUN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_py_blocks_where_the_flash_kernels_cannot_take_the_options(capsys):
+    """run.py's block choice: on the GPU the flash kernels take --kv-heads/--window/--softcap in version pipelined
+    (float16 / bfloat16) only, so with float32 (a T4's default) the default blocks are naive ones, with the reason, and
+    an explicit --block flash is one clear error; without options, or on the CPU (mirrors), nothing changes."""
+    run = _run_module()
+    plain, window = run.parse([]), run.parse(["--window", "300", "-1"])
+    assert run._blocks(plain, True, np.float32, False) == ("flash", "")
+    assert run._blocks(window, True, bfloat16, True) == ("flash", "")
+    assert run._blocks(window, False, np.float32, True) == ("naive", "")
+    block, why = run._blocks(window, True, np.float32, True)
+    assert block == "naive" and "pipelined" in why and "float32" in why
+    assert run._versions("naive", np.float32, 64, window, 0, True, True) == (None, None)
+    assert run._versions("flash", bfloat16, 64, window, 0, True, True) == ("pipelined", "tc")
+    assert run._versions("flash", np.float32, 64, window, 0, False, True) == ("fp32", "fp32")  # CPU: the mirrors
+    explicit = run.parse(["--window", "300", "-1", "--block", "flash"])
+    assert run._blocks(explicit, True, np.float32, True) == ("flash", "")
+    with pytest.raises(SystemExit):
+        run._versions("flash", np.float32, 64, explicit, 0, True, True)
+    assert "--block naive" in capsys.readouterr().err
