@@ -505,9 +505,40 @@ def _call_options(prob, q, k, qpos, kpos, c):
     return mask["causal"], None if opts.plain else opts
 
 
+def _lanes(calls, by_rows):
+    """The calls of one step in lanes that may run at the same time, each lane in order: a lane per call, or (by_rows)
+    calls whose query rows overlap in one lane."""
+    if not by_rows:
+        return [[c] for c in calls]
+    lanes, spans = [], []
+    for c in calls:
+        hit = next((i for i, (a, b) in enumerate(spans) if c.a < b and a < c.b), None)
+        if hit is None:
+            lanes.append([c])
+            spans.append((c.a, c.b))
+        else:
+            lanes[hit].append(c)
+            spans[hit] = (min(spans[hit][0], c.a), max(spans[hit][1], c.b))
+    return lanes
+
+
+@functools.cache
+def _side_streams(device, n=4):
+    """n CUDA streams of this device for a step's concurrent calls (made once)."""
+    import cupy
+
+    return [cupy.cuda.Stream(non_blocking=True) for _ in range(n)]
+
+
 class _Blocks:
     """The block calls of one ring call: `fused` where the GPU kernels add into the ring's accumulators themselves
-    (stage 02 version pipelined, stage 03 version tc), else the block functions of BLOCKS and merge() / +=."""
+    (stage 02 version pipelined, stage 03 version tc), else the block functions of BLOCKS and merge() / +=.
+
+    A step's calls are smaller than one device's whole problem (a shard's chunks against a block, or half of one), and
+    a kernel's last wave of thread blocks leaves SMs idle. So the fused calls of a step run side by side on streams of
+    their own, where they cannot touch the same accumulator values but through atomics: in the backward every call
+    (dQ, dK, dV are added with atomics), in the forward the calls on disjoint query rows (each merge rewrites its rows
+    of O_r, L_r). The compute stream waits for all of them before the step's transfers."""
 
     def __init__(self, prob, block, version, dtype, backward):
         self.prob, self.version = prob, version
@@ -524,6 +555,38 @@ class _Blocks:
             except (TypeError, ValueError):  # a dtype or version the kernels refuse: the block call says so
                 self.fused = False
         self.qpos = prob.qpos()
+
+    def forward_all(self, q, k, v, o_run, lse_run, calls, kpos):
+        """Every call of one step (forward), merged into O_r, L_r."""
+        self._run(_lanes(calls, by_rows=True), lambda c: self.forward(q, k, v, o_run, lse_run, c, kpos))
+
+    def backward_all(self, q, k, v, o, lse, do, dq_run, dk_run, dv_run, calls, kpos):
+        """Every call of one step (backward), added into dQ_r, dK_j, dV_j."""
+        self._run(_lanes(calls, by_rows=False),
+                  lambda c: self.backward(q, k, v, o, lse, do, dq_run, dk_run, dv_run, c, kpos))
+
+    def _run(self, lanes, call):
+        """call(c) for every call of the lanes: lane after lane on the compute stream, or, fused on the GPU, each lane
+        on a side stream that starts after the work queued so far, with the compute stream waiting for them all."""
+        if not self.fused or len(lanes) < 2:
+            for lane in lanes:
+                for c in lane:
+                    call(c)
+            return
+        import cupy
+
+        main = cupy.cuda.get_current_stream()
+        ready, done = main.record(), []
+        sides = _side_streams(cupy.cuda.Device().id)
+        for i, lane in enumerate(lanes):
+            side = sides[i % len(sides)]
+            side.wait_event(ready)
+            with side:
+                for c in lane:
+                    call(c)
+            done.append(side.record())
+        for event in done:
+            main.wait_event(event)
 
     def forward(self, q, k, v, o_run, lse_run, c, kpos):
         """Rows c.a:c.b of q against keys c.c:c.m of k, v (a half block), merged into rows c.a:c.b of o_run, lse_run."""
@@ -656,8 +719,7 @@ def _turn_forward(ring, prob, blocks, q, k, v, o_run, lse_run, marks):
             nxt, handle = receive(hop)
         t0 = marks.mark()
         calls, kpos = prob.calls(s)
-        for c in calls:
-            blocks.forward(q, k_cur, v_cur, o_run, lse_run, c, kpos)
+        blocks.forward_all(q, k_cur, v_cur, o_run, lse_run, calls, kpos)
         t1 = marks.mark()
         if hop:
             ring.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
@@ -673,8 +735,7 @@ def _gathered_forward(ring, prob, blocks, q, k, v, o_run, lse_run, marks):
     k_all, v_all = gather.gather_sequence(ring, [k, v], prob.nk, prob.layout, prob.xp)  # (B, Hkv, P Lk, D)
     t1 = marks.mark()
     calls, kpos = prob.gathered_calls()
-    for c in calls:
-        blocks.forward(q, k_all, v_all, o_run, lse_run, c, kpos)
+    blocks.forward_all(q, k_all, v_all, o_run, lse_run, calls, kpos)
     marks.add(0, (t1, marks.mark()), (t0, t1))  # computed, after waiting for the gather
 
 
@@ -764,8 +825,7 @@ def _turn_backward(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks):
             travel.arrive(h)  # half h of K_j, V_j and of the dK_j, dV_j summed so far is here
             t1 = marks.mark()
             calls, kpos = prob.calls(s, h)
-            for c in calls:
-                blocks.backward(q, slot["k"], slot["v"], o, lse, do, dq_run, slot["dk"], slot["dv"], c, kpos)
+            blocks.backward_all(q, slot["k"], slot["v"], o, lse, do, dq_run, slot["dk"], slot["dv"], calls, kpos)
             last = idx == len(todo) - 1
             travel.depart(h, _hop(todo, idx, prob.P, home=True), grads_only=last)  # the last hop: dK, dV go home
             marks.add(s, (t1, marks.mark()), (t0, t1))  # waited for the half, then computed
@@ -784,8 +844,7 @@ def _gathered_backward(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks):
     t1 = marks.mark()
     dk_all, dv_all = (xp.zeros(k_all.shape, _partial_dtype(k.dtype)) for _ in range(2))
     calls, kpos = prob.gathered_calls()
-    for c in calls:
-        blocks.backward(q, k_all, v_all, o, lse, do, dq_run, dk_all, dv_all, c, kpos)
+    blocks.backward_all(q, k_all, v_all, o, lse, do, dq_run, dk_all, dv_all, calls, kpos)
     t2 = marks.mark()
     del k_all, v_all
     dk, dv = gather.scatter_sum(ring, [dk_all, dv_all], prob.nk, prob.layout, xp)  # this rank's keys, summed
