@@ -30,6 +30,8 @@ How a block travels (what makes the ring pay on real GPUs):
     atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
     returns its partial result and merge() / += add it (the same arithmetic).
   * No copies: a block call reads rows a:b of the shard and keys c:m of the half in place.
+  * Side by side: a step's calls run on side streams at once where they cannot touch the same values but through
+    atomics (_Blocks), so that one call's last wave of thread blocks does not leave SMs idle.
 
 Causal across shards, sliding windows, the layouts (contiguous, zigzag), padding to any length, `plan` (which
 kernel calls cover exactly the visible (query, key) pairs), `halves` and `steps` (the steps at which some rank has
