@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from stages.common import (
-    bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, kernels, load_module,
+    LOG2E, bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, kernels, load_module,
     resolve_scale, variants, varlen,
 )
 
@@ -36,7 +36,6 @@ ALL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)  # what some
 FP32_VERSIONS = ("fp32", "fp32x3")  # the versions that take float32
 FP32_MAX_HEAD_DIM = 128  # a lane keeps head_dim/8 columns of 4 or 8 rows of O_i in registers
 FP32_BC = 64  # Bc of the fp32 kernel: 8 column groups x 8 keys per lane (fixed by its thread layout)
-LOG2E = mirror.LOG2E
 
 
 @functools.cache  # one import, then a dictionary lookup per call

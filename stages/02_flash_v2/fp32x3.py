@@ -12,10 +12,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import device, kernels, load_module
+from stages.common import LOG2E, device, kernels, load_module
 
 HEAD_DIMS = (32, 64, 96, 128)
-LOG2E = 1.4426950408889634
 FILE = "flash_v2_forward_fp32x3.cu"
 
 

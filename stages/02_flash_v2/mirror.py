@@ -24,9 +24,8 @@ Inputs are assumed checked (flash_v2.py checks them and picks the tiles).
 """
 import numpy as np
 
-from stages.common import cast, empty, variants
+from stages.common import LOG2E, cast, empty, variants
 
-LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 

@@ -17,14 +17,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import bfloat16, device, kernels, load_module, variants
+from stages.common import LOG2E, bfloat16, device, kernels, load_module, variants
 
 from .flash_v2 import VARIANT_VERSIONS  # the versions with the variants' window, softcap and ALiBi (VAR)
 
 VERSIONS = ("tc", "pipelined")
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128, 256)}
 DTYPES = (np.dtype(np.float16), bfloat16)
-LOG2E = 1.4426950408889634
 HEAD_GROUP = 8  # version 3, causal: heads per group in the block order (longest Q tiles first inside a group)
 
 _CTYPE = {np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}

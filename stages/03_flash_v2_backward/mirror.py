@@ -33,9 +33,8 @@ The variants (opts, stages/common/variants.py), tile by tile:
 """
 import numpy as np
 
-from stages.common import cast, empty, variants
+from stages.common import LOG2E, cast, empty, variants
 
-LOG2E = 1.4426950408889634
 # (Br, Bc) of the main kernel and of the deterministic dQ pass, per version (as in kernels/*.cu).
 # The tc kernel's Br and Bc depend on the head dim: TC_BR[D], TC_BC[D].
 TC_BR = {64: 128, 128: 64, 256: 64}  # the kernel computes a 128-row Q tile (d=64) as two 64-row chunks

@@ -3,7 +3,7 @@ timing, peak memory and the CUDA kernel loader. No attention algorithm lives her
 """
 from .checks import (
     array_module, check_attention_inputs, check_backward_inputs, check_causal, check_out_dtype, resolve_scale,
-    SUPPORTED_FLOAT_DTYPES,
+    LOG2E, SUPPORTED_FLOAT_DTYPES,
 )
 from . import device, tolerance
 from .tolerance import max_error, tolerance_report
@@ -17,7 +17,7 @@ from .verify import check_forward, check_backward, empty
 
 __all__ = [
     "array_module", "check_attention_inputs", "check_backward_inputs", "check_causal", "check_out_dtype",
-    "resolve_scale",
+    "resolve_scale", "LOG2E",
     "SUPPORTED_FLOAT_DTYPES", "device", "tolerance", "max_error", "tolerance_report",
     "attention_flops", "code_version", "time_ms", "time_queued_ms", "PeakMemory", "gpu_name", "gpu_status", "has_gpu",
     "run_devices",

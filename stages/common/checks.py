@@ -105,6 +105,9 @@ def check_backward_inputs(q, k, v, o, lse, do, *, where="attention backward", **
     return xp, B, H, Nq, Nk, D
 
 
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x log2 e); the kernels fold it into the scale (one MUFU.EX2)
+
+
 def resolve_scale(scale, D):
     """The softmax scale: 1/sqrt(head_dim) unless given; must be a finite positive number."""
     if scale is None:
