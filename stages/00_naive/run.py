@@ -20,6 +20,7 @@ from stages.common.cli import positive_int
 from stages.common import (
     PeakMemory, attention_flops, check_backward, check_forward, gpu_name, run_devices, make_inputs, time_ms,
 )
+from stages.common.verify import errors_and_bounds
 
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
@@ -65,13 +66,13 @@ def main(argv=None):
         q, k, v, do = make_inputs(args.batch, args.heads, args.seq, args.seq, args.head_dim,
                                   dtype=np.float32, xp=xp, grad=True)
         try:
-            errs = check_forward(naive.forward, q, k, v, causal=causal)
-            errs.update(check_backward(naive.backward, q, k, v, do, causal=causal))
+            errs = check_forward(naive.forward, q, k, v, causal=causal, with_bounds=True)
+            errs.update(check_backward(naive.backward, q, k, v, do, causal=causal, with_bounds=True))
         except AssertionError as e:
             print(f"CHECK FAILED: {e}")
             ok = False
             continue
-        print("float32 against float64, max abs error: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+        print("float32 against the float64 oracle, max abs error (tolerance rule): " + errors_and_bounds(errs))
         print("All results match. Timing.")
 
         # 2. time and memory: S and P are (B, H, N, N), so memory grows as N^2

@@ -26,6 +26,7 @@ from stages.common.cli import check_head_dim, positive_int
 from stages.common import (
     PeakMemory, attention_flops, check_backward, check_forward, gpu_name, run_devices, make_inputs, time_ms,
 )
+from stages.common.verify import errors_and_bounds
 
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
@@ -87,14 +88,13 @@ def main(argv=None):
         q, k, v, do = make_inputs(args.batch, args.heads, args.seq, args.seq, args.head_dim, dtype=np.float32,
                                   xp=xp, grad=True)
         try:
-            errs = check_forward(fwd, q, k, v, causal=causal)
-            errs.update(check_backward(bwd, q, k, v, do, causal=causal))
+            errs = check_forward(fwd, q, k, v, causal=causal, with_bounds=True)
+            errs.update(check_backward(bwd, q, k, v, do, causal=causal, with_bounds=True))
         except AssertionError as e:
             print(f"CHECK FAILED: {e}")
             ok = False
             continue
-        print("against the fp64 oracle (tolerance rule), max abs error: "
-              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+        print("against the fp64 oracle, max abs error (tolerance rule): " + errors_and_bounds(errs))
         print("All results match. Timing.")
 
         # 2. time and peak memory against naive attention

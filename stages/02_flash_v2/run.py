@@ -26,6 +26,7 @@ import numpy as np
 
 from stages import flash_v2
 from stages.common import attention_flops, bfloat16, check_forward, gpu_name, make_inputs, run_devices, time_ms
+from stages.common.verify import errors_and_bounds
 from stages.common.cli import check_head_dim, positive_int
 
 # ---- configuration (each overridable on the command line)
@@ -88,9 +89,8 @@ def main(argv=None):
             for dt in VERSION_DTYPES[version]:
                 q, k, v = make_inputs(B, H, N, N, D, dtype=DTYPES[dt], xp=xp)
                 try:
-                    errs = check_forward(flash_v2.forward, q, k, v, causal=causal, version=version)
-                    print(f"  {version:>9} {dt:>5} (Br={br}, Bc={bc}): "
-                          + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+                    errs = check_forward(flash_v2.forward, q, k, v, causal=causal, version=version, with_bounds=True)
+                    print(f"  {version:>9} {dt:>5} (Br={br}, Bc={bc}): {errors_and_bounds(errs)}")
                 except AssertionError as e:
                     print(f"  {version:>9} {dt:>5}: CHECK FAILED: {e}")
                     ok = False
@@ -108,11 +108,13 @@ def main(argv=None):
 
 
 def bench(versions, dims, shape, causals, xp, gpu, repeat, where):
-    """Print the median time and TFLOP/s of each version x dtype x head dim x mask."""
+    """Print the median time and rate (TFLOP/s on a GPU, GFLOP/s on the CPU) of each version x dtype x head dim x
+    mask."""
     B, H, N = shape
+    unit, per_ms = ("TFLOP/s", 1e9) if gpu else ("GFLOP/s", 1e6)
     print(f"\ntimings on the {where}: B={B} H={H} N={N}, median of {repeat}; "
-          "TFLOP/s = 4 B H N^2 D / time (causal halved)")
-    print(f"{'version':>9} {'dtype':>5} {'D':>4} {'causal':>6} | {'ms':>9} {'TFLOP/s':>8}")
+          f"{unit} = 4 B H N^2 D / time (causal halved)")
+    print(f"{'version':>9} {'dtype':>5} {'D':>4} {'causal':>6} | {'ms':>9} {unit:>8}")
     for version in versions:
         for dt in VERSION_DTYPES[version]:
             for D in dims:
@@ -123,7 +125,7 @@ def bench(versions, dims, shape, causals, xp, gpu, repeat, where):
                     ms = time_ms(lambda: flash_v2.forward(q, k, v, causal=causal, version=version), gpu=gpu,
                                  warmup=3 if gpu else 1, repeat=repeat)
                     flops = attention_flops(B, H, N, N, D, causal=causal)
-                    print(f"{version:>9} {dt:>5} {D:>4} {str(causal):>6} | {ms:>9.3f} {flops / ms / 1e9:>8.3g}")
+                    print(f"{version:>9} {dt:>5} {D:>4} {str(causal):>6} | {ms:>9.3f} {flops / ms / per_ms:>8.3g}")
 
 
 if __name__ == "__main__":

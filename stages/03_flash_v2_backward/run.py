@@ -29,6 +29,7 @@ import numpy as np
 from stages import flash_v2_backward as fb
 from stages import naive
 from stages.common import bfloat16, check_backward, gpu_name, make_inputs, run_devices, time_ms
+from stages.common.verify import errors_and_bounds
 from stages.common.cli import check_head_dim, positive_int
 
 # ---- configuration (each overridable on the command line)
@@ -88,8 +89,9 @@ def main(argv=None):
             q, k, v, do = make_inputs(B, H, n, n, D, dtype=dtype, xp=xp, grad=True)
             label = f"{version:>4} {np.dtype(dtype).name:>8} {'deterministic' if det else 'atomic dQ':>13}"
             try:
-                errs = check_backward(fb.backward, q, k, v, do, causal=causal, version=version, deterministic=det)
-                print(f"  {label}: " + ", ".join(f"{k} {e:.1e}" for k, e in errs.items()))
+                errs = check_backward(fb.backward, q, k, v, do, causal=causal, version=version, deterministic=det,
+                                      with_bounds=True)
+                print(f"  {label}: {errors_and_bounds(errs)}")
             except AssertionError as e:
                 print(f"  {label}: CHECK FAILED: {e}")
                 ok = False
@@ -100,14 +102,15 @@ def main(argv=None):
         # 2. time each version and mode (o, lse from stage 00: the backward's inputs, not what is timed)
         flops = fb.backward_flops(B, H, n, n, D, causal)
         print(f"timings on the {where}, median of {repeat}:")
-        print(f"  {'ver':>4} {'dtype':>8} {'dQ mode':>13} | {'ms':>9} {'TFLOP/s':>9}")
+        unit, per_ms = ("TFLOP/s", 1e9) if gpu else ("GFLOP/s", 1e6)
+        print(f"  {'ver':>4} {'dtype':>8} {'dQ mode':>13} | {'ms':>9} {unit:>9}")
         for version, dtype, det in runs:
             q, k, v, do = make_inputs(B, H, n, n, D, dtype=dtype, xp=xp, grad=True)
             o, lse = naive.forward(q, k, v, causal=causal)
             t = time_ms(lambda: fb.backward(q, k, v, o, lse, do, causal=causal, version=version, deterministic=det),
                         gpu=gpu, warmup=1, repeat=repeat)
             print(f"  {version:>4} {np.dtype(dtype).name:>8} {'deterministic' if det else 'atomic dQ':>13} | "
-                  f"{t:>9.3f} {flops / t / 1e9:>9.3g}")
+                  f"{t:>9.3f} {flops / t / per_ms:>9.3g}")
     print(f"SUMMARY 03_flash_v2_backward {'PASS' if ok else 'FAIL'} {'+'.join(args.versions)} dq/dk/dv vs fp64 "
           f"oracle, {'deterministic' if args.deterministic else 'atomic+deterministic'}, on {', '.join(devices)}")
     return ok

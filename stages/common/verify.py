@@ -68,9 +68,10 @@ def _check_like(names, outs, likes):
                                  f"{like.dtype}")
 
 
-def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, **kw):
-    """Run forward(q, k, v, **opts, **kw) and check o and lse by the tolerance rule; return {"o": err, "lse": err}.
-    opts: variant options (window, softcap, alibi_slopes, dropout_p, seed), given to the oracle too."""
+def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, with_bounds=False, **kw):
+    """Run forward(q, k, v, **opts, **kw) and check o and lse by the tolerance rule; return {"o": err, "lse": err}
+    ({name: (err, bound)} with_bounds). opts: variant options (window, softcap, alibi_slopes, dropout_p, seed), given
+    to the oracle too."""
     opts = opts or {}
     o, lse = forward(q, k, v, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_FORWARD, (o, lse), (q, np.empty(q.shape[:3], np.float32)))
@@ -78,11 +79,12 @@ def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, **kw
     ys = tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale, **opts)
     terms = tolerance.forward_s_terms(q, k, v, causal=causal, scale=scale, **opts)
     res = tolerance.check(tolerance.NAMES_FORWARD, (o, lse), refs, ys, terms)
-    return {n: e for n, (e, _) in res.items()}
+    return res if with_bounds else {n: e for n, (e, _) in res.items()}
 
 
-def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None, **kw):
-    """Run backward from the oracle's o and lse (in the inputs' dtype) and check dq, dk, dv by the rule."""
+def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None, with_bounds=False, **kw):
+    """Run backward from the oracle's o and lse (in the inputs' dtype) and check dq, dk, dv by the rule; return
+    {name: err} ({name: (err, bound)} with_bounds)."""
     opts = opts or {}
     o64, lse64, *refs = tolerance.oracle(q, k, v, do, causal=causal, scale=scale, **opts)
     o_in, lse_in = backward_start(q, o64, lse64)
@@ -91,7 +93,7 @@ def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None
     ys = tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts)
     terms = tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale, **opts)
     res = tolerance.check(tolerance.NAMES_BACKWARD, grads, refs, ys, terms)
-    return {n: e for n, (e, _) in res.items()}
+    return res if with_bounds else {n: e for n, (e, _) in res.items()}
 
 
 def rule(q, k, v, do=None, *, causal=False, scale=None, opts=None):
@@ -108,6 +110,11 @@ def rule(q, k, v, do=None, *, causal=False, scale=None, opts=None):
     bounds += tolerance.bounds(grads, tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, **kw),
                                tolerance.backward_s_terms(q, k, v, o_in, do, **kw))
     return (o64, lse64, *grads), bounds, (o_in, lse_in)
+
+
+def errors_and_bounds(errs):
+    """{name: (err, bound)} as a learner reads it: "o 3.8e-07 (bound 1.2e-06), lse ..."."""
+    return ", ".join(f"{n} {e:.1e} (bound {b:.1e})" for n, (e, b) in errs.items())
 
 
 def check_outputs(outs, refs, bounds, *, what=""):
