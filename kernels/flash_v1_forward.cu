@@ -184,6 +184,6 @@ flash_v1_forward(const float* __restrict__ q, const float* __restrict__ k, const
     }
     __syncthreads();  // the last step's writes of l, m are visible to every thread of the block
 
-    // L_i = m_i + log(l_i): the log-sum-exp the backward recomputes P from; -inf when l_i = 0.
-    for (int R = tid; R < Nq; R += NTHREADS) lse[R] = l[R] > 0.f ? m[R] + logf(l[R]) : -INF;
+    // L_i = m_i + log(l_i): the log-sum-exp the backward recomputes P from; -inf when l_i = 0 (NaN stays NaN).
+    for (int R = tid; R < Nq; R += NTHREADS) lse[R] = l[R] != 0.f ? m[R] + logf(l[R]) : -INF;
 }

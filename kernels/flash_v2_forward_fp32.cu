@@ -359,6 +359,6 @@ flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, 
                 if (d0 + 3 < HEAD_DIM) orow[d0 + 3] = x.w;
             }
         }
-        if (cg == 0) lse[R] = l > 0.f ? m_i[r] * 0.6931471805599453f + logf(l) : -INF;
+        if (cg == 0) lse[R] = l != 0.f ? m_i[r] * 0.6931471805599453f + logf(l) : -INF;  // NaN in: NaN out
     }
 }

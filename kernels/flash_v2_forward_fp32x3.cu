@@ -286,7 +286,7 @@ flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k
             // natural log: m_i is in base 2; the product in fp64 (with huge logits m_i ~ 1e4, an fp32 product would
             // add its own rounding, ~1e-3, to the lse)
             if (t == 0)
-                lse[bh * Nq + r] = l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+                lse[bh * Nq + r] = l != 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
             float* orow = o + (bh * Nq + r) * D + 2 * t;
 #pragma unroll
             for (int d = 0; d < D / 8; ++d)

@@ -361,13 +361,13 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
             // fp32 product would add its own rounding (~1e-3) to the lse.
             if (STAGE_O && t == 0 && row0 + wrow + rl < Nq)
                 lse[q_row0 + row0 + wrow + rl] =
-                    l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+                    l != 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
             if constexpr (STAGE_O) {
 #pragma unroll
                 for (int d = 0; d < D / 8; ++d)
                     store2(Ow + rl * LD + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
             } else if (row0 + wrow + rl < Nq) {
-                const float L_i = l > 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+                const float L_i = l != 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
                 float w_run = 0.f, w_new = inv_l, L = L_i;  // the first block these rows see: O = O_i, L = L_i
                 if (L_run > -INF) {  // merge (the max is finite, so both weights are in [0, 1])
                     const float mx = fmaxf(L_run, L_i);

@@ -151,7 +151,7 @@ flash_v2_forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* _
         float l;
         const float inv_l = inverse_row_sum(l_i[h], l);  // fully masked row: O = 0
         if (rg[h] >= Nq) continue;
-        if (t == 0) lse[rg[h]] = l > 0.f ? m_i[h] + logf(l) : -INF;  // Alg.1 L13
+        if (t == 0) lse[rg[h]] = l != 0.f ? m_i[h] + logf(l) : -INF;  // Alg.1 L13 (NaN in: NaN out)
 #pragma unroll
         for (int d = 0; d < D / 8; ++d)
             store2(o + (long)rg[h] * D + d * 8 + 2 * t, acc_o[d][2 * h] * inv_l, acc_o[d][2 * h + 1] * inv_l);

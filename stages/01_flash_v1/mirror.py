@@ -60,7 +60,7 @@ def forward(q, k, v, *, causal, scale, trace=None):
             l[:, :, rows], m[:, :, rows] = l_new, m_new  # Alg.1 L13
     lse = empty(np, (B, H, Nq), f32)
     with np.errstate(divide="ignore"):
-        lse[...] = np.where(l > 0, m + np.log(l), f32(-np.inf))  # L_i = m_i + log(l_i)
+        lse[...] = np.where(l != 0, m + np.log(l), f32(-np.inf))  # L_i = m_i + log(l_i); NaN stays NaN
     return o, lse
 
 

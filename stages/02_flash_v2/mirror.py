@@ -168,7 +168,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
                 P = cast(cast(P, q.dtype), f32)  # the tensor core's A operand is 16-bit
             acc = alpha[..., None] * acc + mm_pv(P, Vj)  # Alg.1 L10: (B, H, br, D), float32 accumulate
             m_i = m_new
-        seen = l_i > 0  # (B, H, br); False for a row with no visible key: O_i = 0, L_i = -inf
+        seen = l_i != 0  # (B, H, br); False for a row with no visible key: O_i = 0, L_i = -inf (NaN stays NaN)
         if keep is not None:
             acc = acc * f32(1 / (1 - opts.dropout_p))  # the 1 / (1 - p) of the kept probabilities, once
         o[:, :, rows] = cast(acc / np.where(seen, l_i, f32(1))[..., None], out_dtype)  # Alg.1 L12
