@@ -129,11 +129,12 @@ flash_v1_forward(const float* __restrict__ q, const float* __restrict__ k, const
                 m_tile = fmaxf(m_tile, s[kc]);
             }
             m_tile = warp_max<4>(m_tile);  // the 4 threads of row r_g agree on m~_ij
-            // Alg.1 L10: P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij); a row with no visible key has P~ = 0.
+            // Alg.1 L10: P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij); a row with no visible key has P~ = 0. A NaN
+            // score (a NaN in q or k; fmaxf passes it over) stays NaN in P~ and l~, so the row comes out NaN.
             float l_tile = 0.f;
 #pragma unroll
             for (int kc = 0; kc < BC / 4; ++kc) {
-                float p = m_tile == -INF ? 0.f : expf(s[kc] - m_tile);
+                float p = m_tile == -INF ? (isnan(s[kc]) ? s[kc] : 0.f) : expf(s[kc] - m_tile);
                 Ps[r_g * (BC + 1) + t4 + 4 * kc] = p;
                 l_tile += p;
             }
@@ -142,7 +143,7 @@ flash_v1_forward(const float* __restrict__ q, const float* __restrict__ k, const
                 // Alg.1 L11: m_new = max(m_i, m~_ij), l_new = e^(m_i - m_new) l_i + e^(m~_ij - m_new) l~_ij
                 float m_i = m_s[r_g], l_i = l_s[r_g];
                 float m_new = fmaxf(m_i, m_tile);
-                if (m_new == -INF) {  // nothing visible yet in this row: O_i stays 0
+                if (m_new == -INF && l_tile == 0.f) {  // nothing visible yet in this row: O_i stays 0
                     a_s[r_g] = 1.f; b_s[r_g] = 0.f;
                 } else {
                     float alpha = expf(m_i - m_new), beta = expf(m_tile - m_new);  // exp(-inf) = 0
