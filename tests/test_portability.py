@@ -7,6 +7,7 @@ is held to the architecture's limits: static + dynamic shared memory within the 
 shared memory within 48 KB, registers x threads within the 64K registers of a block. On a GPU, the
 same plans are what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
 """
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,12 +21,17 @@ def _plans(dev):
     return flash_v1.kernel_plans(dev) + flash_v2.kernel_plans(dev) + flash_v2_backward.kernel_plans(dev)
 
 
+CHUNK = 16  # instantiated kernels per NVRTC compile at most: a module of many template instantiations (version
+# pipelined's variants) is compiled in pieces, each instantiating only its own kernels, so the pieces share the cores
+
+
 def _groups(plans):
-    """{(file, defines): [plans]}: one NVRTC compile per module."""
-    out = {}
+    """[((file, defines), [plans])]: the NVRTC compiles, one per module or per CHUNK of its kernels, largest first."""
+    modules = {}
     for p in plans:
-        out.setdefault((p.file, tuple(sorted(p.defines.items()))), []).append(p)
-    return out
+        modules.setdefault((p.file, tuple(sorted(p.defines.items()))), []).append(p)
+    jobs = [(key, ps[i:i + CHUNK]) for key, ps in modules.items() for i in range(0, len(ps), CHUNK)]
+    return sorted(jobs, key=lambda job: -len(job[1]))
 
 
 def _problems(arch, plans):
@@ -51,8 +57,8 @@ def _problems(arch, plans):
                 bad.append((p, f"{u['registers']} registers x {p.threads} threads > 65536"))
         return bad
 
-    with ThreadPoolExecutor(2) as pool:
-        return [b for bad in pool.map(one, _groups(plans).items()) for b in bad]
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:  # NVRTC releases the GIL
+        return [b for bad in pool.map(one, _groups(plans)) for b in bad]
 
 
 @pytest.mark.parametrize("arch", list(device.ARCHS))
