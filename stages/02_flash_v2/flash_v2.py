@@ -17,7 +17,6 @@ in natural log.
 Stage 02 is the FORWARD pass only; the FlashAttention-2 backward is stage 03. `backward` is here only so
 that every stage has the same API: it hands over to stage 03.
 """
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -27,7 +26,7 @@ from stages.common import (
     resolve_scale, variants, varlen,
 )
 
-from . import mirror
+from . import fp32x3, mirror, tc  # the launchers of the other versions (tc: both tensor-core versions)
 
 VERSIONS = ("fp32", "tc", "pipelined", "fp32x3")
 DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16),
@@ -36,20 +35,6 @@ ALL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)  # what some
 FP32_VERSIONS = ("fp32", "fp32x3")  # the versions that take float32
 FP32_MAX_HEAD_DIM = 128  # a lane keeps head_dim/8 columns of 4 or 8 rows of O_i in registers
 FP32_BC = 64  # Bc of the fp32 kernel: 8 column groups x 8 keys per lane (fixed by its thread layout)
-
-
-@functools.cache  # one import, then a dictionary lookup per call
-def _tc():
-    from . import tc  # the tensor-core launcher (imported when a tensor-core version is asked for)
-
-    return tc
-
-
-@functools.cache
-def _fp32x3():
-    from . import fp32x3  # the 3xTF32 launcher
-
-    return fp32x3
 
 
 class Fp32Config(NamedTuple):
@@ -129,15 +114,15 @@ def tiles(version, D, causal=False):
     if version == "fp32":
         return fp32_config(D).br, FP32_BC
     if version == "fp32x3":
-        return _fp32x3().tiles(D, causal)
-    return _tc().tiles(version, D, causal)
+        return fp32x3.tiles(D, causal)
+    return tc.tiles(version, D, causal)
 
 
 def head_dims(version):
     """The head dims a version supports."""
     if version == "fp32":
         return tuple(range(1, FP32_MAX_HEAD_DIM + 1))
-    return tuple(_fp32x3().HEAD_DIMS) if version == "fp32x3" else tuple(_tc().HEAD_DIMS[version])
+    return tuple(fp32x3.HEAD_DIMS) if version == "fp32x3" else tuple(tc.HEAD_DIMS[version])
 
 
 def resolve_version(version, dtype):
@@ -157,7 +142,7 @@ def resolve_version(version, dtype):
 
 def _elsewhere(D):
     """'; version 'pipelined' takes head_dim D with float16/bfloat16' where a tensor-core version takes D, else ''."""
-    takers = [v for v in ("tc", "pipelined") if D in _tc().HEAD_DIMS[v]]
+    takers = [v for v in ("tc", "pipelined") if D in tc.HEAD_DIMS[v]]
     return (f"; version {' / '.join(repr(v) for v in takers)} takes head_dim {D} with float16/bfloat16 inputs"
             if takers else "")
 
@@ -169,20 +154,20 @@ def _check_head_dim(version, D):
                              f"head_dim from 1 to {FP32_MAX_HEAD_DIM}{_elsewhere(D)}")
         return
     if version == "fp32x3":
-        dims = _fp32x3().HEAD_DIMS
+        dims = fp32x3.HEAD_DIMS
         if D not in dims:
             raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the fp32x3 kernel: use "
                              f"{', '.join(map(str, dims))}, or version='fp32' (any head_dim 1 to {FP32_MAX_HEAD_DIM})"
                              f"{_elsewhere(D)}")
         return
-    dims = _tc().HEAD_DIMS[version]
+    dims = tc.HEAD_DIMS[version]
     if D not in dims:
         raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the tensor-core kernel "
                          f"(version {version!r}): use {', '.join(map(str, dims))}, or version='fp32' with float32"
                          f"{_elsewhere(D)}")
 
 
-VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variant options (every version's mirror does)
+VARIANT_VERSIONS = tc.VARIANT_VERSIONS  # the kernels that take the variant options (every version's mirror does)
 
 
 def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None, config=None, window=None,
@@ -230,11 +215,11 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
                              f"in version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); every version's CPU "
                              f"mirror (numpy inputs) takes them all. Got version {version!r}")
         variants.check_kernel_origin(opts, where)
-        return _tc().forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
+        return tc.forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
     if version == "fp32x3":
-        call = _fp32x3().call(q, k, v, causal=causal, scale=scale)
+        call = fp32x3.call(q, k, v, causal=causal, scale=scale)
     elif version != "fp32":
-        call = _tc().call(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
+        call = tc.call(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
     else:
         call = kernels.planned_call(_PLANS, _fp32_plan, q, k, v, causal=causal, scale=scale, config=config)
     if key is not None:  # plain attention (grouped-query k, v took the opts path above)
@@ -280,7 +265,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, ma
     opts = variants.check(qb, kb, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, seed=seed, where=where)
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
-    o, lse = _tc().forward(qb, kb, vb, causal=causal, scale=resolve_scale(scale, D), version=version,
+    o, lse = tc.forward(qb, kb, vb, causal=causal, scale=resolve_scale(scale, D), version=version,
                            out_dtype=out_dtype, opts=opts, varlen=cu + (int(np.diff(cq).max()),))
     return cupy.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]
 
@@ -312,7 +297,7 @@ def kernel_plans(dev):
     out = [device.KernelPlan("flash_v2_forward_fp32.cu", cfg.defines(D), "flash_v2_forward_fp32",
                              fp32_smem_bytes(D, cfg), 0, cfg.threads)
            for D in FP32_COMPILE_DIMS for cfg in fp32_reachable(D, dev)]
-    return out + _tc().kernel_plans(dev) + _fp32x3().kernel_plans(dev)
+    return out + tc.kernel_plans(dev) + fp32x3.kernel_plans(dev)
 
 
 def kernel_sources():
@@ -321,8 +306,8 @@ def kernel_sources():
     plans = {p for a in device.ARCHS for p in kernel_plans(device.emulate(a))}
     out = sorted({(p.file, tuple(sorted(p.defines.items()))) for p in plans if p.file.endswith("fp32.cu")})
     out = [(f, dict(d), ()) for f, d in out]
-    out += [(f, {}, tuple(names)) for f, names in _tc().kernel_sources()]
-    out += [(f, {}, tuple(names)) for f, names in _fp32x3().kernel_sources()]
+    out += [(f, {}, tuple(names)) for f, names in tc.kernel_sources()]
+    out += [(f, {}, tuple(names)) for f, names in fp32x3.kernel_sources()]
     return out
 
 

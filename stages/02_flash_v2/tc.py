@@ -19,9 +19,8 @@ import numpy as np
 
 from stages.common import LOG2E, bfloat16, device, kernels, load_module, variants
 
-from .flash_v2 import VARIANT_VERSIONS  # the versions with the variants' window, softcap and ALiBi (VAR)
-
 VERSIONS = ("tc", "pipelined")
+VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variants' window, softcap, ALiBi, dropout (VAR)
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128, 256)}
 DTYPES = (np.dtype(np.float16), bfloat16)
 HEAD_GROUP = 8  # version 3, causal: heads per group in the block order (longest Q tiles first inside a group)
