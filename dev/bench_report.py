@@ -285,7 +285,8 @@ def read_ring_csv(path):
         rows = []
         for r in csv.DictReader(f):
             r = dict(r, gpus=int(r["gpus"]), tokens_per_gpu=int(r["tokens_per_gpu"]), heads=int(r["heads"]),
-                     kv_heads=int(r["kv_heads"]), causal=_bool(r["causal"]))
+                     kv_heads=int(r["kv_heads"]), causal=_bool(r["causal"]),
+                     scheme=r.get("scheme") or "ring")  # (CSVs from before the other schemes: the ring)
             rows.append(dict(r, **{c: _float(r[c]) if r.get(c, "") != "" else None for c in RING_FLOATS}))
     return rows
 
@@ -444,12 +445,17 @@ def _ring_shape(rows):
     return f"{r['dtype']}, B = {r['batch']}, d = {r['head_dim']}, backend {r['backend']}"
 
 
+def _rows_of(results_dir, name, reader):
+    """reader(results/name)'s rows, or None when that CSV is not there (its section is then left out)."""
+    path = pathlib.Path(results_dir) / name
+    return reader(path) if path.exists() else None
+
+
 def ring_section(results_dir):
     """Markdown: the ring's table (ring_table) with its sentence, or "" when the CSV is not there."""
-    path = pathlib.Path(results_dir) / RING_CSV
-    if not path.exists():
+    rows = _rows_of(results_dir, RING_CSV, read_ring_csv)
+    if rows is None:
         return ""
-    rows = read_ring_csv(path)
     return (f"Ring attention (stage 04) on **{_ring_gpus(rows)}** (`results/{RING_CSV}`; "
             f"{_ring_shape(rows)}): per-GPU efficiency = one GPU's time / (P x the ring's time) for the same total "
             "length, forward + backward, calls queued as a training step queues them (1.00: the ring costs nothing); "
@@ -469,7 +475,7 @@ def schemes_table(rows):
     for r in rows:
         if r["gpus"] != top:
             continue
-        out.append(f"| {_problem(r)} | {r.get('scheme') or 'ring'} | {r['efficiency']:.2f} | "
+        out.append(f"| {_problem(r)} | {r['scheme']} | {r['efficiency']:.2f} | "
                    f"{r['fwd_efficiency']:.2f}, {r['bwd_efficiency']:.2f} | "
                    f"{r['fwd_exposed_comm_ms_max_rank']:.2f} / {r['bwd_exposed_comm_ms_max_rank']:.2f} | "
                    f"{r['mem_ratio']:.2f} |")
@@ -484,7 +490,7 @@ def ring_schemes_full(rows):
     for r in rows:
         torch = [f"{r[f'torch_cp_{k}_fwd_ms']:.2f} / {r[f'torch_cp_{k}_bwd_ms']:.2f}"
                  if r[f"torch_cp_{k}_fwd_ms"] else "-" for k in ("flash", "cudnn")]
-        out.append(f"| {r['gpus']} | {_problem(r)} | {r.get('scheme') or 'ring'} | {r['ring_fwd_ms']:.2f} / "
+        out.append(f"| {r['gpus']} | {_problem(r)} | {r['scheme']} | {r['ring_fwd_ms']:.2f} / "
                    f"{r['ring_bwd_ms']:.2f} | {r['efficiency']:.2f} | {r['fwd_exposed_comm_ms_max_rank']:.2f} / "
                    f"{r['bwd_exposed_comm_ms_max_rank']:.2f} | {r['mem_ratio']:.2f} | " + " | ".join(torch) + " |")
     return "\n".join(out)
@@ -492,10 +498,9 @@ def ring_schemes_full(rows):
 
 def schemes_section(results_dir):
     """Markdown: the three schemes side by side (schemes_table) with its sentence, or "" without the CSV."""
-    path = pathlib.Path(results_dir) / SCHEMES_CSV
-    if not path.exists():
+    rows = _rows_of(results_dir, SCHEMES_CSV, read_ring_csv)
+    if rows is None:
         return ""
-    rows = read_ring_csv(path)
     return (f"The three schemes on **{_ring_gpus(rows)}** (`results/{SCHEMES_CSV}`; {_ring_shape(rows)}), one run, "
             "efficiency and memory as in the table above:\n\n" + schemes_table(rows))
 
@@ -525,10 +530,9 @@ def scaling_table(rows):
 
 def scaling_section(results_dir):
     """Markdown: the training scaling table with its sentence, or "" when the CSV is not there."""
-    path = pathlib.Path(results_dir) / SCALING_CSV
-    if not path.exists():
+    rows = _rows_of(results_dir, SCALING_CSV, read_scaling_csv)
+    if rows is None:
         return ""
-    rows = read_scaling_csv(path)
     r = rows[0]
     return (f"Sequence-parallel training (stage 05 through the ring) on **{max(x['gpus'] for x in rows)} x "
             f"{r['gpu']}** (`results/{SCALING_CSV}`): {r['layers']} layers, d_model "

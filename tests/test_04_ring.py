@@ -212,6 +212,21 @@ def test_an_error_on_one_rank_ends_every_rank():
         ring.simulate(body, 4)
 
 
+def test_lanes_never_share_a_row():
+    """The forward's calls run side by side on the GPU only in lanes whose query rows are disjoint (each merge rewrites
+    its rows of O_r, L_r); a call that overlaps two lanes joins them. Every call is in one lane, in its order."""
+    from stages.ring.ring import _lanes
+
+    C = ring.BlockCall
+    calls = [C(0, 10, 0, 5), C(10, 20, 0, 5), C(30, 40, 0, 5), C(5, 15, 5, 9), C(35, 38, 5, 9)]
+    lanes = _lanes(calls, by_rows=True)
+    assert sorted(map(tuple, lanes)) == sorted([(calls[0], calls[1], calls[3]), (calls[2], calls[4])])
+    for i, x in enumerate(lanes):
+        for y in lanes[i + 1:]:
+            assert not any(c.a < d.b and d.a < c.b for c in x for d in y)
+    assert _lanes(calls, by_rows=False) == [[c] for c in calls]  # atomics: every call a lane
+
+
 def test_timeline_reports_every_step():
     q, k, v = make_inputs(1, 1, 64, 64, 8, dtype=np.float32)
     lines = []

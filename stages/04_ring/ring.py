@@ -509,19 +509,17 @@ def _call_options(prob, q, k, qpos, kpos, c):
 
 def _lanes(calls, by_rows):
     """The calls of one step in lanes that may run at the same time, each lane in order: a lane per call, or (by_rows)
-    calls whose query rows overlap in one lane."""
+    calls whose query rows overlap in one lane. A call that overlaps several lanes joins them into one, so no two
+    lanes share a row."""
     if not by_rows:
         return [[c] for c in calls]
-    lanes, spans = [], []
+    lanes = []  # [(rows a, rows b, [calls])]: the rows each lane spans, disjoint from every other lane's
     for c in calls:
-        hit = next((i for i, (a, b) in enumerate(spans) if c.a < b and a < c.b), None)
-        if hit is None:
-            lanes.append([c])
-            spans.append((c.a, c.b))
-        else:
-            lanes[hit].append(c)
-            spans[hit] = (min(spans[hit][0], c.a), max(spans[hit][1], c.b))
-    return lanes
+        hit = [lane for lane in lanes if c.a < lane[1] and lane[0] < c.b]
+        joined = [x for lane in hit for x in lane[2]] + [c]
+        lanes = [lane for lane in lanes if lane not in hit]
+        lanes.append((min([c.a] + [lane[0] for lane in hit]), max([c.b] + [lane[1] for lane in hit]), joined))
+    return [lane[2] for lane in lanes]
 
 
 @functools.cache
@@ -639,6 +637,7 @@ class _Timeline:
             self.mark, self.ms = (lambda: cupy.cuda.get_current_stream().record()), cupy.cuda.get_elapsed_time
 
     def add(self, s, compute, waited=None):
+        """Step s computed over compute and waited over waited, each (start mark, end mark) or None."""
         self.steps.append((s, compute, waited))
 
     def record(self, timeline):
@@ -647,7 +646,7 @@ class _Timeline:
         per_step = {}
         for s, compute, waited in self.steps:
             step = per_step.setdefault(s, {"step": s, "compute_ms": 0.0, "exposed_ms": 0.0})
-            step["compute_ms"] += self.ms(*compute)
+            step["compute_ms"] += self.ms(*compute) if compute else 0.0
             step["exposed_ms"] += self.ms(*waited) if waited else 0.0
         timeline.extend(per_step.values())
 
@@ -767,7 +766,7 @@ def _alltoall_forward(ring, prob, blocks, version, q, k, v, marks):
     t2 = marks.mark()
     o, lse = gather.sequence_to_heads(ring, [o_h, lse_h], prob.nq, layout, xp)  # (B, H, Lq, D), (B, H, Lq)
     marks.add(0, (t1, t2), (t0, t1))
-    marks.add(0, (t2, t2), (t2, marks.mark()))  # (the transfer back: no compute beside it)
+    marks.add(0, None, (t2, marks.mark()))  # the transfer back: no compute beside it
     return o, lse
 
 
@@ -851,7 +850,7 @@ def _gathered_backward(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks):
     del k_all, v_all
     dk, dv = gather.scatter_sum(ring, [dk_all, dv_all], prob.nk, prob.layout, xp)  # this rank's keys, summed
     marks.add(0, (t1, t2), (t0, t1))
-    marks.add(0, (t2, t2), (t2, marks.mark()))
+    marks.add(0, None, (t2, marks.mark()))  # the reduce-scatter
     return lambda: (cast(dk, k.dtype), cast(dv, v.dtype))
 
 
@@ -870,7 +869,7 @@ def _alltoall_backward(ring, prob, blocks, version, q, k, v, o, lse, do, marks):
     dq, = gather.sequence_to_heads(ring, [dq_h], prob.nq, layout, xp)
     dk, dv = gather.sequence_to_heads(ring, [dk_h, dv_h], prob.nk, layout, xp)
     marks.add(0, (t1, t2), (t0, t1))
-    marks.add(0, (t2, t2), (t2, marks.mark()))
+    marks.add(0, None, (t2, marks.mark()))  # the transfer back
     return dq, dk, dv
 
 

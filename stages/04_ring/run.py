@@ -248,7 +248,7 @@ def main(argv=None):
         ok = True
         if rank == 0:
             print(f"check on the full sequence (N={n_check}) against the fp64 oracle (tolerance rule): "
-                  + ", ".join(f"{k} {e:.1e} (bound {b:.1e})" for k, (e, b) in errs.items()))
+                  + verify.errors_and_bounds(errs))
     except AssertionError as e:
         print(f"CHECK FAILED: {e}")
         ok = False
