@@ -123,21 +123,37 @@ __device__ __forceinline__ void c_to_a(u32 (&a)[4], int n, const float c[4]) {
 template <typename T>
 __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], const u32 b[2]);
 
+// sm_75 (T4) has no m16n8k16 for 16-bit inputs, but it has m16n8k8 for fp16, whose A fragment is a[0..1] above
+// (k = 0..7) and whose B fragment is b[0]: one m16n8k16 is the two m16n8k8 of its halves of k, summed into D.
 template <>
 __device__ __forceinline__ void mma_16816<__half>(float c[4], const u32 a[4], const u32 b[2]) {
+#if __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[2 * h]), "r"(a[2 * h + 1]), "r"(b[h]));
+#endif
 }
+// bf16 tensor-core math begins with sm_80; the launchers refuse bf16 below it (stages/common/device.py).
 template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float c[4], const u32 a[4], const u32 b[2]) {
+#if __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
 }
 
 // ---------------------------------------------------------------- ldmatrix
@@ -174,9 +190,10 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32 r[2], const void* smem_row
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(smem_row)));
 }
 
-// ---------------------------------------------------------------- cp.async (sm_80+)
+// ---------------------------------------------------------------- cp.async (sm_80+), plain copies on sm_75
 // Copy 16 bytes global -> shared without passing through registers. When `valid` is false the
 // 16 shared bytes are zero-filled (src-size 0): rows past the end of the sequence read as zeros.
+#if __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_u32(smem)), "l"(gmem), "r"(valid ? 16 : 0));
@@ -192,6 +209,28 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // Wait until at most `n` committed groups are still in flight.
 template <int n>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(n)); }
+#else
+// sm_75 has no cp.async. The same calls load the 16 bytes into registers and store them to shared memory before
+// they return, so every copy has landed by the time a wait is reached (commit and wait do nothing): a synchronous
+// copy is one of the orders an asynchronous one may take, and the kernels' barriers stay what makes the stores
+// visible to the other threads. What is lost is the overlap of the loads with the math.
+__device__ __forceinline__ void st_shared_16(u32 dst, uint4 x) {
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" :: "r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src, bool valid) {
+    st_shared_16(dst, valid ? __ldcg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0));
+}
+__device__ __forceinline__ void cp_async_16_u32(u32 dst, const void* src) {
+    st_shared_16(dst, __ldcg(reinterpret_cast<const uint4*>(src)));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    cp_async_16_u32(smem_u32(smem), gmem, valid);
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int n>
+__device__ __forceinline__ void cp_async_wait() {}
+#endif
 
 // ---------------------------------------------------------------- fast exp2
 // ex2.approx: 2^x in one SFU instruction (the kernels fold log2(e) into the softmax scale).

@@ -347,6 +347,7 @@ def test_ring_blocks_choose_flash_only_where_stages_02_03_take_the_head_dim_and_
     assert (block, f"ring blocks {text}") == ("naive", RING_FALLBACK)
     block, text = T.ring_blocks(None, dtype=bfloat16, head_dim=64, gpu=True, sm80=False)  # a T4
     assert block == "naive" and "need an sm_80 or newer GPU" in text, text
+    assert T.ring_blocks(None, dtype=np.float16, head_dim=64, gpu=True, sm80=False)[0] == "flash"  # a T4's fp16
     block, text = T.ring_blocks(None, dtype=np.float64, head_dim=64, **gpu)
     assert block == "naive" and "dtype float64 is not taken" in text, text
     assert T.ring_blocks(None, dtype=bfloat16, head_dim=128, gpu=False)[0] == "naive"  # the CPU default

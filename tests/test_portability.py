@@ -86,13 +86,20 @@ def test_each_architecture_gets_plans_that_fit_it(arch):
     dev = device.emulate(arch)
     for D in flash_v2.head_dims("fp32"):
         assert device.fits(dev, flash_v2.fp32_smem_bytes(D, flash_v2.fp32_config(D, dev)))
+    # the 16-bit tensor-core versions run on every architecture (fp16 from sm_75, bf16 from sm_80); only a T4's
+    # 64 KB leaves out d = 256
+    small = dev.smem_optin < 99 * 1024
     for version in ("tc", "pipelined"):
         for D in flash_v2.head_dims(version):
-            assert bool(flash_v2.tc.reachable(version, D, dev)) == dev.arch.mma_k16
+            assert bool(flash_v2.tc.reachable(version, D, dev)) == (not small or D < 256)
+    assert ("__nv_bfloat16" in flash_v2.tc.input_ctypes(dev)) == dev.arch.bf16
     for D in flash_v2_backward.HEAD_DIMS["tc"]:
-        if dev.arch.mma_k16:
+        if not small or D < 256:
             tiles = flash_v2_backward.tc_tiles(D, dev)
             assert device.fits(dev, flash_v2_backward.smem_bytes("tc", D, *tiles)[0])
+        else:
+            with pytest.raises(device.UnsupportedDevice, match="shared memory"):
+                flash_v2_backward.tc_tiles(D, dev)
 
 
 def test_emulated_architectures_and_clear_errors(monkeypatch):
@@ -111,23 +118,33 @@ def test_emulated_architectures_and_clear_errors(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_86"])
-def test_emulated_architecture_refuses_what_it_lacks(arch, monkeypatch):
-    """On a GPU, under ATTN_ARCH: bf16 / tensor-core versions are refused on sm_75 with an error naming sm_80, before
-    any launch; elsewhere they run."""
+def test_emulated_architecture_runs_its_own_code(arch, monkeypatch):
+    """On a GPU, under ATTN_ARCH: the kernels are compiled for the emulated architecture (PTX for compute_XX, which
+    the driver translates for this GPU), so sm_75's paths run: fp16 on tensor cores through m16n8k8 pairs and
+    synchronous copies, forward (tc, pipelined) and backward, within the tolerance rule. bf16 is refused there with
+    an error that names sm_80 and float16, before any launch; elsewhere it runs."""
     import cupy
 
-    from stages.common import bfloat16, make_inputs
+    from stages.common import bfloat16, check_backward, check_forward, kernels, make_inputs
 
     monkeypatch.setenv("ATTN_ARCH", arch)
+    assert kernels._emulated_cc() == device.emulate(arch).arch.cc
+    name = "flash_v2_forward_tc<__half,__half,64,64,4>"
+    module = kernels.load_module("flash_v2_forward_tc.cu", name_expressions=(name,))
+    assert isinstance(module, kernels._EmulatedModule)
     q, k, v = make_inputs(1, 2, 64, 64, 64, dtype=bfloat16, xp=cupy)
     if arch == "sm_75":
-        with pytest.raises(device.UnsupportedDevice, match="sm_80"):
+        with pytest.raises(device.UnsupportedDevice, match="sm_80.*float16"):
             flash_v2.forward(q, k, v)
-        o, _ = flash_v2.forward(*(x.astype(np.float32) for x in (q, k, v)))
-        assert bool(cupy.isfinite(o).all())
+        with pytest.raises(device.UnsupportedDevice, match="sm_80.*float16"):
+            flash_v2_backward.backward(q, k, v, q, cupy.zeros((1, 2, 64), np.float32), q)
     else:
         o, _ = flash_v2.forward(q, k, v)
         assert bool(cupy.isfinite(o.astype(np.float32)).all())
+    q, k, v, do = make_inputs(1, 2, 200, 136, 64, dtype=np.float16, xp=cupy, grad=True)
+    for version in ("tc", "pipelined"):
+        check_forward(flash_v2.forward, q, k, v, causal=True, version=version)
+    check_backward(flash_v2_backward.backward, q, k, v, do, causal=True, version="tc")
 
 
 def test_a_header_edit_changes_the_compiled_source(tmp_path):

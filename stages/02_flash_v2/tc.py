@@ -66,8 +66,14 @@ CANDIDATES = {
                              Config(4, 1, 32, 32, 2, True)] if D == 256 else
                             [Config(4, 2, 64, 64, 2, D == 128), Config(4, 1, 64, 64, 2, D == 128)]),
 }
-# What each version needs from the architecture (stages/common/device.py).
-FEATURES = {"tc": ("mma_k16",), "pipelined": ("mma_k16", "cp_async")}
+# A GPU with room for none of the above (a T4's 64 KB: d = 96 and 128 need 65 and 87 KB at Br = 64) gets Bc = 32:
+# at d = 128, 52 KB. d = 256 does not fit a T4 at all.
+SMALL_SMEM_CANDIDATES = {"tc": lambda D: [],
+                         "pipelined": lambda D: [Config(4, 1, 32, 32, 2, D == 128)] if D != 256 else []}
+# What each version needs from the architecture (stages/common/device.py) beyond what every supported GPU has
+# (sm_75: fp16 mma.sync m16n8k8, which common.cuh pairs into m16n8k16, and ldmatrix; without cp.async the copies
+# are synchronous): bfloat16 inputs need sm_80.
+FEATURES = {"tc": (), "pipelined": ()}
 
 
 def _check(version, D):
@@ -95,11 +101,13 @@ def config(version, D, dev=None, blocks=None):
     cands = CANDIDATES[version](D)
     if dev is None:
         return cands[0]
-    fitting = reachable(version, D, dev)
-    cfg = device.pick(cands, lambda c: smem_bytes(version, D, c), dev, what=f"flash_v2 version {version!r} d={D}")
-    if blocks is not None and blocks(cfg) < dev.sm_count and len(fitting) > 1:
-        cfg = fitting[-1]
-    return cfg
+    fitting = [c for c in cands if device.fits(dev, smem_bytes(version, D, c))]
+    if not fitting:
+        return device.pick(cands + SMALL_SMEM_CANDIDATES[version](D), lambda c: smem_bytes(version, D, c), dev,
+                           what=f"flash_v2 version {version!r} d={D}")
+    if blocks is not None and blocks(fitting[0]) < dev.sm_count and len(fitting) > 1:
+        return fitting[-1]
+    return fitting[0]
 
 
 def tiles(version, D, causal=False):
@@ -122,8 +130,13 @@ def _name(version, ctype, D, cfg, otype=None, var=0):
 
 def reachable(version, D, dev):
     """Every configuration config() can return on dev (for any problem): the candidates that fit."""
-    fit = [c for c in CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
-    return fit if not dev.arch.cc < 80 else []
+    fits = [c for c in CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
+    return fits or [c for c in SMALL_SMEM_CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
+
+
+def input_ctypes(dev):
+    """The input types the tensor-core kernels take on dev: fp16 everywhere, bf16 from sm_80."""
+    return [c for dt, c in _CTYPE.items() if dt != bfloat16 or dev.arch.bf16]
 
 
 def kernel_plans(dev):
@@ -135,7 +148,7 @@ def kernel_plans(dev):
             for var in (0, 1, 2) if ver in VARIANT_VERSIONS else (0,):  # every level takes every candidate
                 for cfg in reachable(ver, D, dev):
                     smem = smem_bytes(ver, D, cfg)
-                    for c in _CTYPE.values():
+                    for c in input_ctypes(dev):
                         for o in (c, "float"):  # float O: a ring block's unrounded partial result
                             out.append(device.KernelPlan(_FILE[ver], {}, _name(ver, c, D, cfg, o, var),
                                                          0 if ver == "tc" else smem, smem if ver == "tc" else 0,
@@ -172,7 +185,7 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
                    what=f"flash_v2 version {version!r} ({dtype})",
-                   instead="On this GPU use float32 inputs with version 'fp32' (CUDA cores)")
+                   instead="On this GPU use float16 inputs (the same versions), or float32 with version 'fp32'")
     if B * H > 65535:
         raise ValueError(f"flash_v2 version {version!r}: batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")

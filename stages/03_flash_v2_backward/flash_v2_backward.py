@@ -88,15 +88,16 @@ class TcTiles(NamedTuple):
 # shared memory (smem_bytes gives each need; device.pick takes the first that fits): (Br, Bc) = (128, 128) at d = 64
 # needs 178 KB and (64, 128) at d = 128 173 KB (191 KB with wq = 2), more than an A100 allows a block (163 KB);
 # (64, 128) at d = 64 and (32, 128) at d = 128 fit an A100 (109 and 123 KB), Bc = 64 (4 warps) an RTX 3090 / 4090
-# (99 KB). d = 256: (64, 64) needs 217 KB (an H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs). Each
-# list is in the order of speed on the H100 (results/sweep_backward_layout_h100.csv, from dev/sweep_backward.py).
+# (99 KB), and the last of d = 64 and d = 128 a T4 (47 and 58 KB of its 64 KB). d = 256: (64, 64) needs 217 KB (an
+# H100), (32, 64) 143 KB (an A100), (16, 32) 69 KB (99 KB GPUs; a T4 has no room for d = 256). Each list is in the
+# order of speed on the H100 (results/sweep_backward_layout_h100.csv, from dev/sweep_backward.py).
 # The pair layout (wq = 2) comes first only at d = 128 with Br = 64: at d = 64 each warp's K_j, V_j fragments already
-# stay in registers (KREG), so S^T reads only Q_i and the pairs' round trip of P^T, dS^T costs more than it saves;
-# with smaller tiles and at d = 256 it was slower too.
-TC_CANDIDATES = {64: [TcTiles(128, 128, 1), TcTiles(64, 128, 1), TcTiles(64, 64, 1)],
-                 128: [TcTiles(64, 128, 2), TcTiles(64, 128, 1), TcTiles(32, 128, 1), TcTiles(32, 64, 1)],
+# stay in registers (KREG), so S^T reads only Q_i and the pairs' round trip of P^T, dS^T costs more than it saves.
+TC_CANDIDATES = {64: [TcTiles(128, 128, 1), TcTiles(64, 128, 1), TcTiles(64, 64, 1), TcTiles(32, 64, 1)],
+                 128: [TcTiles(64, 128, 2), TcTiles(64, 128, 1), TcTiles(32, 128, 1), TcTiles(32, 64, 1),
+                       TcTiles(16, 64, 1)],
                  256: [TcTiles(64, 64, 1), TcTiles(32, 64, 1), TcTiles(16, 32, 1)]}
-FEATURES = {"fp32": (), "tc": ("mma_k16", "cp_async")}
+FEATURES = {"fp32": (), "tc": ()}  # beyond sm_75's fp16 mma and ldmatrix (see stage 02's tc.py): bf16 needs sm_80
 
 
 def tiles_error(D, br, bc, wq):
@@ -118,6 +119,11 @@ def tc_tiles(D, dev=None):
     if dev is None:
         return cands[0]
     return device.pick(cands, lambda c: smem_bytes("tc", D, *c)[0], dev, what=f"flash_v2_backward version 'tc' d={D}")
+
+
+def reachable_tc(D, dev):
+    """True when some tc tiles at head dim D fit dev's shared memory."""
+    return any(device.fits(dev, smem_bytes("tc", D, *c)[0]) for c in TC_CANDIDATES[D])
 
 
 def resolve_version(version, dtype):
@@ -357,7 +363,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     ctype = _CTYPE[dtype]
     device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
                    what=f"flash_v2_backward version {version!r} ({dtype})",
-                   instead="On this GPU use float32 inputs (version 'fp32', CUDA cores)")
+                   instead="On this GPU use float16 inputs (version 'tc'), or float32 (version 'fp32')")
     i32, f32 = np.int32, np.float32
     Nq_pad = -(-Nq // PAD) * PAD  # D_i, L_i (times log2 e for the exp2 kernel) padded to Nq_pad rows
     pre_mod = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
@@ -590,12 +596,12 @@ def kernel_plans(dev):
         names = _names("fp32", "float", D)
         out += [device.KernelPlan("flash_v2_backward_fp32.cu", {}, n, sm, 0, 256)
                 for n, sm in zip(names, (main, main, dq)) if device.fits(dev, sm)]
-    if dev.arch.cc < 80:
-        return out
     for D in HEAD_DIMS["tc"]:
+        if not reachable_tc(D, dev):
+            continue
         br, bc, wq = tc_tiles(D, dev)
         main, dq = smem_bytes("tc", D, br, bc, wq)
-        for ctype in ("__half", "__nv_bfloat16"):
+        for ctype in ("__half", "__nv_bfloat16") if dev.arch.bf16 else ("__half",):
             for otype in (ctype, "float"):
                 names = _names("tc", ctype, D, otype=otype, br=br, bc=bc, wq=wq)
                 out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, sm, 0, th)

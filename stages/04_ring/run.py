@@ -12,8 +12,8 @@ Llama 3 trains) or alltoall (heads scattered, as DeepSpeed-Ulysses; P must divid
 Backends (--backend; auto picks and says why): nccl (a GPU per rank), mpi (CuPy staged through the host: more
 ranks than GPUs), numpy (CPU). Blocks (--block): flash (stage 02 forward, stage 03 backward; the GPU default)
 or naive (stage 00; the CPU default, where the stage 02/03 tile mirrors are exact but slow, and the GPU default where
-the flash kernels cannot take --kv-heads, --window, --softcap, --alibi or --dropout in the chosen dtype, as float32
-on a T4).
+the flash kernels cannot take --kv-heads, --window, --softcap, --alibi or --dropout in the chosen dtype, as
+float32). On a T4 (sm_75: no bfloat16) the GPU default is float16.
 
 1. Check: fresh inputs cut into shards, the ring forward and the ring backward (from the fp64 oracle's o and
    lse, as stages.common.check_backward does), gathered to rank 0 and held to the tolerance rule against the
@@ -56,7 +56,7 @@ from stages.ring import comm as comm_mod  # noqa: E402
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
 HEADS = {"cpu": 4, "gpu": 16, "gpu_sm75": 16}  # H (2 with --quick)
-HEAD_DIM = {"cpu": 64, "gpu": 128, "gpu_sm75": 64}  # D (gpu_sm75: a GPU without bf16 tensor cores)
+HEAD_DIM = {"cpu": 64, "gpu": 128, "gpu_sm75": 64}  # D (gpu_sm75: a T4, whose 64 KB take larger tiles at d = 64)
 CHECK_SEQ = 1000  # total N of the check (the fp64 oracle runs on rank 0's CPU; 256 with --quick)
 # tokens per rank timed (N = P times this): a GPU per rank; ranks sharing a GPU (mpi backend); the CPU. --quick:
 # 1024 per rank on GPUs, 64 on the CPU.
@@ -81,7 +81,7 @@ def parse(argv):
     ap.add_argument("--fwd-version", default=None, help="flash blocks: stage 02 version (default: its auto)")
     ap.add_argument("--bwd-version", default=None, help="flash blocks: stage 03 version (default: its auto)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="default bfloat16 on sm_80+ GPUs, float32 on CPU and older GPUs")
+                    help="default bfloat16 on sm_80+ GPUs, float16 on a T4 (sm_75), float32 on the CPU")
     ap.add_argument("--batch", type=positive_int, default=BATCH, help="batch size B")
     ap.add_argument("--heads", type=positive_int, default=None, help=f"heads H (default {HEADS}; 2 with --quick)")
     ap.add_argument("--head-dim", type=positive_int, default=None, help=f"head dimension D (default {HEAD_DIM})")
@@ -150,13 +150,13 @@ def _options_missed(args, gpu, dtype, variants):
     if vf in flash_v2.VARIANT_VERSIONS:
         return ""
     return (f"on the GPU the flash blocks take --kv-heads, --window, --softcap, --alibi and --dropout in stage 02 "
-            f"version {' / '.join(flash_v2.VARIANT_VERSIONS)} (float16 / bfloat16, sm_80 or newer), not {vf} "
+            f"version {' / '.join(flash_v2.VARIANT_VERSIONS)} (float16, or bfloat16 on sm_80 or newer), not {vf} "
             f"({np.dtype(dtype).name})")
 
 
 def _blocks(args, gpu, dtype, variants):
     """The per-block kernels and why: args.block, else flash (stages 02/03) on GPUs and naive (stage 00) on the CPU,
-    and naive on the GPU where the flash blocks cannot take the variant options (float32, the default on a T4); an
+    and naive on the GPU where the flash blocks cannot take the variant options (float32); an
     explicit --block flash there is an error (_versions)."""
     why = "" if args.block else _options_missed(args, gpu, dtype, variants)
     if why:
@@ -184,8 +184,8 @@ def _versions(block, dtype, D, args, rank, gpu=False, variants=False):
                 raise ValueError(f"--head-dim {D}: {opt} {v} takes head dims {dims[0]}..{dims[-1]}" if len(dims) > 4
                                  else f"--head-dim {D}: {opt} {v} takes head dims {', '.join(map(str, dims))}")
         if why := _options_missed(args, gpu, dtype, variants):
-            raise ValueError(f"--block flash: {why}. Use --dtype bfloat16 on an sm_80+ GPU, or --block naive (stage 00 "
-                             "on the same GPU)")
+            raise ValueError(f"--block flash: {why}. Use --dtype float16 (or bfloat16 on an sm_80+ GPU), or --block "
+                             "naive (stage 00 on the same GPU)")
         return vf, vb
     except (TypeError, ValueError) as e:
         if rank == 0:
@@ -200,9 +200,9 @@ def main(argv=None):
     gpu = backend in ("nccl", "mpi")
     dev = "gpu" if gpu else "cpu"
     xp = __import__("cupy") if gpu else np
-    if gpu and not device.device().arch.bf16:  # a T4: no bf16 tensor cores; float32 at d = 64 fits its 64 KB
+    if gpu and not device.device().arch.bf16:  # a T4: fp16 tensor cores, no bf16
         dev = "gpu_sm75"
-    dtype = DTYPES[args.dtype or ("bfloat16" if dev == "gpu" else "float32")]
+    dtype = DTYPES[args.dtype or {"gpu": "bfloat16", "gpu_sm75": "float16", "cpu": "float32"}[dev]]
     D = args.head_dim if args.head_dim is not None else HEAD_DIM[dev]
     quick_heads = max(2, P) if args.scheme == "alltoall" else 2  # the all-to-all needs P | H
     H = args.heads if args.heads is not None else (quick_heads if args.quick else HEADS[dev])

@@ -12,7 +12,7 @@ decision is tested without a GPU).
 """
 import numpy as np
 
-from stages.common import cast
+from stages.common import bfloat16, cast
 
 ATTENTIONS = ("naive", "flash_v1", "flash_v2", "ring")
 
@@ -106,9 +106,9 @@ def _flash_versions(dtype):
 
 def flash_blocks_missing(dtype, head_dim, *, gpu, sm80=True):
     """Why the ring's flash blocks (stage 02 forward, stage 03 backward, the versions their "auto" picks for dtype)
-    cannot run here, or "" when they can. gpu: the arrays are CuPy arrays; sm80: that GPU has the sm_80 instructions
-    the 16-bit kernels need (stages.common.device: Arch.bf16). On the CPU the stages' tile mirrors run, with the same
-    dtypes and head dims as the kernels."""
+    cannot run here, or "" when they can. gpu: the arrays are CuPy arrays; sm80: that GPU has bfloat16 tensor cores
+    (sm_80 or newer, stages.common.device: Arch.bf16; a T4's kernels take float16). On the CPU the stages' tile
+    mirrors run, with the same dtypes and head dims as the kernels."""
     dtype = np.dtype(dtype)
     try:
         vf, vb = _flash_versions(dtype)
@@ -118,9 +118,9 @@ def flash_blocks_missing(dtype, head_dim, *, gpu, sm80=True):
                                  ("03", vb, _stage("flash_v2_backward").HEAD_DIMS[vb])):
         if head_dim not in dims:
             return f"head dim {head_dim} is not taken by stage {stage} version {version}, which takes {_dims(dims)}"
-    if gpu and dtype != np.float32 and not sm80:
-        return (f"stage 02 version {vf} and stage 03 version {vb} ({dtype.name} tensor cores) need an sm_80 or "
-                "newer GPU")
+    if gpu and dtype == bfloat16 and not sm80:
+        return (f"stage 02 version {vf} and stage 03 version {vb} in bfloat16 need an sm_80 or newer GPU (this one "
+                "takes float16)")
     return ""
 
 

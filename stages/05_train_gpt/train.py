@@ -223,7 +223,7 @@ def parser():
     ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate of AdamW ({_default('lr')})")
     ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="activations (default float32 on the CPU, bfloat16 on a GPU; float32 master weights)")
+                    help="activations (default bfloat16 on an sm_80+ GPU, else float32; float32 master weights)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
                     help="default auto: the GPU if CuPy sees one; the CPU with --quick (the same short run everywhere) "
                          "and with --simulate-ranks (threads of one process); under mpirun the ring's backend decides")
@@ -292,7 +292,7 @@ def prepare(args, ring=None, xp=np):
         data = T.RecallTask(args.context, n_values=args.n_values, seed=args.seed)
     cfg = T.GPTConfig(vocab_size=data.vocab_size, context=args.context, n_layer=args.layers, d_model=args.d_model,
                       n_head=args.heads)
-    dtype = args.dtype or ("float32" if xp is np else "bfloat16")
+    dtype = args.dtype or ("bfloat16" if xp is not np and device_facts(xp)["sm80"] else "float32")
     out = {"cfg": cfg, "data": data, "dtype": dtype, "block": None, "block_text": None}
     if args.attention == "ring":
         if ring is None:

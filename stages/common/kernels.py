@@ -48,9 +48,11 @@ def _define_options(defines):
 
 
 @functools.lru_cache(maxsize=None)
-def _load(filename, defines, name_expressions):
+def _load(filename, defines, name_expressions, emulated_cc=None):
     import cupy
 
+    if emulated_cc is not None:
+        return _EmulatedModule(filename, defines, name_expressions or (), emulated_cc)
     return cupy.RawModule(
         code=_source(filename),
         options=BASE_OPTIONS + (f"-I{KERNELS_DIR}",) + defines,
@@ -63,9 +65,43 @@ def load_module(filename, *, defines=None, name_expressions=None):
     """cupy.RawModule for kernels/<filename>, compiled once per (file, defines) and cached.
 
     defines: {"NAME": value} passed as -DNAME=value. name_expressions: template instantiations
-    to look up later with module.get_function(expr).
+    to look up later with module.get_function(expr). Under ATTN_ARCH=sm_XX the module is compiled for that
+    architecture (_EmulatedModule), so the GPU runs the code an sm_XX GPU would run.
     """
-    return _load(filename, _define_options(defines), tuple(name_expressions) if name_expressions else None)
+    return _load(filename, _define_options(defines), tuple(name_expressions) if name_expressions else None,
+                 _emulated_cc())
+
+
+def _emulated_cc():
+    """The compute capability ATTN_ARCH emulates (e.g. 75), or None when it is unset."""
+    if device._arch_env() is None:
+        return None
+    return device.device().arch.cc
+
+
+class _EmulatedModule:
+    """kernels/<filename> compiled by NVRTC to PTX for compute_XX (an older architecture than the GPU's) and loaded
+    from it: the driver translates that PTX for the GPU it runs on. The code is what an sm_XX GPU runs, with
+    __CUDA_ARCH__ = XX0 (sm_75's paths in kernels/common.cuh: m16n8k8 pairs, synchronous copies), on a newer GPU.
+    get_function takes the same names as cupy.RawModule's (template instantiations by their name expressions)."""
+
+    _dir = None  # a temporary folder for the PTX files, removed when the process ends
+
+    def __init__(self, filename, defines, name_expressions, cc):
+        import tempfile
+
+        import cupy
+
+        ptx, _, self._lowered = _compile(filename, f"compute_{cc}", defines, name_expressions, verbose=False)
+        if _EmulatedModule._dir is None:
+            _EmulatedModule._dir = tempfile.TemporaryDirectory(prefix="attn_ptx_")
+        fd, path = tempfile.mkstemp(suffix=".ptx", dir=_EmulatedModule._dir.name)
+        with os.fdopen(fd, "wb") as f:
+            f.write(ptx.rstrip(b"\0"))
+        self._module = cupy.RawModule(path=path)
+
+    def get_function(self, name):
+        return self._module.get_function(self._lowered.get(name, name))
 
 
 def function(module, name, smem):
@@ -271,7 +307,7 @@ def compile_only(filename, *, arch="sm_90", defines=None, name_expressions=()):
 
     Raises RuntimeError with NVRTC's log when the source does not compile.
     """
-    return _compile(filename, arch, defines, name_expressions, verbose=False)[0]
+    return _compile(filename, arch, _define_options(defines), name_expressions, verbose=False)[0]
 
 
 def resource_usage(filename, *, arch, defines=None, name_expressions=()):
@@ -280,7 +316,7 @@ def resource_usage(filename, *, arch, defines=None, name_expressions=()):
     their own name)."""
     import re
 
-    _, log, lowered = _compile(filename, arch, defines, name_expressions, verbose=True)
+    _, log, lowered = _compile(filename, arch, _define_options(defines), name_expressions, verbose=True)
     names = {v: k for k, v in lowered.items()}
     out, cur = {}, None
     for line in log.splitlines():
@@ -299,12 +335,13 @@ def resource_usage(filename, *, arch, defines=None, name_expressions=()):
     return out
 
 
-def _compile(filename, arch, defines, name_expressions, verbose):
-    """(cubin, log, {name expression: lowered name}) of one NVRTC compile."""
+def _compile(filename, arch, define_options, name_expressions, verbose):
+    """(cubin, log, {name expression: lowered name}) of one NVRTC compile; arch compute_XX: PTX instead of a
+    cubin."""
     from cupy_backends.cuda.libs import nvrtc
 
     opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{KERNELS_DIR}"]
-    opts += [f"-I{d}" for d in _cuda_include_dirs()[:1]] + list(_define_options(defines))
+    opts += [f"-I{d}" for d in _cuda_include_dirs()[:1]] + list(define_options)
     opts += ["--ptxas-options=-v"] if verbose else []
     prog = nvrtc.createProgram(_source(filename), filename, [], [])
     try:
@@ -315,6 +352,7 @@ def _compile(filename, arch, defines, name_expressions, verbose):
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"{filename} does not compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in name_expressions}
-        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog), lowered
+        code = nvrtc.getPTX(prog) if arch.startswith("compute_") else nvrtc.getCUBIN(prog)
+        return code, nvrtc.getProgramLog(prog), lowered
     finally:
         nvrtc.destroyProgram(prog)
