@@ -16,10 +16,13 @@ launches anything:
 Every architecture has 64K 32-bit registers per SM and at most 64K per block (so a block of T threads gets at most
 65536 / T registers per thread, and at most 255).
 
+On sm_75 the 16-bit kernels run in float16: kernels/common.cuh builds each m16n8k16 from two m16n8k8 and makes each
+cp.async a load and a store (a T4 has neither); bfloat16 needs sm_80.
+
 ATTN_ARCH=sm_XX makes every launcher pick that architecture's configurations and obey its limits on the GPU it
-runs on (a newer one): the way to check the sm_75 / sm_80 / sm_86 configurations on an H100. It cannot lend
-the GPU instructions it lacks, and it cannot take away the ones it has: a kernel that would need an instruction
-the emulated architecture lacks is refused exactly as on that GPU.
+runs on (a newer one), and stages.common.kernels compiles the kernels for that architecture (PTX for compute_XX,
+translated by the driver): the way to run the sm_75 / sm_80 / sm_86 code and configurations on an H100. A kernel
+that would need an instruction the emulated architecture lacks is refused exactly as on that GPU.
 """
 import os
 from typing import NamedTuple
