@@ -70,10 +70,8 @@ CANDIDATES = {
 # at d = 128, 52 KB. d = 256 does not fit a T4 at all.
 SMALL_SMEM_CANDIDATES = {"tc": lambda D: [],
                          "pipelined": lambda D: [Config(4, 1, 32, 32, 2, D == 128)] if D != 256 else []}
-# What each version needs from the architecture (stages/common/device.py) beyond what every supported GPU has
-# (sm_75: fp16 mma.sync m16n8k8, which common.cuh pairs into m16n8k16, and ldmatrix; without cp.async the copies
-# are synchronous): bfloat16 inputs need sm_80.
-FEATURES = {"tc": (), "pipelined": ()}
+# Both versions run on every supported GPU (sm_75: fp16 mma.sync m16n8k8, which common.cuh pairs into m16n8k16, and
+# ldmatrix; without cp.async the copies are synchronous); bfloat16 inputs need sm_80 (stages/common/device.py).
 
 
 def _check(version, D):
@@ -101,10 +99,10 @@ def config(version, D, dev=None, blocks=None):
     cands = CANDIDATES[version](D)
     if dev is None:
         return cands[0]
-    fitting = [c for c in cands if device.fits(dev, smem_bytes(version, D, c))]
-    if not fitting:
-        return device.pick(cands + SMALL_SMEM_CANDIDATES[version](D), lambda c: smem_bytes(version, D, c), dev,
-                           what=f"flash_v2 version {version!r} d={D}")
+    fitting = reachable(version, D, dev)
+    if not fitting:  # raises UnsupportedDevice with the smallest need and the device's limit
+        device.pick(cands + SMALL_SMEM_CANDIDATES[version](D), lambda c: smem_bytes(version, D, c), dev,
+                    what=f"flash_v2 version {version!r} d={D}")
     if blocks is not None and blocks(fitting[0]) < dev.sm_count and len(fitting) > 1:
         return fitting[-1]
     return fitting[0]
@@ -129,7 +127,8 @@ def _name(version, ctype, D, cfg, otype=None, var=0):
 
 
 def reachable(version, D, dev):
-    """Every configuration config() can return on dev (for any problem): the candidates that fit."""
+    """Every configuration config() can return on dev (for any problem): the candidates that fit, or where none
+    does, the small-shared-memory ones that fit."""
     fits = [c for c in CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
     return fits or [c for c in SMALL_SMEM_CANDIDATES[version](D) if device.fits(dev, smem_bytes(version, D, c))]
 
@@ -183,7 +182,7 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     None: (Nq, Nk)."""
     if dtype not in _CTYPE:
         raise TypeError(f"flash_v2 version {version!r}: dtype {dtype} is not supported; use float16 or bfloat16")
-    device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
+    device.require(dev, ("bf16",) if dtype == bfloat16 else (),
                    what=f"flash_v2 version {version!r} ({dtype})",
                    instead="On this GPU use float16 inputs (the same versions), or float32 with version 'fp32'")
     if B * H > 65535:

@@ -97,7 +97,6 @@ TC_CANDIDATES = {64: [TcTiles(128, 128, 1), TcTiles(64, 128, 1), TcTiles(64, 64,
                  128: [TcTiles(64, 128, 2), TcTiles(64, 128, 1), TcTiles(32, 128, 1), TcTiles(32, 64, 1),
                        TcTiles(16, 64, 1)],
                  256: [TcTiles(64, 64, 1), TcTiles(32, 64, 1), TcTiles(16, 32, 1)]}
-FEATURES = {"fp32": (), "tc": ()}  # beyond sm_75's fp16 mma and ldmatrix (see stage 02's tc.py): bf16 needs sm_80
 
 
 def tiles_error(D, br, bc, wq):
@@ -361,7 +360,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     ring's accumulators, no dQ accumulator or conversion of its own), or None: a whole problem."""
     BH = B * H
     ctype = _CTYPE[dtype]
-    device.require(dev, FEATURES[version] + (("bf16",) if dtype == bfloat16 else ()),
+    device.require(dev, ("bf16",) if dtype == bfloat16 else (),  # tc: fp16 from sm_75 (stage 02's tc.py), bf16 sm_80
                    what=f"flash_v2_backward version {version!r} ({dtype})",
                    instead="On this GPU use float16 inputs (version 'tc'), or float32 (version 'fp32')")
     i32, f32 = np.int32, np.float32
