@@ -53,6 +53,7 @@
 //
 // Run: python stages/02_flash_v2/run.py --version fp32        (tests: pytest tests/test_02_flash_v2.py)
 #include "attention_tiles.cuh"
+#include "params.cuh"
 
 
 #ifndef HEAD_DIM
@@ -158,9 +159,14 @@ __device__ __forceinline__ void load_v(float* Vs, const float* __restrict__ v, i
 // q (B,H,Nq,D), k, v (B,H,Nk,D), o (B,H,Nq,D), lse (B,H,Nq); float32, contiguous. Grid (Tr, B*H).
 // scale_log2 = scale * log2(e): S_ij is kept in base-2 units, so exp(scale s - m) = exp2(s scale_log2 - m').
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
-flash_v2_forward_fp32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                      float* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
-                      int causal) {
+flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
+    const float* __restrict__ q = static_cast<const float*>(p.q);
+    const float* __restrict__ k = static_cast<const float*>(p.k);
+    const float* __restrict__ v = static_cast<const float*>(p.v);
+    float* __restrict__ o = static_cast<float*>(p.o);
+    float* __restrict__ lse = p.lse;
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
+    const float scale_log2 = p.scale_log2;
     extern __shared__ __align__(16) float smem[];
     float* Qt = smem;            // Q_i^T   [DP][BR]
     float* Kt = Qt + DP * BR;    // K_j^T   [DP][BC]

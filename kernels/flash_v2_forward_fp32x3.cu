@@ -42,6 +42,7 @@
 //
 // Run: python stages/02_flash_v2/run.py --version fp32x3   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
 #include "attention_tiles.cuh"
+#include "params.cuh"
 
 
 // x = big + small, both TF32 (10 explicit mantissa bits): big = x rounded to TF32 (ties away from zero), small =
@@ -90,9 +91,14 @@ __device__ __forceinline__ void split3_tf32(float x, u32& hi, u32& mid, u32& lo)
 // Shared memory (floats): Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4].
 template <int D, int BC, int NWARPS, int MT, int MINB, int SU>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
-flash_v2_forward_fp32x3(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                        float* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale_log2,
-                        int causal) {
+flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
+    const float* __restrict__ q = static_cast<const float*>(p.q);
+    const float* __restrict__ k = static_cast<const float*>(p.k);
+    const float* __restrict__ v = static_cast<const float*>(p.v);
+    float* __restrict__ o = static_cast<float*>(p.o);
+    float* __restrict__ lse = p.lse;
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
+    const float scale_log2 = p.scale_log2;
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
     constexpr int LDK = D + 8;            // padded row of Q_i and K_j (floats)

@@ -1,75 +1,37 @@
 // flash_v2_forward_pipelined.cu: FlashAttention-2 forward, version 3 "pipelined" (fp16 / bf16 in, fp32 accumulate).
-//
-// Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1 (forward), Section 3.3 (work partitioning).
-// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined|fp32x3):
-//   1 fp32       flash_v2_forward_fp32.cu: CUDA cores, one block per Q tile, warps split Q_i's rows.
-//   2 tc         flash_v2_forward_tc.cu: mma.sync m16n8k16 + ldmatrix, K_j/V_j loaded synchronously.
-//   3 pipelined  THIS FILE. What changed from version 2, and why each change is faster:
-//      * K_j, V_j double-buffered with cp.async: tile j+1 is in flight while tile j is computed (memory latency
-//        hidden behind the mma), and one __syncthreads per K/V tile instead of two;
-//      * every shared row padded by 16 bytes, so the 8 rows of one ldmatrix phase hit 8 different bank
-//        groups: no bank conflicts at any head dim;
-//      * softmax in base 2: exp(scale * s - m) = exp2(s * scale*log2(e) - m'): FMUL, FADD, one MUFU.EX2 (no
-//        natural-exp range reduction); the FMUL is not fused with the FADD so the row max gives exactly 1;
-//      * each warp owns MT = 2 m-tiles (32 rows of Q_i; Br = 128 with 4 warps, FA2's own layout): every K/V
-//        fragment read from shared memory feeds two mma instead of one, halving shared-memory traffic per FLOP;
-//      * tiles per head dim (stages/02_flash_v2/tc.py CANDIDATES): S (32 x Bc) and O_i (32 x d) of a warp share
-//        one thread's registers, which is what bounds Bc as d grows (d = 256: one m-tile per warp, O_i alone
-//        is 128 registers a thread);
-//      * 32-bit shared addresses: each lane computes one base per operand, fragments are base + constant
-//        (fewer registers and address instructions than 64-bit generic pointers);
-//      * a K/V tile with no row past Nk (all but a ragged last one) is copied without per-row checks: one base
-//        plus constant offsets instead of a bounds test and an address select per row;
-//      * the tile body is compiled twice, masked and plain; the plain copy has no branch from S_ij to P_ij V_j,
-//        so the compiler can interleave the exponentials of one m-tile with the P V mma of the other;
-//      * SKIP (d = 128): the rescale of O_i by alpha is skipped when alpha = 1 for all 16 rows of an m-tile
-//        (no new row max: bitwise the same result, d / 2 fewer multiplies per row); at smaller head dims the
-//        vote and branch cost more than the multiplies they save, so it is off there;
-//      * causal: masking only on tiles crossing the diagonal (and per warp: a warp skips key slices none of its
-//        rows sees), longest Q tiles launched first inside groups of heads (no long block left for the tail).
-//   4 fp32x3     flash_v2_forward_fp32x3.cu: float32 on TF32 tensor cores (3xTF32 split), this file's structure.
-//
-// Work split (FA2 Sec. 3.3): one block per (Q tile i, head), looping over K/V tiles j.
-// Warp w owns rows 16*MT*w .. 16*MT*(w+1)-1 of Q_i: a warp's softmax is its own, no block-wide reduction.
-// mma.sync fragment layout (lane = 4 g + t): see kernels/common.cuh.
-//
-// Run: python stages/02_flash_v2/run.py --version pipelined   (tests: pytest tests/test_02_flash_v2.py;
-//      timings beside PyTorch: python dev/bench.py --direction fwd)
-#include "attention_tiles.cuh"
-#include "dropout.cuh"
+// Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1, work split of Section 3.3: one block per
+// (Q tile i, head), looping over K/V tiles j; warp w owns rows 16 MT w .. 16 MT (w + 1) - 1 of Q_i, so a warp's
+// softmax is its own. What changed from version 2 (tc), and why each is faster:
+//   * K_j, V_j double-buffered with cp.async: tile j + 1 is in flight while tile j is computed;
+//   * shared rows padded by 16 bytes: the 8 rows of one ldmatrix phase fall in 8 different bank groups;
+//   * softmax in base 2 with log2(e) folded into the scale: one FMUL, FADD and MUFU.EX2 per score;
+//   * two m-tiles per warp (Br = 128): every K/V fragment read from shared memory feeds two mma;
+//   * the tile body compiled twice, masked and plain: the plain copy has no branch from S_ij to P_ij V_j;
+//   * SKIP: the rescale of O_i by alpha is skipped when no row of an m-tile changed its max (alpha = 1 exactly);
+//   * causal: only tiles crossing the diagonal are masked; the longest Q tiles are launched first.
+// Variants (window, packed batches, softcap, ALiBi, dropout) are hooks the loop calls: kernels/variants.cuh.
+// Fragment layouts (lane = 4 g + t): kernels/common.cuh. Tiles per head dim: stages/02_flash_v2/tc.py.
+// Run: python stages/02_flash_v2/run.py --version pipelined   (tests: pytest tests/test_02_flash_v2.py)
+#include "variants.cuh"
 
-// Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16. D: head dim (multiple of 16);
-// BC: keys per K/V tile (Bc); NWARPS warps, each owning MT m-tiles of 16 rows, so Br = 16 * MT * NWARPS;
-// SUB: keys per compute slice of a K/V tile; MINB: blocks per SM the registers must allow (64K / (MINB * threads)
-// per thread); SKIP: skip the rescale of O_i by alpha = 1 (see below). HG: heads per group of the causal block
-// order. Shared memory: (Br + 4 Bc) (D + 8) elements.
-// Grouped-query attention (every instantiation): q has H heads, k and v H / group; query head h reads kv head
-// h / group. VAR, the variants (stages/common/variants.py): 0 is plain attention (maybe causal).
-// VAR >= 1, the masks: a window (left, right) around the diagonal (-1: unbounded; causal is (-1, 0)) whose tiles
-// outside are never visited, and packed batches (below). VAR = 2 adds what changes the scores or P: the scores
-// in natural units first (x = scale S_ij; scale_log2 is then log2(e)): softcap x -> c tanh(x / c) (c = 0: off),
-// ALiBi x -> x - slope |r + shift + a_off - c| (slopes: one float per (batch, head), or null); dropout (keep != 0,
-// dropout.cuh): P~_ij is zeroed where Z_ij = 0 before P~_ij V_j (l_i, and so the lse, keeps every P~_ij) and O_i is
-// scaled by rp = 1 / (1 - p). a_off, q_off, k_off: 0, or where a ring block sits in the whole problem (ALiBi's
-// diagonal moves by a_off; dropout draws from global indices q_off + r, k_off + c).
-// Variable-length packed batches (VAR >= 1, cu_q != null): q, o are (H, total_q, D) and lse (H, total_q), k and v
-// (H / group, total_k, D), with Nq = total_q, Nk = total_k; sequence s is rows cu_q[s]..cu_q[s + 1] - 1 of q (keys:
-// cu_k). grid.y runs over (sequence, head), grid.x over the Q tiles of the longest sequence; a block past its own
-// sequence's end returns at once. Inside a block everything is that one sequence's attention (its own Nq, Nk and
-// bottom-right alignment; ALiBi and dropout take head h alone, each sequence being batch entry 0 of its own).
-// ldq, ldk: rows per head of q, o, lse and of k, v: Nq and Nk for a whole problem. A ring block (stage 04) is rows
-// a..b-1 of its query shard against keys c..m-1 of a key block: its pointers start at row a and key c, Nq = b - a,
-// Nk = m - c, and ldq, ldk are the shard's and the block's lengths, so no row is copied. Such a block has float O
-// (16-bit O is always a whole problem: ldq, ldk unused), and it merges into the running (O, L) it is given (below).
-template <typename T, typename TO, int D, int BC, int NWARPS, int MT, int SUB, int MINB, bool SKIP, int VAR>
-__global__ void __launch_bounds__(NWARPS * 32, MINB)
-flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                           TO* __restrict__ o, float* __restrict__ lse, const float* __restrict__ slopes,
-                           const int* __restrict__ cu_q, const int* __restrict__ cu_k, int Nq, int Nk, int ldq, int ldk,
-                           float scale_log2, int causal, int HG, int H, int group, int left, int right,
-                           float scale, float softcap, int a_off, int q_off, int k_off, unsigned int keep, float rp,
-                           unsigned int seed_lo, unsigned int seed_hi) {
-    constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
+// The tiles of one instantiation: head dim D, Bc keys per K/V tile computed in slices of SUB, NWARPS warps of MT
+// m-tiles (Br = 16 MT NWARPS rows of Q_i), MINB blocks per SM the registers must allow, SKIP (above).
+template <int D_, int BC_, int NWARPS_, int MT_, int SUB_, int MINB_, bool SKIP_>
+struct FwdTiles {
+    static constexpr int D = D_, BC = BC_, NWARPS = NWARPS_, MT = MT_, SUB = SUB_, MINB = MINB_;
+    static constexpr bool SKIP = SKIP_;
+    static constexpr int BR = 16 * MT * NWARPS;  // rows of Q_i
+};
+
+// Algorithm 1 for one (Q tile i, head). T: __half or __nv_bfloat16; TO: o's type (T, or float for a ring block,
+// which merges into the running (O, L) it is given: see the epilogue). Shared memory: (Br + 4 Bc) (D + 8) elements.
+// Grouped-query attention in every instantiation: query head h reads k/v head h / group.
+template <typename T, typename TO, typename Tiles, typename Mask, typename Score, typename Drop>
+__global__ void __launch_bounds__(Tiles::NWARPS * 32, Tiles::MINB)
+flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
+    constexpr int D = Tiles::D, BC = Tiles::BC, NWARPS = Tiles::NWARPS, MT = Tiles::MT, SUB = Tiles::SUB;
+    constexpr bool SKIP = Tiles::SKIP;
+    constexpr int BR = Tiles::BR;         // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
     constexpr int LD = D + 8;             // padded row (elements): +16 B puts consecutive rows in new banks
     constexpr int CH = D / 8;             // 16-byte chunks per row
@@ -78,16 +40,20 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
     T* Qs = reinterpret_cast<T*>(smem_raw);  // [BR][LD]
     T* Ks = Qs + BR * LD;                    // [2][BC][LD]  double buffer
     T* Vs = Ks + 2 * BC * LD;                // [2][BC][LD]  double buffer
+    const T* q = static_cast<const T*>(p.q);
+    TO* o = static_cast<TO*>(p.o);
+    float* lse = p.lse;
+    int Nq = p.Nq, Nk = p.Nk, ldq = p.ldq, ldk = p.ldk;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group g, thread-in-group t
-    // Non-causal: grid (Tr, B*H), the Q tiles of one head side by side, sharing K_j, V_j in L2.
-    // Causal: a 1-D grid of B*H*Tr blocks; heads in groups of HG, and inside a group the Q tiles with the most
-    // keys (the last ones) go first, so short tiles fill the tail (longest job first) while the blocks running
-    // at once still share the K/V of a few heads in L2.
+    // Which (Q tile i, head bh). Grid (Tr, B*H): the Q tiles of one head side by side, sharing K_j, V_j in L2.
+    // head_group > 0 (causal): a 1-D grid of B*H*Tr blocks, heads in groups of head_group, and inside a group the
+    // Q tiles with the most keys (the last ones) first, so short tiles fill the tail.
     int i;
     long bh;
-    if (causal) {
+    if (p.head_group > 0) {
+        const int HG = p.head_group;
         const int Tr = (Nq + BR - 1) / BR, BH = gridDim.x / Tr;
         const int grp = blockIdx.x / (HG * Tr), r = blockIdx.x % (HG * Tr);
         const int gsz = min(HG, BH - grp * HG);  // heads in this group (the last group may be short)
@@ -97,46 +63,39 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
         i = blockIdx.x;
         bh = blockIdx.y;
     }
-    // This head's K and V (pointers the loop needs); q, o, lse are offset where they are used, so no register
-    // holds them across the loop.
-    const int bkv = (int)bh / H * (H / group) + (int)bh % H / group;  // the kv head of query head bh (GQA)
+    const int H = p.H, group = p.group;
+    const int bkv = (int)bh / H * (H / group) + (int)bh % H / group;  // the k/v head of query head bh
     if constexpr (sizeof(TO) == sizeof(T)) ldq = Nq, ldk = Nk;  // 16-bit O: always a whole problem
     long q_row0 = bh * ldq, kv_row0 = (long)bkv * ldk;  // this head's first row of q, o, lse and of k, v
     long hd = bh;  // the (batch, head) of the ALiBi slope and of dropout's counter
-    if constexpr (VAR) {
-        if (cu_q != nullptr) {  // varlen: this block's sequence s and head h
+    if constexpr (Mask::packed) {
+        // A packed batch: q, o (H, total_q, D), k, v (H / group, total_k, D); grid.y runs over (sequence s, head h),
+        // grid.x over the Q tiles of the longest sequence. Inside the block, everything is sequence s alone.
+        if (p.cu_q != nullptr) {
             const int sq = (int)bh / H, h = (int)bh % H;
-            q_row0 = (long)h * ldq + cu_q[sq];
-            kv_row0 = (long)(h / group) * ldk + cu_k[sq];
-            Nq = cu_q[sq + 1] - cu_q[sq];
-            Nk = cu_k[sq + 1] - cu_k[sq];
+            q_row0 = (long)h * ldq + p.cu_q[sq];
+            kv_row0 = (long)(h / group) * ldk + p.cu_k[sq];
+            Nq = p.cu_q[sq + 1] - p.cu_q[sq];
+            Nk = p.cu_k[sq + 1] - p.cu_k[sq];
             hd = h;
             if (i * BR >= Nq) return;  // past this sequence's last Q tile (the whole block: before any barrier)
         }
     }
-    const T* kh = k + kv_row0 * D;
-    const T* vh = v + kv_row0 * D;
+    const T* kh = static_cast<const T*>(p.k) + kv_row0 * D;
+    const T* vh = static_cast<const T*>(p.v) + kv_row0 * D;
     const int row0 = i * BR;  // first row of Q_i
-    const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
     const int last_row = min(row0 + BR, Nq) - 1;
-    // K/V tiles j_first <= j < n_tiles: Tc (causal: fewer); a window visits only the band of tiles holding a key
-    // some row of Q_i sees: from the first row's first key to the last row's last key.
-    int j_first = 0, n_tiles;
-    if constexpr (VAR) {
-        const int last_key = right < 0 ? Nk - 1 : min(Nk - 1, last_row + shift + right);
-        const int first_key = left < 0 ? 0 : max(0, row0 + shift - left);
-        j_first = first_key / BC;
-        n_tiles = last_key < 0 || first_key > last_key ? j_first : min((Nk + BC - 1) / BC, last_key / BC + 1);
-    } else {
-        n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
-    }
-    const float slope = VAR == 2 && slopes != nullptr ? slopes[hd] : 0.f;
+    const Mask mask(p, Nq, Nk);
+    const Score score(p, hd, Nk - Nq);
+    const Drop drop(p, hd);
+    const int2 jr = mask.template kv_tiles<BR, BC>(row0, Nq);  // K/V tiles j_first <= j < n_tiles (Alg.1 L6)
+    const int j_first = jr.x, n_tiles = jr.y;
+    const float scale_log2 = p.scale_log2;
 
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
-    // step; rows >= n are zero-filled (they are masked out of S, and zeros keep P V free of NaN). Thread tid
-    // copies chunk tid % CHP of rows tid / CHP + RS * it: its addresses are one base plus constant offsets.
-    constexpr int CHP = CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;  // chunks per row rounded up to a power
-                                                                          // of 2 (D = 96: 16)
+    // step; rows >= n are zero-filled (masked out of S; zeros keep P V free of NaN). Thread tid copies chunk
+    // tid % CHP of rows tid / CHP + RS * it: its addresses are one base plus constant offsets.
+    constexpr int CHP = CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;  // chunks per row, a power of 2 (D = 96: 16)
     constexpr int RS = NT / CHP;                                          // rows covered by one pass of all threads
     static_assert(D % 16 == 0 && D <= 256 && BR % RS == 0 && BC % RS == 0, "a pass must cover whole rows");
     const int lr = tid / CHP, lc = (tid % CHP) * 8;
@@ -199,13 +158,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 const u32 kj = k_base + (buf * BC + sb * SUB) * LD * 2;  // K_j rows sb*SUB.., in buffer buf
                 const u32 vj = v_base + (buf * BC + sb * SUB) * LD * 2;
                 const int col0 = j * BC + sb * SUB;  // first key of this slice
-                if constexpr (VAR) {  // a slice outside the window of every row of this warp
-                    if (MASKED && ((right >= 0 && col0 > row0 + wrow + 16 * MT - 1 + shift + right) ||
-                                   (left >= 0 && col0 + SUB - 1 < row0 + wrow + shift - left)))
-                        continue;
-                } else if (MASKED && causal && col0 > row0 + wrow + 16 * MT - 1 + shift) {
-                    continue;  // no row of ours sees it
-                }
+                if (MASKED && mask.slice_hidden(col0, SUB, row0 + wrow, row0 + wrow + 16 * MT - 1))
+                    continue;  // no row of this warp sees a key of the slice
                 // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x SUB per warp), fp32 accumulators in the C fragment layout.
                 float s[MT][SUB / 8][4];
 #pragma unroll
@@ -228,21 +182,15 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                         }
                     }
                 }
-                // Masking: only the slice holding Nk's tail and slices crossing this warp's causal diagonal pay for it.
-                if constexpr (VAR) {
-                    if constexpr (VAR == 2)
-                        transform_scores<MT, SUB>(s, row0 + wrow, col0, shift + a_off, scale, softcap, slope, g, t);
-                    if (MASKED) mask_window<MT, SUB>(s, row0 + wrow, col0, Nk, left, right, shift, g, t);
-                } else if (MASKED && (col0 + SUB > Nk || (causal && col0 + SUB - 1 > row0 + wrow + shift))) {
-                    mask_scores<MT, SUB>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
-                }
+                // The hooks: the score (identity for plain attention), then the mask, which only slices holding Nk's
+                // tail or crossing this warp's diagonal pay for.
+                score.template apply<MT, SUB>(s, row0 + wrow, col0, g, t);
+                if (MASKED && mask.slice_masked(col0, SUB, row0 + wrow))
+                    mask.template apply<MT, SUB>(s, row0 + wrow, col0, g, t);
                 // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij),
                 //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
                 // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the
-                // scaled scores. The product is rounded before the subtraction (__fmul_rn is never fused into an
-                // FFMA), so the largest score gives exactly exp2(0) = 1: fused, its rounding residual makes
-                // P_max = 1 +- a few 1e-3 with huge logits (inputs x100), rounded one way in P's 16 bits (P V)
-                // and kept in fp32 in l_i: 1-ulp errors in o.
+                // scaled scores. __fmul_rn keeps the product out of an FFMA, so the row max gives exactly exp2(0) = 1.
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     float m_use[2], alpha[2];
@@ -277,26 +225,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                         l_i[m][h] = l_i[m][h] * alpha[h] + rs;  // the quad's 4 partial sums add up at the end
                     }
                 }
-                // Dropout: P~_ij Z_ij. Rows r = first + 16 m + g (+8), keys col0 + 16 kk + 2t + e (+8): the four
-                // draws of one Philox call are exactly entries e and 2 + e of n-tiles 2kk and 2kk + 1.
-                if constexpr (VAR == 2) {
-                    if (keep != 0u) {
-                        const Dropout drop{keep, seed_lo, seed_hi, rp, q_off, k_off};
-#pragma unroll
-                        for (int m = 0; m < MT; ++m)
-#pragma unroll
-                            for (int kk = 0; kk < SUB / 16; ++kk)
-#pragma unroll
-                                for (int e = 0; e < 2; ++e) {
-                                    const uint4 u = dropout_draws(drop, row0 + wrow + 16 * m + g,
-                                                                  col0 + 16 * kk + 2 * t + e, hd);
-                                    if (u.x >= keep) s[m][2 * kk][e] = 0.f;          // (r, c)
-                                    if (u.y >= keep) s[m][2 * kk + 1][e] = 0.f;      // (r, c + 8)
-                                    if (u.z >= keep) s[m][2 * kk][2 + e] = 0.f;      // (r + 8, c)
-                                    if (u.w >= keep) s[m][2 * kk + 1][2 + e] = 0.f;  // (r + 8, c + 8)
-                                }
-                    }
-                }
+                drop.template apply<MT, SUB>(s, row0 + wrow, col0, g, t);  // dropout hook: P~_ij Z_ij
                 // Alg.1 L10 (second half): O_i += P_ij V_j.
 #pragma unroll
                 for (int kk = 0; kk < SUB / 16; ++kk) {  // keys 16kk..16kk+15
@@ -320,15 +249,8 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
                 }
             }
         };
-        // Block-uniform: the tile holds Nk's tail, or keys right of the diagonal of Q_i's first row (VAR: right of
-        // its window, or left of the last row's window).
-        bool masked = (j + 1) * BC > Nk;
-        if constexpr (VAR)
-            masked = masked || (right >= 0 && (j + 1) * BC - 1 > row0 + shift + right) ||
-                     (left >= 0 && j * BC < last_row + shift - left);
-        else
-            masked = masked || (causal && (j + 1) * BC - 1 > row0 + shift);
-        if (masked)
+        // Block-uniform: does the tile hold a key some row of Q_i does not see?
+        if (mask.template tile_masked<BC>(j, row0, last_row))
             tile(true);
         else
             tile(false);
@@ -350,7 +272,7 @@ flash_v2_forward_pipelined(const T* __restrict__ q, const T* __restrict__ k, con
         for (int h = 0; h < 2; ++h) {
             float l;
             // fully masked row: O = 0; dropout: the kept probabilities' 1 / (1 - p), once (rp = 1 without dropout)
-            const float inv_l = inverse_row_sum(l_i[m][h], l) * (VAR == 2 ? rp : 1.f);
+            const float inv_l = inverse_row_sum(l_i[m][h], l) * drop.rp();
             const int rl = m * 16 + g + 8 * h;            // row inside the warp's rows
             float L_run = -INF;  // float O: this row's running L, read by lane t = 0 and passed to its quad, so every
             if constexpr (!STAGE_O) {  // lane has it before lane t = 0 overwrites it below

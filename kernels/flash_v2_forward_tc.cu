@@ -24,13 +24,20 @@
 //
 // Run: python stages/02_flash_v2/run.py --version tc   (tests: pytest tests/test_02_flash_v2.py)
 #include "attention_tiles.cuh"
+#include "params.cuh"
 
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh). T = __half or __nv_bfloat16; D: head dim (multiple of 16).
 template <typename T, typename TO, int D, int BC, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32)
-flash_v2_forward_tc(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    TO* __restrict__ o, float* __restrict__ lse, int Nq, int Nk, float scale, int causal) {
+flash_v2_forward_tc(const __grid_constant__ FwdParams p) {
+    const T* __restrict__ q = static_cast<const T*>(p.q);
+    const T* __restrict__ k = static_cast<const T*>(p.k);
+    const T* __restrict__ v = static_cast<const T*>(p.v);
+    TO* __restrict__ o = static_cast<TO*>(p.o);
+    float* __restrict__ lse = p.lse;
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
+    const float scale = p.scale;
     constexpr int BR = 16 * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;  // threads
     constexpr int CH = D / 8;        // 16-byte chunks per row

@@ -26,6 +26,8 @@ from stages.common import (
     resolve_scale, variants, varlen,
 )
 
+from stages.common.params import FwdParams
+
 from . import fp32x3, mirror, tc  # the launchers of the other versions (tc: both tensor-core versions)
 
 VERSIONS = ("fp32", "tc", "pipelined", "fp32x3")
@@ -285,7 +287,7 @@ def _fp32_plan(B, H, Nq, Nk, D, causal, scale, config, dev):
     fn = kernels.function(load_module("flash_v2_forward_fp32.cu", defines=cfg.defines(D)), "flash_v2_forward_fp32",
                           smem)
     return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
-                          (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(causal)))
+                          FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(causal)))
 
 
 # Head dims CI compiles the fp32 kernel at: each candidate configuration's range, odd dims, non-multiples of 4.

@@ -10,9 +10,9 @@ j <= i + Nk - Nq).
 """
 from typing import NamedTuple
 
-import numpy as np
 
 from stages.common import LOG2E, device, kernels, load_module
+from stages.common.params import FwdParams
 
 HEAD_DIMS = (32, 64, 96, 128)
 FILE = "flash_v2_forward_fp32x3.cu"
@@ -113,7 +113,7 @@ def _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev):
     smem = smem_bytes(D, causal, cfg)
     fn = kernels.function(load_module(FILE, name_expressions=(expr,)), expr, smem)  # compiled once per instantiation
     return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
-                          (np.int32(Nq), np.int32(Nk), np.float32(scale * LOG2E), np.int32(bool(causal))))
+                          FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal))))
 
 
 def call(q, k, v, *, causal=False, scale, cfg=None):

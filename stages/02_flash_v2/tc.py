@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from stages.common import LOG2E, bfloat16, device, kernels, load_module, variants
+from stages.common.params import FwdParams
 
 VERSIONS = ("tc", "pipelined")
 VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variants' window, softcap, ALiBi, dropout (VAR)
@@ -114,16 +115,22 @@ def tiles(version, D, causal=False):
     return cfg.br, cfg.bc
 
 
+# The hooks of each variants' level (_var_level) in kernels/variants.cuh: (Mask, Score, Drop).
+HOOKS = {0: ("CausalMask", "PlainScore", "NoDropout"), 1: ("WindowMask", "PlainScore", "NoDropout"),
+         2: ("WindowMask", "ModScore", "PhiloxDropout")}
+
+
 def _name(version, ctype, D, cfg, otype=None, var=0):
     """The template instantiation of one (version, input type, head dim, configuration, output type: the input
     type, or float for a block's unrounded partial result; var: the variants' level, 0 plain, 1 a window or a packed
-    batch, 2 softcap, ALiBi or dropout too (_var_level); every instantiation takes grouped-query k/v)."""
+    batch, 2 softcap, ALiBi or dropout too (_var_level), which picks the hooks; every instantiation takes
+    grouped-query k/v)."""
     otype = otype or ctype
     if version == "tc":
         return f"flash_v2_forward_tc<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps}>"
     skip = "true" if cfg.skip else "false"
-    return (f"flash_v2_forward_pipelined<{ctype},{otype},{D},{cfg.bc},{cfg.nwarps},{cfg.mt},{cfg.sub},{cfg.minb},"
-            f"{skip},{var}>")
+    tiles = f"FwdTiles<{D},{cfg.bc},{cfg.nwarps},{cfg.mt},{cfg.sub},{cfg.minb},{skip}>"
+    return f"flash_v2_forward_pipelined<{ctype},{otype},{tiles},{','.join(HOOKS[var])}>"
 
 
 def reachable(version, D, dev):
@@ -200,21 +207,19 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     if version == "tc":  # one block per (Q tile i, head); static shared memory
         fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, 0)
         return kernels.Launch(fn, (Tr, B * H), (cfg.threads,), 0,
-                              (np.int32(Nq), np.int32(Nk), np.float32(scale), np.int32(causal)))
+                              FwdParams(Nq=Nq, Nk=Nk, scale=scale, causal=int(causal)))
     # causal: a 1-D grid, longest Q tiles first inside groups of heads (see the kernel); a window's Q tiles all
     # have about the same work, so it takes the 2-D grid
     left, right = (opts.left, opts.right) if opts is not None and var else (-1, 0 if causal else -1)
-    cap = opts.softcap if opts is not None and var == 2 else 0.0
     ordered = causal and left < 0 and varlen is None
     smem = smem_bytes(version, D, cfg)
     fn = kernels.function(load_module(_FILE[version], name_expressions=(name,)), name, smem)
     ldq, ldk = ld or (Nq, Nk)
-    return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem,
-                          (np.int32(Nq), np.int32(Nk), np.int32(ldq), np.int32(ldk),
-                           np.float32(LOG2E if var == 2 else scale * LOG2E),
-                           np.int32(ordered), np.int32(HEAD_GROUP), np.int32(H), np.int32(H // Hkv), np.int32(left),
-                           np.int32(right), np.float32(scale), np.float32(cap))
-                          + variants.origin_scalars(opts, Nq, Nk) + variants.dropout_scalars(opts))
+    params = FwdParams(Nq=Nq, Nk=Nk, ldq=ldq, ldk=ldk, scale=scale, scale_log2=LOG2E if var == 2 else scale * LOG2E,
+                       causal=int(causal), head_group=HEAD_GROUP if ordered else 0, H=H, group=H // Hkv,
+                       left=left, right=right, softcap=opts.softcap if opts is not None and var == 2 else 0.0,
+                       **variants.origin_fields(opts, Nq, Nk), **variants.dropout_fields(opts))
+    return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem, params)
 
 
 def call(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, varlen=None):
@@ -237,8 +242,8 @@ def call(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, va
     launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, key_opts, dev, vl),
                              lambda: _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev,
                                            key_opts, vl))
-    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
-        launch = launch.with_scalars(launch.scalars[:-2] + variants.seed_scalars(opts.seed))
+    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed
+        launch = launch.with_fields(**variants.seed_fields(opts.seed))
     if version == "tc":
         return kernels.Call(launch, odtype)
     cu = (NULL, NULL) if varlen is None else varlen[:2]
@@ -273,8 +278,8 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, opts=None)
         _PLANS, ("merge_into", q.dtype, B, H, Hkv, b - a, m - c, Lq, Lk, D, bool(causal), scale, key_opts, dev),
         lambda: _plan("pipelined", q.dtype, np.dtype(np.float32), B, H, Hkv, b - a, m - c, D, bool(causal), scale,
                       dev, key_opts, ld=(Lq, Lk)))
-    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
-        launch = launch.with_scalars(launch.scalars[:-2] + variants.seed_scalars(opts.seed))
+    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed
+        launch = launch.with_fields(**variants.seed_fields(opts.seed))
     if slopes is not None:
         slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
     at_q, at_k = a * D * q.itemsize, c * D * k.itemsize  # byte offsets of row a, key c in every head

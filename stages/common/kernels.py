@@ -4,6 +4,7 @@ The compile-only path is what CI runs: every kernel configuration a launcher can
 each architecture from sm_75 to sm_90 (resource_usage reports its registers and shared memory), so a kernel that
 does not compile or does not fit never lands, even though CI has no GPU.
 """
+import ctypes
 import functools
 import hashlib
 import os
@@ -124,19 +125,24 @@ def scalar_slot(x):
 
 class Launch:
     """One kernel launch as a launcher plans it: the compiled function, grid, block, dynamic shared memory, and the
-    scalar arguments that follow the arrays. launch(*arrays) runs it on the current stream; an array is a CuPy
-    array or a device address (an int, np.uint64(0) for a null pointer).
+    kernel's arguments. launch(*arrays) runs it on the current stream; an array is a CuPy array or a device address
+    (an int, np.uint64(0) for a null pointer).
+
+    The arguments are either a parameter struct (stages/common/params.py: the kernel takes one `FwdParams p`), whose
+    leading pointer fields the arrays of each call fill in order, or a tuple of numpy scalars that follow the arrays
+    (a kernel that takes its arguments one by one).
 
     How a launch reaches the GPU: cuLaunchKernel takes kernelParams, an array of one pointer per kernel parameter,
-    each pointing at that parameter's value. A plan's scalars are the same on every call, so their values are
-    written once, into 8-byte slots after the arrays' slots (scalar_slot), with the array of their addresses beside
-    them. A call writes only the arrays' device addresses into their slots and launches: a few microseconds of host
-    time, where a general launcher (cupy.RawKernel) converts every argument again on every call. The lock keeps two
-    threads from writing one plan's slots at once; the driver copies the values when the launch is queued, so the
-    slots are free again as soon as cuLaunchKernel returns."""
+    each pointing at that parameter's value. A plan's scalars are the same on every call, so they are written once:
+    into the struct, or into 8-byte slots after the arrays' slots (scalar_slot). A call writes only the arrays' device
+    addresses and launches: a few microseconds of host time, where a general launcher (cupy.RawKernel) converts every
+    argument again on every call. The lock keeps two threads from writing one plan's values at once; the driver
+    copies them when the launch is queued, so they are free again as soon as cuLaunchKernel returns."""
 
-    def __init__(self, fn, grid, block, smem, scalars):
-        self.fn, self.smem, self.scalars = fn, int(smem), tuple(scalars)
+    def __init__(self, fn, grid, block, smem, args):
+        self.fn, self.smem = fn, int(smem)
+        self.params = args if isinstance(args, ctypes.Structure) else None
+        self.scalars = () if self.params is not None else tuple(args)
         self.grid, self.block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
         self.dims = (*self.grid, *self.block, self.smem)  # cuLaunchKernel's grid, block and shared-memory arguments
         self._slots = {}  # number of arrays -> _slots_for(number)
@@ -146,30 +152,47 @@ class Launch:
         """The same launch with other scalar arguments (a call's dropout seed)."""
         return Launch(self.fn, self.grid, self.block, self.smem, scalars)
 
+    def with_fields(self, **fields):
+        """The same launch with some fields of its parameter struct changed (a call's dropout seed)."""
+        params = type(self.params).from_buffer_copy(self.params)
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return Launch(self.fn, self.grid, self.block, self.smem, params)
+
     def _slots_for(self, n):
-        """(slot values, pointer array, its address, a packer of the n array addresses) for a call with n arrays."""
+        """(values, pointer array, its address, a packer of the n array addresses into values) for a call with n
+        arrays. Struct: values is the struct, the pointer array has its one address. Scalars: values holds n + len
+        (scalars) slots, the pointer array one address per slot."""
         hit = self._slots.get(n)
         if hit is None:
-            values = np.zeros(n + len(self.scalars), np.uint64)
-            values[n:] = [scalar_slot(x) for x in self.scalars]
-            pointers = values.ctypes.data + 8 * np.arange(values.size, dtype=np.uint64)
+            if self.params is not None:
+                values = self.params
+                pointers = np.array([ctypes.addressof(values)], np.uint64)
+            else:
+                values = np.zeros(n + len(self.scalars), np.uint64)
+                values[n:] = [scalar_slot(x) for x in self.scalars]
+                pointers = values.ctypes.data + 8 * np.arange(values.size, dtype=np.uint64)
             hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), struct.Struct(f"<{n}Q").pack_into)
         return hit
 
     def __call__(self, *arrays):
         ndarray, driver, current_stream = _cuda()
         values, _, params, pack = self._slots.get(len(arrays)) or self._slots_for(len(arrays))
-        with self._lock:
-            pack(values, 0, *[a.data.ptr if isinstance(a, ndarray) else int(a) for a in arrays])
-            try:
-                # fn is a cupy.RawKernel; fn.kernel, its compiled function on the current device
-                driver.launchKernel(self.fn.kernel.ptr, *self.dims, current_stream().ptr, params, 0)
-                return
-            except driver.CUDADriverError as e:
-                if e.status != _CUDA_ERROR_INVALID_CONTEXT:
-                    raise
-        # a host thread whose CUDA context was never made current: CuPy's launch sets it up (once per thread)
-        self.fn(self.grid, self.block, tuple(arrays) + self.scalars, shared_mem=self.smem)
+        ptrs = [a.data.ptr if isinstance(a, ndarray) else int(a) for a in arrays]
+        for attempt in (0, 1):
+            with self._lock:
+                pack(values, 0, *ptrs)
+                try:
+                    # fn is a cupy.RawKernel; fn.kernel, its compiled function on the current device
+                    driver.launchKernel(self.fn.kernel.ptr, *self.dims, current_stream().ptr, params, 0)
+                    return
+                except driver.CUDADriverError as e:
+                    if e.status != _CUDA_ERROR_INVALID_CONTEXT or attempt:
+                        raise
+            # a host thread whose CUDA context was never made current: the runtime makes the device's (once per thread)
+            import cupy
+
+            cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
 
 
 @functools.cache

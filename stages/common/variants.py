@@ -168,9 +168,15 @@ def keep_rate_threshold(p):
     return min(int(round((1.0 - p) * 2.0**32)), 2**32 - 1)
 
 
+def seed_fields(seed):
+    """The 64-bit dropout seed as the kernels' two uint32 fields (Philox's key: low word, high word)."""
+    return {"seed_lo": seed & 0xFFFFFFFF, "seed_hi": seed >> 32}
+
+
 def seed_scalars(seed):
-    """The 64-bit dropout seed as the kernels' two uint32 arguments (Philox's key: low word, high word)."""
-    return np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+    """The 64-bit dropout seed as two uint32 kernel arguments (seed_fields)."""
+    f = seed_fields(seed)
+    return np.uint32(f["seed_lo"]), np.uint32(f["seed_hi"])
 
 
 def check_kernel_origin(opts, where):
@@ -182,24 +188,35 @@ def check_kernel_origin(opts, where):
                          "(the CPU mirrors and stage 00 take any origin)")
 
 
-def origin_scalars(opts, Nq, Nk):
-    """(a_off, q_off, k_off), the kernels' int32 arguments of a block at an origin (all 0 for a whole problem): ALiBi
-    measures |i + (Nk - Nq) + a_off - j|, and dropout draws from (q_off + i, k_off + j)."""
+def origin_fields(opts, Nq, Nk):
+    """{a_off, q_off, k_off} of a block at an origin (all 0 for a whole problem): ALiBi measures
+    |i + (Nk - Nq) + a_off - j|, and dropout draws from (q_off + i, k_off + j)."""
     q_off, k_off = dropout_origin(opts)
-    return np.int32(alibi_shift(opts, Nq, Nk) - (Nk - Nq)), np.int32(q_off), np.int32(k_off)
+    return {"a_off": alibi_shift(opts, Nq, Nk) - (Nk - Nq), "q_off": q_off, "k_off": k_off}
 
 
-def dropout_scalars(opts):
-    """(keep, rp, seed_lo, seed_hi), the kernels' dropout arguments (kernels/dropout.cuh): keep = 0 is off; a draw u
-    keeps P_ij when u < keep = round((1 - p) 2^32); rp = 1 / (1 - p)."""
+def origin_scalars(opts, Nq, Nk):
+    """origin_fields as the kernels' int32 arguments (a_off, q_off, k_off)."""
+    return tuple(np.int32(x) for x in origin_fields(opts, Nq, Nk).values())
+
+
+def dropout_fields(opts):
+    """{keep, rp, seed_lo, seed_hi}: the kernels' dropout (kernels/dropout.cuh). keep = 0 is off; a draw u keeps P_ij
+    when u < keep = round((1 - p) 2^32); rp = 1 / (1 - p)."""
     p = 0.0 if opts is None else opts.dropout_p
     if not p:
-        return (np.uint32(0), np.float32(1.0)) + seed_scalars(0)
+        return {"keep": 0, "rp": 1.0, **seed_fields(0)}
     keep = keep_rate_threshold(p)
     if keep == 0:
         raise ValueError(f"dropout_p = {p!r} keeps no probability at 32-bit resolution: the kernels take p with "
                          "round((1 - p) 2^32) >= 1")
-    return (np.uint32(keep), np.float32(1.0 / (1.0 - p))) + seed_scalars(opts.seed)
+    return {"keep": keep, "rp": 1.0 / (1.0 - p), **seed_fields(opts.seed)}
+
+
+def dropout_scalars(opts):
+    """dropout_fields as the kernels' arguments (keep uint32, rp float32, seed_lo, seed_hi uint32)."""
+    f = dropout_fields(opts)
+    return np.uint32(f["keep"]), np.float32(f["rp"]), np.uint32(f["seed_lo"]), np.uint32(f["seed_hi"])
 
 
 # Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a counter-based generator,

@@ -1,0 +1,133 @@
+// variants.cuh: the attention variants of the pipelined forward as hooks its loop calls (the idea of FlexAttention's
+// mask_mod / score_mod and of FlashAttention's mask.h). The definitions, and their numpy twins, are
+// stages/common/variants.py. A kernel instantiation takes one type per hook:
+//   Mask   which keys each query row sees, and the K/V tiles a Q tile must visit:
+//            CausalMask  keys < Nk, and with causal, keys on or left of the row's diagonal (plain attention);
+//            WindowMask  keys inside a window (left, right) around the diagonal; also runs packed batches.
+//   Score  what happens to S_ij before the softmax:
+//            PlainScore  nothing (the scale is folded into exp2's argument: FwdParams.scale_log2);
+//            ModScore    x = scale S_ij, then softcap x -> c tanh(x / c), then ALiBi x -> x - slope |diag - c|.
+//   Drop   dropout on P~_ij before P~_ij V_j:
+//            NoDropout, PhiloxDropout (dropout.cuh).
+// Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel.
+// Fragment layout of s (one warp, MT m-tiles of 16 rows x NC keys; lane = 4 g + t): entry e of n-tile n in m-tile m
+// is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2) (kernels/common.cuh).
+#pragma once
+#include "attention_tiles.cuh"
+#include "dropout.cuh"
+#include "params.cuh"
+
+// ---------------------------------------------------------------- Mask hooks
+// Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
+struct CausalMask {
+    static constexpr bool packed = false;  // takes no packed batch
+    int Nk, shift, causal;
+
+    __device__ CausalMask(const FwdParams& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
+    // The K/V tiles j_first <= j < j_end that rows row0..last_row visit (causal: none right of the last diagonal).
+    template <int BR, int BC>
+    __device__ int2 kv_tiles(int row0, int Nq) const { return make_int2(0, visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal)); }
+    // Block-uniform: tile j holds Nk's tail or keys right of the first row's diagonal.
+    template <int BC>
+    __device__ bool tile_masked(int j, int row0, int last_row) const {
+        return (j + 1) * BC > Nk || (causal && (j + 1) * BC - 1 > row0 + shift);
+    }
+    // Per warp, rows r_first..r_last: keys col0..col0 + NC - 1 all hidden (skip the slice), or some hidden (mask it).
+    __device__ bool slice_hidden(int col0, int NC, int r_first, int r_last) const {
+        return causal && col0 > r_last + shift;
+    }
+    __device__ bool slice_masked(int col0, int NC, int r_first) const {
+        return col0 + NC > Nk || (causal && col0 + NC - 1 > r_first + shift);
+    }
+    template <int MT, int NC>
+    __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
+        mask_scores<MT, NC>(s, r0, col0, Nk, causal, shift, g, t);
+    }
+};
+
+// Key c is visible to row r iff c < Nk, c <= r + shift + right (right >= 0), c >= r + shift - left (left >= 0).
+// Causal is the window (-1, 0). Only the band of K/V tiles holding a visible key is visited.
+struct WindowMask {
+    static constexpr bool packed = true;  // takes packed batches (FwdParams.cu_q, cu_k)
+    int Nk, shift, left, right;
+
+    __device__ WindowMask(const FwdParams& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), left(p.left), right(p.right) {}
+    template <int BR, int BC>
+    __device__ int2 kv_tiles(int row0, int Nq) const {
+        const int last_row = min(row0 + BR, Nq) - 1;
+        const int last_key = right < 0 ? Nk - 1 : min(Nk - 1, last_row + shift + right);
+        const int first_key = left < 0 ? 0 : max(0, row0 + shift - left);
+        const int j_first = first_key / BC;
+        return make_int2(j_first, last_key < 0 || first_key > last_key ? j_first
+                                                                       : min((Nk + BC - 1) / BC, last_key / BC + 1));
+    }
+    template <int BC>
+    __device__ bool tile_masked(int j, int row0, int last_row) const {
+        return (j + 1) * BC > Nk || (right >= 0 && (j + 1) * BC - 1 > row0 + shift + right) ||
+               (left >= 0 && j * BC < last_row + shift - left);
+    }
+    __device__ bool slice_hidden(int col0, int NC, int r_first, int r_last) const {
+        return (right >= 0 && col0 > r_last + shift + right) || (left >= 0 && col0 + NC - 1 < r_first + shift - left);
+    }
+    __device__ bool slice_masked(int, int, int) const { return true; }
+    template <int MT, int NC>
+    __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
+        mask_window<MT, NC>(s, r0, col0, Nk, left, right, shift, g, t);
+    }
+};
+
+// ---------------------------------------------------------------- Score hooks
+struct PlainScore {
+    __device__ PlainScore(const FwdParams&, long, int) {}
+    template <int MT, int NC>
+    __device__ void apply(float (&)[MT][NC / 8][4], int, int, int, int) const {}
+};
+
+// The scores in natural units (FwdParams.scale_log2 is then log2(e)). hd: the (batch, head) of the ALiBi slope;
+// shift: Nk - Nq, moved by a_off for a ring block (ALiBi's diagonal is the whole problem's).
+struct ModScore {
+    float scale, softcap, slope;
+    int diag_shift;
+
+    __device__ ModScore(const FwdParams& p, long hd, int shift)
+        : scale(p.scale), softcap(p.softcap), slope(p.slopes != nullptr ? p.slopes[hd] : 0.f), diag_shift(shift + p.a_off) {}
+    template <int MT, int NC>
+    __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
+        transform_scores<MT, NC>(s, r0, col0, diag_shift, scale, softcap, slope, g, t);
+    }
+};
+
+// ---------------------------------------------------------------- Dropout hooks
+struct NoDropout {
+    __device__ NoDropout(const FwdParams&, long) {}
+    __device__ float rp() const { return 1.f; }
+    template <int MT, int NC>
+    __device__ void apply(float (&)[MT][NC / 8][4], int, int, int, int) const {}
+};
+
+// P~_ij Z_ij: rows r0 + 16 m + g (+8), keys col0 + 16 kk + 2t + e (+8); the four draws of one Philox call are exactly
+// entries e and 2 + e of n-tiles 2kk and 2kk + 1. l_i (and so the lse) keeps every P~_ij; O_i is scaled by rp().
+struct PhiloxDropout {
+    Dropout drop;
+    long hd;  // the (batch, head) of the draws' counter
+
+    __device__ PhiloxDropout(const FwdParams& p, long hd)
+        : drop{p.keep, p.seed_lo, p.seed_hi, p.rp, p.q_off, p.k_off}, hd(hd) {}
+    __device__ float rp() const { return drop.rp; }
+    template <int MT, int NC>
+    __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
+        if (drop.keep == 0u) return;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int kk = 0; kk < NC / 16; ++kk)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const uint4 u = dropout_draws(drop, r0 + 16 * m + g, col0 + 16 * kk + 2 * t + e, hd);
+                    if (u.x >= drop.keep) s[m][2 * kk][e] = 0.f;          // (r, c)
+                    if (u.y >= drop.keep) s[m][2 * kk + 1][e] = 0.f;      // (r, c + 8)
+                    if (u.z >= drop.keep) s[m][2 * kk][2 + e] = 0.f;      // (r + 8, c)
+                    if (u.w >= drop.keep) s[m][2 * kk + 1][2 + e] = 0.f;  // (r + 8, c + 8)
+                }
+    }
+};

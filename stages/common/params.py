@@ -1,0 +1,37 @@
+"""The kernels' parameter structs in Python: kernels/params.cuh field by field, as ctypes structures.
+
+A forward kernel takes one argument, `FwdParams p`. A launcher fills a FwdParams (device addresses as integers,
+sizes and options as numbers) and kernels.Launch hands its bytes to cuLaunchKernel. ctypes lays a structure out as
+the C compiler does (each field at a multiple of its size), which is also how nvcc lays out the CUDA struct;
+tests/test_params.py has NVRTC check the size and every field's offset, so a field changed on one side only fails
+CI.
+"""
+import ctypes
+
+_PTR, _INT, _UINT, _FLOAT = ctypes.c_uint64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float
+
+
+class FwdParams(ctypes.Structure):
+    """struct FwdParams of kernels/params.cuh (the meaning of each field is written there)."""
+    _fields_ = [
+        ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
+        ("slopes", _PTR), ("cu_q", _PTR), ("cu_k", _PTR),
+        ("Nq", _INT), ("Nk", _INT), ("ldq", _INT), ("ldk", _INT),
+        ("scale", _FLOAT), ("scale_log2", _FLOAT),
+        ("causal", _INT), ("head_group", _INT), ("H", _INT), ("group", _INT),
+        ("left", _INT), ("right", _INT), ("softcap", _FLOAT),
+        ("a_off", _INT), ("q_off", _INT), ("k_off", _INT),
+        ("keep", _UINT), ("rp", _FLOAT), ("seed_lo", _UINT), ("seed_hi", _UINT),
+    ]
+    ARRAYS = ("q", "k", "v", "o", "lse", "slopes", "cu_q", "cu_k")  # the pointer fields, first, in this order
+    DEFAULTS = {"group": 1, "left": -1, "right": -1, "rp": 1.0, "head_group": 1}
+
+    def __init__(self, **fields):
+        super().__init__(**{**self.DEFAULTS, **fields})
+        if "ldq" not in fields:
+            self.ldq, self.ldk = self.Nq, self.Nk
+
+
+def fields(params):
+    """{name: value} of a params struct (for tests and error messages)."""
+    return {name: getattr(params, name) for name, _ in params._fields_}

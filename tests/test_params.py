@@ -1,0 +1,90 @@
+"""The kernels' parameter structs and their Python mirrors agree byte for byte (no GPU needed).
+
+kernels/params.cuh defines the struct a kernel takes; stages/common/params.py defines the same struct with ctypes,
+which a launcher fills. NVRTC compiles a static_assert of the size and of every field's offset, so a field added,
+removed, reordered or retyped on one side only fails here.
+"""
+import ctypes
+
+import pytest
+
+from stages.common import kernels, params
+
+STRUCTS = [(params.FwdParams, "FwdParams")]
+
+
+def _layout_errors(struct_type, c_name):
+    """The fields whose offset differs between struct_type and the CUDA struct c_name (and "size" when the sizes
+    differ). NVRTC cannot evaluate offsetof at compile time, so a kernel compares each field's address inside a local
+    struct with its ctypes offset and stores to bad[n] when the n-th differs: the compiler folds every comparison,
+    and the PTX keeps exactly the stores of the fields that differ."""
+    import re
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    names = [name for name, _ in struct_type._fields_]
+    checks = [f"if (at(&s.{n}) != {getattr(struct_type, n).offset}) bad[{i}] = 1;" for i, n in enumerate(names)]
+    checks.append(f"if (sizeof(s) != {ctypes.sizeof(struct_type)}) bad[{len(names)}] = 1;")
+    source = (f'#include "params.cuh"\nextern "C" __global__ void layout_check(int* bad) {{\n  {c_name} s;\n'
+              "  auto at = [&](const void* f) { return (long)((const char*)f - (const char*)&s); };\n  "
+              + "\n  ".join(checks) + "\n}\n")
+    prog = nvrtc.createProgram(source, "layout_check.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-std=c++17", "--gpu-architecture=compute_90", f"-I{kernels.KERNELS_DIR}"])
+        ptx = nvrtc.getPTX(prog).decode()
+    except nvrtc.NVRTCError as e:
+        raise RuntimeError(nvrtc.getProgramLog(prog)) from e
+    finally:
+        nvrtc.destroyProgram(prog)
+    body = ptx[ptx.index(".entry layout_check"):]
+    stored = [int(m.group(1) or 0) // 4 for m in re.finditer(r"st\.global\.u32\s+\[%rd\d+(?:\+(\d+))?\]", body)]
+    assert stored or "st.global" not in body, body  # a store the pattern missed would hide a mismatch
+    return [(names + ["size"])[n] for n in stored]
+
+
+@pytest.mark.parametrize("struct_type,c_name", STRUCTS)
+def test_python_struct_matches_the_kernels_struct(struct_type, c_name):
+    assert _layout_errors(struct_type, c_name) == []
+
+
+@pytest.mark.parametrize("struct_type,c_name", STRUCTS)
+def test_the_layout_check_finds_fields_out_of_place(struct_type, c_name):
+    """Positive control: a mirror with two neighbouring fields of different sizes swapped is caught, at those
+    fields."""
+    fields = list(struct_type._fields_)
+    i = next(n for n in range(len(fields) - 1) if ctypes.sizeof(fields[n][1]) != ctypes.sizeof(fields[n + 1][1]))
+    fields[i], fields[i + 1] = fields[i + 1], fields[i]
+    swapped = type("Swapped", (ctypes.Structure,), {"_fields_": fields})
+    wrong = _layout_errors(swapped, c_name)
+    assert fields[i][0] in wrong and fields[i + 1][0] in wrong
+
+
+def test_array_fields_come_first_in_the_order_launches_fill_them():
+    """kernels.Launch writes a call's arrays into the struct's leading 8-byte fields, in FwdParams.ARRAYS order."""
+    names = [n for n, _ in params.FwdParams._fields_]
+    assert tuple(names[:len(params.FwdParams.ARRAYS)]) == params.FwdParams.ARRAYS
+    assert [getattr(params.FwdParams, n).offset for n in params.FwdParams.ARRAYS] == [
+        8 * i for i in range(len(params.FwdParams.ARRAYS))]
+
+
+def test_defaults_and_leading_dimensions():
+    p = params.FwdParams(Nq=5, Nk=7)
+    assert (p.ldq, p.ldk, p.group, p.left, p.right, p.rp) == (5, 7, 1, -1, -1, 1.0)
+    assert params.FwdParams(Nq=5, Nk=7, ldq=9, ldk=11).ldk == 11
+
+
+def test_a_launch_writes_the_arrays_into_its_struct_and_hands_over_its_address():
+    """kernels.Launch with a parameter struct: a call's array addresses go into the leading fields, the scalars stay
+    as planned, and cuLaunchKernel's parameter array holds the struct's one address."""
+    import struct
+
+    plan = params.FwdParams(Nq=9, Nk=4, scale=0.5)
+    launch = kernels.Launch(None, (4, 2), (128,), 0, plan)
+    values, pointers, address, pack = launch._slots_for(5)
+    assert values is plan and list(pointers) == [ctypes.addressof(plan)] and address == pointers.ctypes.data
+    pack(values, 0, *range(101, 106))
+    assert (plan.q, plan.k, plan.v, plan.o, plan.lse, plan.slopes) == (101, 102, 103, 104, 105, 0)
+    assert (plan.Nq, plan.Nk, plan.scale) == (9, 4, 0.5)
+    assert struct.unpack_from("<5Q", bytes(plan)) == tuple(range(101, 106))
+    seeded = launch.with_fields(seed_lo=7)
+    assert seeded.params.seed_lo == 7 and plan.seed_lo == 0 and seeded.params.Nq == 9  # a copy, not the plan
