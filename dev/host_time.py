@@ -11,7 +11,7 @@ cost of a launch while the GPU works, as in dev/bench.py's queued mode and in a 
 
 Rows: the whole calls (forward: one launch and two outputs; backward: two launches, three outputs and the scratch;
 deterministic backward: three launches), PyTorch's scaled_dot_product_attention (flash) and its backward on the same
-inputs, then kernels.call_key, a pool allocation, one array object over pool memory, one kernels.Launch, and
+inputs, then fast_path.call_key, a pool allocation, one array object over pool memory, one kernels.Launch, and
 cuLaunchKernel alone. dev/bench_report.py puts the table in results/README.md.
 """
 import argparse
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "dev"))
 import bench  # noqa: E402  (environment, provenance, DLPack helpers)
 
 from stages import flash_v2, flash_v2_backward  # noqa: E402
-from stages.common import bfloat16, kernels, make_inputs  # noqa: E402
+from stages.common import bfloat16, fast_path, make_inputs  # noqa: E402
 
 FIELDS = ["step", "what", "us_median", "us_min", "samples", "problem"]
 PROBLEM = dict(B=1, H=2, N=128, D=128)
@@ -109,15 +109,14 @@ def main(argv=None):
         back_to_back(lambda: torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True), sync))
 
     args6 = (q, k, v, o, lse, do)
-    add("call_key", "kernels.call_key of the backward's six arrays and options",
-        back_to_back(lambda: kernels.call_key(args6, True, None, "auto", False, None), sync))
+    add("call_key", "fast_path.call_key of the backward's six arrays and options",
+        back_to_back(lambda: fast_path.call_key(args6, {"causal": True}), sync))
     add("pool allocation", "cupy.cuda.alloc from CuPy's memory pool (4 KB)",
         back_to_back(lambda: cupy.cuda.alloc(4096), sync))
     mem = cupy.cuda.alloc(1 << 20)
     add("array object", "cupy.ndarray over pool memory: one per output array",
         back_to_back(lambda: cupy.ndarray((B, H, N, D), bfloat16, memptr=mem), sync))
-    plans = sys.modules[flash_v2_backward.backward.__module__]._PLANS  # the launcher's plans made so far
-    plan = next(iter(plans.values()))  # the plain backward's (made by its first call above)
+    plan = next(iter(flash_v2_backward.backward.plans.values()))  # the plain backward's kept plan (calls above)
     ptrs = [mem.ptr] * 7
     add("Launch", "kernels.Launch of the backward's preprocess: seven device addresses packed, then cuLaunchKernel",
         back_to_back(lambda: plan.pre(*ptrs), sync))

@@ -10,7 +10,7 @@ import pytest
 
 from stages import flash_v2, naive
 from stages.common import (
-    bfloat16, cast, check_forward, kernels, make_inputs, max_error, to_numpy,
+    bfloat16, cast, check_forward, fast_path, make_inputs, max_error, to_numpy,
 )
 from tests.conftest import CASE_IDS, CASES, case_inputs
 
@@ -256,20 +256,18 @@ def test_gpu_tensor_cores_against_oracle(case, D, dt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
 def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dt):
-    """forward keeps each checked plain GPU call's Call under kernels.call_key. A repeat gives the same o and lse bit
+    """forward keeps each checked plain GPU call's plan under fast_path.call_key. A repeat gives the same o and lse bit
     for bit; a call that differs in one argument, or new values in arrays of the same shape, is right by the rule;
     and bad input is still refused after a good call with the same shapes."""
-    from stages.flash_v2 import flash_v2 as launcher
-
     cp = _cupy()
     q, k, v = make_inputs(1, 2, 200, 150, 64, dtype=DTYPE[dt], xp=cp)
     o1, lse1 = flash_v2.forward(q, k, v)
-    assert launcher._CALLS.get(kernels.call_key((q, k, v), False, None, "auto", None)) is not None
+    assert flash_v2.forward.plans.get(fast_path.call_key((q, k, v), {})) is not None
     o2, lse2 = flash_v2.forward(q, k, v)
     np.testing.assert_array_equal(to_numpy(o2).view(np.uint8), to_numpy(o1).view(np.uint8))
     np.testing.assert_array_equal(to_numpy(lse2), to_numpy(lse1))
     for causal, scale in ((True, None), (False, 0.05), (True, 0.3)):
-        for _ in range(2):  # the first call plans, the second goes straight to the Call
+        for _ in range(2):  # the first call plans, the second goes straight to the kept plan
             check_forward(flash_v2.forward, q, k, v, causal=causal, scale=scale)
     q2, k2, v2 = make_inputs(1, 2, 200, 150, 64, dtype=DTYPE[dt], xp=cp, scale=10.0)
     check_forward(flash_v2.forward, q2, k2, v2)

@@ -7,7 +7,7 @@ import pytest
 from stages import flash_v2_backward as fb
 from stages import naive
 from stages.common import (
-    bfloat16, cast, check_backward, check_forward, kernels, make_inputs, max_error, to_numpy, tolerance, verify,
+    bfloat16, cast, check_backward, check_forward, fast_path, make_inputs, max_error, to_numpy, tolerance, verify,
 )
 from tests.conftest import CASE_IDS, CASES, case_inputs
 
@@ -249,17 +249,15 @@ def test_tc_warp_layouts_agree(case, D, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=["fp32", "bf16"])
 def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
-    """backward keeps each checked plain GPU call's planned launches (a _Call) under kernels.call_key. A repeat gives
+    """backward keeps each checked plain GPU call's planned launches under fast_path.call_key. A repeat gives
     the same gradients (deterministic mode: bit for bit); a call that differs in one argument, or new values of the
     same shape, is right by the rule; and bad input is still refused after a good call with the same shapes."""
     import cupy
 
-    from stages.flash_v2_backward import flash_v2_backward as launcher
-
     q, k, v, do = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True)
     o, lse = verify.backward_start(q, *tolerance.oracle(q, k, v))
     first = fb.backward(q, k, v, o, lse, do, deterministic=True)
-    assert launcher._CALLS.get(kernels.call_key((q, k, v, o, lse, do), False, None, "auto", True, None)) is not None
+    assert fb.backward.plans.get(fast_path.call_key((q, k, v, o, lse, do), {"deterministic": True})) is not None
     again = fb.backward(q, k, v, o, lse, do, deterministic=True)
     for a, b in zip(first, again):
         np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))
@@ -316,15 +314,17 @@ def test_tc_block_orders_and_dq_conversions(case, D, dtype, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
 def test_plain_outputs_share_one_allocation(dtype):
-    """A plain tc backward carves dq, dk, dv from one allocation (verify.empties): each on its own 256-byte-aligned
-    range, none overlapping, with the shapes and dtype of q, k, v (Nq != Nk); a forward's o and lse likewise."""
+    """A repeated plain tc backward (its plan kept by fast_path) carves dq, dk, dv from one allocation
+    (fast_path.empties): each on its own 256-byte-aligned range, none overlapping, with the shapes and dtype of q, k,
+    v (Nq != Nk); a forward's o and lse likewise."""
     import cupy
 
     from stages import flash_v2
 
     q, k, v, do = make_inputs(2, 3, 70, 45, 64, dtype=dtype, xp=cupy, grad=True)
-    o, lse = flash_v2.forward(q, k, v)
-    grads = fb.backward(q, k, v, o, lse, do)
+    for _ in range(2):  # the first call plans, the second takes the kept plan
+        o, lse = flash_v2.forward(q, k, v)
+        grads = fb.backward(q, k, v, o, lse, do)
     for outs, like in ((grads, (q, k, v)), ((o, lse), (q, lse))):
         spans = sorted((x.data.ptr, x.data.ptr + x.nbytes) for x in outs)
         assert all(a % 256 == 0 for a, _ in spans) and all(e <= a for (_, e), (a, _) in zip(spans, spans[1:]))

@@ -74,8 +74,9 @@ def test_gpu_variants_with_dq_converted_by_a_launch_of_its_own(dt, monkeypatch):
 
     launcher = fb.flash_v2_backward  # the module (fb is its package)
     monkeypatch.setattr(launcher, "TC_FUSE_DQ_MAX", 0)
-    monkeypatch.setattr(launcher, "_PLANS", {})
-    monkeypatch.setattr(launcher, "_CALLS", {})
+    made = []  # the plans of this test, made afresh (not the cached ones of other tests) and recorded
+    fresh = launcher._plan.__wrapped__
+    monkeypatch.setattr(launcher, "_plan", lambda *args: made.append(fresh(*args)) or made[-1])
     dtype = {"fp16": np.float16, "bf16": bfloat16}[dt]
     for name in ("gqa", "window-empty-rows", "all", "all-dropout"):
         q, k, v, do, causal, opts = _inputs(OPTIONS[name], 64, dtype, xp=cp)
@@ -83,7 +84,7 @@ def test_gpu_variants_with_dq_converted_by_a_launch_of_its_own(dt, monkeypatch):
     for name in VARLEN_CASES:
         (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES[name], 64, dtype, xp=cp)
         check_varlen(fb.forward_varlen, fb.backward_varlen, q, k, v, do, cq, ck, causal=causal, opts=opts)
-    assert launcher._PLANS and all(plan.last is not None and plan.done == 0 for plan in launcher._PLANS.values())
+    assert made and all(plan.last is not None and plan.done == 0 for plan in made)
 
 
 @pytest.mark.gpu

@@ -188,36 +188,3 @@ def test_a_launch_plan_lays_out_array_slots_then_scalar_slots():
     assert launch._slots_for(3)[0] is values  # made once per number of arrays
     seeded = launch.with_scalars((np.int32(1), np.float32(0.5)))
     assert seeded._slots_for(3)[0][3] == 1 and launch._slots_for(3)[0][3] == 9
-
-
-def test_call_key_tells_apart_every_argument_the_checks_look_at(monkeypatch):
-    """kernels.call_key decides when forward and backward skip their checks and plan: two calls get one key only when
-    every array's type, shape and dtype, every other argument and its type, and the device agree."""
-    import sys
-    import types
-
-    class FakeArray:  # stands in for cupy.ndarray on a machine without a GPU
-        def __init__(self, shape, dtype=np.float32):
-            self.shape, self.dtype = shape, np.dtype(dtype)
-
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=FakeArray))
-    monkeypatch.setattr(device, "device", lambda: "gpu 0")
-    shape = (1, 2, 8, 64)
-
-    def key(q=None, k=None, v=None, *args):
-        q, k, v = (x or FakeArray(shape) for x in (q, k, v))
-        return kernels.call_key((q, k, v), *(args or (False, None, "auto", None)))
-
-    base = key()
-    assert base is not None and key() == base  # equal arrays and arguments: one key
-    others = [key(FakeArray((1, 2, 9, 64))), key(None, FakeArray((1, 1, 8, 64))),
-              key(None, None, FakeArray(shape, "f2")),
-              key(None, None, None, True, None, "auto", None), key(None, None, None, False, 0.1, "auto", None),
-              key(None, None, None, False, None, "tc", None), key(None, None, None, False, None, "auto", np.float32),
-              key(None, None, None, 0, None, "auto", None)]  # 0 == False, but not the same argument
-    assert len({base, *others}) == len(others) + 1
-    monkeypatch.setattr(device, "device", lambda: "gpu 1")
-    assert key() != base
-    assert kernels.call_key((np.zeros(shape),) * 3, False) is None  # numpy inputs run the mirror, always checked
-    assert key(None, None, None, False, [0.1], "auto", None) is None  # an unhashable argument: checked every call
-    assert kernels.call_key((FakeArray(shape), [1, 2], FakeArray(shape)), False) is None  # not an array: checked

@@ -17,12 +17,13 @@ in natural log.
 Stage 02 is the FORWARD pass only; the FlashAttention-2 backward is stage 03. `backward` is here only so
 that every stage has the same API: it hands over to stage 03.
 """
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
 from stages.common import (
-    LOG2E, bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, kernels, load_module,
+    LOG2E, bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, fast_path, kernels, load_module,
     resolve_scale, variants, varlen,
 )
 
@@ -172,6 +173,7 @@ def _check_head_dim(version, D):
 VARIANT_VERSIONS = tc.VARIANT_VERSIONS  # the kernels that take the variant options (every version's mirror does)
 
 
+@fast_path.remembered  # a plain GPU call seen before goes straight to its planned launch (stages/common/fast_path.py)
 def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None, config=None, window=None,
             alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0, origin=None):
     """FlashAttention-2 forward. Returns o (B, H, Nq, D) and lse (B, H, Nq) float32.
@@ -184,17 +186,10 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     alibi_slopes, softcap, dropout_p with seed, and origin (a block of a larger problem: the ring). The mirrors take
     them all; on the GPU version 'pipelined' takes them all too (dropout draws the same bits as the mirrors: same
     seed, same o, bit for bit)."""
-    plain = (window is None and alibi_slopes is None and softcap is None and not dropout_p and config is None
-             and origin is None)
-    key = kernels.call_key((q, k, v), causal, scale, version, out_dtype) if plain else None
-    if key is not None:  # a plain GPU call seen before: its checks passed and its Call is planned
-        call = _CALLS.get(key)
-        if call is not None:
-            return call(q, k, v)
     where = "flash_v2.forward"
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=ALL_DTYPES, where=where, gqa=True)
     causal = check_causal(causal, where)
-    opts = None  # plain attention (the common call: no option to check, nothing added to its host time)
+    opts = None  # plain attention: no option to check
     if (window is not None or alibi_slopes is not None or softcap is not None or dropout_p or k.shape[1] != H
             or origin is not None):
         opts = variants.check(q, k, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
@@ -207,7 +202,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
     if config is not None and (version != "fp32" or xp is np):
         raise ValueError(f"flash_v2.forward: config= sets the fp32 CUDA kernel's tiles (version 'fp32' on CuPy "
                          f"arrays); got version {version!r} on {xp.__name__} arrays")
-    if xp is np:
+    if xp is np:  # the CPU mirror, with this version's tiles
         br, bc = tiles(version, D, causal)
         return mirror.forward(q, k, v, causal=causal, scale=scale, br=br, bc=bc, tf32x3=version == "fp32x3",
                               out_dtype=out_dtype, opts=opts)
@@ -219,18 +214,12 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
         variants.check_kernel_origin(opts, where)
         return tc.forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
     if version == "fp32x3":
-        call = fp32x3.call(q, k, v, causal=causal, scale=scale)
+        plan = fp32x3.plan_forward(q, k, v, causal=causal, scale=scale)
     elif version != "fp32":
-        call = tc.call(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
+        plan = tc.plan_forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
     else:
-        call = kernels.planned_call(_PLANS, _fp32_plan, q, k, v, causal=causal, scale=scale, config=config)
-    if key is not None:  # plain attention (grouped-query k, v took the opts path above)
-        call = call.joint_outputs(q)
-        kernels.remember(_CALLS, key, call)
-    return call(q, k, v)
-
-
-_CALLS = {}  # kernels.call_key of a plain GPU call -> its kernels.Call
+        plan = fp32_plan_forward(q, k, v, causal=causal, scale=scale, config=config)
+    return fast_path.launch(plan, q, k, v)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
@@ -272,11 +261,18 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, ma
     return cupy.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]
 
 
-_PLANS = {}  # (dims, causal, scale, config, device) -> kernels.Launch
+def fp32_plan_forward(q, k, v, *, causal, scale, config=None):
+    """The kernels.ForwardLaunch of the fp32 kernel for CuPy float32 q, k, v checked by forward. config: a tuple
+    overriding the device's choice (tuning runs), or None."""
+    B, H, Nq, D = q.shape
+    launch = _fp32_launch(B, H, Nq, k.shape[2], D, bool(causal), scale, None if config is None else tuple(config),
+                          device.device())
+    return kernels.ForwardLaunch(launch, np.dtype(np.float32))
 
 
-def _fp32_plan(B, H, Nq, Nk, D, causal, scale, config, dev):
-    """The fp32 kernel's launch for one problem on dev (made once per problem, through kernels.planned)."""
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
+def _fp32_launch(B, H, Nq, Nk, D, causal, scale, config, dev):
+    """The fp32 kernel's launch for one problem on dev: configuration, compiled kernel, grid, parameters."""
     cfg = (_fp32_cfg(D, config) if config is not None else
            fp32_config(D, dev, blocks=lambda c: B * H * -(-Nq // c.br)))
     if cfg.async_v and not dev.arch.cp_async:

@@ -8,10 +8,12 @@ big + small TF32 parts, three mma per product, V in three parts: close to fp32 a
 buffering. Head dims 32, 64, 96, 128; any Nq, Nk; causal aligned bottom-right (query i sees key j iff
 j <= i + Nk - Nq).
 """
+import functools
 from typing import NamedTuple
 
+import numpy as np
 
-from stages.common import LOG2E, device, kernels, load_module
+from stages.common import LOG2E, device, fast_path, kernels, load_module
 from stages.common.params import FwdParams
 
 HEAD_DIMS = (32, 64, 96, 128)
@@ -98,11 +100,18 @@ def kernel_sources():
     return [(FILE, sorted({p.name for a in device.ARCHS for p in kernel_plans(device.emulate(a))}))]
 
 
-_PLANS = {}  # (dims, causal, scale, config, device) -> kernels.Launch
+def plan_forward(q, k, v, *, causal=False, scale, cfg=None):
+    """The kernels.ForwardLaunch of CuPy float32 q, k, v checked by flash_v2.forward; scale is a float. cfg: a Config
+    to override the device's choice (tuning runs)."""
+    B, H, Nq, D = q.shape
+    launch = _launch(B, H, Nq, k.shape[2], D, bool(causal), scale, None if cfg is None else tuple(cfg),
+                     device.device())
+    return kernels.ForwardLaunch(launch, np.dtype(np.float32))
 
 
-def _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev):
-    """The launch of one problem on dev (made once per problem, through kernels.planned)."""
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
+def _launch(B, H, Nq, Nk, D, causal, scale, cfg, dev):
+    """The launch of one problem on dev: device check, configuration, compiled kernel, grid, parameters."""
     device.require(dev, FEATURES, what="flash_v2 version 'fp32x3' (TF32 tensor cores)",
                    instead="On this GPU use version 'fp32' (CUDA cores, float32 accuracy)")
     cfg = Config(*cfg) if cfg is not None else config(D, causal, dev)
@@ -114,9 +123,3 @@ def _plan(B, H, Nq, Nk, D, causal, scale, cfg, dev):
     fn = kernels.function(load_module(FILE, name_expressions=(expr,)), expr, smem)  # compiled once per instantiation
     return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
                           FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal))))
-
-
-def call(q, k, v, *, causal=False, scale, cfg=None):
-    """The kernels.Call of CuPy float32 q, k, v already validated by flash_v2.forward; scale is a float. cfg: a Config
-    to override the device's choice (tuning runs)."""
-    return kernels.planned_call(_PLANS, _plan, q, k, v, causal=causal, scale=scale, config=cfg)

@@ -13,11 +13,12 @@ fp16 / bf16 in, fp32 accumulation, o in the inputs' dtype, lse float32 (B, H, Nq
 Head dims 32, 64, 96, 128 (version "pipelined" also 256); any Nq, Nk; causal aligned bottom-right (query i sees
 key j iff j <= i + Nk - Nq).
 """
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, bfloat16, device, kernels, load_module, variants
+from stages.common import LOG2E, bfloat16, device, fast_path, kernels, load_module, variants
 from stages.common.params import FwdParams
 
 VERSIONS = ("tc", "pipelined")
@@ -168,9 +169,6 @@ def kernel_sources():
     return [(f, sorted({p.name for p in plans if p.file == f})) for f in _FILE.values()]
 
 
-_PLANS = {}  # (version, dtypes, shapes, causal, scale, options, device) -> kernels.Launch
-
-
 def _var_level(opts, causal, varlen):
     """The kernel's VAR: 2 when softcap, ALiBi or dropout change the scores or P; else 1 for a window other than
     causal's or a packed batch; else 0, plain (or causal) attention, maybe grouped-query."""
@@ -180,9 +178,10 @@ def _var_level(opts, causal, varlen):
     return 1 if window or varlen is not None else 0
 
 
-def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None, varlen=None, ld=None):
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
+def _launch(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts=None, varlen=None, ld=None):
     """The launch of one problem on dev: the device check, the configuration, the compiled instantiation, its grid
-    and scalar arguments (made once per problem by forward, through kernels.planned). opts: the variants
+    and parameters. opts: the variants
     (variants.Options without its ALiBi slopes, which come with each call), None for plain attention. varlen: (number
     of sequences, longest query sequence) of a packed batch (B = 1, Nq and Nk the totals), or None. ld: (ldq, ldk),
     the rows per head of q and of k when the call is a block of larger arrays (version pipelined: merge_into), or
@@ -222,41 +221,38 @@ def _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, opts
     return kernels.Launch(fn, (B * H * Tr,) if ordered else (Tr, B * H), (cfg.threads,), smem, params)
 
 
-def call(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, varlen=None):
-    """The kernels.Call that gives o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v already validated by
-    flash_v2.forward (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in out_dtype=float32.
-    opts: variants.Options (grouped-query k, v; window, softcap, ALiBi), None for plain attention.
-    varlen: (cu_q, cu_k, max_seqlen_q), int32 device arrays of a packed batch: then B = 1 and q, k, v hold every
-    sequence's rows head by head ((1, H, total, D)); sequence s is rows cu[s]:cu[s + 1] (flash_v2.forward_varlen)."""
+def plan_forward(q, k, v, *, causal=False, scale, version, out_dtype=None, opts=None, varlen=None):
+    """The kernels.ForwardLaunch that gives o (B, H, Nq, D) and lse (B, H, Nq) float32 for CuPy q, k, v checked by
+    flash_v2.forward (fp16 / bf16, a supported head dim); scale is a float. o is in q's dtype, or in
+    out_dtype=float32. opts: variants.Options (grouped-query k, v; window, softcap, ALiBi, dropout), None for plain
+    attention. varlen: (cu_q, cu_k, max_seqlen_q), int32 device arrays of a packed batch: then B = 1 and q, k, v hold
+    every sequence's rows head by head ((1, H, total, D)); sequence s is rows cu[s]:cu[s + 1]
+    (flash_v2.forward_varlen)."""
     import cupy
 
     B, H, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    odtype = np.dtype(out_dtype or dtype)
-    dev = device.device()
-    causal = bool(causal)
+    odtype = np.dtype(out_dtype or q.dtype)
     slopes = None if opts is None else opts.alibi_slopes
-    key_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
+    # the launch depends on whether there are slopes and a seed, not on their values (arrays, given per call)
+    plan_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
     vl = None if varlen is None else (varlen[0].size - 1, int(varlen[2]))  # (sequences, longest query sequence)
-    launch = kernels.planned(_PLANS, (version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, key_opts, dev, vl),
-                             lambda: _plan(version, dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev,
-                                           key_opts, vl))
-    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed
+    launch = _launch(version, q.dtype, odtype, B, H, Hkv, Nq, Nk, D, bool(causal), scale, device.device(), plan_opts,
+                     vl)
+    if opts is not None and opts.dropout_p:  # the launch is made for seed 0: this call's seed
         launch = launch.with_fields(**variants.seed_fields(opts.seed))
     if version == "tc":
-        return kernels.Call(launch, odtype)
+        return kernels.ForwardLaunch(launch, odtype)
     cu = (NULL, NULL) if varlen is None else varlen[:2]
     merges = odtype == np.float32  # float o: the kernel merges into (o, lse), which run_forward starts empty
-    if slopes is None:
-        return kernels.Call(launch, odtype, (NULL, *cu), merges=merges)
-    slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
-    return kernels.Call(launch, odtype, (slopes, *cu), merges=merges)
+    if slopes is not None:
+        slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
+    return kernels.ForwardLaunch(launch, odtype, (NULL if slopes is None else slopes, *cu), merges=merges)
 
 
 def forward(q, k, v, **kw):
-    """o, lse: call(q, k, v, **kw), run once."""
-    return call(q, k, v, **kw)(q, k, v)
+    """o, lse: plan_forward(q, k, v, **kw), run once."""
+    return plan_forward(q, k, v, **kw)(q, k, v)
 
 
 def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, opts=None):
@@ -271,14 +267,11 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, opts=None)
     (a, b), (c, m) = rows, keys
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    dev = device.device()
     slopes = None if opts is None else opts.alibi_slopes
-    key_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
-    launch = kernels.planned(
-        _PLANS, ("merge_into", q.dtype, B, H, Hkv, b - a, m - c, Lq, Lk, D, bool(causal), scale, key_opts, dev),
-        lambda: _plan("pipelined", q.dtype, np.dtype(np.float32), B, H, Hkv, b - a, m - c, D, bool(causal), scale,
-                      dev, key_opts, ld=(Lq, Lk)))
-    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed
+    plan_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
+    launch = _launch("pipelined", q.dtype, np.dtype(np.float32), B, H, Hkv, b - a, m - c, D, bool(causal), scale,
+                     device.device(), plan_opts, None, (Lq, Lk))
+    if opts is not None and opts.dropout_p:  # the launch is made for seed 0: this call's seed
         launch = launch.with_fields(**variants.seed_fields(opts.seed))
     if slopes is not None:
         slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))

@@ -14,13 +14,14 @@ every K/V tile: fast, but the order of the additions (so the last bits of dq) ch
 True: no atomics; a second kernel, parallel over Q tiles, recomputes dS_ij and sums dQ_i in a fixed
 order: dq, dk, dv are bit-identical across runs (dk, dv always are), at the cost of recomputing S and dP.
 """
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
 from stages.common import (
-    bfloat16, cast, check_backward_inputs, check_causal, check_out_dtype, device, empty, kernels, load_module,
-    resolve_scale, variants, varlen, verify,
+    bfloat16, cast, check_backward_inputs, check_causal, check_out_dtype, device, empty, fast_path, kernels,
+    load_module, resolve_scale, variants, varlen,
 )
 
 from . import mirror
@@ -159,12 +160,12 @@ def forward(q, k, v, *, causal=False, scale=None, **kw):
     return flash_v2.forward(q, k, v, causal=causal, scale=scale, **kw)
 
 
+@fast_path.remembered  # a plain GPU call seen before goes straight to its planned launches (stages/common/fast_path.py)
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", deterministic=False, out_dtype=None,
              tc_config=None, profile=None, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0,
              origin=None):
     """Gradients (dq, dk, dv) of sum(O * dO), shaped like q, k, v, in their dtype, or in float32 with
-    out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients). On the GPU
-    without variants the three share one allocation (verify.empties), returned to the pool when all three are freed.
+    out_dtype=np.float32 (straight from the float32 accumulators: the ring adds such partial gradients).
 
     For tuning (dev/sweep_backward.py), CuPy arrays only: tc_config, the tc kernel's {"br": Br, "bc": Bc, "wq":
     1 or 2, "defer_dq": bool, "j_fast": bool, "fuse_dq": bool} in place of TC_BR[D], TC_BC[D], wq 1, TC_DEFER_DQ,
@@ -174,13 +175,6 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     dropout_p with seed, origin (a block of a larger problem: the ring); the mirror (numpy inputs) takes them all,
     and so does version 'tc' on the GPU with deterministic=False (dropout regenerates the forward's mask from the
     seed: pass the forward's dropout_p, seed and origin)."""
-    plain = (window is None and alibi_slopes is None and softcap is None and not dropout_p and tc_config is None
-             and profile is None and origin is None)
-    key = kernels.call_key((q, k, v, o, lse, do), causal, scale, version, deterministic, out_dtype) if plain else None
-    if key is not None:  # a plain GPU call seen before: its checks passed and its launches are planned
-        call = _CALLS.get(key)
-        if call is not None:
-            return call(q, k, v, o, lse, do)
     where = "flash_v2_backward"
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, gqa=True)
     causal = check_causal(causal, where)
@@ -218,16 +212,11 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
                                deterministic=bool(deterministic), out_dtype=out_dtype, opts=opts)
     variants.check_kernel_origin(opts, where)
     deterministic = bool(deterministic)
-    if key is not None and opts is None:  # plain attention (grouped-query k, v has opts)
-        call = _Call(_problem_plan(q, k, causal, scale, version, deterministic, out_dtype, {}), out_dtype,
-                     deterministic)
-        kernels.remember(_CALLS, key, call)
-        return call(q, k, v, o, lse, do)
+    if opts is None and tc_config is None and profile is None:  # plain attention (grouped-query k, v has opts)
+        return fast_path.launch(plan_backward(q, k, causal, scale, version, deterministic, out_dtype),
+                                q, k, v, o, lse, do)
     return _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, out_dtype, tc_config or {},
                          profile, opts)
-
-
-_CALLS = {}  # kernels.call_key of a plain GPU call -> its _Call
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -331,30 +320,43 @@ def _mark(profile, name):
         profile.append((name, ev))
 
 
-class _Plan(NamedTuple):
+class BackwardPlan(NamedTuple):
     """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or the
     dQ conversion (last; None where the tc kernel converts dQ itself: fuse_dq_rule); rows, the length of D_i and of
     L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the elements of the fp32 dQ accumulator; done,
-    the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); outs, plain attention's
-    dq, dk, dv in one allocation (verify.out_layout), None with variants; tc, whether the main kernel is version
-    tc's, which takes dQ and the counters after dK, dV."""
+    the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); tc, whether the main
+    kernel is version tc's, which takes dQ and the counters after dK, dV; odtype, deterministic: the gradients'
+    dtype and the mode. outs: dq, dk, dv carved from one allocation (fast_path.out_layout), or None.
+    plan(q, k, v, o, lse, do) runs a plain backward (no variants) and returns (dq, dk, dv)."""
     pre: kernels.Launch
     main: kernels.Launch
     last: kernels.Launch | None
     rows: int
     acc: int
     done: int
-    outs: tuple | None
     tc: bool
+    odtype: np.dtype = None
+    deterministic: bool = False
+    outs: tuple | None = None
+
+    def __call__(self, q, k, v, o, lse, do):
+        return _launch(self, q, k, v, o, lse, do, self.odtype, self.deterministic, ())
+
+    def with_joint_outputs(self, q, k, *arrays):
+        """This plan with dq, dk, dv from one allocation (one trip to the memory pool; a training step uses all
+        three together)."""
+        B, H, Nq, D = q.shape
+        Nk = k.shape[2]
+        return self._replace(outs=fast_path.out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nk, D), self.odtype),
+                                                         ((B, H, Nk, D), self.odtype)]))
 
 
-_PLANS = {}  # (version, dtypes, shapes, options, device) -> _Plan
-
-
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
 def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev, opts=None,
           varlen=None, ld=None):
-    """The device check, tiles, compiled kernels, grids and scalar arguments of one problem on dev (made once per
-    problem, through kernels.planned). opts: the variants (variants.Options, slopes given per call) or None.
+    """The device check, tiles, compiled kernels, grids and scalar arguments of one problem on dev. tc_config:
+    sorted (key, value) pairs of backward's tc_config. opts: the variants (variants.Options, slopes given per call)
+    or None.
     varlen: (number of sequences, longest key sequence) of a packed batch (B = 1, Nq and Nk the totals), or None.
     ld: (ldq, ldk) for a ring block of larger arrays (accumulate_into: version tc, float32 gradients added to the
     ring's accumulators, no dQ accumulator or conversion of its own), or None: a whole problem."""
@@ -366,6 +368,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     i32, f32 = np.int32, np.float32
     Nq_pad = -(-Nq // PAD) * PAD  # D_i, L_i (times log2 e for the exp2 kernel) padded to Nq_pad rows
     pre_mod = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
+    tc_config = dict(tc_config)
     br, bc, wq = tc_config.get("br"), tc_config.get("bc"), tc_config.get("wq")
     if version == "tc" and br is None and bc is None:
         tiles = tc_tiles(D, dev)
@@ -436,36 +439,18 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     own_acc = not deterministic and ld is None  # a dQ accumulator of its own, zeroed by the preprocess
     pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad * D // 2048, BH), (256,), 0,
                          (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(own_acc), i32(done)))
-    # plain attention: dq, dk, dv from one allocation (one trip to the memory pool; a training step uses all three
-    # together). The variants' dK, dV are float until summed and cast: separate, so they are freed after.
-    outs = None if var or ld is not None else verify.out_layout([((B, H, Nq, D), odtype), ((B, H, Nk, D), odtype),
-                                                                   ((B, H, Nk, D), odtype)])
-    return _Plan(pre, main, last, BH * Nq_pad, BH * Nq * D if own_acc else 1, done, outs, version == "tc")
+    return BackwardPlan(pre, main, last, BH * Nq_pad, BH * Nq * D if own_acc else 1, done, version == "tc", odtype,
+                        deterministic)
 
 
-class _Call(NamedTuple):
-    """A plain GPU backward as backward planned it: call(q, k, v, o, lse, do) returns (dq, dk, dv). backward keeps
-    one per kernels.call_key, so a repeated call goes straight to its allocations and launches."""
-    plan: _Plan
-    odtype: np.dtype
-    deterministic: bool
-
-    def __call__(self, q, k, v, o, lse, do):
-        return _launch(self.plan, q, k, v, o, lse, do, self.odtype, self.deterministic, ())
-
-
-def _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config, opts=None, varlen=None):
-    """The _Plan of one problem on the current device, made on its first call (kernels.planned). opts: the variants
-    or None; varlen: backward_varlen's (cu_q, cu_k, max_seqlen_k) or None."""
+def plan_backward(q, k, causal, scale, version, deterministic, odtype, tc_config=None, opts=None, varlen=None):
+    """The BackwardPlan of one problem on the current device. opts: the variants or None; varlen:
+    backward_varlen's (cu_q, cu_k, max_seqlen_k) or None."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    dev = device.device()
-    key_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
+    plan_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
     vl = None if varlen is None else (varlen[0].size - 1, int(varlen[2]))  # (sequences, longest key sequence)
-    key = (version, q.dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tuple(sorted(tc_config.items())),
-           dev, key_opts, vl)
-    return kernels.planned(_PLANS, key, lambda: _plan(version, q.dtype, odtype, B, H, Nq, Nk, D, causal, scale,
-                                                      deterministic, tc_config, dev, key_opts, vl))
+    return _plan(version, q.dtype, odtype, B, H, Nq, k.shape[2], D, bool(causal), scale, deterministic,
+                 tuple(sorted((tc_config or {}).items())), device.device(), plan_opts, vl)
 
 
 def _var_tail(slopes=None, cu=None):
@@ -481,7 +466,7 @@ def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, od
     head ((1, H, total, D)), or None."""
     import cupy
 
-    plan = _problem_plan(q, k, causal, scale, version, deterministic, odtype, tc_config, opts, varlen)
+    plan = plan_backward(q, k, causal, scale, version, deterministic, odtype, tc_config, opts, varlen)
     slopes = None
     if opts is not None and opts.alibi_slopes is not None:
         slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
@@ -510,14 +495,16 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     _mark(profile, "start")
     plan.pre(o, do, lse, Dvec, Lvec, dq_acc, done)
     _mark(profile, "preprocess+zero")
-    if plan.outs is not None:
-        dq, dk, dv = verify.empties(*plan.outs)
+    if opts is not None:  # the variants' dK, dV: float, k's shape; each kv group's query heads add into them
+        dq, dk, dv = empty(cupy, q.shape, odtype), cupy.zeros(k.shape, _F32), cupy.zeros(k.shape, _F32)
+    else:
+        if plan.outs is not None:  # kept by fast_path: one allocation
+            dq, dk, dv = fast_path.empties(*plan.outs)
+        else:
+            dq, dk, dv = (empty(cupy, x.shape, odtype) for x in (q, k, v))
         if plan.tc and odtype == _F32 and not deterministic:  # version tc adds float dK, dV into what they hold
             dk.fill(0)
             dv.fill(0)
-    else:  # the variants' dK, dV: float, k's shape; each kv group's query heads add into them (then cast below)
-        B, H, Nq, D = q.shape
-        dq, dk, dv = empty(cupy, (B, H, Nq, D), odtype), cupy.zeros(k.shape, _F32), cupy.zeros(k.shape, _F32)
     main = plan.main
     if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
         main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
@@ -550,13 +537,10 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
     (a, b), (c, m) = rows, keys
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    dev = device.device()
     var = opts is not None
-    key_opts = None if not var else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
-    plan = kernels.planned(
-        _PLANS, ("accumulate_into", q.dtype, B, H, b - a, m - c, Lq, Lk, D, bool(causal), scale, dev, key_opts),
-        lambda: _plan("tc", q.dtype, _F32, B, H, b - a, m - c, D, bool(causal), scale, False, {}, dev, key_opts,
-                      ld=(Lq, Lk)))
+    plan_opts = None if not var else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
+    plan = _plan("tc", q.dtype, _F32, B, H, b - a, m - c, D, bool(causal), scale, False, (), device.device(), plan_opts,
+                 None, (Lq, Lk))
     scratch = cupy.cuda.alloc(4 * 2 * plan.rows)  # D_i and L_i of rows a:b, (B H, Nq_pad) each
     Dvec, Lvec = scratch.ptr, scratch.ptr + 4 * plan.rows
     at_q, at_k = a * D * q.itemsize, c * D * k.itemsize  # byte offsets of row a, key c in every head

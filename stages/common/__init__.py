@@ -5,7 +5,7 @@ from .checks import (
     array_module, check_attention_inputs, check_backward_inputs, check_causal, check_out_dtype, resolve_scale,
     LOG2E, SUPPORTED_FLOAT_DTYPES,
 )
-from . import device, tolerance
+from . import device, fast_path, tolerance
 from .tolerance import max_error, tolerance_report
 from .measure import (
     attention_flops, code_version, time_ms, time_queued_ms, PeakMemory, gpu_name, gpu_status, has_gpu, run_devices,
@@ -18,7 +18,7 @@ from .verify import check_forward, check_backward, empty
 __all__ = [
     "array_module", "check_attention_inputs", "check_backward_inputs", "check_causal", "check_out_dtype",
     "resolve_scale", "LOG2E",
-    "SUPPORTED_FLOAT_DTYPES", "device", "tolerance", "max_error", "tolerance_report",
+    "SUPPORTED_FLOAT_DTYPES", "device", "fast_path", "tolerance", "max_error", "tolerance_report",
     "attention_flops", "code_version", "time_ms", "time_queued_ms", "PeakMemory", "gpu_name", "gpu_status", "has_gpu",
     "run_devices",
     "make_inputs",

@@ -9,7 +9,6 @@ import functools
 import hashlib
 import os
 import struct
-import sys
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -17,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import device
-from .verify import empties, empty, out_layout
+from .verify import empty
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 BASE_OPTIONS = ("-std=c++17",)
@@ -207,96 +206,41 @@ def _cuda():
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 
-MAX_PLANS = 512  # launch plans kept per launcher (a training run with many shapes starts over when full)
-
-
-def call_key(arrays, *args):
-    """What the checks and the launch plan of a call on CuPy arrays depend on: each array's type, shape and dtype,
-    the other arguments and their types (1 == True, but a check may take one and refuse the other), and the device.
-    A launcher keeps what a checked call resolved to under this key (remember), and a later call with an equal key
-    passed the same checks and gets the same plan, so it skips straight to its launches: a few microseconds of host
-    time instead of a few tens. None for numpy inputs, and for arguments that cannot be part of a key (the checks
-    then run and say what is wrong)."""
-    cupy = sys.modules.get("cupy")
-    if cupy is None or not isinstance(arrays[0], cupy.ndarray):
-        return None
-    try:
-        key = [*args, *map(type, args), device.device()]
-        for a in arrays:
-            key += (type(a), a.shape, a.dtype)
-        key = tuple(key)
-        hash(key)
-    except (AttributeError, TypeError):  # not an array, or an argument such as a CuPy scalar array
-        return None
-    return key
-
-
-def remember(cache, key, value):
-    """cache[key] = value, starting over when the cache holds MAX_PLANS entries."""
-    if len(cache) >= MAX_PLANS:
-        cache.clear()
-    cache[key] = value
-
-
-def planned(cache, key, build):
-    """cache[key], built by build() on the first call with this key.
-
-    A launcher's per-problem decisions (the device's configuration, the kernel's name, its compile, its grid) depend
-    only on the key: the device, dtypes, shapes and options. Keeping them per key leaves a call with its input
-    checks, its output allocations and its launches, which is what keeps small problems from waiting on the host
-    (dev/bench.py reports the host time per call, host_us)."""
-    plan = cache.get(key)
-    if plan is None:
-        plan = build()
-        remember(cache, key, plan)
-    return plan
-
-
-def planned_call(cache, make_plan, q, k, v, *, causal, scale, config=None):
-    """The Call of a float32 forward kernel whose launch depends on (B, H, Nq, Nk, D, causal, scale, config, device):
-    the plan made once per key by make_plan(B, H, Nq, Nk, D, causal, scale, config, dev). config: a tuple overriding
-    the device's choice (tuning runs), or None."""
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    dev = device.device()
-    config = None if config is None else tuple(config)
-    launch = planned(cache, (B, H, Nq, Nk, D, causal, scale, config, dev),
-                     lambda: make_plan(B, H, Nq, Nk, D, causal, scale, config, dev))
-    return Call(launch, np.dtype(np.float32))
-
-
-class Call(NamedTuple):
-    """A forward call as its launcher planned it: call(q, k, v) returns o (in odtype) and lse through run_forward, with
-    the extra arguments after lse (ALiBi slopes, packed-batch bounds). A plain call's Call depends only on what its
-    plan does, so flash_v2.forward keeps it per key and a repeated call goes straight to it, with outs (joint_outputs)
-    set: its o and lse then come from one allocation. merges: the kernel merges its result into the (o, lse) it is
-    given (version pipelined with float32 o, the ring's block kernel): lse starts at -inf, "nothing merged yet"."""
+class ForwardLaunch(NamedTuple):
+    """A forward as its launcher planned it: plan(q, k, v) returns o (in odtype) and lse (float32) through
+    run_forward, with the extra arrays after lse (ALiBi slopes, a packed batch's bounds). merges: the kernel merges its
+    result into the (o, lse) it is given (version pipelined with float32 o: lse starts at -inf, "nothing merged
+    yet"). outs: o and lse carved from one allocation (fast_path.out_layout), or None: two allocations."""
     launch: Launch
     odtype: np.dtype
     extra: tuple = ()
-    outs: tuple | None = None
     merges: bool = False
+    outs: tuple | None = None
 
     def __call__(self, q, k, v):
         return run_forward(self.launch, q, k, v, self.odtype, *self.extra, outs=self.outs, merges=self.merges)
 
-    def joint_outputs(self, q):
-        """This Call with o and lse carved from one allocation (verify.empties) for inputs shaped like q: the pair is
+    def with_joint_outputs(self, q, k, v):
+        """This plan with o and lse from one allocation for inputs shaped like q (fast_path keeps it so): the pair is
         what a forward saves for its backward, so the two live as long as each other anyway."""
+        from .fast_path import out_layout
+
         B, H, Nq, D = q.shape
         return self._replace(outs=out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nq), np.float32)]))
 
 
 def run_forward(launch, q, k, v, odtype, *extra, outs=None, merges=False):
-    """o, lse of a forward launch plan: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o
-    (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
-    kernel does not write fails the check), both from one allocation when outs (Call.joint_outputs) is given, and
-    the launch on the current stream with arguments (q, k, v, o, lse, *extra)."""
+    """o, lse of a forward launch: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o (B, H, Nq, D)
+    in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the kernel does not
+    write fails the check), from one allocation when outs is given, and the launch on the current stream with
+    arguments (q, k, v, o, lse, *extra)."""
     import cupy
 
     asc = cupy.ascontiguousarray  # x itself when it is already row-major
     q, k, v = asc(q), asc(k), asc(v)
     if outs is not None:
+        from .fast_path import empties
+
         o, lse = empties(*outs)
     else:
         B, H, Nq, D = q.shape

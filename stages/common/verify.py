@@ -5,7 +5,6 @@
 
 The oracle is stage 00 in float64; the bound is the tolerance rule of tolerance.py.
 """
-import math
 import os
 
 import numpy as np
@@ -23,31 +22,6 @@ def empty(xp, shape, dtype):
     if POISON_OUTPUTS:
         return cast(xp.full(shape, np.nan, dtype=np.float32), dtype)
     return xp.empty(shape, dtype=dtype)
-
-
-def out_layout(specs):
-    """(layout, nbytes) for empties: specs [(shape, dtype)] laid out one after the other in one allocation, each
-    array on a 256-byte boundary; layout [(shape, dtype, byte offset)]."""
-    layout, off = [], 0
-    for shape, dtype in specs:
-        dtype = np.dtype(dtype)
-        layout.append((tuple(shape), dtype, off))
-        off += -(-math.prod(shape) * dtype.itemsize // 256) * 256
-    return tuple(layout), off
-
-
-def empties(layout, nbytes):
-    """CuPy output arrays carved from one allocation of nbytes from CuPy's memory pool (out_layout gives layout and
-    nbytes): one trip to the pool for all of them, where each cupy.empty is one trip and one array of its own (a
-    launcher's hot path). The arrays share that memory, which returns to the pool when the last of them is freed.
-    Uninitialised, or NaN-poisoned when POISON_OUTPUTS is on (every byte 0xFF: a NaN in float32, float16 and
-    bfloat16 alike)."""
-    import cupy
-
-    mem = cupy.cuda.alloc(nbytes)
-    if POISON_OUTPUTS:
-        mem.memset_async(0xFF, nbytes)
-    return [cupy.ndarray(shape, dtype, memptr=mem + off) for shape, dtype, off in layout]
 
 
 def backward_start(q, o64, lse64):
