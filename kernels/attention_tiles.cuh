@@ -112,3 +112,64 @@ __device__ __forceinline__ float inverse_row_sum(float l_part, float& l) {
     l = warp_sum<4>(l_part);
     return l > 0.f ? 1.f / l : 0.f;
 }
+
+// Alg.1 L13 in natural log: L_i = m_i ln 2 + log(l_i) (m_i is in base 2), -inf for a row that saw no key. The product
+// in fp64: with huge logits m_i is ~1e4, and an fp32 product would add its own rounding (~1e-3) to the lse.
+__device__ __forceinline__ float row_lse(float m, float l) {
+    return l != 0.f ? (float)((double)m * 0.6931471805599453 + (double)logf(l)) : -INF;
+}
+
+// The epilogue of a ring block (float O, stage 04) for row g + 8 h of one m-tile: (orow, *lse_row) hold the row's
+// running (O, L) over the blocks merged so far (L = -inf: none yet), and this block's O_i (acc times inv_l) and
+// L_i = row_lse(m, l) merge into them as the ring's merge does:
+//     L = log(e^L + e^L_i),   O = e^(L - L_new) O + e^(L_i - L_new) O_i
+// so the ring keeps no partial result per block and makes no pass of its own over O. Every lane of the warp calls
+// it (the running L is read by lane t = 0 and passed to its quad); valid: the row exists (row < Nq).
+template <int D>
+__device__ __forceinline__ void merge_row_into_running(float* orow, float* lse_row, const float (&acc)[D / 8][4],
+                                                       int h, float inv_l, float m, float l, bool valid, int lane) {
+    const int t = lane % 4;
+    float L_run = -INF;
+    if (t == 0 && valid) L_run = *lse_row;
+    L_run = __shfl_sync(0xffffffffu, L_run, lane & ~3);  // the quad has it before lane t = 0 overwrites it below
+    if (!valid) return;
+    const float L_i = row_lse(m, l);
+    float w_run = 0.f, w_new = inv_l, L = L_i;  // the first block these rows see: O = O_i, L = L_i
+    if (L_run > -INF) {  // merge (the max is finite, so both weights are in [0, 1])
+        const float mx = fmaxf(L_run, L_i);
+        const float e_run = expf(L_run - mx), e_new = expf(L_i - mx);  // e_new = 0 if L_i = -inf
+        L = mx + logf(e_run + e_new);
+        w_run = e_run / (e_run + e_new);
+        w_new = inv_l * (e_new / (e_run + e_new));
+    }
+    if (t == 0) *lse_row = L;
+    orow += 2 * t;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) {
+        float lo = acc[d][2 * h] * w_new, hi = acc[d][2 * h + 1] * w_new;
+        if (w_run != 0.f) {  // (never reads O where nothing was merged yet: it may be uninitialised)
+            const float2 prev = *reinterpret_cast<const float2*>(orow + d * 8);
+            lo += prev.x * w_run, hi += prev.y * w_run;
+        }
+        store2(orow + d * 8, lo, hi);
+    }
+}
+
+// Which (Q tile i, head bh) this block computes. Grid (Tr, B*H) when head_group = 0: the Q tiles of one head side by
+// side, sharing K_j, V_j in L2. head_group > 0 (causal): a 1-D grid of B*H*Tr blocks, heads in groups of head_group,
+// and inside a group the Q tiles with the most keys (the last ones) first, so short tiles fill the tail (longest job
+// first) while the blocks running at once still share the K/V of a few heads in L2.
+template <int BR>
+__device__ __forceinline__ void tile_and_head(int head_group, int Nq, int& i, long& bh) {
+    if (head_group > 0) {
+        const int HG = head_group;
+        const int Tr = (Nq + BR - 1) / BR, BH = gridDim.x / Tr;
+        const int grp = blockIdx.x / (HG * Tr), r = blockIdx.x % (HG * Tr);
+        const int gsz = min(HG, BH - grp * HG);  // heads in this group (the last group may be short)
+        i = Tr - 1 - r / gsz;
+        bh = (long)grp * HG + r % gsz;
+    } else {
+        i = blockIdx.x;
+        bh = blockIdx.y;
+    }
+}

@@ -40,54 +40,26 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
     T* Qs = reinterpret_cast<T*>(smem_raw);  // [BR][LD]
     T* Ks = Qs + BR * LD;                    // [2][BC][LD]  double buffer
     T* Vs = Ks + 2 * BC * LD;                // [2][BC][LD]  double buffer
-    const T* q = static_cast<const T*>(p.q);
-    TO* o = static_cast<TO*>(p.o);
-    float* lse = p.lse;
-    int Nq = p.Nq, Nk = p.Nk, ldq = p.ldq, ldk = p.ldk;
-
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group g, thread-in-group t
-    // Which (Q tile i, head bh). Grid (Tr, B*H): the Q tiles of one head side by side, sharing K_j, V_j in L2.
-    // head_group > 0 (causal): a 1-D grid of B*H*Tr blocks, heads in groups of head_group, and inside a group the
-    // Q tiles with the most keys (the last ones) first, so short tiles fill the tail.
-    int i;
-    long bh;
-    if (p.head_group > 0) {
-        const int HG = p.head_group;
-        const int Tr = (Nq + BR - 1) / BR, BH = gridDim.x / Tr;
-        const int grp = blockIdx.x / (HG * Tr), r = blockIdx.x % (HG * Tr);
-        const int gsz = min(HG, BH - grp * HG);  // heads in this group (the last group may be short)
-        i = Tr - 1 - r / gsz;
-        bh = (long)grp * HG + r % gsz;
-    } else {
-        i = blockIdx.x;
-        bh = blockIdx.y;
-    }
-    const int H = p.H, group = p.group;
-    const int bkv = (int)bh / H * (H / group) + (int)bh % H / group;  // the k/v head of query head bh
-    if constexpr (sizeof(TO) == sizeof(T)) ldq = Nq, ldk = Nk;  // 16-bit O: always a whole problem
-    long q_row0 = bh * ldq, kv_row0 = (long)bkv * ldk;  // this head's first row of q, o, lse and of k, v
-    long hd = bh;  // the (batch, head) of the ALiBi slope and of dropout's counter
-    if constexpr (Mask::packed) {
-        // A packed batch: q, o (H, total_q, D), k, v (H / group, total_k, D); grid.y runs over (sequence s, head h),
-        // grid.x over the Q tiles of the longest sequence. Inside the block, everything is sequence s alone.
-        if (p.cu_q != nullptr) {
-            const int sq = (int)bh / H, h = (int)bh % H;
-            q_row0 = (long)h * ldq + p.cu_q[sq];
-            kv_row0 = (long)(h / group) * ldk + p.cu_k[sq];
-            Nq = p.cu_q[sq + 1] - p.cu_q[sq];
-            Nk = p.cu_k[sq + 1] - p.cu_k[sq];
-            hd = h;
-            if (i * BR >= Nq) return;  // past this sequence's last Q tile (the whole block: before any barrier)
-        }
-    }
-    const T* kh = static_cast<const T*>(p.k) + kv_row0 * D;
-    const T* vh = static_cast<const T*>(p.v) + kv_row0 * D;
+    int i;  // Q tile
+    long bh;  // (batch, head)
+    tile_and_head<BR>(p.head_group, p.Nq, i, bh);
+    // this head's rows (16-bit O is always a whole problem; float O may be a ring block inside larger arrays)
+    const HeadRows rows = head_rows<Mask::packed>(p, bh, sizeof(TO) == sizeof(T));
+    const int Nq = rows.Nq, Nk = rows.Nk;
+    const long q_row0 = rows.q0;
+    if (i * BR >= Nq) return;  // a packed batch's block past its sequence's last Q tile (before any barrier)
+    const T* q = static_cast<const T*>(p.q);
+    const T* kh = static_cast<const T*>(p.k) + rows.kv0 * D;
+    const T* vh = static_cast<const T*>(p.v) + rows.kv0 * D;
+    TO* o = static_cast<TO*>(p.o);
+    float* lse = p.lse;
     const int row0 = i * BR;  // first row of Q_i
     const int last_row = min(row0 + BR, Nq) - 1;
-    const Mask mask(p, Nq, Nk);
-    const Score score(p, hd, Nk - Nq);
-    const Drop drop(p, hd);
+    const Mask mask(p, Nq, Nk);  // the hooks (kernels/variants.cuh)
+    const Score score(p, rows.hd, Nk - Nq);
+    const Drop drop(p, rows.hd);
     const int2 jr = mask.template kv_tiles<BR, BC>(row0, Nq);  // K/V tiles j_first <= j < n_tiles (Alg.1 L6)
     const int j_first = jr.x, n_tiles = jr.y;
     const float scale_log2 = p.scale_log2;
@@ -258,12 +230,8 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
     cp_async_wait<0>();  // with no K/V tile at all (causal, fully masked Q_i) the Q_i copy may still be landing:
     __syncthreads();     // ... every thread's copy is done before this warp's Q rows are reused for O below
 
-    // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
-    // 16-bit O: staged through this warp's own rows of Qs, then 16-byte coalesced stores.
-    // float O: a ring block (stage 04). (o, lse) hold the running (O, L) of these rows over the blocks merged so far
-    // (L = -inf: none yet), and this block's (O_i, L_i) is merged into them as ring.merge does:
-    //     L = log(e^L + e^L_i),   O = e^(L - L_new) O + e^(L_i - L_new) O_i
-    // so the ring keeps no partial result per block and makes no pass of its own over O.
+    // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i). 16-bit O: staged through this warp's own rows
+    // of Qs, then 16-byte coalesced stores. float O (a ring block): merged into the running (O, L) it is given.
     constexpr bool STAGE_O = sizeof(TO) == sizeof(T);
     T* Ow = Qs + wrow * LD;
 #pragma unroll
@@ -273,42 +241,17 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
             float l;
             // fully masked row: O = 0; dropout: the kept probabilities' 1 / (1 - p), once (rp = 1 without dropout)
             const float inv_l = inverse_row_sum(l_i[m][h], l) * drop.rp();
-            const int rl = m * 16 + g + 8 * h;            // row inside the warp's rows
-            float L_run = -INF;  // float O: this row's running L, read by lane t = 0 and passed to its quad, so every
-            if constexpr (!STAGE_O) {  // lane has it before lane t = 0 overwrites it below
-                if (t == 0 && row0 + wrow + rl < Nq) L_run = lse[q_row0 + row0 + wrow + rl];
-                L_run = __shfl_sync(0xffffffffu, L_run, lane & ~3);
-            }
-            // Alg.1 L13, natural log: m_i is in base 2. The product in fp64: with huge logits m_i is ~1e4 and an
-            // fp32 product would add its own rounding (~1e-3) to the lse.
-            if (STAGE_O && t == 0 && row0 + wrow + rl < Nq)
-                lse[q_row0 + row0 + wrow + rl] =
-                    l != 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
+            const int rl = m * 16 + g + 8 * h;    // row inside the warp's rows
+            const long row = q_row0 + row0 + wrow + rl;  // its row of o and lse
+            const bool valid = row0 + wrow + rl < Nq;
             if constexpr (STAGE_O) {
+                if (t == 0 && valid) lse[row] = row_lse(m_i[m][h], l);
 #pragma unroll
                 for (int d = 0; d < D / 8; ++d)
                     store2(Ow + rl * LD + d * 8 + 2 * t, acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
-            } else if (row0 + wrow + rl < Nq) {
-                const float L_i = l != 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
-                float w_run = 0.f, w_new = inv_l, L = L_i;  // the first block these rows see: O = O_i, L = L_i
-                if (L_run > -INF) {  // merge (the max is finite, so both weights are in [0, 1])
-                    const float mx = fmaxf(L_run, L_i);
-                    const float e_run = expf(L_run - mx), e_new = expf(L_i - mx);  // e_new = 0 if L_i = -inf
-                    L = mx + logf(e_run + e_new);
-                    w_run = e_run / (e_run + e_new);
-                    w_new = inv_l * (e_new / (e_run + e_new));
-                }
-                if (t == 0) lse[q_row0 + row0 + wrow + rl] = L;
-                float* orow = o + (q_row0 + row0 + wrow + rl) * D + 2 * t;
-#pragma unroll
-                for (int d = 0; d < D / 8; ++d) {
-                    float lo = acc_o[m][d][2 * h] * w_new, hi = acc_o[m][d][2 * h + 1] * w_new;
-                    if (w_run != 0.f) {  // (never reads O where nothing was merged yet: it may be uninitialised)
-                        const float2 prev = *reinterpret_cast<const float2*>(orow + d * 8);
-                        lo += prev.x * w_run, hi += prev.y * w_run;
-                    }
-                    store2(orow + d * 8, lo, hi);
-                }
+            } else {
+                merge_row_into_running<D>(reinterpret_cast<float*>(o) + row * D, lse + row, acc_o[m], h, inv_l,
+                                          m_i[m][h], l, valid, lane);
             }
         }
     if constexpr (!STAGE_O) return;

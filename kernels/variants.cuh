@@ -17,6 +17,32 @@
 #include "dropout.cuh"
 #include "params.cuh"
 
+// ---------------------------------------------------------------- Where a head's rows are
+// Query head bh (batch b, head h) reads k/v head h / group of batch b (grouped-query attention; group = 1: its own).
+// q, o, lse have ldq rows per head and k, v ldk (Nq, Nk for a whole problem; a ring block's shard and block are
+// longer). A packed batch (PACKED and cu_q != null): q, o are (H, total_q, D) and k, v (H / group, total_k, D);
+// grid.y runs over (sequence s, head h) and sequence s is rows cu_q[s]..cu_q[s + 1] - 1 (keys: cu_k): inside the
+// block, everything is that one sequence's attention. hd: the (batch, head) of the ALiBi slope and dropout's counter.
+struct HeadRows {
+    long q0, kv0, hd;  // first row of this head in q, o, lse and in k, v
+    int Nq, Nk;
+};
+template <bool PACKED>
+__device__ __forceinline__ HeadRows head_rows(const FwdParams& p, long bh, bool whole_problem) {
+    const int H = p.H, group = p.group;
+    const int ldq = whole_problem ? p.Nq : p.ldq, ldk = whole_problem ? p.Nk : p.ldk;
+    const int bkv = (int)bh / H * (H / group) + (int)bh % H / group;  // the k/v head of query head bh
+    HeadRows r{bh * ldq, (long)bkv * ldk, bh, p.Nq, p.Nk};
+    if constexpr (PACKED) {
+        if (p.cu_q != nullptr) {
+            const int s = (int)bh / H, h = (int)bh % H;
+            r = HeadRows{(long)h * ldq + p.cu_q[s], (long)(h / group) * ldk + p.cu_k[s], h,
+                         p.cu_q[s + 1] - p.cu_q[s], p.cu_k[s + 1] - p.cu_k[s]};
+        }
+    }
+    return r;
+}
+
 // ---------------------------------------------------------------- Mask hooks
 // Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
 struct CausalMask {
