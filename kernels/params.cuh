@@ -32,3 +32,45 @@ struct FwdParams {
     float rp;                           // dropout: 1 / (1 - p)
     unsigned int seed_lo, seed_hi;      // dropout: the 64-bit Philox key
 };
+
+// The one argument of the FlashAttention-2 backward kernels (FlashAttention's Flash_bwd_params): the preprocess, the
+// main kernels of versions fp32 and tc, the deterministic dQ passes and the dQ conversion each read the fields they
+// need. Arrays: q, k, v, o, dO, dQ as forward's (dK, dV like k); lse (B, H, Nq) float32; L, Dvec: L_i (times log2 e
+// for the exp2 kernels) and D_i = rowsum(dO_i * O_i) per row, Nq_pad rows per head; dq_acc: the float32 dQ
+// accumulator; done: per-head block counters (the last block of a head converts dQ), or null.
+struct BwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    const float* lse;
+    float* L;
+    float* Dvec;
+    float* dq_acc;
+    void* dk;
+    void* dv;
+    void* dq;
+    int* done;
+    const float* slopes;
+    const int* cu_q;
+    const int* cu_k;
+    long long n;       // dQ conversion: elements of dq_acc
+    int Nq, Nk;        // query rows and key rows of one head
+    int ldq, ldk;      // rows per head of q, o, dO, dQ and of k, v, dK, dV (a ring block's arrays are longer)
+    int Nq_pad;        // rows per head of L, Dvec (Nq rounded up)
+    int head_dim;      // the preprocess's d
+    float scale;       // softmax scale
+    float lse_mult;    // the preprocess: L = lse * lse_mult
+    int causal;
+    int j_fast;        // grid order of the tc kernel: 1 (Tc, B*H), 0 (B*H, Tc)
+    int zero_dq;       // the preprocess zeroes dq_acc (and the ndone counters)
+    int ndone;
+    int H, group;      // query heads; query heads per k/v head
+    int left, right;   // window around the diagonal, -1 unbounded
+    float softcap;
+    int a_off, q_off, k_off;            // where a ring block sits in the whole problem (ALiBi, dropout)
+    unsigned int keep;                  // dropout: keep P_ij when the 32-bit draw u < keep; 0: no dropout
+    float rp;                           // dropout: 1 / (1 - p)
+    unsigned int seed_lo, seed_hi;      // dropout: the 64-bit Philox key
+};
