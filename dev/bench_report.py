@@ -23,8 +23,9 @@ import sys
 
 BASE_COLUMNS = ["gpu", "direction", "impl", "version", "dtype", "causal", "head_dim", "seq_len", "batch", "heads",
                 "ms", "tflops", "status"]  # what the tables read; a CSV must have these (older CSVs have only these)
-# err_over_bound: the worst output's max error over its bound by the tolerance rule (stages/common/tolerance.py),
-# on the small check problem; err_output names that output. Then the run's provenance, the same on every row.
+# err_over_bound: the worst output's error over its bound, at its worst row, by the tolerance rule
+# (stages/common/tolerance.py), on the small check problem; err_output names that output. Then the run's provenance,
+# the same on every row.
 PROVENANCE = ["git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"]
 # ms_synced: the synced timing mode (every call waited on, host time included); host_us: the host's time inside one
 # call. CSVs written before bench.py measured them lack them.
