@@ -855,13 +855,15 @@ def _splice(text, name, body):
 
 
 def ring_error_table(results_dir):
-    """Markdown: the ring's max error / bound per output against the number of ranks (ring_error_vs_ranks.csv)."""
+    """Markdown: the ring's error / bound per output, at its worst row, against the number of ranks
+    (ring_error_vs_ranks.csv)."""
     path = pathlib.Path(results_dir) / "ring_error_vs_ranks.csv"
     rows = read_rows(path)
     names = ("o", "lse", "dq", "dk", "dv")
     r0 = rows[0]
     out = [f"B = {r0['B']}, H = {r0['H']}, N = {r0['N']}, d = {r0['D']}, {r0['layout']}, causal, block "
-           f"{r0['block']}; max error against the float64 oracle, and its bound under the tolerance rule "
+           f"{r0['block']}; error against the float64 oracle and its bound under the tolerance rule, at each output's "
+           f"worst row "
            f"(`{path.name}`, `python dev/ring_errors.py`).", "",
            "| dtype | ranks P | " + " | ".join(f"{n} error / bound" for n in names) + " |",
            "|---|---:|" + "---:|" * len(names)]
