@@ -23,8 +23,9 @@ import sys
 
 BASE_COLUMNS = ["gpu", "direction", "impl", "version", "dtype", "causal", "head_dim", "seq_len", "batch", "heads",
                 "ms", "tflops", "status"]  # what the tables read; a CSV must have these (older CSVs have only these)
-# err_over_bound: the worst output's max error over its bound by the tolerance rule (stages/common/tolerance.py),
-# on the small check problem; err_output names that output. Then the run's provenance, the same on every row.
+# err_over_bound: the worst output's error over its bound, at its worst row, by the tolerance rule
+# (stages/common/tolerance.py), on the small check problem; err_output names that output. Then the run's provenance,
+# the same on every row.
 PROVENANCE = ["git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"]
 # ms_synced: the synced timing mode (every call waited on, host time included); host_us: the host's time inside one
 # call. CSVs written before bench.py measured them lack them.
@@ -854,13 +855,15 @@ def _splice(text, name, body):
 
 
 def ring_error_table(results_dir):
-    """Markdown: the ring's max error / bound per output against the number of ranks (ring_error_vs_ranks.csv)."""
+    """Markdown: the ring's error / bound per output, at its worst row, against the number of ranks
+    (ring_error_vs_ranks.csv)."""
     path = pathlib.Path(results_dir) / "ring_error_vs_ranks.csv"
     rows = read_rows(path)
     names = ("o", "lse", "dq", "dk", "dv")
     r0 = rows[0]
     out = [f"B = {r0['B']}, H = {r0['H']}, N = {r0['N']}, d = {r0['D']}, {r0['layout']}, causal, block "
-           f"{r0['block']}; max error against the float64 oracle, and its bound under the tolerance rule "
+           f"{r0['block']}; error against the float64 oracle and its bound under the tolerance rule, at each output's "
+           f"worst row "
            f"(`{path.name}`, `python dev/ring_errors.py`).", "",
            "| dtype | ranks P | " + " | ".join(f"{n} error / bound" for n in names) + " |",
            "|---|---:|" + "---:|" * len(names)]

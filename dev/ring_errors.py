@@ -4,10 +4,11 @@
 
 The same inputs (fixed seed) go through ring attention on P = 1, 2, 4, 8 simulated ranks (threads, the zigzag
 layout, causal), with the stage 02/03 blocks (their numpy tile mirrors: the kernels' own roundings) in float32,
-float16 and bfloat16. Each row gives every output's max error against the float64 oracle and its bound under
-the tolerance rule (stages/common/tolerance.py). The blocks return float32 partials and the ring merges them in
-float32, so the error should not grow with P; a ring that rounded each block's partial result to 16 bits would
-add one rounding per block. stages/04_ring/README.md shows the table (dev/bench_report.py --write).
+float16 and bfloat16. Each row gives every output's error against the float64 oracle and its bound under the
+tolerance rule (stages/common/tolerance.py), at the output's worst row (the rule bounds each row on its own). The
+blocks return float32 partials and the ring merges them in float32, so the error should not grow with P; a ring
+that rounded each block's partial result to 16 bits would add one rounding per block. stages/04_ring/README.md
+shows the table (dev/bench_report.py --write).
 """
 import argparse
 import csv

@@ -1,9 +1,11 @@
 """Checks shared by tests and run.py: a stage against the fp64 oracle by the tolerance rule.
 
-    errs = check_forward(flash_v1.forward, q, k, v, causal=True)        # raises if out of tolerance
+    errs = check_forward(flash_v1.forward, q, k, v, causal=True)        # raises if a row is out of tolerance
     errs = check_backward(flash_v1.backward, q, k, v, do, causal=True)
 
-The oracle is stage 00 in float64; the bound is the tolerance rule of tolerance.py.
+The oracle is stage 00 in float64 (for a backward: from the o and lse it is given); the bound, one per row of each
+output, is the tolerance rule of tolerance.py. The errors returned are those of each output's worst row (largest
+error / bound).
 """
 import os
 
@@ -43,9 +45,9 @@ def _check_like(names, outs, likes):
 
 
 def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, with_bounds=False, **kw):
-    """Run forward(q, k, v, **opts, **kw) and check o and lse by the tolerance rule; return {"o": err, "lse": err}
-    ({name: (err, bound)} with_bounds). opts: variant options (window, softcap, alibi_slopes, dropout_p, seed), given
-    to the oracle too."""
+    """Run forward(q, k, v, **opts, **kw) and check o and lse by the tolerance rule, row by row; return {"o": err,
+    "lse": err} at each output's worst row ({name: (err, bound)} with_bounds). opts: variant options (window, softcap,
+    alibi_slopes, dropout_p, seed), given to the oracle too."""
     opts = opts or {}
     o, lse = forward(q, k, v, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_FORWARD, (o, lse), (q, np.empty(q.shape[:3], np.float32)))
@@ -57,13 +59,14 @@ def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, with
 
 
 def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None, with_bounds=False, **kw):
-    """Run backward from the oracle's o and lse (in the inputs' dtype) and check dq, dk, dv by the rule; return
-    {name: err} ({name: (err, bound)} with_bounds)."""
+    """Run backward from the oracle's o and lse (in the inputs' dtype, backward_start) and check dq, dk, dv by the
+    rule, row by row, against the exact gradients from that o and lse; return {name: err} at each output's worst row
+    ({name: (err, bound)} with_bounds)."""
     opts = opts or {}
-    o64, lse64, *refs = tolerance.oracle(q, k, v, do, causal=causal, scale=scale, **opts)
-    o_in, lse_in = backward_start(q, o64, lse64)
+    o_in, lse_in = backward_start(q, *tolerance.oracle(q, k, v, causal=causal, scale=scale, **opts))
     grads = backward(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_BACKWARD, grads, (q, k, v))
+    refs = tolerance.backward_oracle(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts)
     ys = tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts)
     terms = tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale, **opts)
     res = tolerance.check(tolerance.NAMES_BACKWARD, grads, refs, ys, terms)
@@ -72,28 +75,31 @@ def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None
 
 def rule(q, k, v, do=None, *, causal=False, scale=None, opts=None):
     """Everything the rule needs for these inputs, computed once: (refs, bounds, start) where refs are the
-    oracle's (o, lse[, dq, dk, dv]), bounds the matching bounds, and start = (o, lse) a backward under test
-    must start from (backward_start), or None without do. opts: variant options, as check_forward takes them."""
+    oracle's (o, lse[, dq, dk, dv]) (the gradients from start), bounds the matching bounds (one per row), and start =
+    (o, lse) a backward under test must start from (backward_start), or None without do. opts: variant options, as
+    check_forward takes them."""
     kw = dict(causal=causal, scale=scale, **(opts or {}))
-    o64, lse64, *grads = tolerance.oracle(q, k, v, do, **kw)
+    o64, lse64 = tolerance.oracle(q, k, v, **kw)
     bounds = tolerance.bounds((o64, lse64), tolerance.forward_yardsticks(q, k, v, **kw),
                               tolerance.forward_s_terms(q, k, v, **kw))
     if do is None:
         return (o64, lse64), bounds, None
     o_in, lse_in = backward_start(q, o64, lse64)
+    grads = tolerance.backward_oracle(q, k, v, o_in, lse_in, do, **kw)
     bounds += tolerance.bounds(grads, tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, **kw),
                                tolerance.backward_s_terms(q, k, v, o_in, do, **kw))
     return (o64, lse64, *grads), bounds, (o_in, lse_in)
 
 
 def errors_and_bounds(errs):
-    """{name: (err, bound)} as a learner reads it: "o 3.8e-07 (bound 1.2e-06), lse ..."."""
+    """{name: (err, bound)} as a learner reads it: "o 3.8e-07 (bound 1.2e-06), lse ..." (each output's worst
+    row)."""
     return ", ".join(f"{n} {e:.1e} (bound {b:.1e})" for n, (e, b) in errs.items())
 
 
 def check_outputs(outs, refs, bounds, *, what=""):
     """Assert the rule on outputs computed elsewhere (e.g. gathered from the ranks of a ring), with
-    (refs, bounds) from rule(); returns {name: (error, bound)}."""
+    (refs, bounds) from rule(); returns {name: (error, bound)} at each output's worst row."""
     names = (tolerance.NAMES_FORWARD + tolerance.NAMES_BACKWARD)[:len(outs)]
     return tolerance.assert_within(names, outs, refs, bounds, what=what)
 
