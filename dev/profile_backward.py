@@ -48,7 +48,7 @@ METRICS = {  # CSV column -> ncu metric
     "smem_kb": "launch__shared_mem_per_block_dynamic",
     "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
 }
-KERNELS = {"ours": "flash_bwd_tc", "torch": "flash_bwd_dq_dk_dv"}  # kernel-name patterns (ncu -k regex:)
+KERNELS = {"ours": "flash_v2_backward_tc", "torch": "flash_bwd_dq_dk_dv"}  # kernel-name patterns (ncu -k regex:)
 
 
 def child(args):

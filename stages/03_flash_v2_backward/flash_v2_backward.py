@@ -8,6 +8,7 @@ numpy inputs run the tile mirror (mirror.py), CuPy inputs the CUDA kernels:
     kernels/flash_v2_backward_fp32.cu  version "fp32": float32, CUDA cores, head_dim 32, 64, 128
     kernels/flash_v2_backward_tc.cu    version "tc": float16 / bfloat16, mma.sync tensor cores, head_dim 64, 128,
                                        256 (d = 256: two blocks per K/V tile, one per half of dK_j, dV_j, dQ_i)
+    kernels/flash_v2_backward_dq.cu    version "tc"'s deterministic dQ pass
 
 deterministic: False (default) adds dQ_i += dS_ij K_j into an fp32 buffer with atomicAdd from the block of
 every K/V tile: fast, but the order of the additions (so the last bits of dq) changes from run to run.
@@ -32,7 +33,10 @@ DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16
 PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so tile loads never run past them
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
-TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of flash_bwd_tc per head dim (Bc / 16 warps): the mirror's tiles
+# kernels/ files of each version: (its main kernels, its deterministic dQ pass)
+FILES = {"fp32": ("flash_v2_backward_fp32.cu", "flash_v2_backward_fp32.cu"),
+         "tc": ("flash_v2_backward_tc.cu", "flash_v2_backward_dq.cu")}
+TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of the tc kernel per head dim (Bc / 16 warps): the mirror's tiles
 # The tc kernel's atomic dQ for Q tile i runs one tile late, at the end of the next tile (one barrier per tile
 # instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (tc_config=
 # {"defer_dq": False}; dev/sweep_backward.py compares).
@@ -287,10 +291,11 @@ def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, wq=None,
     extra = f"{_dq_mt(D, br, bc)},{'true' if TC_KREG[D] else 'false'},{min(TC_CHUNK[D], br)},{wq}"
     ot = otype or ctype  # dQ's type; dK, dV's too, but float with var
     if var:
-        return [f"flash_bwd_tc<{ctype},float,{ot},{D},{br},{bc},true,{defer},{extra},true,"
+        return [f"flash_v2_backward_tc<{ctype},float,{ot},{D},{br},{bc},true,{defer},{extra},true,"
                 f"{'true' if drop else 'false'}>"]
-    return [f"flash_bwd_tc<{ctype},{ot},{ot},{D},{br},{bc},true,{defer},{extra}>",
-            f"flash_bwd_tc<{ctype},{ot},{ot},{D},{br},{bc},false,false,{extra}>", f"flash_bwd_dq_tc<{ctype},{ot},{D}>"]
+    return [f"flash_v2_backward_tc<{ctype},{ot},{ot},{D},{br},{bc},true,{defer},{extra}>",
+            f"flash_v2_backward_tc<{ctype},{ot},{ot},{D},{br},{bc},false,false,{extra}>",
+            f"flash_v2_backward_dq_tc<{ctype},{ot},{D}>"]
 
 
 PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
@@ -382,7 +387,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     var = opts is not None
     names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, wq=wq,
                    var=var, drop=var and opts.dropout_p > 0)
-    mod = load_module(f"flash_v2_backward_{version}.cu", name_expressions=names)
+    main_file, dq_file = FILES[version]  # tc's dQ pass is a file of its own, compiled only for deterministic mode
+    mod = load_module(main_file, name_expressions=names if dq_file == main_file else names[:2])
     smem_main, smem_dq = smem_bytes(version, D, br, bc, wq)
     for what, need in (("", smem_main), (" with deterministic=True (its dQ pass)", smem_dq if deterministic else 0)):
         if not device.fits(dev, need):
@@ -422,7 +428,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
                               + variants.dropout_scalars(opts))
     done = 0  # the tc kernel's counters, one per row of heads of its grid: the last block of a head converts dQ
     if deterministic:  # the separate dQ pass, no atomics
-        fn = kernels.function(mod, names[2], smem_dq)
+        dq_mod = mod if dq_file == main_file else load_module(dq_file, name_expressions=names[2:])
+        fn = kernels.function(dq_mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
         last = kernels.Launch(fn, grid, block, smem_dq, args)
     elif ld is not None:  # a ring block: dQ stays in the ring's accumulator
@@ -587,8 +594,9 @@ def kernel_plans(dev):
         for ctype in ("__half", "__nv_bfloat16") if dev.arch.bf16 else ("__half",):
             for otype in (ctype, "float"):
                 names = _names("tc", ctype, D, otype=otype, br=br, bc=bc, wq=wq)
-                out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, sm, 0, th)
-                        for n, sm, th in zip(names, (main, main, dq), (2 * bc, 2 * bc, 128)) if device.fits(dev, sm)]
+                files = (FILES["tc"][0], FILES["tc"][0], FILES["tc"][1])  # the main kernels', the dQ pass's
+                out += [device.KernelPlan(f, {}, n, sm, 0, th) for f, n, sm, th in
+                        zip(files, names, (main, main, dq), (2 * bc, 2 * bc, 128)) if device.fits(dev, sm)]
             if device.fits(dev, main):  # the variants' atomic main kernels (float dK, dV), without and with dropout
                 var_names = [_names("tc", ctype, D, br=br, bc=bc, wq=wq, var=True, drop=drop)[0] for drop in (0, 1)]
                 out += [device.KernelPlan("flash_v2_backward_tc.cu", {}, n, main, 0, 2 * bc) for n in var_names]

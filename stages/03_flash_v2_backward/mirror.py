@@ -16,8 +16,8 @@ everything else follows one thread block's loops:
         write dK_j = scale dK_j, dV_j
     dQ = scale * dQ_accum           (tc, short heads: the head's last block; else bwd_convert_dq)
 
-deterministic=True drops the dQ line above and runs a separate dQ pass (flash_bwd_dq_*): for i in Q
-tiles, for j in K/V tiles, recompute dS_ij and sum dQ_i in a fixed order.
+deterministic=True drops the dQ line above and runs a separate dQ pass (flash_bwd_dq_fp32,
+flash_v2_backward_dq_tc): for i in Q tiles, for j in K/V tiles, recompute dS_ij and sum dQ_i in a fixed order.
 
 The "tc" version computes as the tensor-core kernel does: fp32 accumulation, exp2 with log2(e)
 folded into the scale, and P_ij, dS_ij rounded to the input dtype before they enter a matmul.
@@ -38,7 +38,7 @@ from stages.common import LOG2E, cast, empty, variants
 # (Br, Bc) of the main kernel and of the deterministic dQ pass, per version (as in kernels/*.cu).
 # The tc kernel's Br and Bc depend on the head dim: TC_BR[D], TC_BC[D].
 TC_BR = {64: 128, 128: 64, 256: 64}  # the kernel computes a 128-row Q tile (d=64) as two 64-row chunks
-TC_BC = {64: 128, 128: 128, 256: 64}  # Bc of flash_bwd_tc per head dim: Bc / 16 warps, each owning 16 key rows
+TC_BC = {64: 128, 128: 128, 256: 64}  # Bc of flash_v2_backward_tc per head dim: Bc / 16 warps, each owning 16 key rows
 DQ_TILES = {"fp32": (32, 32), "tc": (64, 64)}
 
 
