@@ -22,7 +22,7 @@ from stages.common import LOG2E, bfloat16, device, fast_path, kernels, load_modu
 from stages.common.params import FwdParams
 
 VERSIONS = ("tc", "pipelined")
-VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variants' window, softcap, ALiBi, dropout (VAR)
+VARIANT_VERSIONS = ("pipelined",)  # the kernels that take the variants' window, softcap, ALiBi, dropout (HOOKS)
 HEAD_DIMS = {"tc": (32, 64, 96, 128), "pipelined": (32, 64, 96, 128, 256)}
 DTYPES = (np.dtype(np.float16), bfloat16)
 HEAD_GROUP = 8  # version 3, causal: heads per group in the block order (longest Q tiles first inside a group)
@@ -170,8 +170,8 @@ def kernel_sources():
 
 
 def _var_level(opts, causal, varlen):
-    """The kernel's VAR: 2 when softcap, ALiBi or dropout change the scores or P; else 1 for a window other than
-    causal's or a packed batch; else 0, plain (or causal) attention, maybe grouped-query."""
+    """The variants' level, the key of HOOKS: 2 when softcap, ALiBi or dropout change the scores or P; else 1 for a
+    window other than causal's or a packed batch; else 0, plain (or causal) attention, maybe grouped-query."""
     if opts is not None and (opts.softcap > 0 or opts.alibi_slopes is not None or opts.dropout_p > 0):
         return 2
     window = opts is not None and (opts.left >= 0 or (opts.right >= 0 and not causal))
