@@ -237,7 +237,7 @@ def part3(args, prov):
 
 # --------------------------------------------------------------------------- 4
 def part4(args, prov):
-    from stages.common.launch import mpi_env, mpirun_command
+    from stages.common.mpirun import mpi_env, mpirun_command
 
     common = ["--steps", "10" if args.quick else "30", "--batch", "8", "--context", "512", "--layers", "2",
               "--d-model", "128", "--heads", "2", "--seed", str(args.seed), "--device", "gpu", "--dtype", "float32",

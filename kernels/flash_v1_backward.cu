@@ -1,36 +1,21 @@
-// flash_v1_backward.cu: FlashAttention backward, fp32, as the 2022 paper writes it (no dropout).
+// flash_v1_backward.cu: FlashAttention backward in fp32 (no dropout), with the loop order of the 2022 paper.
 //
-// Paper: Dao et al., "FlashAttention", arXiv 2205.14135, appendix B, Algorithm 4 (the backward pass),
-// with its dropout lines left out. Tags `Alg.4 Ln` name its lines. P is recomputed from the saved
-// statistics instead of stored: the paper keeps l_i and m_i, this API keeps L_i = m_i + log(l_i)
-// (the lse forward returns), and P_ij = diag(l_i)^-1 exp(S_ij - m_i) = exp(S_ij - L_i).
-//
-//   dQ = 0 in HBM                                          (Alg.4 L6; dK, dV are written once each, L25)
-//   for j in 0..Tc-1:                                      (outer loop over K/V tiles, L7)
-//       load K_j, V_j to shared memory; dK~_j = dV~_j = 0 on chip                     (L8-9)
-//       for i in 0..Tr-1:                                  (inner loop over Q tiles, L10)
-//           load Q_i, O_i, dO_i, L_i                                                    (L11)
-//           S_ij = scale Q_i K_j^T, masked; P_ij = exp(S_ij - L_i)                       (L12-14)
-//           dV~_j += P_ij^T dO_i                                                        (L17)
-//           dP_ij = dO_i V_j^T; D_i = rowsum(dO_i * O_i); dS_ij = P_ij * (dP_ij - D_i) (L18, L20-21)
-//           dQ_i += scale dS_ij K_j   read-modify-write in HBM                          (L22)
-//           dK~_j += scale dS_ij^T Q_i                                                  (L23)
-//       write dK_j = dK~_j, dV_j = dV~_j to HBM                                         (L25)
-// D_i is recomputed for every (i, j) as the paper's Algorithm 4 does; FlashAttention-2 (stage 03)
-// computes it once in a separate pass.
-//
-// Versions (stages/01_flash_v1/flash_v1.py VERSIONS):
-//   paper: one thread block per (batch, head), Br = Bc = 32, 128 threads, both loops serial. The block
-//          owns all of dQ for its (batch, head), so the read-modify-write of dQ_i needs no atomics. SLOW
-//          on purpose (only B*H SMs busy, scalar fp32 loops): slower than naive attention on cuBLAS, in
-//          O(N) memory. Stage 03 gives each K/V tile its own block (FlashAttention-2's backward).
-//
-// Thread layouts (128 threads = 4 warps):
-//   row-group (L12-21): thread t owns row r = t/4 of S_ij, P_ij, dP_ij, dS_ij and keys c = t%4 + 4k.
-//   warp-row (L11, L22): warp w owns rows r = w + 4rr of Q_i, dO_i, dQ_i; lane owns d = lane + 32kk.
-//   warp-key (L17, L23, L25): warp w owns keys c = w + 4cc of dK~_j, dV~_j (registers); lane owns d.
-// Every HBM access is 32 consecutive floats per warp. Shared rows are padded to D+1 floats.
-//
+// Paper: Dao et al., "FlashAttention", arXiv 2205.14135, Algorithm 4 (appendix B) without its dropout lines; tags
+// `Alg.4 Ln` name its lines. P is recomputed, not stored: with L_i = m_i + log(l_i), P_ij = exp(S_ij - L_i).
+//   dQ = 0 in HBM                                                                             (L6)
+//   for j in 0..Tc-1: load K_j, V_j; dK~_j = dV~_j = 0 on chip                                (L7-L9)
+//     for i in 0..Tr-1: load Q_i, O_i, dO_i, L_i                                              (L10-L11)
+//       S_ij = scale Q_i K_j^T, masked; P_ij = exp(S_ij - L_i); dV~_j += P_ij^T dO_i          (L12-L17)
+//       dP_ij = dO_i V_j^T; D_i = rowsum(dO_i * O_i); dS_ij = P_ij * (dP_ij - D_i)            (L18, L20-L21)
+//       dQ_i += scale dS_ij K_j, read-modify-write in HBM; dK~_j += scale dS_ij^T Q_i          (L22-L23)
+//     dK_j = dK~_j, dV_j = dV~_j -> HBM                                                       (L25)
+// What changes from naive attention's backward, and why: the forward's tiling, so nothing N x N is stored.
+// One block owns all of its (batch, head)'s dQ, so the read-modify-write of dQ_i needs no atomics; D_i is
+// recomputed at every (i, j) as Algorithm 4 does (stage 03 computes it once and gives each K/V tile a block).
+// Work split: one block of 128 threads (4 warps) per (batch, head); Br = Bc = 32; shared rows padded to D+1 floats.
+//   row-group (L12-L21): thread t owns row t/4 of S_ij, P_ij, dP_ij, dS_ij and keys t%4 + 4k.
+//   warp-row (L11, L22): warp w owns rows w + 4rr of Q_i, dO_i, dQ_i; lane the columns lane + 32kk (coalesced).
+//   warp-key (L17, L23, L25): warp w owns keys w + 4cc of dK~_j, dV~_j (registers); lane the columns lane + 32kk.
 // Run: python stages/01_flash_v1/run.py            (tests: pytest tests/test_01_flash_v1.py)
 #include "common.cuh"
 

@@ -1,35 +1,19 @@
-// flash_v1_forward.cu: FlashAttention forward, fp32, exactly as the 2022 paper writes it.
+// flash_v1_forward.cu: FlashAttention forward in fp32, with the loop order of the 2022 paper.
 //
-// Paper: Dao, Fu, Ermon, Rudra, Re, "FlashAttention: Fast and Memory-Efficient Exact Attention with
-// IO-Awareness", arXiv 2205.14135, Algorithm 1 (the forward pass). Tags `Alg.1 Ln` name its lines.
-//
-//   for j in 0..Tc-1:                          (outer loop over K/V tiles, Alg.1 L5)
-//       load K_j, V_j into shared memory         (L6)
-//       for i in 0..Tr-1:                      (inner loop over Q tiles, L7)
-//           load Q_i, O_i, l_i, m_i from HBM     (L8)
-//           S_ij = scale * Q_i K_j^T             (L9)
-//           m~_ij, P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij)            (L10)
-//           m_new = max(m_i, m~_ij), l_new = e^(m_i-m_new) l_i + e^(m~_ij-m_new) l~_ij   (L11)
-//           O_i = diag(l_new)^-1 (diag(l_i) e^(m_i-m_new) O_i + e^(m~_ij-m_new) P~_ij V_j)  -> HBM (L12)
-//           l_i = l_new, m_i = m_new -> HBM      (L13)
-//   then L_i = m_i + log(l_i) (the lse the backward needs; -inf for a row that sees no key).
-//
-// Versions (stages/01_flash_v1/flash_v1.py VERSIONS):
-//   paper: one thread block per (batch, head) runs both loops serially, Br = Bc = 32, 128 threads.
-//          Correct, and SLOW on purpose: with j outer and O_i, l_i, m_i re-read and re-written at every
-//          step, the rows of Q cannot be given to different blocks without racing on O_i, so B*H blocks
-//          use B*H of the GPU's SMs (4 of 132 on an H100 at B=1, H=4), and the scalar fp32 loops use no
-//          tensor cores: slower than naive attention on cuBLAS, in O(N) memory instead of O(N^2) (run.py
-//          prints both). Stage 02 swaps the loops (FlashAttention-2) and gives each Q tile its own block.
-//
-// Thread layout (128 threads = 4 warps; Br = 32 rows of Q_i, Bc = 32 keys of K_j):
-//   "row-group" layout (L9-L11): thread t owns row r = t/4 of S_ij and the keys c = t%4 + 4k (k < Bc/4);
-//       the 4 threads of a row reduce with 4-lane shuffles.
-//   "warp-row" layout (L8, L12-L13): warp w owns rows r = w + 4rr, lane owns columns d = lane + 32kk:
-//       every HBM access of O_i is 32 consecutive floats per warp (coalesced).
-// Shared-memory rows are padded to D+1 floats so that the row-group layout's 8 rows per warp fall in 8
-// different banks.
-//
+// Paper: Dao, Fu, Ermon, Rudra, Re, "FlashAttention", arXiv 2205.14135, Algorithm 1; tags `Alg.1 Ln` name its lines.
+//   for j in 0..Tc-1: load K_j, V_j                                  (outer loop over K/V tiles, L5-L6)
+//     for i in 0..Tr-1: load Q_i, O_i, l_i, m_i from HBM             (inner loop over Q tiles, L7-L8)
+//       S_ij = scale Q_i K_j^T; m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij)   (L9-L10)
+//       m_new = max(m_i, m~_ij), l_new = e^(m_i-m_new) l_i + e^(m~_ij-m_new) l~_ij                     (L11)
+//       O_i = diag(l_new)^-1 (diag(l_i) e^(m_i-m_new) O_i + e^(m~_ij-m_new) P~_ij V_j); O_i, l_i, m_i -> HBM (L12-13)
+//   then L_i = m_i + log(l_i), the lse the backward needs (-inf for a row that sees no key).
+// What changes from naive attention (stage 00), and why: S and P exist one Br x Bc tile at a time, so memory is
+// O(N), not O(N^2). The paper's loop order keeps O_i, l_i, m_i in HBM between steps, so one block must own a
+// whole (batch, head) (the cost: stage 01's README; stage 02 swaps the loops).
+// Work split: one block of 128 threads (4 warps) per (batch, head), both loops serial; Br = Bc = 32.
+//   row-group layout (L9-L11): thread t owns row t/4 of S_ij and keys t%4 + 4k; a row reduces over 4 lanes.
+//   warp-row layout (L8, L12-L13): warp w owns rows w + 4rr, lane the columns lane + 32kk (coalesced O_i).
+// Shared-memory rows are padded to D+1 floats: the 8 rows a warp reads in the row-group layout hit 8 banks.
 // Run: python stages/01_flash_v1/run.py            (tests: pytest tests/test_01_flash_v1.py)
 #include "common.cuh"
 

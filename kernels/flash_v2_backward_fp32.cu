@@ -1,27 +1,19 @@
-// flash_v2_backward_fp32.cu: FlashAttention-2 backward, fp32, plain CUDA cores (the readable version).
-// Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2. Notation: Q_i, dO_i (Br rows), K_j, V_j
-// (Bc rows), S_ij, P_ij, dP_ij, dS_ij; L_i = the forward's logsumexp, D_i = rowsum(dO_i * O_i).
+// flash_v2_backward_fp32.cu: FlashAttention-2 backward, version "fp32": float32 on CUDA cores (the readable one).
 //
-// flash_bwd_fp32<HD, DQ_ATOMIC>: one block per (K/V tile j, batch*head). K_j, V_j stay in shared memory,
-//   dK_j, dV_j in registers; the block loops over the Q tiles i (Alg.2 L6-L18) and recomputes P_ij from L_i.
-//   DQ_ATOMIC: dQ_i += dS_ij K_j goes to an fp32 buffer with atomicAdd (bwd_convert_dq scales and casts it).
-//   Otherwise dQ is left to flash_bwd_dq_fp32 (deterministic mode).
-// flash_bwd_dq_fp32<HD>: deterministic dQ pass. One block per (Q tile i, batch*head) loops over j,
-//   recomputes dS_ij and sums dQ_i = scale * sum_j dS_ij K_j in a fixed order: bit-identical every run.
-//
+// Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2; L_i = the forward's lse, D_i = rowsum(dO_i * O_i).
 //   for j in K/V tiles (one block each):      load K_j, V_j; dK_j = dV_j = 0 on chip           (Alg.2 L5-L7)
 //     for i in Q tiles (causal: from the first one that sees K_j):                               (L8)
 //       load Q_i, dO_i, L_i, D_i; P_ij = exp(scale Q_i K_j^T - L_i)                              (L9-L11)
 //       dV_j += P_ij^T dO_i; dP_ij = dO_i V_j^T; dS_ij = P_ij * (dP_ij - D_i)                    (L12-L14)
 //       dQ_i += dS_ij K_j (atomic); dK_j += dS_ij^T Q_i                                          (L15-L16)
 //     write dK_j = scale dK_j, dV_j                                                              (L18-L19)
-//
-// What changed from stage 01's backward (flash_v1_backward.cu), and why it is faster: the grid runs one block
-// per (K/V tile, head) instead of one per head, so Tc * B * H blocks fill the GPU; D_i is computed once by
-// bwd_preprocess instead of at every step; dQ_i is added with atomics into one fp32 buffer instead of being
-// read, modified and written per step by a single block. A teaching kernel: scalar fp32 loops on CUDA cores
-// (S in double); the tensor-core version (flash_v2_backward_tc.cu) is the fast one.
-//
+// What changes from stage 01's backward (flash_v1_backward.cu), and why:
+//   * one block per (K/V tile, head) instead of one per head: Tc * B * H blocks fill the GPU;
+//   * D_i is computed once, by bwd_preprocess (flash_v2_backward_pre.cu), not at every step;
+//   * dQ_i is added by atomicAdd into one fp32 buffer (other K/V blocks add to the same rows at the same time).
+// flash_bwd_fp32<HD, DQ_ATOMIC>: the loop above (without DQ_ATOMIC it skips dQ); flash_bwd_dq_fp32<HD>: the
+// deterministic dQ pass, one block per (Q tile, head) sums dQ_i = scale sum_j dS_ij K_j in a fixed order.
+// Br = Bc = 32, 256 threads; shared rows padded to HD+1 floats. Scalar loops; version "tc" is the fast one.
 // Run: python stages/03_flash_v2_backward/run.py --version fp32   (tests: pytest tests/test_03_flash_v2_backward.py)
 #include "common.cuh"
 
@@ -90,8 +82,7 @@ __global__ void __launch_bounds__(NT) flash_bwd_fp32(
 #pragma unroll
         for (int u = 0; u < Br / 8; ++u) {
             const int r = d0 + 8 * u, q = i * Br + r, kv = j * Bc + c;
-            // S_ij is summed in double: with inputs x100 the logits reach 1e5, and an fp32 sum would leave
-            // an error of ~1e-2 in the exponent (P off by 1%); double costs little in this teaching kernel.
+            // S_ij summed in double: at huge logits an fp32 sum's rounding would move the exponent, and P with it
             double s = 0.0;
             float dp = 0.f;
             for (int d = 0; d < HD; ++d) {

@@ -1,14 +1,13 @@
-// flash_v2_backward_pre.cu: the two small kernels around the FlashAttention-2 backward.
+// flash_v2_backward_pre.cu: the two small kernels around the FlashAttention-2 backward (versions fp32 and tc).
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 2 (backward pass).
 //
-//   bwd_preprocess<T>: D_i = rowsum(dO_i * O_i) (Alg.2 L4) and the saved L_i rescaled for the main kernel.
-//   bwd_convert_dq<T>: dQ = scale * dQ_accum, cast to T (the fp32 atomic accumulator -> the output dtype), for
-//   version fp32 (scale: its accumulator holds dS K), and for version tc on long heads (scale 1: its atomics add
-//   scale dS K); on short heads the tc kernel does this step itself (the last block of each head,
-//   flash_v2_backward_tc.cu; the launcher's fuse_dq_rule picks).
-//
-// Used by both versions (fp32 and tc) in stages/03_flash_v2_backward/flash_v2_backward.py.
-//   python stages/03_flash_v2_backward/run.py
+//   bwd_preprocess<T>: D_i = rowsum(dO_i * O_i) (Alg.2 L4), once per row before the main kernel instead of at every
+//     step (stage 01), and L_i for the main kernel (+inf where the lse is -inf, so that P_ij = 0 there).
+//   bwd_convert_dq<T>: dQ = scale * dQ_accum cast to T: the fp32 buffer the main kernel's atomics add to becomes the
+//     output. The last launch of version fp32 (scale: it adds dS K) and of version tc on long heads (scale 1: it adds
+//     scale dS K); on short heads the tc kernel's last block of each head does it (flash_v2_backward_tc.cu; the
+//     launcher's fuse_dq_rule picks).
+// Launched by stages/03_flash_v2_backward/flash_v2_backward.py.   Run: python stages/03_flash_v2_backward/run.py
 #include "common.cuh"
 
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
@@ -27,16 +26,13 @@ __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
     for (int e = 0; e < 8; ++e) v[e] = to_f(h[e]);
 }
 
-// D / 8 lanes per query row, each with 8 consecutive columns (16-byte loads); a warp takes 256 / D rows, a block of
-// 8 warps 2048 / D. grid = (Nq_pad * D / 2048, B*H), block = 256; D a multiple of 8, at most 256.
-// o, dO: (BH, ldq, D), rows 0..Nq-1 of each head read (ldq = Nq for a whole problem; a ring block's rows of its
-// shard: pointers at its first row, ldq the shard's length); lse: (BH, ldq) natural log.
-// Dvec, Lout: (BH, Nq_pad); rows Nq..Nq_pad-1 are padding (D = 0, L = +inf: their P is exp(-inf) = 0).
-// Lout = lse * lse_mult (the launcher passes 1: both backward kernels take L_i in natural units).
-// A fully masked row has lse = -inf; we store +inf so that P = exp(S - L) = 0 there, never NaN.
-// zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) the main kernel's atomics add to, and the
-// ndone block counters of the tc kernel (saves a separate memset launch); 0 in deterministic mode, which has no
-// accumulator.
+// D / 8 lanes per query row, 8 consecutive columns each (16-byte loads); a block of 8 warps takes 2048 / D rows.
+// grid = (Nq_pad * D / 2048, B*H), block = 256; D a multiple of 8, at most 256.
+// o, dO: (BH, ldq, D), rows 0..Nq-1 read (ldq = Nq; a ring block: pointers at its shard's first row, ldq its length);
+// lse: (BH, ldq), natural log. Dvec, Lout: (BH, Nq_pad); rows Nq.. are padding (D = 0, L = +inf: P = 0).
+// Lout = lse * lse_mult (the launcher passes 1), and +inf where lse = -inf (a fully masked row: P = 0, never NaN).
+// zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) and the tc kernel's ndone block counters
+// (no separate memset launch); 0 in deterministic mode, which has no accumulator.
 template <typename T>
 __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO, const float* __restrict__ lse,
                                float* __restrict__ Dvec, float* __restrict__ Lout, float* __restrict__ dQacc,

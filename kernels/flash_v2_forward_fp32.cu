@@ -1,56 +1,21 @@
-// flash_v2_forward_fp32.cu: FlashAttention-2 forward, version 1 "fp32" (CUDA cores, float32 throughout).
+// flash_v2_forward_fp32.cu: FlashAttention-2 forward, version "fp32": float32 on CUDA cores.
 //
-// Paper: Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning"
-// (arXiv 2307.08691), Algorithm 1 (forward) and Section 3 (what changed from FlashAttention v1):
-//
-//   block (x, y) owns Q tile i and head bh = y:              (grid = Tr x B*H: parallel over sequence tiles)
-//   load Q_i into shared memory                                             (Alg.1 L4)
-//   O_i = 0, l_i = 0, m_i = -inf, on chip for the whole loop                (L5)
-//   for j in 0..Tc-1 (causal: only tiles left of / on the diagonal):        (L6)
-//       load K_j, V_j into shared memory                                    (L7)
-//       S_ij = scale * Q_i K_j^T                                            (L8)
-//       m_new = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_new)           (L9)
-//       l_i = e^(m_i - m_new) l_i + rowsum(P~_ij)
-//       O_i = diag(e^(m_i - m_new)) O_i + P~_ij V_j                         (L10: NOT normalised yet)
-//   O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i)  -> HBM                    (L12-L15: once, at the end)
-//
-// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined|fp32x3):
-//   1 fp32       THIS FILE. What changed from stage 01 (FlashAttention v1), and why each change is faster:
-//      * loops swapped: i (Q tiles) outside, one block per (Q tile, head), so O_i, l_i, m_i stay in registers
-//        (no HBM round trip per step) and the Tr * B * H blocks fill every SM (v1 had B * H blocks);
-//      * warps split the rows of Q_i (FA2 Sec. 3.3): each warp owns 4*TM rows of S_ij, P~_ij and O_i, so
-//        softmax and P V need no block-wide barrier, only __syncwarp;
-//      * the division by l_i is deferred to the end (FA2 Sec. 3.1): one divide per row, not one per tile;
-//      * register tiling (as in an SGEMM): a lane computes a TM x 8 block of S_ij and a TM x (HEAD_DIM/8)
-//        block of O_i from float4 shared-memory reads, so each value read from shared memory feeds several
-//        FMAs; exp2 with log2(e) folded into the scale (one MUFU.EX2 per element);
-//      * causal: tiles right of the diagonal are never visited, masking runs only on the diagonal tile(s)
-//        (and the ragged last K tile); the Q tiles with the most work are launched first;
-//      * loads overlap compute: V_j comes by cp.async while S_ij is computed (ASYNC_V), K_{j+1} is read into
-//        registers while P~_ij V_j is computed and stored transposed after it (PREFETCH_K).
-//      Plain FFMA on CUDA cores: PyTorch's float32 attention runs on tensor cores instead (3xTF32, as version 4
-//      does), which is why this version keeps up at small head dims and falls behind at d = 128.
-//   2 tc         flash_v2_forward_tc.cu: fp16/bf16 mma.sync m16n8k16 tensor cores.
-//   3 pipelined  flash_v2_forward_pipelined.cu: cp.async double buffering, padded smem, tuned tiles.
-//   4 fp32x3     flash_v2_forward_fp32x3.cu: float32 on TF32 tensor cores (3xTF32 split).
-//
-// Thread layout (NWARPS warps; Br = NWARPS * 4 * TM rows of Q_i; Bc = 64 keys of K_j):
-//   lane = 8 * rg + cg (rg = 0..3 row group, cg = 0..7 column group).
-//   rows of a lane:    wr0 + 0..TM-1, wr0 = warp * 4*TM + rg * TM          (S_ij, P~_ij, O_i, m_i, l_i)
-//   S_ij columns:      4*cg + 32*t + e, t = 0, 1, e = 0..3                  (8 keys of K_j)
-//   O_i columns:       4*cg + 32*t + e, t = 0..DP/32-1                      (DP = HEAD_DIM rounded up to 32)
-//   The 8 lanes of a row group hold one row: row max / row sum are 8-lane shuffles.
-// Shared memory (floats): Q_i^T [DP][Br], K_j^T [DP][Bc], V_j [Bc][DP], P~_ij^T [Bc][Br+4]; with SHARE_KV (GPUs
-// with little shared memory) V_j takes K_j's buffer once S_ij is computed.
-//   Transposed Q and K make "4 rows of Q_i" and "4 keys of K_j" one aligned float4 each; every float4 read of
-//   the inner loops is either a broadcast (Q, P: 4 addresses per warp) or 8 consecutive float4 (K, V): no bank
-//   conflicts. P~^T rows are padded by 4 floats so the float4 stores of a warp spread over all 32 banks.
-// Head dims 1..128: columns DP > HEAD_DIM are zero in shared memory and never stored; float4 global loads
-// when HEAD_DIM % 4 == 0, scalar loads otherwise.
-// One step j (PREFETCH_K, ASYNC_V), three barriers:
-//   S_ij from Q_i, K_j | softmax | P~_ij -> smem | fetch K_{j+1} -> regs | wait V_j, BARRIER | O_i += P~_ij V_j
-//   | BARRIER (K_j, V_j free) | cp.async V_{j+1}, K_{j+1} regs -> smem | BARRIER
-//
+// Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 1 and Section 3. Block (i, bh) of grid (Tr, B*H):
+//   load Q_i; O_i = 0, l_i = 0, m_i = -inf on chip                                           (Alg.1 L4-L5)
+//   for j in 0..Tc-1 (causal: up to the diagonal): load K_j, V_j; S_ij = scale Q_i K_j^T      (L6-L8)
+//     m_new = max(m_i, rowmax S_ij), P~_ij = exp(S_ij - m_new), l_i = e^(m_i-m_new) l_i + rowsum P~_ij   (L9)
+//     O_i = diag(e^(m_i - m_new)) O_i + P~_ij V_j                                            (L10, not normalised)
+//   O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) -> HBM                                       (L12-L15)
+// What changes from stage 01 (FlashAttention v1), and why:
+//   * loops swapped, one block per (Q tile, head): O_i, l_i, m_i stay in registers, Tr*B*H blocks fill the GPU;
+//   * warps split the rows of Q_i (FA2 Sec. 3.3): softmax and P~ V need __syncwarp, not a block barrier;
+//   * the division by l_i is deferred to the end (FA2 Sec. 3.1): one per row, not one per tile;
+//   * register tiling: a lane computes TM x 8 of S_ij from float4 reads, so each shared read feeds several FMAs;
+//   * exp2 with log2(e) folded into the scale: one ex2 instruction per element;
+//   * loads overlap compute: V_j by cp.async during S_ij (ASYNC_V), K_{j+1} into registers during P~ V (PREFETCH_K).
+// Layout: lane = 8 rg + cg owns rows wr0 + 0..TM-1 (wr0 = 4TM warp + TM rg) and keys / O_i columns 4cg + 32t + e;
+// a row's 8 lanes reduce by shuffles. Shared: Q_i^T [DP][Br], K_j^T [DP][Bc], V_j [Bc][DP], P~_ij^T [Bc][Br+4]
+// (transposed Q, K: 4 rows are one float4; P~^T rows padded by 4: no bank conflicts); DP = D rounded up to 32.
 // Run: python stages/02_flash_v2/run.py --version fp32        (tests: pytest tests/test_02_flash_v2.py)
 #include "attention_tiles.cuh"
 #include "params.cuh"
@@ -246,9 +211,8 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
                 for (int c = 0; c < 8; ++c) s[r][c] = fmaf(a[r], b[c], s[r][c]);
         }
 
-        // Scale to base 2 (S_ij * scale * log2 e, rounded once); mask only where needed: the diagonal tile(s)
-        // (some key > row0 + shift) and the ragged last tile (keys >= Nk). The condition is the same for the
-        // whole block: no divergence.
+        // Scale to base 2 (S_ij * scale * log2 e, rounded once); mask only the diagonal tile(s) and the ragged
+        // last tile (keys >= Nk): a block-wide condition, no divergence.
         const bool need_mask = (causal && (j + 1) * BC - 1 > row0 + shift) || (j + 1) * BC > Nk;
 #pragma unroll
         for (int r = 0; r < TM; ++r)
@@ -261,11 +225,8 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
                 }
             }
 
-        // Alg.1 L9-L10: online softmax, normalisation deferred. A row with no visible key so far has
-        // m_new = -inf: subtracting 0 instead gives P~ = exp2(-inf) = 0 and alpha = 0, never NaN.
-        // Why scale first and subtract after (not one FMA, s * scale_log2 - m): m is then one of the rounded
-        // values, so the row max gets P~ = 2^0 = 1 exactly. With the FMA the row max gets 2^(rounding residue),
-        // ~1 +- 0.005 for logits ~1e4, and a one-hot row (huge logits) comes out 1 ulp off.
+        // Alg.1 L9-L10: online softmax, normalisation deferred. A row with no visible key so far has m_new = -inf:
+        // subtracting 0 gives P~ = 0 and alpha = 0, never NaN. s was rounded before m is subtracted: P~(row max) = 1.
 #pragma unroll
         for (int r = 0; r < TM; ++r) {
             float mx = s[r][0];

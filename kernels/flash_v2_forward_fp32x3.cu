@@ -1,53 +1,27 @@
-// flash_v2_forward_fp32x3.cu: FlashAttention-2 forward, version 4 "fp32x3": float32 in and out, both matmuls on the
-// tensor cores with the 3xTF32 split (fp32-level accuracy from TF32 mma.sync).
+// flash_v2_forward_fp32x3.cu: FlashAttention-2 forward, version "fp32x3": float32 on TF32 tensor cores (3xTF32).
 //
-// Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1 (forward), Section 3.3 (work partitioning).
-// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined|fp32x3):
-//   1 fp32       flash_v2_forward_fp32.cu: float32 on CUDA cores (FFMA).
-//   2 tc         flash_v2_forward_tc.cu: fp16/bf16 mma.sync m16n8k16 + ldmatrix.
-//   3 pipelined  flash_v2_forward_pipelined.cu: cp.async double buffering, padded smem, tuned tiles.
-//   4 fp32x3     THIS FILE. The float32 inputs of version 1 in the structure of version 3, doing what PyTorch's
-//      memory-efficient backend (xformers / CUTLASS, OpMultiplyAddFastF32) does for float32 on sm_80+. What
-//      changed from version 1, and why: the tensor cores have far more throughput than FFMA, and three TF32
-//      mma per product keep close to fp32 accuracy:
-//      * S_ij = Q_i K_j^T and O_i += P_ij V_j run on the tensor cores, mma.sync m16n8k8 with TF32 operands
-//        (10 mantissa bits) and fp32 accumulators;
-//      * 3xTF32: every fp32 operand x is split into big = tf32(x) and small = tf32(x - big) (cvt.rna), and
-//        a b = a_small b_big + a_big b_small + a_big b_big (small products first, a_small b_small ~ 2^-22 |ab|
-//        dropped): three mma per product, close to fp32 accuracy (one TF32 mma alone: ~1e-3 relative);
-//      * fragments of 32-bit elements come from shared memory with plain 64-bit / 32-bit loads (ldmatrix moves
-//        16-bit elements); the k index of each mma is permuted (A column t <-> element 2t, column t+4 <-> 2t+1)
-//        so that a thread's two elements are adjacent: one 64-bit load for Q and K, and the C fragments of S_ij
-//        are the A fragments of P_ij with no shuffle (V is then read at rows 2t and 2t+1: two 32-bit loads);
-//      * rows padded so every fragment load is free of bank conflicts: Q, K rows D + 8 floats (64-bit loads of
-//        rows g, words 2t: banks 8g + 2t), V rows D + 4 floats (32-bit loads of rows 2t, words g: banks 8t + g);
-//      * K_j, V_j double-buffered by cp.async (tile j+1 lands while tile j is computed), one barrier per tile;
-//        Q_i stays in shared memory and is split again per tile (registers go to O_i and S_ij);
-//      * softmax as in version 3: base 2, exp2(__fmul_rn(s, scale log2 e) - m) so the row max gives exactly 1,
-//        masked and plain copies of the tile body, causal tiles right of the diagonal skipped;
-//      * accuracy beyond the plain recipe, for huge logits (inputs x100): every k step of both matmuls goes to
-//        a fresh accumulator and is added into S / O_i with one rounded fp32 add (tensor-core adds truncate, so
-//        chaining through |S| ~ 1e5 would drift), and V is split in three exact TF32 parts (4 mma per P V
-//        product) so a one-hot row of P gives V's row exactly.
-//      The price of that accuracy: every warp splits its fragments on the fly (cvt, and, sub per element) and
-//      adds the extra FADDs, so at large head dims this version issues more instructions than the tensor cores
-//      can use and is no faster than version 1; splitting K_j, V_j once per tile into shared memory would help.
-//
-// Work split (FA2 Sec. 3.3): one block per (Q tile i, head), grid (Tr, B*H), the last Q tiles (most causal work)
-// first. Warp w owns rows 16*MT*w .. 16*MT*(w+1)-1 of Q_i: its softmax is a 4-lane (quad) shuffle reduction.
-// mma.sync m16n8k8 .tf32 fragments (PTX ISA), lane = 4 g + t:
-//   A (16x8):  a[0] = (row g, col t), a[1] = (row g+8, col t), a[2] = (row g, col t+4), a[3] = (row g+8, col t+4)
-//   B (8x8):   b[0] = (row t, col g), b[1] = (row t+4, col g)
-//   C (16x8):  c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g+8, cols 2t, 2t+1)
-//
+// Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 1 (as in flash_v2_forward_fp32.cu), Section 3.3.
+// What changes from version "fp32", and why: tensor cores have far more throughput than FFMA, and the 3xTF32
+// split keeps close to fp32 accuracy (PyTorch's float32 backend does the same); the structure is version "pipelined":
+//   * S_ij = Q_i K_j^T and O_i += P_ij V_j on mma.sync m16n8k8 .tf32 (10 mantissa bits), fp32 accumulators;
+//   * 3xTF32: x = big + small (cvt.rna), a b = a_small b_big + a_big b_small + a_big b_big (a_small b_small dropped);
+//   * for huge logits each k step goes to a fresh accumulator and one rounded fp32 add (tensor-core adds truncate),
+//     and V is split in three exact TF32 parts, so a one-hot row of P gives V's row exactly;
+//   * 32-bit fragments by plain loads (ldmatrix moves 16-bit elements); each mma's k index is permuted (column t
+//     <-> element 2t, t+4 <-> 2t+1): a thread's two elements are adjacent, and S_ij's C fragments are P_ij's A;
+//   * K_j, V_j double-buffered by cp.async (tile j+1 lands during tile j), one barrier per tile.
+// Work split (FA2 Sec. 3.3): grid (Tr, B*H), last Q tiles first; warp w owns rows 16 MT w .. 16 MT (w+1) - 1 of Q_i.
+// Shared (floats): Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4], padded so every fragment load is
+// conflict-free. mma.sync m16n8k8 .tf32 fragments (PTX ISA), lane = 4 g + t, (row, col):
+//   A 16x8: a[0] = (g, t), a[1] = (g+8, t), a[2] = (g, t+4), a[3] = (g+8, t+4);   B 8x8: b[0] = (t, g), b[1] = (t+4, g)
+//   C 16x8: c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
 // Run: python stages/02_flash_v2/run.py --version fp32x3   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
 #include "attention_tiles.cuh"
 #include "params.cuh"
 
 
-// x = big + small, both TF32 (10 explicit mantissa bits): big = x rounded to TF32 (ties away from zero), small =
-// the rest rounded to TF32. x - big is exact in fp32; the low 13 bits of big are cleared so that it is the TF32
-// value itself (the mma ignores them, but the subtraction must not).
+// x = big + small, both TF32 (10 explicit mantissa bits): big = x rounded to TF32 (its low 13 bits cleared, so
+// x - big is exact), small = the rest rounded to TF32.
 __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
     u32 b;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(b) : "f"(x));
@@ -70,9 +44,8 @@ __device__ __forceinline__ void mma_1688_tf32_zero(float c[4], const u32 a[4], c
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.f));
 }
 
-// x = hi + mid + lo exactly, all TF32: V's three-part split. Two parts hold 22 of fp32's 24 significant bits
-// (x - big needs up to 12 bits, small keeps 11), so a row of V passed through 3xTF32 with P = 1 comes out up to one
-// ulp off; a one-hot row of P (huge logits, inputs x100) must give that row of V exactly, as fp32 attention does.
+// x = hi + mid + lo exactly, all TF32: V's three-part split (two parts hold only 22 of fp32's 24 significant bits),
+// so that a one-hot row of P gives that row of V exactly, as fp32 attention does.
 __device__ __forceinline__ void split3_tf32(float x, u32& hi, u32& mid, u32& lo) {
     u32 b;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(b) : "f"(x));
@@ -86,9 +59,7 @@ __device__ __forceinline__ void split3_tf32(float x, u32& hi, u32& mid, u32& lo)
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh), float32. D: head dim (multiple of 32); BC: keys per K/V tile;
 // NWARPS warps of MT m-tiles (16 rows each): Br = 16 * MT * NWARPS; MINB: blocks per SM the registers must allow;
-// SU: unroll of the k loop of S_ij (fully unrolled, the compiler runs several k steps ahead and runs out of
-// registers at large head dims; a small unroll keeps the k loop within the register budget).
-// Shared memory (floats): Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4].
+// SU: unroll of the k loop of S_ij (a smaller unroll holds fewer k steps' operands in registers).
 template <int D, int BC, int NWARPS, int MT, int MINB, int SU>
 __global__ void __launch_bounds__(NWARPS * 32, MINB)
 flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
@@ -188,10 +159,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
                     u32 kb[2], ks[2];  // B fragment of K_j^T: (row t, col g) = K[key g][2t], (row t+4) = K[g][2t+1]
                     split_tf32(y.x, kb[0], ks[0]);
                     split_tf32(y.y, kb[1], ks[1]);
-                    // The three products of this k step go to a fresh accumulator, then one rounded fp32 add into
-                    // S. The tensor core aligns its addends to the largest and truncates: chained through S (|S| up
-                    // to ~1e5 with inputs x100), every mma would lose up to an ulp of S, always toward zero, and
-                    // the lse error would grow with the number of k steps, past the tolerance rule.
+                    // A fresh accumulator per k step, then one rounded add into S (tensor-core adds truncate).
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
                         float c[4];
@@ -205,8 +173,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
             // Masking: the tile holding Nk's tail and tiles crossing the causal diagonal.
             if (MASKED) mask_scores<MT, BC>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
             // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij), l_ij = e^{m_i - m_ij} l_i + rowsum.
-            // Base 2 with log2(e) folded into the scale; the product is rounded before the subtraction
-            // (__fmul_rn is never fused into an FFMA), so the row max gives exactly exp2(0) = 1.
+            // Base 2; __fmul_rn rounds s * scale_log2 before m is subtracted, so the row max gives exactly 1.
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
 #pragma unroll
@@ -223,12 +190,10 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
                         s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
                         rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
                     }
-                    // the quad's 4 partial sums add up at the end. Not one FFMA: to feed an FFMA here the compiler
-                    // keeps P V products live in registers; separately rounded, it does not.
+                    // this lane's part of the row sum (the quad's parts add up at the end); not fused, as below
                     l_i[m][h] = __fadd_rn(__fmul_rn(l_i[m][h], alpha), rs);
-                    // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i (normalisation deferred to the end).
-                    // __fmul_rn: not contracted with the "+= P V" below into an FFMA, which would make the compiler
-                    // hold the products of later k steps live in registers.
+                    // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i, normalisation deferred. __fmul_rn:
+                    // not fused with the "+= P V" below into an FFMA (that keeps later products live in registers).
 #pragma unroll
                     for (int d = 0; d < D / 8; ++d) {
                         acc_o[m][d][2 * h] = __fmul_rn(acc_o[m][d][2 * h], alpha);
@@ -254,11 +219,8 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
                     u32 vh[2], vm[2], vl[2];
                     split3_tf32(vj[(8 * kk) * LDV + 8 * d], vh[0], vm[0], vl[0]);
                     split3_tf32(vj[(8 * kk + 1) * LDV + 8 * d], vh[1], vm[1], vl[1]);
-                    // P V = P_small V_hi + P_big (V_lo + V_mid + V_hi), smallest first (P_small V_mid ~ 2^-24 PV
-                    // dropped): with P = 1 (P_small = 0) the sum is V exactly. As for S, a fresh accumulator per k
-                    // step and one rounded add into O_i: chained through O_i, the truncating tensor-core adds of
-                    // tiny products (a nearly one-hot row of P, inputs x100) would move O_i by one ulp, more than
-                    // the tolerance rule allows where the yardstick is exact.
+                    // P V = P_small V_hi + P_big (V_lo + V_mid + V_hi), smallest first (P_small V_mid dropped): with
+                    // P = 1 the sum is V exactly. As for S: a fresh accumulator per k step, one rounded add into O_i.
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
                         float c[4];
@@ -289,8 +251,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
             const float inv_l = inverse_row_sum(l_i[m][h], l);  // fully masked row: O = 0
             const int r = row0 + wrow + m * 16 + g + 8 * h;
             if (r >= Nq) continue;
-            // natural log: m_i is in base 2; the product in fp64 (with huge logits m_i ~ 1e4, an fp32 product would
-            // add its own rounding, ~1e-3, to the lse)
+            // natural log: m_i is in base 2; the product in fp64, so it adds no rounding of its own at huge m_i
             if (t == 0)
                 lse[bh * Nq + r] = l != 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
             float* orow = o + (bh * Nq + r) * D + 2 * t;

@@ -1,27 +1,17 @@
-// flash_v2_forward_tc.cu: FlashAttention-2 forward, version 2 "tc": tensor cores (fp16 / bf16 in, fp32 accumulate).
+// flash_v2_forward_tc.cu: FlashAttention-2 forward, version "tc": tensor cores, fp16/bf16 in, fp32 accumulate.
 //
-// Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1 (forward), Section 3.3 (work partitioning).
-// Versions of stage 02 (all runnable: python stages/02_flash_v2/run.py --version fp32|tc|pipelined|fp32x3):
-//   1 fp32       flash_v2_forward_fp32.cu: CUDA cores, one block per Q tile, warps split Q_i's rows.
-//   2 tc         THIS FILE. What changed from version 1, and why it is faster:
-//      * S_ij = Q_i K_j^T and O_i += P_ij V_j run on the tensor cores: mma.sync m16n8k16 (inline PTX),
-//        fp16/bf16 operands, fp32 accumulators: one instruction does a 16x8x16 product that takes 2048 FMAs
-//        on CUDA cores; fragments come out of shared memory with ldmatrix (one instruction per 8x8 tile);
-//      * Q_i's A fragments are loaded once into registers and reused for every K/V tile;
-//      * P_ij never touches shared memory: the fp32 C fragments of S_ij, rounded to 16 bits, are exactly
-//        the A fragments of P_ij V_j (same thread owns the same (row, key) elements);
-//      * each warp owns 16 rows of Q_i (one m-tile): its softmax is a 4-lane (quad) shuffle reduction.
-//      Kept simple on purpose, so the tensor-core mechanics stand alone (version 3 removes each of these
-//      limits): K_j, V_j are loaded synchronously (global -> registers -> shared, then a barrier: nothing
-//      overlaps the loads), shared rows are unpadded (ldmatrix hits bank conflicts: the 8 rows of a phase
-//      fall in the same bank group when a row is a multiple of 128 bytes), the softmax uses natural exp,
-//      O is written straight from the fragments.
-//   3 pipelined  flash_v2_forward_pipelined.cu: cp.async double buffering, padded rows, tuned tiles.
-//   4 fp32x3     flash_v2_forward_fp32x3.cu: float32 on TF32 tensor cores (3xTF32 split).
-//
-// Work split (FA2 Sec. 3.3): grid (Tr, B*H), Br = 64 (4 warps x 16 rows), Bc = 64.
+// Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 1 (as in flash_v2_forward_fp32.cu), Section 3.3.
+// What changes from version "fp32", and why:
+//   * S_ij = Q_i K_j^T and O_i += P_ij V_j on mma.sync m16n8k16 (inline PTX), fp32 accumulators: one instruction
+//     does a 16x8x16 product, 2048 FMAs on CUDA cores; ldmatrix moves fragments out of shared memory (8x8 tiles);
+//   * Q_i's A fragments are loaded once into registers and reused for every K/V tile;
+//   * P_ij never touches shared memory: S_ij's C fragments, rounded to 16 bits, are P_ij V_j's A fragments;
+//   * each warp owns 16 rows of Q_i (one m-tile), so its softmax is a 4-lane (quad) shuffle reduction.
+// Kept simple so the tensor-core mechanics stand alone (version "pipelined" lifts each limit): K_j, V_j are loaded
+// synchronously, shared rows are unpadded (ldmatrix conflicts when a row is a multiple of 128 bytes), the softmax
+// uses natural exp, O_i is written straight from the fragments.
+// Work split (FA2 Sec. 3.3): grid (Tr, B*H), Br = 64 (4 warps x 16 rows), Bc = 64; shared Q_i, K_j, V_j [rows][D].
 // mma.sync fragment layout (lane = 4 g + t): see kernels/common.cuh.
-//
 // Run: python stages/02_flash_v2/run.py --version tc   (tests: pytest tests/test_02_flash_v2.py)
 #include "attention_tiles.cuh"
 #include "params.cuh"

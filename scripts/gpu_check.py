@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from stages.common.launch import mpi_env, mpirun_command  # `stages` is installed: pip install -e .
+from stages.common.mpirun import mpi_env, mpirun_command  # `stages` is installed: pip install -e .
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

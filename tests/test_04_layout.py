@@ -1,7 +1,7 @@
 """Stage 04: the ring's pieces against direct formulas, on the CPU.
 
 The merge (against attention over the whole key set; stability; empty rows); the layouts (shard/unshard round trip,
-padding, zigzag's chunks and balance); plan, pair by pair against the full mask (causal and sliding windows, odd
+padding, zigzag's chunks and balance); block_calls, pair by pair against the full mask (causal and sliding windows, odd
 lengths, Nq != Nk); the steps a window leaves (schedule, and the timeline shows only they ran); the bytes of a
 grouped-query hop.
 """
@@ -40,7 +40,7 @@ def test_merge_is_stable_and_handles_empty_rows():
     assert lse[0, 0, 2] == 5.0 and (o[0, 0, 2] == 2).all()  # one side empty: the other side unchanged
 
 
-# ---------------------------------------------------------------- layouts and the plan
+# ---------------------------------------------------------------- layouts and the block calls
 
 
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
@@ -62,12 +62,13 @@ def test_zigzag_holds_chunks_r_and_2p_minus_1_minus_r():
     assert ring.positions(1, 2, 8, "contiguous").tolist() == [4, 5, 6, 7]
 
 
-def _visible_from_plan(calls, Lq, Lk):
+def _visible_from_calls(calls, Lq, Lk):
     """How often each (row, key) of the block is computed by the calls, each under its own kernel mask."""
     seen = np.zeros((Lq, Lk), int)
     for c in calls:
         opts = variants.Options(left=c.left, right=c.right)  # the kernel's mask: bottom-right on its sub-problem
-        seen[c.a:c.b, c.c:c.m] += variants.visible(c.b - c.a, c.m - c.c, opts)
+        seen[c.q_start:c.q_stop, c.k_start:c.k_stop] += variants.visible(c.q_stop - c.q_start, c.k_stop - c.k_start,
+                                                                         opts)
     return seen
 
 
@@ -78,7 +79,7 @@ WINDOWS = [None, (3, -1), (0, 0), (2, 5), (-1, 4), (40, -1)]
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk,P", [(16, 16, 4), (13, 13, 2), (37, 100, 3), (100, 60, 4), (5, 1, 2), (1, 1, 3)])
-def test_plan_covers_exactly_the_visible_keys(nq, nk, P, causal, layout, window):
+def test_block_calls_cover_exactly_the_visible_keys(nq, nk, P, causal, layout, window):
     """Over all P blocks, the calls cover each (real query, real key) pair once iff the mask allows it (causal and
     a sliding window, each call under its own kernel mask), padded keys never; the steps with work are exactly the
     steps at which some call exists."""
@@ -91,8 +92,8 @@ def test_plan_covers_exactly_the_visible_keys(nq, nk, P, causal, layout, window)
         qpos = ring.positions(r, P, nq, layout)
         for src in range(P):
             kpos = ring.positions(src, P, nk, layout)
-            calls = ring.plan(qpos, kpos, nq, nk, causal, window)
-            seen = _visible_from_plan(calls, len(qpos), len(kpos))
+            calls = ring.block_calls(qpos, kpos, nq, nk, causal, window)
+            seen = _visible_from_calls(calls, len(qpos), len(kpos))
             real_q, real_k = qpos < nq, kpos < nk
             want = full[np.ix_(qpos[real_q], kpos[real_k])].astype(int)
             np.testing.assert_array_equal(seen[np.ix_(real_q, real_k)], want)
@@ -106,9 +107,9 @@ def test_contiguous_causal_is_full_diagonal_or_skipped():
     P, n = 4, 64
     q2 = ring.positions(2, P, n, "contiguous")
     full, diag = ring.BlockCall(0, 16, 0, 16, -1, -1), ring.BlockCall(0, 16, 0, 16, -1, 0)
-    assert ring.plan(q2, ring.positions(0, P, n, "contiguous"), n, n, True) == [full]  # before: full
-    assert ring.plan(q2, ring.positions(2, P, n, "contiguous"), n, n, True) == [diag]  # same: diagonal
-    assert ring.plan(q2, ring.positions(3, P, n, "contiguous"), n, n, True) == []  # after: skipped
+    assert ring.block_calls(q2, ring.positions(0, P, n, "contiguous"), n, n, True) == [full]  # before: full
+    assert ring.block_calls(q2, ring.positions(2, P, n, "contiguous"), n, n, True) == [diag]  # same: diagonal
+    assert ring.block_calls(q2, ring.positions(3, P, n, "contiguous"), n, n, True) == []  # after: skipped
     assert diag.mask() == {"causal": True} and full.mask() == {"causal": False}
 
 
@@ -117,12 +118,12 @@ def test_a_window_is_a_band_of_calls_and_skips_far_blocks():
     band, every other block nothing."""
     P, n = 4, 64
     q2 = ring.positions(2, P, n, "contiguous")
-    before = ring.plan(q2, ring.positions(1, P, n, "contiguous"), n, n, True, (5, -1))
-    own = ring.plan(q2, ring.positions(2, P, n, "contiguous"), n, n, True, (5, -1))
+    before = ring.block_calls(q2, ring.positions(1, P, n, "contiguous"), n, n, True, (5, -1))
+    own = ring.block_calls(q2, ring.positions(2, P, n, "contiguous"), n, n, True, (5, -1))
     assert before == [ring.BlockCall(0, 5, 11, 16, 0, -1)]  # row i sees keys 11+i..15 of block 1
     assert own == [ring.BlockCall(0, 6, 0, 6, -1, 0), ring.BlockCall(6, 16, 1, 16, 5, 0)]  # a causal corner, a band
     assert own[1].mask() == {"causal": False, "window": (5, 0)}
-    assert ring.plan(q2, ring.positions(0, P, n, "contiguous"), n, n, True, (5, -1)) == []
+    assert ring.block_calls(q2, ring.positions(0, P, n, "contiguous"), n, n, True, (5, -1)) == []
 
 
 @pytest.mark.parametrize("layout,window,causal,want", [
@@ -168,8 +169,8 @@ def test_zigzag_balances_causal_work():
 
     def work(layout, r):
         qpos = ring.positions(r, P, n, layout)
-        return sum(c.pairs() for src in range(P) for c in ring.plan(qpos, ring.positions(src, P, n, layout), n, n,
-                                                                     True))
+        return sum(c.pairs() for src in range(P)
+                   for c in ring.block_calls(qpos, ring.positions(src, P, n, layout), n, n, True))
 
     zig = [work("zigzag", r) for r in range(P)]
     con = [work("contiguous", r) for r in range(P)]

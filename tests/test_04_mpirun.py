@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from stages.common import bfloat16
-from stages.common.launch import mpi_env, mpirun_command
+from stages.common.mpirun import mpi_env, mpirun_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "stages" / "04_ring" / "run.py"

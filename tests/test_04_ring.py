@@ -116,9 +116,9 @@ def test_ring_with_options_through_the_tile_mirrors(name, layout, dtype):
 
 
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
-def test_dropout_grid_check_on_the_plans(layout):
+def test_dropout_grid_check_on_the_block_calls(layout):
     """The check the GPU ring makes before dropout (its kernels draw the mask 16 x 16 blocks at a time), run here on
-    the plans: 384 tokens put every call of every rank on the grid for 2, 3 and 4 ranks, causal, full, or with a
+    the block calls: 384 tokens put every call of every rank on the grid for 2, 3 and 4 ranks, causal, full, or with a
     right window side; 100 tokens on 3 ranks do not, nor does a left side off the 16 grid (a band's calls start one key
     apart), and the error names the call."""
     from stages.ring.ring import Problem, check_dropout_tiles
@@ -223,7 +223,7 @@ def test_lanes_never_share_a_row():
     assert sorted(map(tuple, lanes)) == sorted([(calls[0], calls[1], calls[3]), (calls[2], calls[4])])
     for i, x in enumerate(lanes):
         for y in lanes[i + 1:]:
-            assert not any(c.a < d.b and d.a < c.b for c in x for d in y)
+            assert not any(c.q_start < d.q_stop and d.q_start < c.q_stop for c in x for d in y)
     assert _lanes(calls, by_rows=False) == [[c] for c in calls]  # atomics: every call a lane
 
 

@@ -80,10 +80,10 @@ def test_traffic_says_what_each_scheme_sends():
     heads as heads; the ring's count agrees with schedule()'s hops."""
     L, H, D = 1024, 8, 64
     for P in (2, 4, 8):
-        plan = ring.schedule(P, P * L, P * L, layout="zigzag", causal=True, kv_shape=(1, H, L, D), dtype=bfloat16)
+        sched = ring.schedule(P, P * L, P * L, layout="zigzag", causal=True, kv_shape=(1, H, L, D), dtype=bfloat16)
         f, b = ring.traffic("ring", P, L, H, H, D, bfloat16)
-        assert f == plan["kv_hops"] * plan["kv_bytes_per_hop"]
-        assert b == plan["kv_hops"] * plan["kv_bytes_per_hop"] + plan["dkv_hops"] * plan["dkv_bytes_per_hop"]
+        assert f == sched["kv_hops"] * sched["kv_bytes_per_hop"]
+        assert b == sched["kv_hops"] * sched["kv_bytes_per_hop"] + sched["dkv_hops"] * sched["dkv_bytes_per_hop"]
         kv = 2 * L * H * D
         assert ring.traffic("allgather", P, L, H, H, D, bfloat16) == (f, b - kv * 4)
         a_f, a_b = ring.traffic("alltoall", P, L, H, H, D, bfloat16)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from stages import train_gpt as T
-from stages.common.launch import mpi_env, mpirun_command
+from stages.common.mpirun import mpi_env, mpirun_command
 
 L = T.layers
 ROOT = pathlib.Path(__file__).resolve().parents[1]

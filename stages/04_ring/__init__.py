@@ -1,5 +1,5 @@
 """Stage 04: ring attention over MPI / NCCL. See ring.py (schedule and merge), layout.py (shards and the
-plan of kernel calls), comm.py (backends) and gather.py (the all-gather and all-to-all schemes).
+kernel calls of each block), comm.py (backends) and gather.py (the all-gather and all-to-all schemes).
 
 Per rank (under mpirun):  ring_forward(q_r, k_r, v_r, ring=..., ...), ring_backward(...)
 In one process (P simulated ranks as threads, the stage's one-API entry points):
@@ -8,7 +8,7 @@ In one process (P simulated ranks as threads, the stage's one-API entry points):
 """
 from .comm import BACKENDS, simulate
 from .gather import SCHEMES, traffic
-from .layout import LAYOUTS, BlockCall, halves, plan, positions, shard, shard_len, steps, unshard
+from .layout import LAYOUTS, BlockCall, block_calls, halves, positions, shard, shard_len, steps, unshard
 from .ring import (
     BLOCKS, RingMismatch, backward, check_same_everywhere, flash_version, forward, memory_per_token, merge,
     ring_backward, ring_forward, schedule,
@@ -16,7 +16,7 @@ from .ring import (
 
 
 __all__ = [
-    "forward", "backward", "ring_forward", "ring_backward", "merge", "plan", "positions",
+    "forward", "backward", "ring_forward", "ring_backward", "merge", "block_calls", "positions",
     "shard", "shard_len", "unshard", "flash_version", "simulate", "check_same_everywhere", "BLOCKS", "LAYOUTS",
     "RingMismatch", "BACKENDS", "BlockCall", "steps", "schedule", "halves", "memory_per_token", "SCHEMES", "traffic",
 ]

@@ -9,7 +9,7 @@ Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; a 
     positions(rank, P, n, layout) global positions of a rank's rows, in local order
     shard(x, rank, P, layout)     a rank's rows of x (B, H, N, ...), zero-padded
     unshard(shards, n, layout)    the global array back from the P shards
-    plan(qpos, kpos, nq, nk, causal, window, runs)  the kernel calls that cover exactly the visible (query, key) pairs
+    block_calls(qpos, kpos, nq, nk, causal, window, runs)  the kernel calls that cover exactly the visible pairs
     steps(P, nq, nk, layout, causal, window)  the ring steps at which some rank has work (a window skips the rest)
     halves(L, P, layout)          the two halves a key block travels in (rows of the shard)
 """
@@ -96,13 +96,13 @@ def halves(L, P, layout):
 
 # ----------------------------------------------------------------------------- which keys each query sees
 class BlockCall(NamedTuple):
-    """One kernel call of a (query shard, key block) pair: rows a:b of the query shard attend keys c:m of the block
-    under the kernel's own mask (left, right): a window around the kernel's bottom-right diagonal, -1 unbounded,
-    so (-1, -1) is full attention and (-1, 0) causal (stages/common/variants.py)."""
-    a: int
-    b: int
-    c: int
-    m: int
+    """One kernel call of a (query shard, key block) pair: rows q_start:q_stop of the query shard attend keys
+    k_start:k_stop of the block under the kernel's own mask (left, right): a window around the kernel's bottom-right
+    diagonal, -1 unbounded, so (-1, -1) is full attention and (-1, 0) causal (stages/common/variants.py)."""
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
     left: int = -1
     right: int = -1
 
@@ -118,7 +118,7 @@ class BlockCall(NamedTuple):
     def pairs(self):
         """How many (query, key) pairs the call computes."""
         opts = variants.Options(left=self.left, right=self.right)  # the kernel's own mask on its sub-problem
-        return int(variants.visible(self.b - self.a, self.m - self.c, opts).sum())
+        return int(variants.visible(self.q_stop - self.q_start, self.k_stop - self.k_start, opts).sum())
 
 
 def visible_range(qpos, kpos, nq, nk, causal, window=None):
@@ -141,27 +141,28 @@ def visible_range(qpos, kpos, nq, nk, causal, window=None):
     return lo, np.maximum(hi, lo)
 
 
-def plan(qpos, kpos, nq, nk, causal, window=None, runs=False):
+def block_calls(qpos, kpos, nq, nk, causal, window=None, runs=False):
     """Split one (query shard, key block) pair into kernel calls [BlockCall]: together they cover exactly the
     visible (query, key) pairs, each once.
 
     runs=True: no call spans a jump in positions (zigzag's two chunks), so each call's rows and keys are consecutive
     global positions: what ALiBi and dropout need, whose bias and bits are functions of the global (i, j). The
-    pair is then planned run by run (each run of consecutive query positions against each run of keys).
+    pair is then split run by run (each run of consecutive query positions against each run of keys).
 
     Row i sees keys lo_i:hi_i (visible_range). Down the rows each edge either stays (a flat edge) or moves by one key
-    per row (a diagonal edge), except at a jump; a run of rows whose two edges keep one behaviour is one call:
+    per row (a diagonal edge), except at a jump; a run of rows whose two edges keep one behaviour is one call, of
+    rows q_start:q_stop and keys k_start:k_stop (shift = (k_stop - k_start) - (q_stop - q_start)):
         both flat             full attention on keys lo:hi
-        hi diagonal           causal (the kernel's diagonal is bottom-right: row b-1 sees up to key m-1)
-        lo diagonal           a window (m - c - (b - a), -1): row i' starts at key i'
-        both diagonal         a band (m - c - (b - a), 0)
+        hi diagonal           causal (the kernel's diagonal is bottom-right: the last row sees up to the last key)
+        lo diagonal           a window (shift, -1): row i' starts at key i'
+        both diagonal         a band (shift, 0)
     A lone row between two jumps is a full call on its own keys; rows that see no key are skipped.
     With no window lo = 0 and this is the causal staircase: full calls, diagonal calls and skipped rows.
     """
     if runs:
-        return [c._replace(a=c.a + qa, b=c.b + qa, c=c.c + kc, m=c.m + kc)
-                for qa, qb in _runs(qpos) for kc, km in _runs(kpos)
-                for c in plan(qpos[qa:qb], kpos[kc:km], nq, nk, causal, window)]
+        return [c._replace(q_start=c.q_start + q0, q_stop=c.q_stop + q0, k_start=c.k_start + k0, k_stop=c.k_stop + k0)
+                for q0, q1 in _runs(qpos) for k0, k1 in _runs(kpos)
+                for c in block_calls(qpos[q0:q1], kpos[k0:k1], nq, nk, causal, window)]
     lo, hi = visible_range(qpos, kpos, nq, nk, causal, window)
     L = len(lo)
     busy = hi > lo
@@ -186,9 +187,9 @@ def plan(qpos, kpos, nq, nk, causal, window=None, runs=False):
             continue
         k = int(kind[i]) if i + 1 < L else -1
         j = run_end(i) if k >= 0 else i + 1
-        c, m = int(lo[i]), int(hi[j - 1])
-        delta = (m - c) - (j - i)  # the kernel's diagonal shift on this sub-problem
-        calls.append(BlockCall(i, j, c, m, delta if k in (2, 3) else -1, 0 if k in (1, 3) else -1))
+        k_start, k_stop = int(lo[i]), int(hi[j - 1])
+        shift = (k_stop - k_start) - (j - i)  # the kernel's diagonal shift on this sub-problem
+        calls.append(BlockCall(i, j, k_start, k_stop, shift if k in (2, 3) else -1, 0 if k in (1, 3) else -1))
         i = j
     return calls
 

@@ -29,13 +29,13 @@ How a block travels (what makes the ring pay on real GPUs):
     themselves: version pipelined merges O_rj, L_rj into O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
     atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
     returns its partial result and merge() / += add it (the same arithmetic).
-  * No copies: a block call reads rows a:b of the shard and keys c:m of the half in place.
+  * No copies: a block call reads rows q_start:q_stop of the shard and keys k_start:k_stop of the half in place.
   * Side by side: a step's calls run on side streams at once where they cannot touch the same values but through
     atomics (_Blocks), so that one call's last wave of thread blocks does not leave SMs idle.
 
-Causal across shards, sliding windows, the layouts (contiguous, zigzag), padding to any length, `plan` (which
-kernel calls cover exactly the visible (query, key) pairs), `halves` and `steps` (the steps at which some rank has
-work) live in layout.py. With a window most steps have no work: the loops run over `steps` only, the halves hop
+Causal across shards, sliding windows, the layouts (contiguous, zigzag), padding to any length, `block_calls`
+(which kernel calls cover exactly the visible (query, key) pairs), `halves` and `steps` (the steps at which some rank
+has work) live in layout.py. With a window most steps have no work: the loops run over `steps` only, the halves hop
 straight to the next such step, and dK_j, dV_j go home in one hop after the last. Grouped-query K, V travel with
 their own Hkv heads. ALiBi and dropout see each pair's global indices: every block call is told where it sits in
 the whole problem (origin = the global query row and key of its first row and key), so its bias and its dropout
@@ -61,11 +61,13 @@ from stages.common import (
 
 from . import gather
 from .gather import SCHEMES, check_scheme
-from .layout import LAYOUTS, _runs, check_layout, check_ranks, halves, plan, positions, shard, shard_len, steps, unshard
+from .layout import (
+    LAYOUTS, _runs, block_calls, check_layout, check_ranks, halves, positions, shard, shard_len, steps, unshard,
+)
 
 __all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version",
-           "RingMismatch", "check_same_everywhere", "LAYOUTS", "plan", "positions", "shard", "shard_len", "unshard",
-           "steps", "schedule", "memory_per_token", "SCHEMES"]
+           "RingMismatch", "check_same_everywhere", "LAYOUTS", "block_calls", "positions", "shard", "shard_len",
+           "unshard", "steps", "schedule", "memory_per_token", "SCHEMES"]
 
 
 # ----------------------------------------------------------------------------- block kernels
@@ -156,9 +158,9 @@ def _merge_kernel():
     return cupy.ElementwiseKernel("T w_a, T o_b, T w_b", "T o_a", "o_a = o_a * w_a + o_b * w_b", "ring_merge_o")
 
 
-def _rows(x, a, b):
+def _rows(x, start, stop):
     xp = np if isinstance(x, np.ndarray) else __import__("cupy")
-    return xp.ascontiguousarray(x[:, :, a:b])  # (B, H, b-a, ...)
+    return xp.ascontiguousarray(x[:, :, start:stop])  # (B, H, stop - start, ...)
 
 
 class RingMismatch(ValueError):
@@ -185,15 +187,15 @@ def check_same_everywhere(ring, **facts):
 
 # ----------------------------------------------------------------------------- what every rank agrees on
 @functools.lru_cache(maxsize=1024)
-def _planned(P, r, nq, nk, layout, causal, window, runs, s, h):
+def _step_calls(P, r, nq, nk, layout, causal, window, runs, s, h):
     """(calls, key positions) of this rank's queries against half h (None: all) of the block it holds at step s: the
-    kernel calls (layout.plan) and the global positions of the keys. A pure function of the problem's shape, so it is
-    made once per (problem, step, half) and remembered: a repeated ring call plans nothing."""
+    kernel calls (layout.block_calls) and the global positions of the keys. A pure function of the problem's shape, so
+    it is made once per (problem, step, half) and remembered: a repeated ring call splits nothing again."""
     qpos = positions(r, P, nq, layout)
     kpos = positions((r - s) % P, P, nk, layout)
     if h is not None:
         kpos = kpos[halves(shard_len(nk, P, layout), P, layout)[h]]
-    return tuple(plan(qpos, kpos, nq, nk, causal, window, runs)), kpos
+    return tuple(block_calls(qpos, kpos, nq, nk, causal, window, runs)), kpos
 
 
 @functools.lru_cache(maxsize=256)
@@ -201,7 +203,7 @@ def _gathered(P, r, nq, nk, layout, causal, window, runs):
     """(calls, key positions) of this rank's queries against every key of the sequence, in order (scheme
     "allgather"): one call per run of query rows whose visible keys move the same way, two for causal zigzag."""
     kpos = np.arange(P * shard_len(nk, P, layout))
-    return tuple(plan(positions(r, P, nq, layout), kpos, nq, nk, causal, window, runs)), kpos
+    return tuple(block_calls(positions(r, P, nq, layout), kpos, nq, nk, causal, window, runs)), kpos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +242,7 @@ class Problem:
         """(block calls, key positions) of this rank's queries against half h (None: all) of the block it holds at
         step s."""
         runs = self.alibi_slopes is not None or bool(self.dropout_p)  # each call on consecutive global positions
-        return _planned(self.P, self.r, self.nq, self.nk, self.layout, self.causal, self.window, runs, s, h)
+        return _step_calls(self.P, self.r, self.nq, self.nk, self.layout, self.causal, self.window, runs, s, h)
 
     def gathered_calls(self):
         """(block calls, key positions) of this rank's queries against the whole sequence of keys (scheme
@@ -258,7 +260,7 @@ class Problem:
         out = {} if self.softcap is None else {"softcap": self.softcap}
         if self.alibi_slopes is not None or self.dropout_p:
             out.update(alibi_slopes=self.alibi_slopes, dropout_p=self.dropout_p, seed=self.seed,
-                       origin=(int(qpos[c.a]), int(kpos[c.c]), self.nk - self.nq))
+                       origin=(int(qpos[c.q_start]), int(kpos[c.k_start]), self.nk - self.nq))
         return out
 
     @property
@@ -267,13 +269,13 @@ class Problem:
         return self.softcap is None and self.alibi_slopes is None and not self.dropout_p and self.Hkv == self.H
 
     def whole_call(self):
-        """(call, key positions) when this is a ring of one rank whose plan is one call over the whole shard and block
+        """(call, key positions) when this is a ring of one rank with one block call over the whole shard and block
         (plain and causal attention of any length, except odd zigzag lengths), else None. The ring is then one kernel
         call: nothing travels, nothing is merged, and the call writes its result in the inputs' dtype itself."""
         if self.P != 1 or self.todo != (0,):
             return None
         calls, kpos = self.calls(0)
-        if len(calls) == 1 and (calls[0].a, calls[0].b, calls[0].c, calls[0].m) == (0, self.Lq, 0, self.Lk):
+        if len(calls) == 1 and calls[0][:4] == (0, self.Lq, 0, self.Lk):  # q_start, q_stop, k_start, k_stop
             return calls[0], kpos
         return None
 
@@ -307,18 +309,18 @@ def check_dropout_tiles(prob, block, where):
     if not prob.dropout_p or block != "flash" or prob.xp is np:
         return
     qpos = prob.qpos()
-    planned = ([prob.gathered_calls()] if prob.scheme == "allgather" else
-               [prob.calls(s, h) for s in prob.todo  # the forward's whole blocks, the backward's halves
-                for h in [None, *range(len(prob.key_halves))]])
-    for calls, kpos in planned:
+    call_sets = ([prob.gathered_calls()] if prob.scheme == "allgather" else
+                 [prob.calls(s, h) for s in prob.todo  # the forward's whole blocks, the backward's halves
+                  for h in [None, *range(len(prob.key_halves))]])
+    for calls, kpos in call_sets:
         for c in calls:
-            if qpos[c.a] % 16 or kpos[c.c] % 16:
+            if qpos[c.q_start] % 16 or kpos[c.k_start] % 16:
                 raise ValueError(
                     f"{where}: dropout on the GPU: the kernels draw the mask in 16 x 16 blocks of the whole "
                     f"problem, and with {prob.P} ranks, layout {prob.layout}, nq={prob.nq}, nk={prob.nk} and "
-                    f"window {prob.window} a block call starts at query {qpos[c.a]}, key {kpos[c.c]}. Use lengths "
-                    "whose shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) and no "
-                    "left window side off that grid (a band's calls start one key apart), or block='naive'")
+                    f"window {prob.window} a block call starts at query {qpos[c.q_start]}, key {kpos[c.k_start]}. "
+                    "Use lengths whose shards are whole 16-row tiles (N a multiple of 16 P contiguous, 32 P zigzag) "
+                    "and no left window side off that grid (a band's calls start one key apart), or block='naive'")
 
 
 def _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra, window, softcap, alibi_slopes,
@@ -496,13 +498,14 @@ def _hop(todo, idx, P, home):
 
 # ----------------------------------------------------------------------------- one block call
 def _call_options(prob, q, k, qpos, kpos, c):
-    """variants.Options of block call c (rows c.a:c.b of q against keys c.c:c.m of k) for the kernels that add into
-    the ring's accumulators (its mask, and the problem's softcap, ALiBi, dropout, grouped-query), or None for plain or
-    causal attention."""
+    """variants.Options of block call c (rows q_start:q_stop of q against keys k_start:k_stop of k) for the kernels
+    that add into the ring's accumulators (its mask, and the problem's softcap, ALiBi, dropout, grouped-query), or None
+    for plain or causal attention."""
     mask = c.mask()
     if prob.plain and "window" not in mask:
         return mask["causal"], None
-    opts = variants.check(q[:, :, c.a:c.b], k[:, :, c.c:c.m], causal=mask["causal"], window=mask.get("window"),
+    opts = variants.check(q[:, :, c.q_start:c.q_stop], k[:, :, c.k_start:c.k_stop], causal=mask["causal"],
+                          window=mask.get("window"),
                           **prob.options(qpos, kpos, c))
     return mask["causal"], None if opts.plain else opts
 
@@ -513,12 +516,13 @@ def _lanes(calls, by_rows):
     lanes share a row."""
     if not by_rows:
         return [[c] for c in calls]
-    lanes = []  # [(rows a, rows b, [calls])]: the rows each lane spans, disjoint from every other lane's
+    lanes = []  # [(first row, stop row, [calls])]: the rows each lane spans, disjoint from every other lane's
     for c in calls:
-        hit = [lane for lane in lanes if c.a < lane[1] and lane[0] < c.b]
+        hit = [lane for lane in lanes if c.q_start < lane[1] and lane[0] < c.q_stop]
         joined = [x for lane in hit for x in lane[2]] + [c]
         lanes = [lane for lane in lanes if lane not in hit]
-        lanes.append((min([c.a] + [lane[0] for lane in hit]), max([c.b] + [lane[1] for lane in hit]), joined))
+        lanes.append((min([c.q_start] + [lane[0] for lane in hit]), max([c.q_stop] + [lane[1] for lane in hit]),
+                      joined))
     return [lane[2] for lane in lanes]
 
 
@@ -589,36 +593,41 @@ class _Blocks:
             main.wait_event(event)
 
     def forward(self, q, k, v, o_run, lse_run, c, kpos):
-        """Rows c.a:c.b of q against keys c.c:c.m of k, v (a half block), merged into rows c.a:c.b of o_run, lse_run."""
+        """Rows q_start:q_stop of q against keys k_start:k_stop of k, v (a half block), merged into those rows of
+        o_run, lse_run."""
         prob = self.prob
         if self.fused:
             from stages.flash_v2 import tc
 
             causal, opts = _call_options(prob, q, k, self.qpos, kpos, c)
-            tc.merge_into(q, k, v, o_run, lse_run, (c.a, c.b), (c.c, c.m), causal=causal, scale=prob.scale, opts=opts)
+            tc.merge_into(q, k, v, o_run, lse_run, (c.q_start, c.q_stop), (c.k_start, c.k_stop), causal=causal,
+                          scale=prob.scale, opts=opts)
             return
-        o_b, lse_b = self.fwd(_rows(q, c.a, c.b), _rows(k, c.c, c.m), _rows(v, c.c, c.m), scale=prob.scale,
+        q0, q1, k0, k1 = c.q_start, c.q_stop, c.k_start, c.k_stop  # rows q0:q1 of q, keys k0:k1 of k, v
+        o_b, lse_b = self.fwd(_rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1), scale=prob.scale,
                               version=self.version, out_dtype=_partial_dtype(q.dtype), **c.mask(),
-                              **prob.options(self.qpos, kpos, c))  # O_rj, L_rj: (B, H, b-a, [D])
-        merge(o_run[:, :, c.a:c.b], lse_run[:, :, c.a:c.b], o_b, lse_b)  # in place on rows a:b of O_r, L_r
+                              **prob.options(self.qpos, kpos, c))  # O_rj, L_rj: (B, H, q1 - q0, [D])
+        merge(o_run[:, :, q0:q1], lse_run[:, :, q0:q1], o_b, lse_b)  # in place on rows q0:q1 of O_r, L_r
 
     def backward(self, q, k, v, o, lse, do, dq_run, dk_run, dv_run, c, kpos):
-        """The gradients of block call c, added into rows c.a:c.b of dq_run and keys c.c:c.m of dk_run, dv_run."""
+        """The gradients of block call c, added into rows q_start:q_stop of dq_run and keys k_start:k_stop of dk_run,
+        dv_run."""
         prob = self.prob
         if self.fused:
             from stages import flash_v2_backward
 
             causal, opts = _call_options(prob, q, k, self.qpos, kpos, c)
-            flash_v2_backward.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, (c.a, c.b), (c.c, c.m),
-                                              causal=causal, scale=prob.scale, opts=opts)
+            flash_v2_backward.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, (c.q_start, c.q_stop),
+                                              (c.k_start, c.k_stop), causal=causal, scale=prob.scale, opts=opts)
             return
-        dq_b, dk_b, dv_b = self.bwd(_rows(q, c.a, c.b), _rows(k, c.c, c.m), _rows(v, c.c, c.m), _rows(o, c.a, c.b),
-                                    _rows(lse, c.a, c.b), _rows(do, c.a, c.b), scale=prob.scale, version=self.version,
+        q0, q1, k0, k1 = c.q_start, c.q_stop, c.k_start, c.k_stop  # rows q0:q1 of q, keys k0:k1 of k, v
+        dq_b, dk_b, dv_b = self.bwd(_rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1), _rows(o, q0, q1),
+                                    _rows(lse, q0, q1), _rows(do, q0, q1), scale=prob.scale, version=self.version,
                                     out_dtype=_partial_dtype(q.dtype), **c.mask(), **prob.options(self.qpos, kpos, c))
         xp = prob.xp
-        xp.add(dq_run[:, :, c.a:c.b], dq_b, out=dq_run[:, :, c.a:c.b])  # dQ_r += dS_rj K_j   (scale included)
-        xp.add(dk_run[:, :, c.c:c.m], dk_b, out=dk_run[:, :, c.c:c.m])  # dK_j += dS_rj^T Q_r
-        xp.add(dv_run[:, :, c.c:c.m], dv_b, out=dv_run[:, :, c.c:c.m])  # dV_j += P_rj^T dO_r
+        xp.add(dq_run[:, :, q0:q1], dq_b, out=dq_run[:, :, q0:q1])  # dQ_r += dS_rj K_j   (scale included)
+        xp.add(dk_run[:, :, k0:k1], dk_b, out=dk_run[:, :, k0:k1])  # dK_j += dS_rj^T Q_r
+        xp.add(dv_run[:, :, k0:k1], dv_b, out=dv_run[:, :, k0:k1])  # dV_j += P_rj^T dO_r
 
 
 # ----------------------------------------------------------------------------- timing marks
@@ -652,7 +661,7 @@ class _Timeline:
 
 
 def _one_call(xp, timeline, fn):
-    """fn(): the ring of one rank whose plan is one call over the whole shard (Problem.whole_call), timed as step 0
+    """fn(): the ring of one rank with one block call over the whole shard (Problem.whole_call), timed as step 0
     when timeline is a list."""
     marks = _Timeline(xp)
     t0 = marks.mark()

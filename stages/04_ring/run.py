@@ -265,11 +265,12 @@ def main(argv=None):
     kw_b = dict(kw_f, version=versions[1])
     shape = (args.batch, H, R.shard_len(n_time, P, layout), D)
     if rank == 0 and args.scheme == "ring":
-        plan = R.schedule(P, n_time, n_time, layout=layout, causal=causal, window=opts.get("window"),
-                          kv_shape=(args.batch, Hkv) + shape[2:], dtype=dtype)
-        print(f"ring schedule at N={n_time}: steps with work {plan['steps']} of {P}; K, V hops "
-              f"{plan['kv_hops']} x {plan['kv_bytes_per_hop'] / 2**20:.2f} MB (Hkv={Hkv} heads); backward dK, dV hops "
-              f"{plan['dkv_hops']} x {plan['dkv_bytes_per_hop'] / 2**20:.2f} MB (float32)", flush=True)
+        sched = R.schedule(P, n_time, n_time, layout=layout, causal=causal, window=opts.get("window"),
+                           kv_shape=(args.batch, Hkv) + shape[2:], dtype=dtype)  # the ring's steps and hops
+        print(f"ring schedule at N={n_time}: steps with work {sched['steps']} of {P}; K, V hops "
+              f"{sched['kv_hops']} x {sched['kv_bytes_per_hop'] / 2**20:.2f} MB (Hkv={Hkv} heads); "
+              f"backward dK, dV hops {sched['dkv_hops']} x {sched['dkv_bytes_per_hop'] / 2**20:.2f} MB (float32)",
+              flush=True)
     elif rank == 0:
         sent = [args.batch * x / 2**20 for x in R.traffic(args.scheme, P, shape[2], H, Hkv, D, dtype)]
         print(f"{args.scheme} at N={n_time}: a rank sends {sent[0]:.2f} MB per forward, {sent[1]:.2f} MB per backward, "
