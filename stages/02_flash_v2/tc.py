@@ -256,28 +256,28 @@ def forward(q, k, v, **kw):
 
 
 def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, opts=None):
-    """One block of ring attention (stage 04), merged in place: rows a:b of q (B, H, Lq, D) against keys c:m of k, v
-    (B, Hkv, Lk, D), and the result merged by version pipelined's epilogue into the running O, L of those rows
-    (o_run (B, H, Lq, D) float32, lse_run (B, H, Lq) float32; L = -inf where nothing was merged yet). No row is
-    copied: the kernel starts at row a and key c and steps over whole heads by Lq and Lk rows. CuPy arrays, checked
-    by the caller (the ring's prologue); opts: variants.Options (its window, softcap, ALiBi, dropout, origin) or
-    None."""
+    """One block of ring attention (stage 04), merged in place: rows = (q_start, q_stop) of q (B, H, Lq, D) against
+    keys = (k_start, k_stop) of k, v (B, Hkv, Lk, D), and the result merged by version pipelined's epilogue into the
+    running O, L of those rows (o_run (B, H, Lq, D) float32, lse_run (B, H, Lq) float32; L = -inf where nothing was
+    merged yet). No row is copied: the kernel starts at row q_start and key k_start and steps over whole heads by Lq
+    and Lk rows. CuPy arrays, checked by the caller (the ring's prologue); opts: variants.Options (its window,
+    softcap, ALiBi, dropout, origin) or None."""
     import cupy
 
-    (a, b), (c, m) = rows, keys
+    (q_start, q_stop), (k_start, k_stop) = rows, keys
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     slopes = None if opts is None else opts.alibi_slopes
     plan_opts = None if opts is None else opts._replace(alibi_slopes=None if slopes is None else True, seed=0)
-    launch = _launch("pipelined", q.dtype, np.dtype(np.float32), B, H, Hkv, b - a, m - c, D, bool(causal), scale,
-                     device.device(), plan_opts, None, (Lq, Lk))
+    launch = _launch("pipelined", q.dtype, np.dtype(np.float32), B, H, Hkv, q_stop - q_start, k_stop - k_start, D,
+                     bool(causal), scale, device.device(), plan_opts, None, (Lq, Lk))
     if opts is not None and opts.dropout_p:  # the launch is made for seed 0: this call's seed
         launch = launch.with_fields(**variants.seed_fields(opts.seed))
     if slopes is not None:
         slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(slopes, dtype=cupy.float32), (B, H)))
-    at_q, at_k = a * D * q.itemsize, c * D * k.itemsize  # byte offsets of row a, key c in every head
-    launch(q.data.ptr + at_q, k.data.ptr + at_k, v.data.ptr + at_k, o_run.data.ptr + 4 * a * D,
-           lse_run.data.ptr + 4 * a, NULL if slopes is None else slopes, NULL, NULL)
+    at_q, at_k = q_start * D * q.itemsize, k_start * D * k.itemsize  # byte offsets of the first row and key in a head
+    launch(q.data.ptr + at_q, k.data.ptr + at_k, v.data.ptr + at_k, o_run.data.ptr + 4 * q_start * D,
+           lse_run.data.ptr + 4 * q_start, NULL if slopes is None else slopes, NULL, NULL)
 
 
 NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)
