@@ -10,6 +10,7 @@
 // Used by both versions (fp32 and tc) in stages/03_flash_v2_backward/flash_v2_backward.py.
 //   python stages/03_flash_v2_backward/run.py
 #include "common.cuh"
+#include "params.cuh"
 
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -28,20 +29,26 @@ __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
 }
 
 // D / 8 lanes per query row, each with 8 consecutive columns (16-byte loads); a warp takes 256 / D rows, a block of
-// 8 warps 2048 / D. grid = (Nq_pad * D / 2048, B*H), block = 256; D a multiple of 8, at most 256.
-// o, dO: (BH, ldq, D), rows 0..Nq-1 of each head read (ldq = Nq for a whole problem; a ring block's rows of its
-// shard: pointers at its first row, ldq the shard's length); lse: (BH, ldq) natural log.
-// Dvec, Lout: (BH, Nq_pad); rows Nq..Nq_pad-1 are padding (D = 0, L = +inf: their P is exp(-inf) = 0).
-// Lout = lse * lse_mult (the launcher passes 1: both backward kernels take L_i in natural units).
+// 8 warps 2048 / D. grid = (Nq_pad * D / 2048, B*H), block = 256; D = p.head_dim, a multiple of 8, at most 256.
+// p.o, p.dout: (BH, ldq, D), rows 0..Nq-1 of each head read (ldq = Nq for a whole problem; a ring block's rows of its
+// shard: pointers at its first row, ldq the shard's length); p.lse: (BH, ldq) natural log.
+// p.Dvec, p.L: (BH, Nq_pad); rows Nq..Nq_pad-1 are padding (D = 0, L = +inf: their P is exp(-inf) = 0).
+// L = lse * lse_mult (the launcher passes 1: both backward kernels take L_i in natural units).
 // A fully masked row has lse = -inf; we store +inf so that P = exp(S - L) = 0 there, never NaN.
-// zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) the main kernel's atomics add to, and the
-// ndone block counters of the tc kernel (saves a separate memset launch); 0 in deterministic mode, which has no
-// accumulator.
+// zero_dq: also zero this row of the fp32 dQ accumulator p.dq_acc (BH, Nq, D) the main kernel's atomics add to, and
+// the ndone block counters p.done of the tc kernel (saves a separate memset launch); 0 in deterministic mode, which
+// has no accumulator.
 template <typename T>
-__global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO, const float* __restrict__ lse,
-                               float* __restrict__ Dvec, float* __restrict__ Lout, float* __restrict__ dQacc,
-                               int* __restrict__ done, int Nq, int ldq, int Nq_pad, int D, float lse_mult, int zero_dq,
-                               int ndone) {
+__global__ void bwd_preprocess(const __grid_constant__ BwdParams p) {
+    const T* __restrict__ o = static_cast<const T*>(p.o);
+    const T* __restrict__ dO = static_cast<const T*>(p.dout);
+    const float* __restrict__ lse = p.lse;
+    float* __restrict__ Dvec = p.Dvec;
+    float* __restrict__ Lout = p.L;
+    float* __restrict__ dQacc = p.dq_acc;
+    int* __restrict__ done = p.done;
+    const int Nq = p.Nq, ldq = p.ldq, Nq_pad = p.Nq_pad, D = p.head_dim, zero_dq = p.zero_dq, ndone = p.ndone;
+    const float lse_mult = p.lse_mult;
     if (zero_dq) {  // the counters: one per thread of the grid, from the first
         const long first = ((long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
         for (long c = first; c < ndone; c += (long)gridDim.x * gridDim.y * blockDim.x) done[c] = 0;
@@ -74,7 +81,9 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
 
 // dQ = scale * dQ_accum, elementwise over n = BH * Nq * D values, 4 per step (n is a multiple of 4: D is), by every
 // thread of the grid (common.cuh's convert_dq). The last launch of version fp32, and of version tc on long heads.
+// dQ_accum: p.dq_acc, dQ: p.dq, scale: p.scale, n: p.n.
 template <typename T>
-__global__ void bwd_convert_dq(const float* __restrict__ acc, T* __restrict__ dq, float scale, long n) {
-    convert_dq<4>(acc, dq, scale, n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x, (long)gridDim.x * blockDim.x);
+__global__ void bwd_convert_dq(const __grid_constant__ BwdParams p) {
+    convert_dq<4>(p.dq_acc, static_cast<T*>(p.dq), p.scale, p.n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x,
+                  (long)gridDim.x * blockDim.x);
 }
