@@ -9,25 +9,18 @@
 //      tests/test_03_flash_v2_backward.py)
 #include "common.cuh"
 #include "backward_tiles.cuh"
-#include "params.cuh"
 
 // Keys per K/V tile: 64; 32 at d = 256, where a warp's 16 x 256 dQ_i takes 128 registers a thread beside S and dP.
 template <int HD>
 __host__ __device__ constexpr int dq_bc() { return HD > 128 ? 32 : 64; }
 
-// grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i. p (params.cuh): Q, dO: (BH, Nq,
-// HD); K, V: (BH, Nk, HD); L, Dvec: (BH, Nq_pad) from bwd_preprocess; dQ: (BH, Nq, HD) of TO, written once.
+// grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i. Q, dO: (BH, Nq, HD); K, V: (BH, Nk,
+// HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess; dQ: (BH, Nq, HD) of TO, written once.
 template <typename T, typename TO, int HD>
-__global__ void __launch_bounds__(128) flash_v2_backward_dq_tc(const __grid_constant__ BwdParams p) {
-    const T* __restrict__ Q = static_cast<const T*>(p.q);
-    const T* __restrict__ K = static_cast<const T*>(p.k);
-    const T* __restrict__ V = static_cast<const T*>(p.v);
-    const T* __restrict__ dO = static_cast<const T*>(p.dout);
-    const float* __restrict__ L2g = p.L;
-    const float* __restrict__ Dg = p.Dvec;
-    TO* __restrict__ dQ = static_cast<TO*>(p.dq);
-    const int Nq = p.Nq, Nk = p.Nk, Nq_pad = p.Nq_pad, causal = p.causal;
-    const float scale = p.scale;
+__global__ void __launch_bounds__(128) flash_v2_backward_dq_tc(
+    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
+    const float* __restrict__ L2g, const float* __restrict__ Dg, TO* __restrict__ dQ,
+    int Nq, int Nk, int Nq_pad, float scale, int causal) {
     constexpr int Br = 64, Bc = dq_bc<HD>(), NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
     // dynamic shared memory: Q_i, dO_i once, K_j and V_j double-buffered (the launcher's smem_bytes adds it up)
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -47,8 +40,7 @@ __global__ void __launch_bounds__(128) flash_v2_backward_dq_tc(const __grid_cons
 
     // this thread's two query rows (g, g+8 of the warp's 16): L_i * log2 e and D_i in registers
     const int q_lo = i * Br + 16 * warp + g;
-    const float L_row[2] = {__ldg(L2g + q_lo), __ldg(L2g + q_lo + 8)};
-    const float D_row[2] = {__ldg(Dg + q_lo), __ldg(Dg + q_lo + 8)};
+    const float L_row[2] = {L2g[q_lo], L2g[q_lo + 8]}, D_row[2] = {Dg[q_lo], Dg[q_lo + 8]};
 
     const int Tc = (Nk + Bc - 1) / Bc;
     const int last_kv = min(Nq - 1, i * Br + Br - 1) + off;  // causal: no K tile past the last row's keys
@@ -105,26 +97,21 @@ __global__ void __launch_bounds__(128) flash_v2_backward_dq_tc(const __grid_cons
                 mma_16816<T>(dp[2 * np + 1], ao, bv + 2);
             }
         }
-        // Alg.2 L11-13: P_ij, dS_ij (p_and_ds), dS_ij packed as A fragments; masked only on the last K/V tile and
-        // the diagonal: a copy of the step without the tests for the other tiles
+        // Alg.2 L11-13: P_ij, dS_ij (p_and_ds), dS_ij packed as A fragments
         const bool need_mask = (j * Bc + Bc > Nk) || (causal && i * Br + off < j * Bc + Bc - 1);
         u32 dsa[Bc / 16][4];
-        auto p_ds = [&](const bool masked) {
 #pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                float ds[4];
+        for (int n = 0; n < NS; ++n) {
+            float ds[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int kv = j * Bc + n * 8 + 2 * t + (e % 2), q = q_lo + (e / 2) * 8;
-                    const bool visible = !masked || !((kv >= Nk) | ((causal != 0) & (kv > q + off)));
-                    float p;
-                    p_and_ds(p, ds[e], s[n][e], dp[n][e], L_row[e / 2], D_row[e / 2], scale, visible);
-                }
-                c_to_a<T>(dsa[n / 2], n, ds);
+            for (int e = 0; e < 4; ++e) {
+                const int kv = j * Bc + n * 8 + 2 * t + (e % 2), q = q_lo + (e / 2) * 8;
+                const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q + off));
+                float p;
+                p_and_ds(p, ds[e], s[n][e], dp[n][e], L_row[e / 2], D_row[e / 2], scale, visible);
             }
-        };
-        if (need_mask) p_ds(true);
-        else p_ds(false);
+            c_to_a<T>(dsa[n / 2], n, ds);
+        }
         // dQ_i += dS_ij K_j, B[kv][d] = K_j[kv][d] through ldmatrix .trans
 #pragma unroll
         for (int kk = 0; kk < Bc / 16; ++kk) {

@@ -11,13 +11,11 @@
 //   * one block per (K/V tile, head) instead of one per head: Tc * B * H blocks fill the GPU;
 //   * D_i is computed once, by bwd_preprocess (flash_v2_backward_pre.cu), not at every step;
 //   * dQ_i is added by atomicAdd into one fp32 buffer (other K/V blocks add to the same rows at the same time).
-// flash_v2_backward_fp32<HD, DQ_ATOMIC>: the loop above (without DQ_ATOMIC it skips dQ);
-// flash_v2_backward_dq_fp32<HD>: the deterministic dQ pass, one block per (Q tile, head) sums
-// dQ_i = scale sum_j dS_ij K_j in a fixed order.
+// flash_bwd_fp32<HD, DQ_ATOMIC>: the loop above (without DQ_ATOMIC it skips dQ); flash_bwd_dq_fp32<HD>: the
+// deterministic dQ pass, one block per (Q tile, head) sums dQ_i = scale sum_j dS_ij K_j in a fixed order.
 // Br = Bc = 32, 256 threads; shared rows padded to HD+1 floats. Scalar loops; version "tc" is the fast one.
 // Run: python stages/03_flash_v2_backward/run.py --version fp32   (tests: pytest tests/test_03_flash_v2_backward.py)
 #include "common.cuh"
-#include "params.cuh"
 
 constexpr int Br = 32;   // query rows per tile (Q_i, dO_i)
 constexpr int Bc = 32;   // key rows per tile (K_j, V_j)
@@ -28,21 +26,14 @@ constexpr int NT = 256;  // threads per block
 template <int HD>
 __host__ __device__ constexpr int smem_floats_main() { return 2 * Bc * (HD + 1) + 2 * Br * (HD + 1) + 2 * Bc * (Br + 1) + 2 * Br; }
 
-// p (params.cuh): Q, dO: (BH, Nq, HD); K, V: (BH, Nk, HD); L, Dvec: (BH, Nq_pad) from bwd_preprocess (natural log,
-// +inf for masked rows); dq_acc: (BH, Nq, HD) fp32, zeroed; dK, dV: (BH, Nk, HD). grid = (Tc, BH), block = 256.
+// Q, dO: (BH, Nq, HD); K, V: (BH, Nk, HD); Lg, Dg: (BH, Nq_pad) from bwd_preprocess (natural log, +inf for
+// masked rows); dQacc: (BH, Nq, HD) fp32, zeroed; dK, dV: (BH, Nk, HD). grid = (Tc, BH), block = 256.
 template <int HD, bool DQ_ATOMIC>
-__global__ void __launch_bounds__(NT) flash_v2_backward_fp32(const __grid_constant__ BwdParams p) {
-    const float* __restrict__ Q = static_cast<const float*>(p.q);
-    const float* __restrict__ K = static_cast<const float*>(p.k);
-    const float* __restrict__ V = static_cast<const float*>(p.v);
-    const float* __restrict__ dO = static_cast<const float*>(p.dout);
-    const float* __restrict__ Lg = p.L;
-    const float* __restrict__ Dg = p.Dvec;
-    float* __restrict__ dQacc = p.dq_acc;
-    float* __restrict__ dK = static_cast<float*>(p.dk);
-    float* __restrict__ dV = static_cast<float*>(p.dv);
-    const int Nq = p.Nq, Nk = p.Nk, Nq_pad = p.Nq_pad, causal = p.causal;
-    const float scale = p.scale;
+__global__ void __launch_bounds__(NT) flash_bwd_fp32(
+    const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
+    const float* __restrict__ dO, const float* __restrict__ Lg, const float* __restrict__ Dg,
+    float* __restrict__ dQacc, float* __restrict__ dK, float* __restrict__ dV,
+    int Nq, int Nk, int Nq_pad, float scale, int causal) {
     extern __shared__ float smem[];
     constexpr int LD = HD + 1, LS = Br + 1, U = HD / 8;
     float* Ks = smem;
@@ -98,7 +89,7 @@ __global__ void __launch_bounds__(NT) flash_v2_backward_fp32(const __grid_consta
                 s += (double)Ks[c * LD + d] * (double)Qs[r * LD + d];  // S_ij = Q_i K_j^T (unscaled)
                 dp += Vs[c * LD + d] * dOs[r * LD + d];                // dP_ij = dO_i V_j^T
             }
-            const bool visible = (q < Nq) & (kv < Nk) & ((causal == 0) | (kv <= q + off));
+            const bool visible = q < Nq && kv < Nk && (!causal || kv <= q + off);
             const float p = visible ? expf((float)(s * scale - Ls[r])) : 0.f;  // P_ij = exp(scale S_ij - L_i)
             Ps[c * LS + r] = p;
             dSs[c * LS + r] = p * (dp - Ds[r]);  // dS_ij = P_ij * (dP_ij - D_i)
@@ -142,18 +133,12 @@ __global__ void __launch_bounds__(NT) flash_v2_backward_fp32(const __grid_consta
 template <int HD>
 __host__ __device__ constexpr int smem_floats_dq() { return 2 * Bc * (HD + 1) + 2 * Br * (HD + 1) + Br * (Bc + 1) + 2 * Br; }
 
-// Deterministic dQ pass: grid = (Tr, BH), block = 256. p.dq: (BH, Nq, HD), written once, no atomics.
+// Deterministic dQ pass: grid = (Tr, BH), block = 256. dQ: (BH, Nq, HD), written once, no atomics.
 template <int HD>
-__global__ void __launch_bounds__(NT) flash_v2_backward_dq_fp32(const __grid_constant__ BwdParams p) {
-    const float* __restrict__ Q = static_cast<const float*>(p.q);
-    const float* __restrict__ K = static_cast<const float*>(p.k);
-    const float* __restrict__ V = static_cast<const float*>(p.v);
-    const float* __restrict__ dO = static_cast<const float*>(p.dout);
-    const float* __restrict__ Lg = p.L;
-    const float* __restrict__ Dg = p.Dvec;
-    float* __restrict__ dQ = static_cast<float*>(p.dq);
-    const int Nq = p.Nq, Nk = p.Nk, Nq_pad = p.Nq_pad, causal = p.causal;
-    const float scale = p.scale;
+__global__ void __launch_bounds__(NT) flash_bwd_dq_fp32(
+    const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
+    const float* __restrict__ dO, const float* __restrict__ Lg, const float* __restrict__ Dg,
+    float* __restrict__ dQ, int Nq, int Nk, int Nq_pad, float scale, int causal) {
     extern __shared__ float smem[];
     constexpr int LD = HD + 1, LS = Bc + 1, U = HD / 8;
     float* Qs = smem;
@@ -199,13 +184,13 @@ __global__ void __launch_bounds__(NT) flash_v2_backward_dq_fp32(const __grid_con
 #pragma unroll
         for (int u = 0; u < Bc / 8; ++u) {
             const int cc = d0 + 8 * u, kv = j * Bc + cc;
-            double s = 0.0;  // in double, as in flash_v2_backward_fp32
+            double s = 0.0;  // in double, as in flash_bwd_fp32
             float dp = 0.f;
             for (int d = 0; d < HD; ++d) {
                 s += (double)Qs[r * LD + d] * (double)Ks[cc * LD + d];  // S_ij
                 dp += dOs[r * LD + d] * Vs[cc * LD + d];                // dP_ij
             }
-            const bool visible = (q < Nq) & (kv < Nk) & ((causal == 0) | (kv <= q + off));
+            const bool visible = q < Nq && kv < Nk && (!causal || kv <= q + off);
             const float p = visible ? expf((float)(s * scale - Ls[r])) : 0.f;
             dSs[r * LS + cc] = p * (dp - Ds[r]);  // dS_ij = P_ij * (dP_ij - D_i)
         }

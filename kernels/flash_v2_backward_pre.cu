@@ -9,7 +9,6 @@
 //     launcher's fuse_dq_rule picks).
 // Launched by stages/03_flash_v2_backward/flash_v2_backward.py.   Run: python stages/03_flash_v2_backward/run.py
 #include "common.cuh"
-#include "params.cuh"
 
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -28,23 +27,17 @@ __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
 }
 
 // D / 8 lanes per query row, 8 consecutive columns each (16-byte loads); a block of 8 warps takes 2048 / D rows.
-// grid = (Nq_pad * D / 2048, B*H), block = 256; D = p.head_dim, a multiple of 8, at most 256.
-// p.o, p.dout: (BH, ldq, D), rows 0..Nq-1 read (ldq = Nq; a ring block: pointers at its shard's first row, ldq its
-// length); p.lse: (BH, ldq), natural log. p.Dvec, p.L: (BH, Nq_pad); rows Nq.. are padding (D = 0, L = +inf: P = 0).
-// L = lse * lse_mult (the launcher passes 1), and +inf where lse = -inf (a fully masked row: P = 0, never NaN).
-// zero_dq: also zero this row of the fp32 dQ accumulator p.dq_acc (BH, Nq, D) and the tc kernel's ndone block
-// counters p.done (no separate memset launch); 0 in deterministic mode, which has no accumulator.
+// grid = (Nq_pad * D / 2048, B*H), block = 256; D a multiple of 8, at most 256.
+// o, dO: (BH, ldq, D), rows 0..Nq-1 read (ldq = Nq; a ring block: pointers at its shard's first row, ldq its length);
+// lse: (BH, ldq), natural log. Dvec, Lout: (BH, Nq_pad); rows Nq.. are padding (D = 0, L = +inf: P = 0).
+// Lout = lse * lse_mult (the launcher passes 1), and +inf where lse = -inf (a fully masked row: P = 0, never NaN).
+// zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) and the tc kernel's ndone block counters
+// (no separate memset launch); 0 in deterministic mode, which has no accumulator.
 template <typename T>
-__global__ void bwd_preprocess(const __grid_constant__ BwdParams p) {
-    const T* __restrict__ o = static_cast<const T*>(p.o);
-    const T* __restrict__ dO = static_cast<const T*>(p.dout);
-    const float* __restrict__ lse = p.lse;
-    float* __restrict__ Dvec = p.Dvec;
-    float* __restrict__ Lout = p.L;
-    float* __restrict__ dQacc = p.dq_acc;
-    int* __restrict__ done = p.done;
-    const int Nq = p.Nq, ldq = p.ldq, Nq_pad = p.Nq_pad, D = p.head_dim, zero_dq = p.zero_dq, ndone = p.ndone;
-    const float lse_mult = p.lse_mult;
+__global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO, const float* __restrict__ lse,
+                               float* __restrict__ Dvec, float* __restrict__ Lout, float* __restrict__ dQacc,
+                               int* __restrict__ done, int Nq, int ldq, int Nq_pad, int D, float lse_mult, int zero_dq,
+                               int ndone) {
     if (zero_dq) {  // the counters: one per thread of the grid, from the first
         const long first = ((long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
         for (long c = first; c < ndone; c += (long)gridDim.x * gridDim.y * blockDim.x) done[c] = 0;
@@ -77,9 +70,7 @@ __global__ void bwd_preprocess(const __grid_constant__ BwdParams p) {
 
 // dQ = scale * dQ_accum, elementwise over n = BH * Nq * D values, 4 per step (n is a multiple of 4: D is), by every
 // thread of the grid (common.cuh's convert_dq). The last launch of version fp32, and of version tc on long heads.
-// dQ_accum: p.dq_acc, dQ: p.dq, scale: p.scale, n: p.n.
 template <typename T>
-__global__ void bwd_convert_dq(const __grid_constant__ BwdParams p) {
-    convert_dq<4>(p.dq_acc, static_cast<T*>(p.dq), p.scale, p.n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x,
-                  (long)gridDim.x * blockDim.x);
+__global__ void bwd_convert_dq(const float* __restrict__ acc, T* __restrict__ dq, float scale, long n) {
+    convert_dq<4>(acc, dq, scale, n / 4, blockIdx.x * (long)blockDim.x + threadIdx.x, (long)gridDim.x * blockDim.x);
 }

@@ -20,9 +20,7 @@
 #include "backward_tiles.cuh"
 #include "backward_warp_pairs.cuh"
 #include "backward_dq.cuh"
-#include "params.cuh"
 
-// The one argument p (params.cuh): the arrays below are its fields q, dout, k, v, dk, dv, L, Dvec, dq_acc, dq, done.
 // Q, dO: (BH, Nq, HD); K, V: (BH / group, Nk, HD); dK, dV: like K, V; L2g, Dg: (BH, Nq_pad) from bwd_preprocess (L_i,
 // +inf for masked or padding rows); dQacc: (BH, Nq, HD) fp32, zeroed (it receives scale dS K, so it holds dQ); dQ:
 // (BH, Nq, HD) of TQ, done: one int per row of heads of the grid, zeroed (both unused, may be null, without
@@ -55,27 +53,14 @@
 // (P = 0), D = 0.
 template <typename T, typename TO, typename TQ, int HD, int Br, int Bc, bool DQ_ATOMIC, bool DEFER_DQ, int DQ_MT,
           bool KREG, int BRC, int WQ, bool VAR = false, bool DROP = false>
-__global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_v2_backward_tc(const __grid_constant__ BwdParams p) {
-    const T* __restrict__ Q = static_cast<const T*>(p.q);
-    const T* __restrict__ K = static_cast<const T*>(p.k);
-    const T* __restrict__ V = static_cast<const T*>(p.v);
-    const T* __restrict__ dO = static_cast<const T*>(p.dout);
-    const float* __restrict__ L2g = p.L;
-    const float* __restrict__ Dg = p.Dvec;
-    float* __restrict__ dQacc = p.dq_acc;
-    TO* __restrict__ dK = static_cast<TO*>(p.dk);
-    TO* __restrict__ dV = static_cast<TO*>(p.dv);
-    TQ* __restrict__ dQ = static_cast<TQ*>(p.dq);
-    int* __restrict__ done = p.done;
-    const float* __restrict__ slopes = p.slopes;
-    const int* __restrict__ cu_q = p.cu_q;
-    const int* __restrict__ cu_k = p.cu_k;
-    int Nq = p.Nq, Nk = p.Nk;  // a packed batch's block: its sequence's, below
-    const int ldq = p.ldq, ldk = p.ldk, Nq_pad = p.Nq_pad, causal = p.causal, j_fast = p.j_fast;
-    const int left = p.left, right = p.right, H = p.H, group = p.group, a_off = p.a_off, q_off = p.q_off,
-              k_off = p.k_off;
-    const float scale = p.scale, softcap = p.softcap, rp = p.rp;
-    const unsigned int keep = p.keep, seed_lo = p.seed_lo, seed_hi = p.seed_hi;
+__global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_v2_backward_tc(
+    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
+    const float* __restrict__ L2g, const float* __restrict__ Dg, float* __restrict__ dQacc,
+    TO* __restrict__ dK, TO* __restrict__ dV, TQ* __restrict__ dQ, int* __restrict__ done,
+    const float* __restrict__ slopes, const int* __restrict__ cu_q,
+    const int* __restrict__ cu_k, int Nq, int Nk, int ldq, int ldk, int Nq_pad,
+    float scale, int causal, int j_fast, int left, int right, float softcap, int H, int group, int a_off, int q_off,
+    int k_off, unsigned int keep, float rp, unsigned int seed_lo, unsigned int seed_hi) {
     constexpr int NW = Bc / 16, NT = NW * 32;  // warps
     constexpr int LDK = HD + 8;  // row stride (elements) of K_j, V_j, Q_i, dO_i: +16 bytes, conflict-free ldmatrix
     constexpr int LDS = Br + 8;  // row stride of dS^T
@@ -117,13 +102,12 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_v2_backward_tc(const _
     if constexpr (VAR) {
         if (cu_q != nullptr) {  // varlen: this block's sequence s and head h
             const int sq = (int)bh / H, h = (int)bh % H;
-            const int q_first = __ldg(cu_q + sq), k_first = __ldg(cu_k + sq);  // __ldg: read-only data path
-            q_row0 = (long)h * ldq + q_first;
-            kv_row0 = (long)(h / group) * ldk + k_first;
+            q_row0 = (long)h * ldq + cu_q[sq];
+            kv_row0 = (long)(h / group) * ldk + cu_k[sq];
             dkv_row0 = kv_row0;
-            l_row0 = (long)h * Nq_pad + q_first;
-            Nq = __ldg(cu_q + sq + 1) - q_first;
-            Nk = __ldg(cu_k + sq + 1) - k_first;
+            l_row0 = (long)h * Nq_pad + cu_q[sq];
+            Nq = cu_q[sq + 1] - cu_q[sq];
+            Nk = cu_k[sq + 1] - cu_k[sq];
             hd = h;
             varlen = true;
             if (j * Bc >= Nk) {  // past this sequence's last K/V tile (the whole block: before any barrier)
@@ -147,7 +131,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_v2_backward_tc(const _
         i_begin = first / Br;
         Tr = first <= last ? last / Br + 1 : i_begin;
     }
-    const float slope = VAR && slopes != nullptr ? __ldg(slopes + hd) : 0.f;
+    const float slope = VAR && slopes != nullptr ? slopes[hd] : 0.f;
     // The inner loop measures keys from ALiBi's diagonal, adiag = q + off + a_off, and the window from the same
     // point: kv > q + off + right  <=>  kv > adiag + hi_off (an unbounded side: an offset no key reaches).
     const int hi_off = right < 0 ? (1 << 29) : right - a_off, lo_off = left < 0 ? (1 << 29) : left + a_off;
@@ -272,9 +256,7 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_v2_backward_tc(const _
 
             if (c == 0) cp_async_commit();  // the next tile's copies (an empty group on the last tile)
 
-            // Alg.2 L11-13: P_ij, dS_ij (p_and_ds, backward_tiles.cuh), masked only on the last K tile and diagonal:
-            // an n-tile's entries are written once (entries) and copied for the masked chunks and the others, which
-            // test nothing (VAR: unmasked with and without a softcap).
+            // Alg.2 L11-13: P_ij, dS_ij (p_and_ds, backward_tiles.cuh), masked only on the last K tile and diagonal.
             // Accumulator (row g/g+8, cols 2t, 2t+1) of n-tile n is exactly the A fragment of k-step n/2:
             // WQ = 1 packs it to 16-bit in place (FA2's register reuse); WQ > 1 stores it to shared memory, where
             // the other warp of the key group reads it.
@@ -304,42 +286,36 @@ __global__ void __launch_bounds__(2 * Bc, 128 / Bc) flash_v2_backward_tc(const _
                     }
                     const float* sv = s[mt * NSW + n];
                     const float* dpv = dp[mt * NSW + n];
-                    // masks combined with | and & (no branch per test)
-                    auto entries = [&](const bool masked, const bool capped) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int ql = qc + (e % 2);  // local query column
-                            const int kv = j * Bc + kr + (e / 2) * 8;
-                            if constexpr (VAR) {
-                                const int adiag = q0 + ql + off + a_off;  // ALiBi's diagonal (a ring block's moves)
-                                const bool visible =
-                                    !masked || !((kv >= Nk) | (kv > adiag + hi_off) | (kv < adiag - lo_off));
-                                float x = sv[e] * scale, dcap = 1.f;
-                                if (capped) {  // tanh(y) (common.cuh; within ~2e-7 of the forward's)
-                                    const float th = tanh_from_exp2(x * (1.f / softcap) * (2.f * LOG2E_F));
-                                    x = softcap * th;
-                                    dcap = 1.f - th * th;
-                                }
-                                x -= slope * (float)abs(adiag - kv);
-                                const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
-                                float dpe = dpv[e];
-                                p[e] = pe;
-                                if constexpr (DROP) {  // Z_ij for (query q, key kv): S^T entry e of n-tile n is output
-                                    // o = 2 (n % 2) + e / 2 of the call for column x = e % 2 (dropout.cuh's order)
-                                    const bool kept = (zb >> (2 * (2 * (n % 2) + e / 2) + e % 2)) & 1u;
-                                    dpe = kept ? dpe * rp : 0.f;  // dP Z / (1 - p)
-                                    p[e] = kept ? pe : 0.f;       // P Z: the operand of dV_j (rp at the end)
-                                }
-                                ds[e] = pe * (dpe - Db[ql]) * dcap;
-                            } else {
-                                const bool visible = !masked || !((kv >= Nk) | ((causal != 0) & (kv > q0 + ql + off)));
-                                p_and_ds(p[e], ds[e], sv[e], dpv[e], Lb[ql], Db[ql], scale, visible);
+                    for (int e = 0; e < 4; ++e) {
+                        const int ql = qc + (e % 2);  // local query column
+                        const int kv = j * Bc + kr + (e / 2) * 8;
+                        if constexpr (VAR) {
+                            const int adiag = q0 + ql + off + a_off;  // ALiBi's diagonal (the query's; a ring's moves)
+                            const bool visible =
+                                !need_mask || !(kv >= Nk || kv > adiag + hi_off || kv < adiag - lo_off);
+                            float x = sv[e] * scale, dcap = 1.f;
+                            if (softcap > 0.f) {  // tanh(y) (common.cuh; within ~2e-7 of the forward's)
+                                const float th = tanh_from_exp2(x * (1.f / softcap) * (2.f * LOG2E_F));
+                                x = softcap * th;
+                                dcap = 1.f - th * th;
                             }
+                            x -= slope * (float)abs(adiag - kv);
+                            const float pe = visible ? fast_exp2((x - Lb[ql]) * LOG2E_F) : 0.f;
+                            float dpe = dpv[e];
+                            p[e] = pe;
+                            if constexpr (DROP) {  // Z_ij for (query q, key kv): S^T entry e of n-tile n is output
+                                // o = 2 (n % 2) + e / 2 of the call for column x = e % 2 (dropout.cuh's order)
+                                const bool kept = (zb >> (2 * (2 * (n % 2) + e / 2) + e % 2)) & 1u;
+                                dpe = kept ? dpe * rp : 0.f;  // dP Z / (1 - p)
+                                p[e] = kept ? pe : 0.f;       // P Z: the operand of dV_j (rp at the end)
+                            }
+                            ds[e] = pe * (dpe - Db[ql]) * dcap;
+                        } else {
+                            const bool visible = !need_mask || !(kv >= Nk || (causal && kv > q0 + ql + off));
+                            p_and_ds(p[e], ds[e], sv[e], dpv[e], Lb[ql], Db[ql], scale, visible);
                         }
-                    };
-                    if (need_mask) entries(true, softcap > 0.f);
-                    else if (VAR && softcap > 0.f) entries(false, true);
-                    else entries(false, false);
+                    }
                     if constexpr (WQ == 1) {
                         c_to_a<T>(pa[n / 2], n, p);
                         c_to_a<T>(dsa[n / 2], n, ds);

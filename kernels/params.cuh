@@ -56,19 +56,15 @@ struct BwdParams {
     const int* cu_q;
     const int* cu_k;
     long long n;       // dQ conversion: elements of dq_acc
-    // The plain tc main kernels read ldk and j_fast at their start and again in their epilogue. Each shares its 8
-    // bytes with a field no main kernel reads, so the compiler loads it alone (not as a pair with its neighbour) and
-    // can load it again there instead of holding a register through the loop over Q tiles.
     int Nq, Nk;        // query rows and key rows of one head
-    int ldq;           // rows per head of q, o, dO, dQ (a ring block's arrays are longer: its shard's)
+    int ldq, ldk;      // rows per head of q, o, dO, dQ and of k, v, dK, dV (a ring block's arrays are longer)
     int Nq_pad;        // rows per head of L, Dvec (Nq rounded up)
-    int ldk;           // rows per head of k, v, dK, dV (a ring block's: its key block's)
     int head_dim;      // the preprocess's d
     float scale;       // softmax scale
     float lse_mult;    // the preprocess: L = lse * lse_mult
     int causal;
-    int zero_dq;       // the preprocess zeroes dq_acc (and the ndone counters)
     int j_fast;        // grid order of the tc kernel: 1 (Tc, B*H), 0 (B*H, Tc)
+    int zero_dq;       // the preprocess zeroes dq_acc (and the ndone counters)
     int ndone;
     int H, group;      // query heads; query heads per k/v head
     int left, right;   // window around the diagonal, -1 unbounded

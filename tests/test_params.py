@@ -101,9 +101,3 @@ def test_a_launch_fills_the_named_fields_and_leaves_the_others():
     assert (plan.Nq, plan.Nk) == (9, 4)
     with pytest.raises(ValueError, match="struct's order"):
         kernels.Launch(None, (1,), (32,), 0, plan, arrays=("v", "q"))._slots_for(2)
-
-
-def test_a_launch_takes_a_parameter_struct():
-    """Every kernel takes one parameter struct: a tuple of scalars (the old one-by-one arguments) is refused."""
-    with pytest.raises(TypeError, match="parameter struct"):
-        kernels.Launch(None, (1,), (32,), 0, (9, 2.0))

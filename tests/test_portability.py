@@ -160,3 +160,31 @@ def test_a_header_edit_changes_the_compiled_source(tmp_path):
     header = work / "common.cuh"
     header.write_text(header.read_text() + "\n// an edit\n")
     assert kernels._source("flash_v2_forward_pipelined.cu", work) != before
+
+
+def test_a_launch_writes_each_scalar_into_the_low_bytes_of_its_slot():
+    """kernels.Launch hands cuLaunchKernel one 8-byte slot per argument, and the driver reads as many bytes from a
+    slot as the parameter has: a 4-byte int or float must sit in the low bytes (little-endian), bit for bit."""
+    assert kernels.scalar_slot(np.int32(-5)) == 0xFFFFFFFB
+    assert kernels.scalar_slot(np.uint32(7)) == 7
+    assert kernels.scalar_slot(np.float32(1.5)) == 0x3FC00000  # the float's bits, not int(1.5)
+    assert kernels.scalar_slot(np.int64(-1)) == 2**64 - 1
+    assert kernels.scalar_slot(np.uint64(2**40 + 3)) == 2**40 + 3
+    for bad in (5, 1.5, np.complex128(1)):  # Python numbers carry no C type; 16 bytes fit no slot
+        with pytest.raises(TypeError, match="numpy scalar of at most 8 bytes"):
+            kernels.scalar_slot(bad)
+
+
+def test_a_launch_plan_lays_out_array_slots_then_scalar_slots():
+    """The slots of a launch with 3 arrays and 2 scalars: 3 array slots (written per call), then the scalars (written
+    once), and the parameter array holds each slot's address, in order."""
+    launch = kernels.Launch(None, (4, 2), (128,), 0, (np.int32(9), np.float32(-2.0)))
+    assert launch.grid == (4, 2, 1) and launch.block == (128, 1, 1)
+    values, pointers, params, _ = launch._slots_for(3)
+    assert values.dtype == np.uint64 and values.size == 5
+    assert values[3] == 9 and values[4] == kernels.scalar_slot(np.float32(-2.0))
+    assert list(pointers) == [values.ctypes.data + 8 * i for i in range(5)]
+    assert params == pointers.ctypes.data
+    assert launch._slots_for(3)[0] is values  # made once per number of arrays
+    seeded = launch.with_scalars((np.int32(1), np.float32(0.5)))
+    assert seeded._slots_for(3)[0][3] == 1 and launch._slots_for(3)[0][3] == 9

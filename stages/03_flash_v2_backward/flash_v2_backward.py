@@ -24,7 +24,6 @@ from stages.common import (
     bfloat16, cast, check_backward_inputs, check_causal, check_out_dtype, device, empty, fast_path, kernels,
     load_module, resolve_scale, variants, varlen,
 )
-from stages.common.params import BwdParams
 
 from . import mirror
 
@@ -285,8 +284,7 @@ def _names(version, ctype, D, defer=None, otype=None, br=None, bc=None, wq=None,
     window, softcap and ALiBi; their dK, dV are float (summed over a kv group, then cast), dQ is otype; drop (with
     var): dropout too."""
     if version == "fp32":
-        return [f"flash_v2_backward_fp32<{D},true>", f"flash_v2_backward_fp32<{D},false>",
-                f"flash_v2_backward_dq_fp32<{D}>"]
+        return [f"flash_bwd_fp32<{D},true>", f"flash_bwd_fp32<{D},false>", f"flash_bwd_dq_fp32<{D}>"]
     wq = wq or (tc_tiles(D).wq if br is None and bc is None else 1)
     br, bc = br or TC_BR[D], bc or TC_BC[D]
     defer = "true" if (TC_DEFER_DQ if defer is None else defer) else "false"
@@ -331,9 +329,9 @@ class BackwardPlan(NamedTuple):
     """The launches of one backward problem: the preprocess, the main kernel, then the deterministic dQ pass or the
     dQ conversion (last; None where the tc kernel converts dQ itself: fuse_dq_rule); rows, the length of D_i and of
     L_i over every (batch, head) (Nq padded to Nq_pad each); acc, the elements of the fp32 dQ accumulator; done,
-    the tc kernel's block counters (one per grid row of heads, 0 without fused conversion: then the main kernel
-    takes dQ and the counters after dK, dV); tc, whether the main kernel is version tc's; odtype, deterministic: the
-    gradients' dtype and the mode. outs: dq, dk, dv carved from one allocation (fast_path.out_layout), or None.
+    the tc kernel's block counters (one per grid row of heads, 0 without fused conversion); tc, whether the main
+    kernel is version tc's, which takes dQ and the counters after dK, dV; odtype, deterministic: the gradients'
+    dtype and the mode. outs: dq, dk, dv carved from one allocation (fast_path.out_layout), or None.
     plan(q, k, v, o, lse, do) runs a plain backward (no variants) and returns (dq, dk, dv)."""
     pre: kernels.Launch
     main: kernels.Launch
@@ -361,7 +359,7 @@ class BackwardPlan(NamedTuple):
 @functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
 def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic, tc_config, dev, opts=None,
           varlen=None, ld=None):
-    """The device check, tiles, compiled kernels, grids and parameters (BwdParams) of one problem on dev. tc_config:
+    """The device check, tiles, compiled kernels, grids and scalar arguments of one problem on dev. tc_config:
     sorted (key, value) pairs of backward's tc_config. opts: the variants (variants.Options, slopes given per call)
     or None.
     varlen: (number of sequences, longest key sequence) of a packed batch (B = 1, Nq and Nk the totals), or None.
@@ -372,6 +370,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     device.require(dev, ("bf16",) if dtype == bfloat16 else (),  # tc: fp16 from sm_75 (stage 02's tc.py), bf16 sm_80
                    what=f"flash_v2_backward version {version!r} ({dtype})",
                    instead="On this GPU use float16 inputs (version 'tc'), or float32 (version 'fp32')")
+    i32, f32 = np.int32, np.float32
     Nq_pad = -(-Nq // PAD) * PAD  # D_i, L_i (times log2 e for the exp2 kernel) padded to Nq_pad rows
     pre_mod = load_module("flash_v2_backward_pre.cu", name_expressions=PRE_NAMES)
     tc_config = dict(tc_config)
@@ -403,12 +402,9 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     fuse = version == "tc" and not deterministic and (fuse_dq_rule(Nq, D) if fuse is None else bool(fuse))
     fuse = fuse and ld is None  # a ring block leaves dQ in the ring's accumulator
     ldq, ldk = ld or (Nq, Nk)
-    sizes = dict(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale, causal=int(causal))
-    # the arrays of a main kernel's call, in BwdParams order (version tc adds dQ and the counters when it converts
-    # dQ, the ALiBi slopes and a packed batch's bounds when it has them; every other pointer stays null)
-    arrays = ("q", "k", "v", "dout", "L", "Dvec", "dq_acc", "dk", "dv")
+    args = (i32(Nq), i32(Nk), i32(Nq_pad), f32(scale), i32(causal))
     if version == "fp32":
-        main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, BwdParams(**sizes), arrays)
+        main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
     else:
         # varlen: the grid runs over (sequence, head) x the K/V tiles of the longest sequence (at least one: a
         # sequence without keys still has its dQ = 0 written, by its j = 0 block)
@@ -421,37 +417,35 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         left, right = (opts.left, opts.right) if opts is not None else (-1, -1)
         group = opts.group if opts is not None else 1  # grouped-query: query head h reads kv head h // group
         parts = TC_PARTS[D]  # grid.z: the head dim's column parts
-        arrays += ("dq", "done") if fuse else ()
-        arrays += ("slopes",) if var and opts.alibi_slopes else ()
-        arrays += ("cu_q", "cu_k") if varlen is not None else ()
-        params = BwdParams(**sizes, ldq=ldq, ldk=ldk, j_fast=int(j_fast), left=left, right=right,
-                           softcap=opts.softcap if var else 0.0, H=H, group=group,
-                           **variants.origin_fields(opts, Nq, Nk), **variants.dropout_fields(opts))
+        # Every call passes dQ and the counters (null where the kernel leaves dQ in dQ_accum). Without variants the
+        # pointers after them are the same on every call and go with the scalars, written once: null ALiBi slopes
+        # and cu_q, cu_k. The variants' kernel gets those per call (_var_tail).
+        fixed = () if var else (NULL, NULL, NULL)
         main = kernels.Launch(fn, (Tc, blocks, parts) if j_fast else (blocks, Tc, parts), (2 * bc,), smem_main,
-                              params, arrays)
+                              fixed + (i32(Nq), i32(Nk), i32(ldq), i32(ldk), i32(Nq_pad), f32(scale), i32(causal),
+                                       i32(j_fast), i32(left), i32(right), f32(opts.softcap if var else 0.0),
+                                              i32(H), i32(group)) + variants.origin_scalars(opts, Nq, Nk)
+                              + variants.dropout_scalars(opts))
     done = 0  # the tc kernel's counters, one per row of heads of its grid: the last block of a head converts dQ
     if deterministic:  # the separate dQ pass, no atomics
         dq_mod = mod if dq_file == main_file else load_module(dq_file, name_expressions=names[2:])
         fn = kernels.function(dq_mod, names[2], smem_dq)
         grid, block = ((-(-Nq // 32), BH), (256,)) if version == "fp32" else ((BH, -(-Nq // 64)), (128,))
-        last = kernels.Launch(fn, grid, block, smem_dq, BwdParams(**sizes),
-                              ("q", "k", "v", "dout", "L", "Dvec", "dq"))
+        last = kernels.Launch(fn, grid, block, smem_dq, args)
     elif ld is not None:  # a ring block: dQ stays in the ring's accumulator
         last = None
     elif not fuse:  # dQ = dQ_accum cast to the output dtype (fp32: scale dQ_accum), tc on long heads and fp32
         n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
         last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
                               (min(-(-n // 1024), 65535),), (256,), 0,
-                              BwdParams(n=n, scale=scale if version == "fp32" else 1.0), ("dq_acc", "dq"))
+                              (f32(scale if version == "fp32" else 1.0), np.int64(n)))
     else:
         last, done = None, blocks
     # the preprocess also zeroes the fp32 dQ accumulator the atomics add to, and the counters (deterministic mode
     # has neither)
     own_acc = not deterministic and ld is None  # a dQ accumulator of its own, zeroed by the preprocess
     pre = kernels.Launch(pre_mod.get_function(f"bwd_preprocess<{ctype}>"), (Nq_pad * D // 2048, BH), (256,), 0,
-                         BwdParams(Nq=Nq, ldq=ldq, Nq_pad=Nq_pad, head_dim=D, lse_mult=1.0, zero_dq=int(own_acc),
-                                   ndone=done),
-                         ("o", "dout", "lse", "L", "Dvec", "dq_acc", "done"))
+                         (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(own_acc), i32(done)))
     return BackwardPlan(pre, main, last, BH * Nq_pad, BH * Nq * D if own_acc else 1, done, version == "tc", odtype,
                         deterministic)
 
@@ -467,9 +461,9 @@ def plan_backward(q, k, causal, scale, version, deterministic, odtype, tc_config
 
 
 def _var_tail(slopes=None, cu=None):
-    """The variants' tc kernel's arrays after dQ and the counters, those its plan has: the ALiBi slopes (B, H) and a
-    packed batch's cu_q, cu_k."""
-    return (() if slopes is None else (slopes,)) + (() if cu is None else tuple(cu))
+    """The variants' tc kernel's arguments after dQ and the counters: the ALiBi slopes (B, H) and a packed batch's
+    cu_q, cu_k, each a null pointer when absent."""
+    return (NULL if slopes is None else slopes,) + ((NULL, NULL) if cu is None else tuple(cu))
 
 
 def _gpu_backward(q, k, v, o, lse, do, causal, scale, version, deterministic, odtype, tc_config, profile,
@@ -506,7 +500,7 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     dq_acc = Lvec + 4 * plan.rows
     done = dq_acc + 4 * plan.acc
     _mark(profile, "start")
-    plan.pre(o, do, lse, Lvec, Dvec, dq_acc, done)
+    plan.pre(o, do, lse, Dvec, Lvec, dq_acc, done)
     _mark(profile, "preprocess+zero")
     if opts is not None:  # the variants' dK, dV: float, k's shape; each kv group's query heads add into them
         dq, dk, dv = empty(cupy, q.shape, odtype), cupy.zeros(k.shape, _F32), cupy.zeros(k.shape, _F32)
@@ -519,11 +513,11 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
             dk.fill(0)
             dv.fill(0)
     main = plan.main
-    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed
-        main = main.with_fields(**variants.seed_fields(opts.seed))
-    # version tc's dQ and counters when it converts dQ itself (plan.done counters); otherwise the kernel leaves dQ in
-    # dQ_accum (for the conversion launch) or never adds to it (deterministic mode), and the two stay null
-    dq_args = (dq, done) if plan.done else ()
+    if opts is not None and opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
+        main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
+    # version tc's dQ and counters: the kernel's own when it converts dQ (no last launch), null when it leaves dQ
+    # in dQ_accum (for the conversion launch) or never adds to it (deterministic mode); fp32's kernel has neither
+    dq_args = () if not plan.tc else (dq, done) if plan.last is None else (NULL, NULL)
     main(q, k, v, do, Lvec, Dvec, dq_acc, dk, dv, *dq_args, *tail)
     if plan.last is not None:
         _mark(profile, "main")
@@ -558,12 +552,12 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
     Dvec, Lvec = scratch.ptr, scratch.ptr + 4 * plan.rows
     at_q, at_k = a * D * q.itemsize, c * D * k.itemsize  # byte offsets of row a, key c in every head
     q_a, o_a, do_a = (x.data.ptr + at_q for x in (q, o, do))
-    plan.pre(o_a, do_a, lse.data.ptr + 4 * a, Lvec, Dvec, NULL, NULL)
+    plan.pre(o_a, do_a, lse.data.ptr + 4 * a, Dvec, Lvec, NULL, NULL)
     main = plan.main
     tail = ()
     if var:
-        if opts.dropout_p:  # the plan is made for seed 0: this call's seed
-            main = main.with_fields(**variants.seed_fields(opts.seed))
+        if opts.dropout_p:  # the plan is made for seed 0: this call's seed in its last two scalars
+            main = main.with_scalars(main.scalars[:-2] + variants.seed_scalars(opts.seed))
         slopes = None
         if opts.alibi_slopes is not None:
             slopes = cupy.ascontiguousarray(cupy.broadcast_to(cupy.asarray(opts.alibi_slopes, dtype=cupy.float32),
@@ -571,11 +565,11 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
         tail = _var_tail(slopes)
     kv = 4 * c * D  # byte offset of key c in every head of the float32 accumulators
     main(q_a, k.data.ptr + at_k, v.data.ptr + at_k, do_a, Lvec, Dvec, dq_run.data.ptr + 4 * a * D,
-         dk_run.data.ptr + kv, dv_run.data.ptr + kv, *tail)
+         dk_run.data.ptr + kv, dv_run.data.ptr + kv, NULL, NULL, *tail)
 
 
 _F32 = np.dtype(np.float32)
-NULL = np.uint64(0)  # a null pointer (a ring block's preprocess: no dQ accumulator, no counters)
+NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes)
 
 
 def backward_flops(B, H, Nq, Nk, D, causal):

@@ -16,7 +16,7 @@ everything else follows one thread block's loops:
         write dK_j = scale dK_j, dV_j
     dQ = scale * dQ_accum           (tc, short heads: the head's last block; else bwd_convert_dq)
 
-deterministic=True drops the dQ line above and runs a separate dQ pass (flash_v2_backward_dq_fp32,
+deterministic=True drops the dQ line above and runs a separate dQ pass (flash_bwd_dq_fp32,
 flash_v2_backward_dq_tc): for i in Q tiles, for j in K/V tiles, recompute dS_ij and sum dQ_i in a fixed order.
 
 The "tc" version computes as the tensor-core kernel does: fp32 accumulation, exp2 with log2(e)

@@ -113,30 +113,45 @@ def function(module, name, smem):
     return fn
 
 
+def scalar_slot(x):
+    """The 8-byte kernel-parameter slot of a numpy scalar argument (int32, uint32, float32, int64, uint64, ...): its
+    bytes, little-endian, zero-padded to 8. The driver reads as many bytes from the slot as the kernel's parameter
+    has (4 for int and float, 8 for a pointer or long long), so one 8-byte slot holds any of them."""
+    if not isinstance(x, np.generic) or x.dtype.itemsize > 8:
+        raise TypeError(f"a kernel's scalar argument must be a numpy scalar of at most 8 bytes (np.int32(n), "
+                        f"np.float32(x), ...), got {type(x).__name__}")
+    return int.from_bytes(x.tobytes().ljust(8, b"\0"), "little")
+
+
 class Launch:
     """One kernel launch as a launcher plans it: the compiled function, grid, block, dynamic shared memory, and the
-    kernel's one argument, a parameter struct (stages/common/params.py: FwdParams, BwdParams). launch(*arrays) runs
-    it on the current stream; an array is a CuPy array or a device address (an int, np.uint64(0) for a null pointer).
-    arrays: the pointer fields a call's arrays fill, in the struct's order (None: its leading fields); every other
-    field keeps its planned value (a pointer field no call names stays null).
+    kernel's arguments. launch(*arrays) runs it on the current stream; an array is a CuPy array or a device address
+    (an int, np.uint64(0) for a null pointer).
+
+    The arguments are either a parameter struct (stages/common/params.py: the kernel takes one `FwdParams p`), whose
+    leading pointer fields the arrays of each call fill in order, or a tuple of numpy scalars that follow the arrays
+    (a kernel that takes its arguments one by one).
 
     How a launch reaches the GPU: cuLaunchKernel takes kernelParams, an array of one pointer per kernel parameter,
-    each pointing at that parameter's value: here the struct's address. A plan's sizes and options are the same on
-    every call, so they are written into the struct once; a call writes only the arrays' device addresses and
-    launches: a few microseconds of host time, where a general launcher (cupy.RawKernel) converts every argument again
-    on every call. The lock keeps two threads from writing one plan's struct at once; the driver copies it when the
-    launch is queued, so it is free again as soon as cuLaunchKernel returns."""
+    each pointing at that parameter's value. A plan's scalars are the same on every call, so they are written once:
+    into the struct, or into 8-byte slots after the arrays' slots (scalar_slot). A call writes only the arrays' device
+    addresses and launches: a few microseconds of host time, where a general launcher (cupy.RawKernel) converts every
+    argument again on every call. The lock keeps two threads from writing one plan's values at once; the driver
+    copies them when the launch is queued, so they are free again as soon as cuLaunchKernel returns."""
 
-    def __init__(self, fn, grid, block, smem, params, arrays=None):
-        if not isinstance(params, ctypes.Structure):
-            raise TypeError(f"a launch's argument is a parameter struct (stages/common/params.py), got "
-                            f"{type(params).__name__}")
-        self.fn, self.smem, self.params = fn, int(smem), params
-        self.arrays = arrays  # the pointer fields a call's arrays fill, in the struct's order (None: the first)
+    def __init__(self, fn, grid, block, smem, args, arrays=None):
+        self.fn, self.smem = fn, int(smem)
+        self.params = args if isinstance(args, ctypes.Structure) else None
+        self.scalars = () if self.params is not None else tuple(args)
+        self.arrays = arrays  # struct: the pointer fields a call's arrays fill, in the struct's order (None: the first)
         self.grid, self.block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
         self.dims = (*self.grid, *self.block, self.smem)  # cuLaunchKernel's grid, block and shared-memory arguments
         self._slots = {}  # number of arrays -> _slots_for(number)
         self._lock = threading.Lock()
+
+    def with_scalars(self, scalars):
+        """The same launch with other scalar arguments (a call's dropout seed)."""
+        return Launch(self.fn, self.grid, self.block, self.smem, scalars)
 
     def with_fields(self, **fields):
         """The same launch with some fields of its parameter struct changed (a call's dropout seed)."""
@@ -146,18 +161,26 @@ class Launch:
         return Launch(self.fn, self.grid, self.block, self.smem, params, self.arrays)
 
     def _slots_for(self, n):
-        """(struct, pointer array, its address, a packer of the n array addresses into the struct) for a call with n
-        arrays: the pointer array has the struct's one address, and the packer writes each address into its field
-        (one struct.pack_into per run of adjacent fields)."""
+        """(values, pointer array, its address, a packer of the n array addresses into values) for a call with n
+        arrays. Struct: values is the struct, the pointer array has its one address, and the packer writes each
+        address into its field (one struct.pack_into per run of adjacent fields). Scalars: values holds
+        n + len(scalars) slots, the pointer array one address per slot."""
         hit = self._slots.get(n)
         if hit is None:
-            values = self.params
-            pointers = np.array([ctypes.addressof(values)], np.uint64)
-            names = self.arrays or [name for name, _ in values._fields_][:n]
-            offsets = [getattr(type(values), name).offset for name in names]
-            if len(names) != n or offsets != sorted(offsets):
-                raise ValueError(f"a launch of {n} arrays into fields {names} (in the struct's order)")
-            hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), _field_packer(offsets))
+            if self.params is not None:
+                values = self.params
+                pointers = np.array([ctypes.addressof(values)], np.uint64)
+                names = self.arrays or [name for name, _ in values._fields_][:n]
+                offsets = [getattr(type(values), name).offset for name in names]
+                if len(names) != n or offsets != sorted(offsets):
+                    raise ValueError(f"a launch of {n} arrays into fields {names} (in the struct's order)")
+                pack = _field_packer(offsets)
+            else:
+                values = np.zeros(n + len(self.scalars), np.uint64)
+                values[n:] = [scalar_slot(x) for x in self.scalars]
+                pointers = values.ctypes.data + 8 * np.arange(values.size, dtype=np.uint64)
+                pack = struct.Struct(f"<{n}Q").pack_into
+            hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), pack)
         return hit
 
     def __call__(self, *arrays):

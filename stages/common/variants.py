@@ -173,6 +173,12 @@ def seed_fields(seed):
     return {"seed_lo": seed & 0xFFFFFFFF, "seed_hi": seed >> 32}
 
 
+def seed_scalars(seed):
+    """The 64-bit dropout seed as two uint32 kernel arguments (seed_fields)."""
+    f = seed_fields(seed)
+    return np.uint32(f["seed_lo"]), np.uint32(f["seed_hi"])
+
+
 def check_kernel_origin(opts, where):
     """The CUDA kernels draw dropout's bits 16 x 16 blocks at a time (dropout_keep): a block at an origin must start on
     that grid, q0 and k0 multiples of 16 (the mirrors and stage 00 take any origin)."""
@@ -189,6 +195,11 @@ def origin_fields(opts, Nq, Nk):
     return {"a_off": alibi_shift(opts, Nq, Nk) - (Nk - Nq), "q_off": q_off, "k_off": k_off}
 
 
+def origin_scalars(opts, Nq, Nk):
+    """origin_fields as the kernels' int32 arguments (a_off, q_off, k_off)."""
+    return tuple(np.int32(x) for x in origin_fields(opts, Nq, Nk).values())
+
+
 def dropout_fields(opts):
     """{keep, rp, seed_lo, seed_hi}: the kernels' dropout (kernels/dropout.cuh). keep = 0 is off; a draw u keeps P_ij
     when u < keep = round((1 - p) 2^32); rp = 1 / (1 - p)."""
@@ -200,6 +211,12 @@ def dropout_fields(opts):
         raise ValueError(f"dropout_p = {p!r} keeps no probability at 32-bit resolution: the kernels take p with "
                          "round((1 - p) 2^32) >= 1")
     return {"keep": keep, "rp": 1.0 / (1.0 - p), **seed_fields(opts.seed)}
+
+
+def dropout_scalars(opts):
+    """dropout_fields as the kernels' arguments (keep uint32, rp float32, seed_lo, seed_hi uint32)."""
+    f = dropout_fields(opts)
+    return np.uint32(f["keep"]), np.float32(f["rp"]), np.uint32(f["seed_lo"]), np.uint32(f["seed_hi"])
 
 
 # Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a counter-based generator,
