@@ -35,25 +35,3 @@ class FwdParams(ctypes.Structure):
 def fields(params):
     """{name: value} of a params struct (for tests and error messages)."""
     return {name: getattr(params, name) for name, _ in params._fields_}
-
-
-class BwdParams(ctypes.Structure):
-    """struct BwdParams of kernels/params.cuh (the meaning of each field is written there)."""
-    _fields_ = [
-        ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("dout", _PTR), ("lse", _PTR), ("L", _PTR),
-        ("Dvec", _PTR), ("dq_acc", _PTR), ("dk", _PTR), ("dv", _PTR), ("dq", _PTR), ("done", _PTR),
-        ("slopes", _PTR), ("cu_q", _PTR), ("cu_k", _PTR),
-        ("n", ctypes.c_int64),
-        ("Nq", _INT), ("Nk", _INT), ("ldq", _INT), ("ldk", _INT), ("Nq_pad", _INT), ("head_dim", _INT),
-        ("scale", _FLOAT), ("lse_mult", _FLOAT), ("causal", _INT), ("j_fast", _INT), ("zero_dq", _INT),
-        ("ndone", _INT), ("H", _INT), ("group", _INT), ("left", _INT), ("right", _INT), ("softcap", _FLOAT),
-        ("a_off", _INT), ("q_off", _INT), ("k_off", _INT),
-        ("keep", _UINT), ("rp", _FLOAT), ("seed_lo", _UINT), ("seed_hi", _UINT),
-    ]
-    DEFAULTS = {"group": 1, "left": -1, "right": -1, "rp": 1.0, "lse_mult": 1.0}
-
-    def __init__(self, **fields):
-        super().__init__(**{**self.DEFAULTS, **fields})
-        if "ldq" not in fields:
-            self.ldq, self.ldk = self.Nq, self.Nk
-
