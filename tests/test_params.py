@@ -88,16 +88,3 @@ def test_a_launch_writes_the_arrays_into_its_struct_and_hands_over_its_address()
     assert struct.unpack_from("<5Q", bytes(plan)) == tuple(range(101, 106))
     seeded = launch.with_fields(seed_lo=7)
     assert seeded.params.seed_lo == 7 and plan.seed_lo == 0 and seeded.params.Nq == 9  # a copy, not the plan
-
-
-def test_a_launch_fills_the_named_fields_and_leaves_the_others():
-    """arrays= names the fields a call's arrays fill (any subset, in the struct's order): each address lands in its
-    field, adjacent ones by one pack, and no other field changes."""
-    plan = params.FwdParams(Nq=9, Nk=4, k=77, lse=88, cu_k=99)
-    launch = kernels.Launch(None, (1,), (32,), 0, plan, arrays=("q", "v", "o", "slopes", "cu_q"))
-    values, _, _, pack = launch._slots_for(5)
-    pack(values, 0, 1, 3, 4, 6, 7)
-    assert [plan.q, plan.k, plan.v, plan.o, plan.lse, plan.slopes, plan.cu_q, plan.cu_k] == [1, 77, 3, 4, 88, 6, 7, 99]
-    assert (plan.Nq, plan.Nk) == (9, 4)
-    with pytest.raises(ValueError, match="struct's order"):
-        kernels.Launch(None, (1,), (32,), 0, plan, arrays=("v", "q"))._slots_for(2)

@@ -139,11 +139,10 @@ class Launch:
     argument again on every call. The lock keeps two threads from writing one plan's values at once; the driver
     copies them when the launch is queued, so they are free again as soon as cuLaunchKernel returns."""
 
-    def __init__(self, fn, grid, block, smem, args, arrays=None):
+    def __init__(self, fn, grid, block, smem, args):
         self.fn, self.smem = fn, int(smem)
         self.params = args if isinstance(args, ctypes.Structure) else None
         self.scalars = () if self.params is not None else tuple(args)
-        self.arrays = arrays  # struct: the pointer fields a call's arrays fill, in the struct's order (None: the first)
         self.grid, self.block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
         self.dims = (*self.grid, *self.block, self.smem)  # cuLaunchKernel's grid, block and shared-memory arguments
         self._slots = {}  # number of arrays -> _slots_for(number)
@@ -158,29 +157,23 @@ class Launch:
         params = type(self.params).from_buffer_copy(self.params)
         for name, value in fields.items():
             setattr(params, name, value)
-        return Launch(self.fn, self.grid, self.block, self.smem, params, self.arrays)
+        return Launch(self.fn, self.grid, self.block, self.smem, params)
 
     def _slots_for(self, n):
         """(values, pointer array, its address, a packer of the n array addresses into values) for a call with n
-        arrays. Struct: values is the struct, the pointer array has its one address, and the packer writes each
-        address into its field (one struct.pack_into per run of adjacent fields). Scalars: values holds
-        n + len(scalars) slots, the pointer array one address per slot."""
+        arrays. Struct: values is the struct, the pointer array has its one address, and the packer writes the
+        addresses into its first n (pointer) fields. Scalars: values holds n + len(scalars) slots, the pointer array
+        one address per slot."""
         hit = self._slots.get(n)
         if hit is None:
             if self.params is not None:
                 values = self.params
                 pointers = np.array([ctypes.addressof(values)], np.uint64)
-                names = self.arrays or [name for name, _ in values._fields_][:n]
-                offsets = [getattr(type(values), name).offset for name in names]
-                if len(names) != n or offsets != sorted(offsets):
-                    raise ValueError(f"a launch of {n} arrays into fields {names} (in the struct's order)")
-                pack = _field_packer(offsets)
             else:
                 values = np.zeros(n + len(self.scalars), np.uint64)
                 values[n:] = [scalar_slot(x) for x in self.scalars]
                 pointers = values.ctypes.data + 8 * np.arange(values.size, dtype=np.uint64)
-                pack = struct.Struct(f"<{n}Q").pack_into
-            hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), pack)
+            hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), struct.Struct(f"<{n}Q").pack_into)
         return hit
 
     def __call__(self, *arrays):
@@ -201,25 +194,6 @@ class Launch:
             import cupy
 
             cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
-
-
-def _field_packer(offsets):
-    """pack(buffer, 0, *addresses): each 8-byte address written at its offset, adjacent ones by one pack_into."""
-    runs = []  # (pack_into of a run of k addresses, its offset, index of its first address, k)
-    for i, off in enumerate(offsets):
-        if runs and runs[-1][1] + 8 * runs[-1][3] == off:
-            runs[-1][3] += 1
-        else:
-            runs.append([None, off, i, 1])
-    runs = [(struct.Struct(f"<{k}Q").pack_into, off, i, i + k) for _, off, i, k in runs]
-    if len(runs) == 1 and runs[0][1] == 0:
-        return runs[0][0]
-
-    def pack(buffer, _, *addresses):
-        for pack_into, off, a, b in runs:
-            pack_into(buffer, off, *addresses[a:b])
-
-    return pack
 
 
 @functools.cache

@@ -24,14 +24,9 @@ class FwdParams(ctypes.Structure):
         ("keep", _UINT), ("rp", _FLOAT), ("seed_lo", _UINT), ("seed_hi", _UINT),
     ]
     ARRAYS = ("q", "k", "v", "o", "lse", "slopes", "cu_q", "cu_k")  # the pointer fields, first, in this order
-    DEFAULTS = {"group": 1, "left": -1, "right": -1, "rp": 1.0, "head_group": 1}
+    DEFAULTS = {"group": 1, "left": -1, "right": -1, "rp": 1.0}  # head_group 0: the 2-D grid
 
     def __init__(self, **fields):
         super().__init__(**{**self.DEFAULTS, **fields})
         if "ldq" not in fields:
             self.ldq, self.ldk = self.Nq, self.Nk
-
-
-def fields(params):
-    """{name: value} of a params struct (for tests and error messages)."""
-    return {name: getattr(params, name) for name, _ in params._fields_}
