@@ -56,12 +56,14 @@ __device__ __forceinline__ void mask_window(float (&s)[MT][NC / 8][4], int r0, i
         }
 }
 
-// The variants' scores in natural units: x = scale S, then softcap x -> c tanh(x / c) (c > 0), then ALiBi
-// x -> x - slope |r + shift - c| (slope != 0). Same fragment layout as mask_scores.
-template <int MT, int NC>
+// The variants' scores in natural units: x = scale S, then softcap x -> c tanh(x / c) (CAP, c > 0), then ALiBi
+// x -> x - slope |r + shift - c| (slope 0: x unchanged). Same fragment layout as mask_scores. CAP is a template
+// argument so that the caller branches once per slice (ModScore::apply), not once per score: a branch inside the
+// loop keeps the compiler from interleaving one score's exp2 and reciprocal with the next score's.
+template <int MT, int NC, bool CAP>
 __device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int r0, int col0, int shift, float scale,
                                                  float softcap, float slope, int g, int t) {
-    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+    const float inv_cap = CAP ? 1.f / softcap : 0.f;
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -72,7 +74,7 @@ __device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int 
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float x = s[m][n][2 * h + e] * scale;
-                    if (softcap > 0.f) {  // tanh(y) = 1 - 2 / (e^{2y} + 1): two SFU operations (ex2, rcp); exact
+                    if constexpr (CAP) {  // tanh(y) = 1 - 2 / (e^{2y} + 1): two SFU operations (ex2, rcp); exact
                         // limits +-1 where e^{2y} overflows or underflows; absolute error a few 1e-7 near 0
                         const float e2y = fast_exp2(x * inv_cap * (2.f * LOG2E_F));
                         x = softcap * (1.f - __fdividef(2.f, e2y + 1.f));
