@@ -57,10 +57,11 @@ __device__ __forceinline__ void mask_window(float (&s)[MT][NC / 8][4], int r0, i
 }
 
 // The variants' scores in natural units: x = scale S, then softcap x -> c tanh(x / c) (CAP, c > 0), then ALiBi
-// x -> x - slope |r + shift - c| (slope 0: x unchanged). Same fragment layout as mask_scores. CAP is a template
-// argument so that the caller branches once per slice (ModScore::apply), not once per score: a branch inside the
-// loop keeps the compiler from interleaving one score's exp2 and reciprocal with the next score's.
-template <int MT, int NC, bool CAP>
+// x -> x - slope |r + shift - c| (ALIBI). Same fragment layout as mask_scores. CAP and ALIBI are template arguments
+// so that the caller branches once per slice (ModScore::apply), not once per score: a branch inside the loop keeps
+// the compiler from interleaving one score's exp2 and reciprocal with the next score's, and a predicated-off ALiBi
+// still takes its issue slots.
+template <int MT, int NC, bool CAP, bool ALIBI>
 __device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int r0, int col0, int shift, float scale,
                                                  float softcap, float slope, int g, int t) {
     const float inv_cap = CAP ? 1.f / softcap : 0.f;
@@ -79,7 +80,7 @@ __device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int 
                         const float e2y = fast_exp2(x * inv_cap * (2.f * LOG2E_F));
                         x = softcap * (1.f - __fdividef(2.f, e2y + 1.f));
                     }
-                    if (slope != 0.f) x -= slope * (float)abs(diag - (col0 + n * 8 + 2 * t + e));
+                    if constexpr (ALIBI) x -= slope * (float)abs(diag - (col0 + n * 8 + 2 * t + e));
                     s[m][n][2 * h + e] = x;
                 }
         }

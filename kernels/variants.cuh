@@ -119,10 +119,17 @@ struct ModScore {
         : scale(p.scale), softcap(p.softcap), slope(p.slopes != nullptr ? p.slopes[hd] : 0.f), diag_shift(shift + p.a_off) {}
     template <int MT, int NC>
     __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
-        if (softcap > 0.f)  // one branch per slice (see transform_scores)
-            transform_scores<MT, NC, true>(s, r0, col0, diag_shift, scale, softcap, slope, g, t);
+        if (softcap > 0.f)  // branches once per slice, not once per score (see transform_scores)
+            apply_with<MT, NC, true>(s, r0, col0, g, t);
         else
-            transform_scores<MT, NC, false>(s, r0, col0, diag_shift, scale, softcap, slope, g, t);
+            apply_with<MT, NC, false>(s, r0, col0, g, t);
+    }
+    template <int MT, int NC, bool CAP>
+    __device__ void apply_with(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
+        if (slope != 0.f)
+            transform_scores<MT, NC, CAP, true>(s, r0, col0, diag_shift, scale, softcap, slope, g, t);
+        else
+            transform_scores<MT, NC, CAP, false>(s, r0, col0, diag_shift, scale, softcap, slope, g, t);
     }
 };
 
