@@ -75,11 +75,13 @@ struct CausalMask {
 // Causal is the window (-1, 0). Only the band of K/V tiles holding a visible key is visited.
 struct WindowMask {
     static constexpr bool packed = true;  // takes packed batches (FwdParams.cu_q, cu_k)
-    int Nk, shift, left, right;
+    const FwdParams& p;  // left and right are read where used, from the kernel's parameter space
+    int Nk, shift;
 
-    __device__ WindowMask(const FwdParams& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), left(p.left), right(p.right) {}
+    __device__ WindowMask(const FwdParams& p, int Nq, int Nk) : p(p), Nk(Nk), shift(Nk - Nq) {}
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
+        const int left = p.left, right = p.right;
         const int last_row = min(row0 + BR, Nq) - 1;
         const int last_key = right < 0 ? Nk - 1 : min(Nk - 1, last_row + shift + right);
         const int first_key = left < 0 ? 0 : max(0, row0 + shift - left);
@@ -89,16 +91,18 @@ struct WindowMask {
     }
     template <int BC>
     __device__ bool tile_masked(int j, int row0, int last_row) const {
+        const int left = p.left, right = p.right;
         return (j + 1) * BC > Nk || (right >= 0 && (j + 1) * BC - 1 > row0 + shift + right) ||
                (left >= 0 && j * BC < last_row + shift - left);
     }
     __device__ bool slice_hidden(int col0, int NC, int r_first, int r_last) const {
+        const int left = p.left, right = p.right;
         return (right >= 0 && col0 > r_last + shift + right) || (left >= 0 && col0 + NC - 1 < r_first + shift - left);
     }
     __device__ bool slice_masked(int, int, int) const { return true; }
     template <int MT, int NC>
     __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
-        mask_window<MT, NC>(s, r0, col0, Nk, left, right, shift, g, t);
+        mask_window<MT, NC>(s, r0, col0, Nk, p.left, p.right, shift, g, t);
     }
 };
 
