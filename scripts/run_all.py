@@ -25,6 +25,7 @@ STAGES = [
     ("03_flash_v2_backward", None),
     ("04_ring", 4),
     ("05_train_gpt", None),  # a short CPU training run (the tiny config: the loss must clearly fall)
+    ("06_hopper", None),  # the CPU part: Hopper's layouts and schedules
 ]
 
 

@@ -24,6 +24,7 @@ STAGES = {
     "flash_v2_backward": "03_flash_v2_backward",
     "ring": "04_ring",
     "train_gpt": "05_train_gpt",
+    "hopper": "06_hopper",
 }
 
 

@@ -1,0 +1,92 @@
+"""Stage 06, the part that runs anywhere: Hopper's layouts and schedules, shown and checked on the CPU.
+
+1. The 128-byte swizzle: where each 16-byte chunk of 8 rows lands, and how many shared-memory passes reading one
+   chunk of the 8 rows takes with and without it.
+2. The wgmma matrix descriptor of a K-major tile, and a check that every K step read through it returns the columns
+   the copy engine wrote (layouts.read_operand, for D = 64, 128, 256).
+3. The mbarrier pipeline: the time of n tiles with 1 to 4 stages, beside the formula
+   load + (n - 1) max(load, compute) + compute.
+4. The consumer warpgroups: the tensor cores' busy fraction for one warpgroup, one with GEMM0 issued early, two that
+   share the tensor cores, and two in ping-pong (times of one tile from the FlashAttention-3 paper's H100 rates).
+
+    python stages/06_hopper/run.py
+    python stages/06_hopper/run.py --quick      # the same (it takes a second); for the tutorial-wide runner
+"""
+import argparse
+import sys
+
+import numpy as np
+
+from stages.hopper import layouts as L
+from stages.hopper import schedules as S
+
+
+def show_swizzle():
+    print("1. the 128-byte swizzle: physical chunk of logical chunk c in row r (8 rows x 8 chunks of 16 bytes)")
+    print("   r \\ c  " + " ".join(f"{c:2d}" for c in range(8)))
+    for r in range(8):
+        print(f"   {r:5d}  " + " ".join(f"{int(L.swizzle(r * 128 + c * 16)) % 128 // 16:2d}" for c in range(8)))
+    ok = True
+    for c in range(8):
+        swz = L.wavefronts([L.swizzle(r * 128 + c * 16) for r in range(8)])
+        plain = L.wavefronts([r * 128 + c * 16 for r in range(8)])
+        ok &= swz == 1
+    print(f"   one chunk of 8 rows: {swz} pass swizzled, {plain} passes in plain rows of 128 bytes")
+    return ok
+
+
+def show_descriptor():
+    base, rows = 2048, 64
+    d = L.descriptor(base, sbo=1024)
+    print(f"\n2. descriptor of a K-major {rows}-row tile at byte {base}, 128-byte swizzle: {d:#018x} = {L.decode(d)}")
+    ok = True
+    for D in (64, 128, 256):
+        x = np.arange(rows * D, dtype=np.uint16).reshape(rows, D)
+        smem = np.zeros(base + x.nbytes, np.uint8)
+        smem[base:] = L.store_tile(x)
+        for k in range(D // 16):
+            panel, within = divmod(k * 32, 128)
+            got = L.read_operand(smem, L.descriptor(base + panel * rows * 128 + within, sbo=1024), rows=rows)
+            ok &= bool((got == x[:, 16 * k:16 * k + 16]).all())
+        verdict = "match" if ok else "MISMATCH"
+        print(f"   D = {D:3d}: {D // 16} K steps of 16 read back through the descriptor: {verdict}")
+    return ok
+
+
+def show_pipeline(n=8, t_load=3, t_compute=2):
+    print(f"\n3. the pipeline, {n} tiles, load {t_load}, compute {t_compute} (ticks)")
+    ok = True
+    for stages in (1, 2, 3, 4):
+        run = S.simulate_pipeline(n, stages, t_load, t_compute)
+        want = n * (t_load + t_compute) if stages == 1 else t_load + (n - 1) * max(t_load, t_compute) + t_compute
+        ok &= run.ticks == want
+        line = "".join("L" if any(b <= t < e for *_, b, e in run.loads) else "." for t in range(run.ticks))
+        comp = "".join("C" if any(b <= t < e for *_, b, e in run.computes) else "." for t in range(run.ticks))
+        print(f"   stages {stages}: {run.ticks:3d} ticks (formula {want:3d})   copy {line}")
+        print(f"   {'':29s}   math {comp}")
+    return ok
+
+
+def show_warpgroups(n=32):
+    print(f"\n4. the tensor cores' busy fraction over {n} tiles per warpgroup")
+    for D in (64, 128):
+        g, s = S.tile_times(D)
+        cells = []
+        for policy in ("one", "overlap", "together", "pingpong"):
+            _, _, busy = S.schedule_warpgroups(n, g, s, policy)
+            cells.append(f"{policy} {busy:.2f}")
+        print(f"   D = {D:3d} (softmax / one GEMM = {s / g:.2f}): " + ", ".join(cells))
+    return True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="accepted for the tutorial-wide runner (same work)")
+    ap.parse_args(argv)
+    ok = all([show_swizzle(), show_descriptor(), show_pipeline(), show_warpgroups()])
+    print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: layouts and schedules)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

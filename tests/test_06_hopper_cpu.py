@@ -1,0 +1,143 @@
+"""Stage 06's CPU part: the swizzled layouts and the wgmma descriptor (layouts.py), the mbarrier pipeline and the
+warpgroup schedules (schedules.py). Each property is also shown to fail on a wrong layout or protocol."""
+import numpy as np
+import pytest
+
+from stages.hopper import layouts as L
+from stages.hopper import schedules as S
+
+MODES = (128, 64, 32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_swizzle_permutes_chunks_inside_each_pattern(mode):
+    addr = np.arange(8 * 8 * mode)  # eight patterns of 8 lines
+    out = L.swizzle(addr, mode)
+    assert sorted(out) == list(addr)  # a bijection
+    assert (out // (8 * mode) == addr // (8 * mode)).all()  # that stays inside its pattern
+    assert (out % 16 == addr % 16).all()  # and moves whole 16-byte chunks
+    assert (out[: 128] == addr[: 128]).all()  # line 0 is not moved
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows,cols", [(64, 64), (128, 128), (64, 256), (8, 64)])
+def test_a_tile_fills_its_bytes_once(mode, rows, cols):
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    off = L.tile_offset(r, c, rows=rows, cols=cols, mode=mode)
+    assert sorted(off.ravel() // 2) == list(range(rows * cols))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_core_matrix_is_read_in_one_pass_only_when_swizzled(mode):
+    cols = mode // 2  # one panel
+    for chunk in range(mode // 16):
+        for r0 in (0, 8, 24):
+            rows8 = [L.tile_offset(r, chunk * 8, rows=64, cols=cols, mode=mode) for r in range(r0, r0 + 8)]
+            assert L.wavefronts(rows8) == 1
+            plain = [r * mode + chunk * 16 for r in range(r0, r0 + 8)]  # the same rows, not swizzled
+            assert L.wavefronts(plain) == mode // 16  # 128 / mode rows per line: 8, 4, 2 passes
+
+def test_a_wrong_swizzle_conflicts():
+    wrong = [r * 128 + ((3 ^ (r % 4)) * 16) for r in range(8)]  # XOR with r mod 4: rows r and r + 4 collide
+    assert L.wavefronts(wrong) == 2
+
+
+def test_descriptor_fields():
+    d = L.descriptor(1024, sbo=1024)
+    assert d == 0x4000004000010040
+    assert L.decode(d) == {"start": 1024, "lbo": 16, "sbo": 1024, "base_offset": 0, "mode": 128}
+    assert L.decode(L.descriptor(2048 + 96, sbo=512, mode=64))["start"] == 2048 + 96
+
+
+@pytest.mark.parametrize("start,kw,msg", [
+    (1032, {}, "multiple of 16"), (1 << 18, {}, "256 KiB"), (1024 + 512, {}, "1024-byte boundary"),
+    (1024, {"mode": 16}, "swizzle mode"), (1024, {"sbo": 1000}, "sbo"),
+])
+def test_descriptor_refuses_what_it_cannot_hold(start, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        L.descriptor(start, **{"sbo": 1024, **kw})
+
+
+def _smem_with(tile, at, mode=128):
+    smem = np.zeros(at + tile.nbytes, np.uint8)
+    smem[at:] = L.store_tile(tile, mode=mode)
+    return smem
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("rows", [64, 128])
+def test_wgmma_reads_back_what_the_copy_engine_wrote(D, rows):
+    """K-major operand, 128-byte swizzle: K step k (16 values, 32 bytes) of panel p is the descriptor of the panel's
+    start, moved 32 bytes per step inside the 128-byte line."""
+    x = np.arange(rows * D, dtype=np.uint16).reshape(rows, D)
+    base = 3 * 1024
+    smem = _smem_with(x, base)
+    for k in range(D // 16):
+        panel, within = divmod(k * 32, 128)
+        desc = L.descriptor(base + panel * rows * 128 + within, sbo=1024)
+        assert (L.read_operand(smem, desc, rows=rows) == x[:, 16 * k: 16 * k + 16]).all()
+
+
+def test_a_wrong_descriptor_reads_other_values():
+    x = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64)
+    smem = _smem_with(x, 1024)
+    right = x[:, 16:32]
+    assert not (L.read_operand(smem, L.descriptor(1024 + 32, sbo=512), rows=64) == right).all()  # SBO: 8 rows apart
+    assert not (L.read_operand(smem, L.descriptor(1024 + 32, sbo=1024, mode=0), rows=64) == right).all()  # no swizzle
+
+
+# ---------------------------------------------------------------- the pipeline
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("t_load,t_compute", [(3, 2), (2, 3), (2, 2), (1, 5)])
+def test_pipeline_time(stages, t_load, t_compute):
+    n = 9
+    run = S.simulate_pipeline(n, stages, t_load, t_compute)
+    if stages == 1:
+        assert run.ticks == n * (t_load + t_compute)  # nothing overlaps
+    else:  # the first load, then one tile per max(load, compute), then the last compute
+        assert run.ticks == t_load + (n - 1) * max(t_load, t_compute) + t_compute
+    assert [c[0] for c in run.computes] == list(range(n))
+
+
+def test_pipeline_mistakes_are_caught():
+    with pytest.raises(S.RaceError, match="holds nothing"):  # the consumer's parity inverted: it does not wait
+        S.simulate_pipeline(6, 2, 3, 2, consumer_parity=lambda n: (n & 1) ^ 1)
+    with pytest.raises(S.RaceError, match="while tile"):  # the producer does not wait for empty stages
+        S.simulate_pipeline(6, 2, 1, 3, producer_waits=False)
+    with pytest.raises(RuntimeError, match="deadlock"):  # the producer waits for a release before the first use
+        S.simulate_pipeline(6, 2, 1, 3, producer_parity=lambda n: n & 1)
+
+
+def test_one_bit_of_phase_suffices_but_not_zero():
+    b = S.MBarrier()
+    assert b.try_wait_parity(1) and not b.try_wait_parity(0)  # phase 0 running: parity 1 "completed" (the start)
+    b.arrive()
+    assert b.try_wait_parity(0) and not b.try_wait_parity(1)
+
+
+# ---------------------------------------------------------------- the warpgroups
+@pytest.mark.parametrize("D", [64, 128])
+def test_pingpong_keeps_the_tensor_cores_busy(D):
+    g, s = S.tile_times(D)
+    n = 64
+    _, _, one = S.schedule_warpgroups(n, g, s, "one")
+    _, _, together = S.schedule_warpgroups(n, g, s, "together")
+    _, _, pingpong = S.schedule_warpgroups(n, g, s, "pingpong")
+    _, _, overlap = S.schedule_warpgroups(n, g, s, "overlap")
+    assert one == pytest.approx(2 * g / (2 * g + s))
+    assert together == pytest.approx(4 * g / (4 * g + s))
+    assert s <= 2 * g and pingpong > 0.99  # the softmax hides under the other warpgroup's two GEMMs
+    assert overlap > one and pingpong > together
+
+
+def test_pingpong_is_bounded_by_the_softmax_when_it_is_longer():
+    g, s = 1.0, 3.0  # a softmax longer than the other warpgroup's two GEMMs cannot hide
+    _, T, u = S.schedule_warpgroups(64, g, s, "pingpong")
+    assert u < 0.9 and T >= 64 * (g + s)
+
+
+def test_schedules_refuse_bad_input():
+    with pytest.raises(ValueError, match="policy"):
+        S.schedule_warpgroups(4, 1.0, 1.0, "fast")
+    with pytest.raises(ValueError):
+        S.simulate_pipeline(0, 2, 1, 1)
