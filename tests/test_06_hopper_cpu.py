@@ -141,3 +141,25 @@ def test_schedules_refuse_bad_input():
         S.schedule_warpgroups(4, 1.0, 1.0, "fast")
     with pytest.raises(ValueError):
         S.simulate_pipeline(0, 2, 1, 1)
+
+
+# ---------------------------------------------------------------- the sm_90a kernels, compiled without a GPU
+def test_every_stage_06_kernel_compiles_for_sm90a_within_limits():
+    from stages.common import kernels
+    from stages.hopper import blocks
+
+    usage = kernels.resource_usage(blocks.FILE, arch=blocks.ARCH,
+                                   name_expressions=[n for n in blocks.kernel_names() if "<" in n])
+    for name in blocks.kernel_names():
+        u = usage[name]
+        assert u["spill"] == 0, f"{name} spills {u['spill']} bytes"
+        assert u["registers"] * 128 <= 65536 and u["static_smem"] <= 48 * 1024, (name, u)
+
+
+def test_a_cubin_comes_back_whole():
+    """CuPy's getCUBIN leaves off the cubin's last byte; kernels._whole_elf restores it from the ELF header."""
+    from stages.common import kernels
+
+    cubin = kernels.compile_only("hopper_blocks.cu", arch="sm_90a")
+    assert kernels._whole_elf(cubin) == cubin and kernels._whole_elf(cubin[:-1]) == cubin
+    assert cubin[-1] == 0
