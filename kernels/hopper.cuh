@@ -63,6 +63,12 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 b
 __device__ __forceinline__ u64 desc_kmajor_128b(u32 smem_byte_addr) {
     return (u64)((smem_byte_addr & 0x3FFFF) >> 4) | (u64)(16 >> 4) << 16 | (u64)(1024 >> 4) << 32 | (u64)1 << 62;
 }
+// Matrix descriptor of an MN-major operand in the 128-byte swizzle (layouts.read_operand_mn): rows of 64 N values
+// (128 bytes), SBO 1024 bytes between groups of 8 K rows, LBO between panels of 64 N values.
+__device__ __forceinline__ u64 desc_mnmajor_128b(u32 smem_byte_addr, u32 panel_bytes) {
+    return (u64)((smem_byte_addr & 0x3FFFF) >> 4) | (u64)((panel_bytes & 0x3FFFF) >> 4) << 16 |
+           (u64)(1024 >> 4) << 32 | (u64)1 << 62;
+}
 // Order the registers' writes before wgmma reads them (accumulators), and group and wait for issued wgmmas.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -97,6 +103,35 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_ARGS "}\n"
                      : WGMMA_OUTS
                      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+#undef WGMMA_ARGS
+#undef WGMMA_OUTS
+}
+
+// D (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major in shared memory: imm-trans-b = 1). A's fragment
+// (four registers of two 16-bit values) is mma.m16n8k16's A fragment of the warp's 16 rows: a[0] row g, columns
+// 2 t, 2 t + 1; a[1] row g + 8; a[2] row g, columns 8 + 2 t, 9 + 2 t; a[3] row g + 8, those columns. It is exactly
+// what the accumulator of S holds for n-blocks 2 kk and 2 kk + 1 once rounded to 16 bits (P from S in registers).
+template <typename T>
+__device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int scale_d) {
+#define WGMMA_ARGS                                                                                                    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
+#define WGMMA_OUTS                                                                                                    \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+    if constexpr (IsBf16<T>::value) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
     }
 #undef WGMMA_ARGS
 #undef WGMMA_OUTS

@@ -4,16 +4,19 @@
 //                are copied out as they are, to be compared with layouts.store_tile (the swizzle as the hardware does it)
 //   qk_scores    S = Q K^T for one 64-row Q tile and one 64-row K tile: both loaded by the copy engine, multiplied by
 //                wgmma through K-major descriptors (layouts.descriptor), one K step of 16 per instruction
+//   pv_product   O = P V for a 64 x 64 P held in registers (the A fragments S's accumulators become) and a 64-key V
+//                tile loaded by the copy engine and read as an MN-major operand (layouts.read_operand_mn)
 #include "hopper.cuh"
 
 // The one argument of both kernels. Pointer fields first (kernels.Launch writes the arrays of each call there); the
 // tensor maps at a multiple of 64 bytes, as CUtensorMap requires. stages/06_hopper/blocks.py mirrors it.
 struct BlockParams {
-    void* out;        // tile_bytes: rows x 128 bytes; qk_scores: S, 64 x 64 float
+    void* out;        // tile_bytes: rows x 128 bytes; qk_scores: S, 64 x 64 float; pv_product: O, 64 x D float
+    const void* in;   // pv_product: P, 64 x 64 (the 16-bit input type)
     int rows;         // tile_bytes: rows of the box
-    int D;            // qk_scores: head dim, a multiple of 64 (the tile is D / 64 panels of 64 columns)
+    int D;            // qk_scores, pv_product: head dim, a multiple of 64 (tiles are D / 64 panels of 64 columns)
     TensorMap map_a;  // tile_bytes: the tensor; qk_scores: Q
-    TensorMap map_b;  // qk_scores: K
+    TensorMap map_b;  // qk_scores: K; pv_product: V
 };
 
 // The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
@@ -79,4 +82,58 @@ __global__ void __launch_bounds__(128) qk_scores(const __grid_constant__ BlockPa
 #pragma unroll
         for (int e = 0; e < 4; ++e)
             out[(16 * warp + g + 8 * (e / 2)) * 64 + 8 * i + 2 * t + (e % 2)] = s[4 * i + e];
+}
+
+// One warpgroup. Shared memory: V's D / 64 panels, 64 keys x 128 bytes each. D <= 128 (two 32-register accumulators).
+template <typename T>
+__global__ void __launch_bounds__(128) pv_product(const __grid_constant__ BlockParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) u64 full;
+    const u32 v_base = aligned_1024(smem_raw), bar = smem_addr(&full);
+    const int panels = p.D / 64;
+    if (threadIdx.x == 0) {
+        mbar_init(bar, 1);
+        mbar_fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_arrive_expect_tx(bar, panels * 8192u);
+        for (int c = 0; c < panels; ++c) tma_load_2d(v_base + c * 8192u, &p.map_b, bar, 64 * c, 0);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const T* P = static_cast<const T*>(p.in);
+    const int r0 = 16 * warp + g;  // this thread's rows r0 and r0 + 8 of P and O
+    u32 a[4][4];                    // A fragments of the 4 K steps (keys 16 ks .. 16 ks + 15)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // q: (row r0 or r0 + 8) x (columns 2 t or 8 + 2 t)
+            const int r = r0 + 8 * (q % 2), c = 16 * ks + 8 * (q / 2) + 2 * t;
+            a[ks][q] = *reinterpret_cast<const u32*>(P + r * 64 + c);  // two consecutive 16-bit values
+        }
+    mbar_wait(bar, 0);
+
+    float o[2][32];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[n][i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        if (n >= panels) break;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)  // K step: 16 keys further is 2048 bytes (two groups of 8 rows)
+            wgmma_64x64x16_rs<T>(o[n], a[ks], desc_mnmajor_128b(v_base + n * 8192u + ks * 2048u, 8192u), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    float* out = static_cast<float*>(p.out);
+    for (int n = 0; n < panels; ++n)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                out[(r0 + 8 * (e / 2)) * p.D + 64 * n + 8 * i + 2 * t + (e % 2)] = o[n][4 * i + e];
 }

@@ -56,6 +56,19 @@ def test_wgmma_computes_q_k_transposed(D, dtype):
     assert (np.abs(s - exact) <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+def test_wgmma_computes_p_v_from_registers(D, dtype):
+    import cupy
+
+    blocks = _hopper()
+    rng = np.random.default_rng(D + 1)
+    p = rng.integers(-4, 5, (64, 64)).astype(dtype)
+    v = rng.integers(-4, 5, (64, D)).astype(dtype)
+    o = cupy.asnumpy(blocks.pv_product(cupy.asarray(p), cupy.asarray(v)))
+    assert (o == p.astype(np.float64) @ v.astype(np.float64)).all()
+
+
 def test_blocks_refuse_other_gpus(monkeypatch):
     """Under ATTN_ARCH=sm_80 (an emulated older GPU) the blocks say what to use instead."""
     import cupy

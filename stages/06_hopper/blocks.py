@@ -3,6 +3,8 @@
     tile_bytes(x)     the copy engine loads x[:, :64] (16-bit, rows x 64) with the 128-byte swizzle; returns the
                       shared-memory bytes as they lie (compare: layouts.store_tile)
     qk_scores(q, k)   S = q k^T for q, k of 64 rows x D (D = 64, 128, 256): copy engine, then wgmma (compare: numpy)
+    pv_product(p, v)  O = p v for p of 64 x 64 in registers and v of 64 keys x D (D = 64, 128) read as an MN-major
+                      operand (compare: numpy)
 
 Tensor maps come from the driver's cuTensorMapEncodeTiled through cuda-bindings (NVIDIA's Python binding of the
 driver API); the kernels take them inside one parameter struct (BlockParams, kernels/hopper_blocks.cu).
@@ -20,10 +22,10 @@ _CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}
 
 
 class BlockParams(ctypes.Structure):
-    """struct BlockParams of kernels/hopper_blocks.cu: out, rows, D, then two 128-byte tensor maps at offsets 64 and
-    192 (CUtensorMap is 64-byte aligned)."""
-    _fields_ = [("out", ctypes.c_uint64), ("rows", ctypes.c_int32), ("D", ctypes.c_int32),
-                ("_pad", ctypes.c_uint8 * 48),
+    """struct BlockParams of kernels/hopper_blocks.cu: out, in, rows, D, then two 128-byte tensor maps at offsets 64
+    and 192 (CUtensorMap is 64-byte aligned)."""
+    _fields_ = [("out", ctypes.c_uint64), ("in_", ctypes.c_uint64), ("rows", ctypes.c_int32), ("D", ctypes.c_int32),
+                ("_pad", ctypes.c_uint8 * 40),
                 ("map_a", ctypes.c_uint64 * 16), ("map_b", ctypes.c_uint64 * 16)]
 
 
@@ -104,6 +106,25 @@ def qk_scores(q, k):
     return out
 
 
+def pv_product(p, v):
+    """O = p v (64 x D, float32) for CuPy p (64 x 64) and v (64 keys x D, D = 64 or 128), one 16-bit dtype: p in
+    registers as wgmma's A fragments, v loaded by the copy engine and read as an MN-major operand."""
+    import cupy
+
+    require_hopper()
+    D = v.shape[1]
+    if p.shape != (64, 64) or v.shape != (64, D) or D not in (64, 128) or p.dtype != v.dtype:
+        raise ValueError("pv_product: p of 64 x 64 and v of 64 x D, D = 64 or 128, one dtype")
+    if np.dtype(p.dtype) not in _CTYPE:
+        raise TypeError(f"pv_product: dtype {p.dtype} is not supported; use float16 or bfloat16")
+    out = cupy.empty((64, D), cupy.float32)
+    params = BlockParams(D=D, map_b=tensor_map_2d(v, 64))
+    smem = 64 * D * 2 + 1024
+    p = cupy.ascontiguousarray(p)
+    kernels.Launch(_function(f"pv_product<{_CTYPE[np.dtype(p.dtype)]}>", smem), (1,), (128,), smem, params)(out, p)
+    return out
+
+
 def kernel_names():
     """The instantiations CI compiles for sm_90a."""
-    return ["tile_bytes"] + [f"qk_scores<{c}>" for c in _CTYPE.values()]
+    return ["tile_bytes"] + [f"{k}<{c}>" for k in ("qk_scores", "pv_product") for c in _CTYPE.values()]
