@@ -64,7 +64,10 @@ def tensor_map_2d(x, box_rows, box_cols=64):
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
-    return (ctypes.c_uint64 * 16).from_buffer_copy(ctypes.string_at(tmap.getPtr(), 128))
+    words = getattr(tmap, "opaque", None)  # CUtensorMap's 16 64-bit words, as cuda-bindings exposes the struct
+    if words is None:
+        return (ctypes.c_uint64 * 16).from_buffer_copy(ctypes.string_at(tmap.getPtr(), 128))
+    return (ctypes.c_uint64 * 16)(*(int(w) for w in words))
 
 
 @functools.lru_cache(maxsize=None)
