@@ -57,6 +57,19 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 b
         : "memory");
 }
 
+// The same for a 3-D tensor map (c0 = column, c1 = row, c2 = (batch, head)): rows past a head's last are filled
+// with zeros, never read from the next head.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
+// The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
+__device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return (smem_addr(smem) + 1023u) & ~1023u; }
+
 // ---------------------------------------------------------------- wgmma
 // Matrix descriptor of a K-major operand in the 128-byte swizzle (layouts.descriptor): start >> 4, LBO 16 bytes
 // (unused), SBO 1024 bytes (8 rows of 128 bytes), swizzle code 1 in bits 62-63.

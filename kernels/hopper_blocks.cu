@@ -19,9 +19,6 @@ struct BlockParams {
     TensorMap map_b;  // qk_scores: K; pv_product: V
 };
 
-// The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
-__device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return (smem_addr(smem) + 1023u) & ~1023u; }
-
 extern "C" __global__ void tile_bytes(const __grid_constant__ BlockParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 full;  // the mbarrier

@@ -78,3 +78,55 @@ def test_blocks_refuse_other_gpus(monkeypatch):
     monkeypatch.setenv("ATTN_ARCH", "sm_80")
     with pytest.raises(device.UnsupportedDevice, match="stage 02 version 'pipelined'"):
         blocks.qk_scores(cupy.zeros((64, 64), cupy.float16), cupy.zeros((64, 64), cupy.float16))
+
+
+# ---------------------------------------------------------------- version 1: the forward with TMA and wgmma
+SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, one row, one key
+    (1, 2, 128, 128), (2, 3, 100, 130), (1, 2, 200, 77), (1, 1, 1, 65), (1, 1, 65, 1), (2, 2, 333, 333),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_wgmma_forward_within_the_tolerance_rule(shape, causal, D, dtype):
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(*shape, D, dtype=dtype, xp=cupy)
+    check_forward(flash_v3.forward, q, k, v, causal=causal)
+
+
+def test_wgmma_forward_at_large_logits_and_a_row_that_sees_nothing():
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(1, 2, 130, 70, 128, dtype=bfloat16, xp=cupy, scale=10.0)
+    check_forward(flash_v3.forward, q, k, v, causal=True)  # Nq > Nk causal: the first 60 rows see no key
+    o, lse = flash_v3.forward(q, k, v, causal=True)
+    assert bool(cupy.isneginf(lse[:, :, :60]).all()) and not bool(o[:, :, :60].any())
+
+
+def test_wgmma_forward_refuses_what_it_does_not_take():
+    import cupy
+
+    from stages.common import make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(1, 1, 64, 64, 96, dtype=np.float16, xp=cupy)
+    with pytest.raises(ValueError, match="head dim 96"):
+        flash_v3.forward(q, k, v)
+    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float32, xp=cupy)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        flash_v3.forward(q, k, v)
+    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy)
+    with pytest.raises(TypeError, match="causal"):
+        flash_v3.forward(q, k, v, causal="no")

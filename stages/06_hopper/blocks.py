@@ -43,21 +43,32 @@ def require_hopper(dev=None):
 def tensor_map_2d(x, box_rows, box_cols=64):
     """The 128 bytes of a CUtensorMap for the row-major 16-bit CuPy matrix x (rows x cols): boxes of box_rows x
     box_cols elements, 128-byte swizzle (box_cols x 2 bytes must be 128)."""
+    rows, cols = x.shape
+    return _tensor_map(x, [cols, rows], [cols * 2], [box_cols, box_rows])
+
+
+def tensor_map_heads(x, box_rows=64, box_cols=64):
+    """The CUtensorMap of a (B, H, N, D) 16-bit CuPy array seen as D x N x (B H): boxes of box_rows x box_cols of one
+    head. Rows past a head's N come back as zeros (never the next head's)."""
+    B, H, N, D = x.shape
+    return _tensor_map(x, [D, N, B * H], [D * 2, N * D * 2], [box_cols, box_rows, 1])
+
+
+def _tensor_map(x, dims, strides, box):
+    """cuTensorMapEncodeTiled through cuda-bindings: sizes and box innermost first, byte strides of every dimension
+    but the innermost; 128-byte swizzle, zeros out of bounds."""
     from cuda.bindings import driver as cu
 
-    rows, cols = x.shape
-    if x.dtype.itemsize != 2 or box_cols * 2 != 128:
-        raise ValueError("tensor_map_2d: 16-bit values in boxes of 64 columns (128 bytes: the swizzle's span)")
-    if not x.flags.c_contiguous or (cols * 2) % 16:
-        raise ValueError("tensor_map_2d: a C-contiguous matrix whose rows are a multiple of 16 bytes")
+    if x.dtype.itemsize != 2 or box[0] * 2 != 128:
+        raise ValueError("tensor maps here: 16-bit values in boxes of 64 columns (128 bytes: the swizzle's span)")
+    if not x.flags.c_contiguous or any(s % 16 for s in strides):
+        raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
     dtype = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if x.dtype == bfloat16
              else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     err, tmap = cu.cuTensorMapEncodeTiled(
-        dtype, 2, x.data.ptr,
-        [cu.cuuint64_t(cols), cu.cuuint64_t(rows)],          # sizes, innermost first
-        [cu.cuuint64_t(cols * 2)],                           # byte stride of each dimension but the innermost
-        [cu.cuuint32_t(box_cols), cu.cuuint32_t(box_rows)],  # the box
-        [cu.cuuint32_t(1), cu.cuuint32_t(1)],                # element strides
+        dtype, len(dims), x.data.ptr,
+        [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
+        [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1) for _ in dims],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
