@@ -88,6 +88,15 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
+// The 32 accumulator registers of an m64n64 wgmma as inline-asm operands %0 .. %31, and their list in PTX.
+#define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+                  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_OUTS                                                                                                    \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
@@ -98,14 +107,7 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 template <typename T>
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
     static_assert(sizeof(T) == 2, "16-bit inputs");
-#define WGMMA_ARGS                                                                                                    \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n"
-#define WGMMA_OUTS                                                                                                    \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_ARGS WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n"
     if constexpr (IsBf16<T>::value) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
@@ -118,7 +120,6 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
                      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
     }
 #undef WGMMA_ARGS
-#undef WGMMA_OUTS
 }
 
 // D (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major in shared memory: imm-trans-b = 1). A's fragment
@@ -127,14 +128,7 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
 // what the accumulator of S holds for n-blocks 2 kk and 2 kk + 1 once rounded to 16 bits (P from S in registers).
 template <typename T>
 __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int scale_d) {
-#define WGMMA_ARGS                                                                                                    \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
-    "%24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
-#define WGMMA_OUTS                                                                                                    \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_ARGS WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
     if constexpr (IsBf16<T>::value) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
@@ -147,5 +141,4 @@ __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
     }
 #undef WGMMA_ARGS
-#undef WGMMA_OUTS
 }
