@@ -1,5 +1,5 @@
-"""Time stage 06's forward (version 'wgmma') beside stage 02's pipelined forward and PyTorch's SDPA (flash and cuDNN
-backends), in one run on one sm_90 GPU.
+"""Time stage 06's forward (versions 'ws' and 'wgmma') beside stage 02's pipelined forward and PyTorch's SDPA
+(flash and cuDNN backends), in one run on one sm_90 GPU.
 
     python dev/bench_hopper.py [--out results] [--seqs 4096 8192 16384] [--head-dims 64 128] [--dtype bfloat16]
 
@@ -50,14 +50,18 @@ def main(argv=None):
     rows = []
     for D in args.head_dims:
         for causal in (False, True):
-            check_forward(flash_v3.forward, *make_inputs(1, 2, 1000, 1000, D, dtype=dtype, xp=cupy), causal=causal)
+            for version in flash_v3.VERSIONS:
+                check_forward(flash_v3.forward, *make_inputs(1, 2, 1000, 1000, D, dtype=dtype, xp=cupy),
+                              causal=causal, version=version)
             for N in args.seqs:
                 B = max(1, args.tokens // N)
                 q, k, v = make_inputs(B, args.heads, N, N, D, dtype=dtype, xp=cupy)
                 tq, tk, tv = (bench._to_torch(x, torch) for x in (q, k, v))
                 flops = attention_flops(B, args.heads, N, N, D, causal=causal)
                 impls = {
-                    "ours wgmma (stage 06)": (lambda: flash_v3.forward(q, k, v, causal=causal), clock_cp),
+                    "ours ws (stage 06)": (lambda: flash_v3.forward(q, k, v, causal=causal), clock_cp),
+                    "ours wgmma (stage 06)": (lambda: flash_v3.forward(q, k, v, causal=causal, version="wgmma"),
+                                              clock_cp),
                     "ours pipelined (stage 02)": (lambda: flash_v2.forward(q, k, v, causal=causal), clock_cp),
                 }
                 for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
@@ -73,12 +77,12 @@ def main(argv=None):
                     except Exception as e:  # a backend this GPU or build lacks: say so in the row
                         times[name] = None
                         print(f"  {name}: {bench._short(repr(e))}")
-                ours = times["ours wgmma (stage 06)"]
+                ours = times["ours ws (stage 06)"]
                 for name, ms in times.items():
                     rows.append(dict(dtype=args.dtype, head_dim=D, causal=causal, seq_len=N, batch=B,
                                      heads=args.heads, impl=name, ms=f"{ms:.4f}" if ms else "",
                                      tflops=f"{flops / ms / 1e9:.1f}" if ms else "",
-                                     ratio_wgmma_to_this=f"{ms / ours:.3f}" if ms and ours else "", **prov))
+                                     time_over_ws=f"{ms / ours:.3f}" if ms and ours else "", **prov))
                 print(f"d={D} causal={causal!s:5} N={N:5d}: " + ", ".join(
                     f"{n} {flops / ms / 1e9:.0f} TFLOP/s" if ms else f"{n} -" for n, ms in times.items()), flush=True)
     os.makedirs(args.out, exist_ok=True)

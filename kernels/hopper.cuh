@@ -70,6 +70,15 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
 // The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
 __device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return (smem_addr(smem) + 1023u) & ~1023u; }
 
+// ---------------------------------------------------------------- setmaxnreg
+// Move registers between warpgroups (all 128 threads of a warpgroup execute it): a producer that only issues copies
+// gives registers back (dec), the consumers that hold S and O take them (inc). N: registers per thread, a multiple
+// of 8 in 24 .. 256.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+
 // ---------------------------------------------------------------- wgmma
 // Matrix descriptor of a K-major operand in the 128-byte swizzle (layouts.descriptor): start >> 4, LBO 16 bytes
 // (unused), SBO 1024 bytes (8 rows of 128 bytes), swizzle code 1 in bits 62-63.

@@ -86,11 +86,12 @@ SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, on
 ]
 
 
+@pytest.mark.parametrize("version", ["wgmma", "ws"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_wgmma_forward_within_the_tolerance_rule(shape, causal, D, dtype):
+def test_forward_within_the_tolerance_rule(shape, causal, D, dtype, version):
     import cupy
 
     from stages.common import check_forward, make_inputs
@@ -98,10 +99,11 @@ def test_wgmma_forward_within_the_tolerance_rule(shape, causal, D, dtype):
 
     _hopper()
     q, k, v = make_inputs(*shape, D, dtype=dtype, xp=cupy)
-    check_forward(flash_v3.forward, q, k, v, causal=causal)
+    check_forward(flash_v3.forward, q, k, v, causal=causal, version=version)
 
 
-def test_wgmma_forward_at_large_logits_and_a_row_that_sees_nothing():
+@pytest.mark.parametrize("version", ["wgmma", "ws"])
+def test_forward_at_large_logits_and_a_row_that_sees_nothing(version):
     import cupy
 
     from stages.common import check_forward, make_inputs
@@ -109,12 +111,12 @@ def test_wgmma_forward_at_large_logits_and_a_row_that_sees_nothing():
 
     _hopper()
     q, k, v = make_inputs(1, 2, 130, 70, 128, dtype=bfloat16, xp=cupy, scale=10.0)
-    check_forward(flash_v3.forward, q, k, v, causal=True)  # Nq > Nk causal: the first 60 rows see no key
-    o, lse = flash_v3.forward(q, k, v, causal=True)
+    check_forward(flash_v3.forward, q, k, v, causal=True, version=version)  # the first 60 rows see no key
+    o, lse = flash_v3.forward(q, k, v, causal=True, version=version)
     assert bool(cupy.isneginf(lse[:, :, :60]).all()) and not bool(o[:, :, :60].any())
 
 
-def test_wgmma_forward_refuses_what_it_does_not_take():
+def test_forward_refuses_what_it_does_not_take():
     import cupy
 
     from stages.common import make_inputs
@@ -130,3 +132,5 @@ def test_wgmma_forward_refuses_what_it_does_not_take():
     q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy)
     with pytest.raises(TypeError, match="causal"):
         flash_v3.forward(q, k, v, causal="no")
+    with pytest.raises(ValueError, match="version 'fast'"):
+        flash_v3.forward(q, k, v, version="fast")

@@ -1,10 +1,16 @@
-"""Stage 06 version 1 "wgmma": the forward on Hopper (kernels/flash_v3_forward_wgmma.cu): o, lse of attention for
-CuPy q, k, v (B, H, N, D) in float16 or bfloat16, D = 64, 128 or 256, on an sm_90 GPU.
+"""Stage 06's forward on Hopper: o, lse of attention for CuPy q, k, v (B, H, N, D) in float16 or bfloat16,
+D = 64, 128 or 256, on an sm_90 GPU.
 
-    o, lse = flash_v3.forward(q, k, v, causal=True)
+    o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "ws"
+    o, lse = flash_v3.forward(q, k, v, causal=True, version="wgmma")
 
-What the version changes from stage 02's pipelined kernel: the copy engine (TMA) loads the tiles, and wgmma
-multiplies from shared memory (S = Q K^T) and from registers (O += P V). The README says how, step by step.
+Versions, in the order the README teaches them:
+  wgmma  (kernels/flash_v3_forward_wgmma.cu) stage 02's algorithm with Hopper's data paths: the copy engine (TMA)
+         loads the tiles, wgmma multiplies from shared memory (S = Q K^T) and from registers (O += P V); one
+         warpgroup per 64-row Q tile, thread 0 issues the copies, two K/V stages.
+  ws     (kernels/flash_v3_forward_ws.cu) warp specialisation: a producer warpgroup issues the copies (setmaxnreg
+         gives its registers to the consumers), two consumer warpgroups compute a 128-row Q tile, and full / empty
+         mbarriers per stage order them.
 """
 import ctypes
 import functools
@@ -16,9 +22,13 @@ from stages.common.checks import check_causal, resolve_scale
 
 from . import blocks
 
-FILE = "flash_v3_forward_wgmma.cu"
+FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu"}
+VERSIONS = tuple(FILES)
 HEAD_DIMS = (64, 128, 256)
-BR = BC = 64  # rows of Q_i and of K_j, V_j: one wgmma's M and N
+BC = 64                         # rows of K_j, V_j: one wgmma's N
+BR = {"wgmma": 64, "ws": 128}   # rows of Q_i: one warpgroup's M, or two consumer warpgroups'
+THREADS = {"wgmma": 128, "ws": 384}
+STAGES = 2                      # K/V stages of version ws
 _CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}
 
 
@@ -30,23 +40,32 @@ class HopperFwdParams(ctypes.Structure):
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
 
 
-def smem_bytes(D):
-    """Q_i and two stages of K_j, V_j, 64 rows x D 16-bit values each, and 1024 bytes to align the first tile."""
-    return 5 * BR * D * 2 + 1024
+def smem_bytes(version, D):
+    """Q_i and the K/V stages (64-row tiles of D 16-bit values: one for wgmma's Q_i and two per stage, two more for
+    ws's 128-row Q_i), and 1024 bytes to align the first tile."""
+    tiles = 1 + 2 * 2 if version == "wgmma" else 2 + 2 * STAGES
+    return tiles * 64 * D * 2 + 1024
+
+
+def _name(version, ctype, D):
+    return (f"flash_v3_forward_wgmma<{ctype},{D}>" if version == "wgmma"
+            else f"flash_v3_forward_ws<{ctype},{D},{STAGES}>")
 
 
 @functools.lru_cache(maxsize=None)
-def _function(ctype, D):
-    name = f"flash_v3_forward_wgmma<{ctype},{D}>"
-    module = load_module(FILE, name_expressions=(name,), target=blocks.ARCH)
-    return kernels.function(module, name, smem_bytes(D))
+def _function(version, ctype, D):
+    name = _name(version, ctype, D)
+    module = load_module(FILES[version], name_expressions=(name,), target=blocks.ARCH)
+    return kernels.function(module, name, smem_bytes(version, D))
 
 
-def forward(q, k, v, *, causal=False, scale=None):
+def forward(q, k, v, *, causal=False, scale=None, version="ws"):
     """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. Raises device.UnsupportedDevice off sm_90
     (naming the stage 02 version to use), TypeError / ValueError for what the kernel does not take."""
     import cupy
 
+    if version not in VERSIONS:
+        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS}")
     blocks.require_hopper()
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray) or x.ndim != 4:
@@ -74,11 +93,12 @@ def forward(q, k, v, *, causal=False, scale=None):
     params = HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
                              map_v=blocks.tensor_map_heads(v))
-    fn = _function(_CTYPE[np.dtype(q.dtype)], D)
-    kernels.Launch(fn, (-(-Nq // BR), B * H), (128,), smem_bytes(D), params)(o, lse)
+    fn = _function(version, _CTYPE[np.dtype(q.dtype)], D)
+    grid = (-(-Nq // BR[version]), B * H)  # one block per (Q tile i, head)
+    kernels.Launch(fn, grid, (THREADS[version],), smem_bytes(version, D), params)(o, lse)
     return o, lse
 
 
-def kernel_names():
-    """The instantiations CI compiles for sm_90a."""
-    return [f"flash_v3_forward_wgmma<{c},{D}>" for c in _CTYPE.values() for D in HEAD_DIMS]
+def kernel_names(version):
+    """The instantiations of a version that CI compiles for sm_90a."""
+    return [_name(version, c, D) for c in _CTYPE.values() for D in HEAD_DIMS]
