@@ -86,6 +86,19 @@ def test_a_wrong_descriptor_reads_other_values():
     assert not (L.read_operand(smem, L.descriptor(1024 + 32, sbo=1024, mode=0), rows=64) == right).all()  # no swizzle
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_an_mn_major_read_of_the_same_tile_gives_its_key_rows(D):
+    """V's tile, written as K's is, read as wgmma's MN-major B: K step s (16 keys) starts 2048 bytes further, panels
+    of 64 columns are LBO apart."""
+    v = np.arange(64 * D, dtype=np.uint16).reshape(64, D)
+    smem = _smem_with(v, 2048)
+    for s in range(4):
+        got = L.read_operand_mn(smem, L.descriptor(2048 + 2048 * s, sbo=1024, lbo=64 * 128), n=D)
+        assert (got == v[16 * s:16 * s + 16]).all()
+    if D > 64:  # a wrong panel offset reads other columns
+        assert not (L.read_operand_mn(smem, L.descriptor(2048, sbo=1024, lbo=1024), n=D) == v[:16]).all()
+
+
 # ---------------------------------------------------------------- the pipeline
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("t_load,t_compute", [(3, 2), (2, 3), (2, 2), (1, 5)])

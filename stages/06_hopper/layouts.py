@@ -86,6 +86,10 @@ def wavefronts(addresses, access_bytes=CHUNK):
 # between groups of 8 rows (8 x the swizzle span: 1024 bytes in the 128-byte mode) and LBO is not used (1 by
 # convention). One wgmma for 16-bit inputs consumes K = 16 values (32 bytes) of each row: the next K step is the same
 # descriptor with its start address 32 bytes further; the hardware applies the swizzle to the address it forms.
+# For an MN-major operand (consecutive N values in a row, as V's rows hold the head dim while the product P V sums
+# over its keys), the same tile bytes serve: 64 N values (128 bytes) per line, K rows 128 bytes apart, SBO between
+# groups of 8 K rows (1024 bytes), LBO between panels of 64 N values. The next K step (16 keys) starts 2048 bytes
+# further (PTX ISA, "Shared Memory Matrix Layout", canonical layouts).
 SWIZZLE_CODE = {0: 0, 128: 1, 64: 2, 32: 3}
 _FIELD14 = (1 << 14) - 1
 
@@ -122,3 +126,18 @@ def read_operand(smem, desc, *, rows, k_bytes=32, elem_dtype=np.uint16):
     addr = swizzle(d["start"] + (r // CORE_ROWS) * d["sbo"] + (r % CORE_ROWS) * span + b, d["mode"])
     eb = np.dtype(elem_dtype).itemsize
     return np.ascontiguousarray(smem[addr]).view(elem_dtype).reshape(rows, k_bytes // eb)
+
+
+def read_operand_mn(smem, desc, *, n, k_rows=16, elem_dtype=np.uint16):
+    """What an MN-major wgmma operand (B with imm-trans-b = 1) read through desc sees: k_rows x n values, element
+    (k, c) taken from start + (k // 8) SBO + (k % 8) x 128 + (c // 64) LBO + (c % 64) x 2, swizzled as an address
+    (16-bit values, the 128-byte mode)."""
+    d = decode(desc)
+    if d["mode"] != 128:
+        raise ValueError("read_operand_mn: the 128-byte mode")
+    eb = np.dtype(elem_dtype).itemsize
+    k, c = np.meshgrid(np.arange(k_rows), np.arange(n), indexing="ij")
+    addr = d["start"] + (k // CORE_ROWS) * d["sbo"] + (k % CORE_ROWS) * 128 + (c // (128 // eb)) * d["lbo"]
+    addr = addr + (c % (128 // eb)) * eb
+    byte = swizzle(addr[..., None] + np.arange(eb), 128)
+    return np.ascontiguousarray(smem[byte]).view(elem_dtype).reshape(k_rows, n)
