@@ -169,7 +169,7 @@ def schedule_warpgroups(n_tiles, t_gemm, t_softmax, policy="pingpong"):
         tc = 0.0
         sm_end = [0.0, 0.0]
         for w in (0, 1):  # both GEMM0s of tile 0
-            iv.append(("tc", f"G0 {0} wg{w}", tc, tc + g))
+            iv.append(("tc", f"G0 0 wg{w}", tc, tc + g))
             tc += g
             iv.append((f"wg{w}", "softmax 0", tc, tc + s))
             sm_end[w] = tc + s
