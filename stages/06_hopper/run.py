@@ -76,14 +76,14 @@ def show_warpgroups(n=32):
             _, _, busy = S.schedule_warpgroups(n, g, s, policy)
             cells.append(f"{policy} {busy:.2f}")
         print(f"   D = {D:3d} (softmax / one GEMM = {s / g:.2f}): " + ", ".join(cells))
-    return True
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="accepted for the tutorial-wide runner (same work)")
     ap.parse_args(argv)
-    ok = all([show_swizzle(), show_descriptor(), show_pipeline(), show_warpgroups()])
+    ok = all([show_swizzle(), show_descriptor(), show_pipeline()])  # the checks; section 4 only shows
+    show_warpgroups()
     print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: layouts and schedules)")
     return 0 if ok else 1
 

@@ -76,19 +76,17 @@ def simulate_pipeline(n_tiles, stages, t_load, t_compute, *, consumer_parity=Non
                 raise RaceError(f"t={t}: tile {p_tile}'s copy landed in stage {s} while tile {holds[s]} was read")
             holds[s] = p_tile
             full[s].arrive()
-            run.loads[-1] = run.loads[-1][:3] + (t,)
             p_tile, moved = None, True
         if c_tile is not None and t >= c_busy_until:  # the consumer is done with its stage
             s = c_tile % stages
             reading[s] = False
             empty[s].arrive()
-            run.computes[-1] = run.computes[-1][:3] + (t,)
             c_tile, moved = None, True
         if p_tile is None and p_next < n_tiles:
             s, n = p_next % stages, p_next // stages
             if not producer_waits or empty[s].try_wait_parity(p_parity(n)):
                 p_tile, p_busy_until = p_next, t + t_load
-                run.loads.append((p_next, s, t, None))
+                run.loads.append((p_next, s, t, p_busy_until))
                 p_next, moved = p_next + 1, True
         if c_tile is None and c_next < n_tiles:
             s, n = c_next % stages, c_next // stages
@@ -98,7 +96,7 @@ def simulate_pipeline(n_tiles, stages, t_load, t_compute, *, consumer_parity=Non
                                     f"{'nothing' if holds[s] is None else f'tile {holds[s]}'}")
                 reading[s] = True
                 c_tile, c_busy_until = c_next, t + t_compute
-                run.computes.append((c_next, s, t, None))
+                run.computes.append((c_next, s, t, c_busy_until))
                 c_next, moved = c_next + 1, True
         if moved:
             continue  # another action may be possible at the same tick
