@@ -50,20 +50,24 @@ def main(argv=None):
     rows = []
     for D in args.head_dims:
         for causal in (False, True):
+            checked = []  # a version that fails the tolerance rule is reported and not timed
             for version in flash_v3.VERSIONS:
-                check_forward(flash_v3.forward, *make_inputs(1, 2, 1000, 1000, D, dtype=dtype, xp=cupy),
-                              causal=causal, version=version)
+                try:
+                    check_forward(flash_v3.forward, *make_inputs(1, 2, 1000, 1000, D, dtype=dtype, xp=cupy),
+                                  causal=causal, version=version)
+                    checked.append(version)
+                except AssertionError as e:
+                    print(f"  ours {version} (d={D}, causal={causal}) fails its check, not timed: "
+                          f"{bench._short(str(e))}")
             for N in args.seqs:
                 B = max(1, args.tokens // N)
                 q, k, v = make_inputs(B, args.heads, N, N, D, dtype=dtype, xp=cupy)
                 tq, tk, tv = (bench._to_torch(x, torch) for x in (q, k, v))
                 flops = attention_flops(B, args.heads, N, N, D, causal=causal)
-                impls = {
-                    "ours ws (stage 06)": (lambda: flash_v3.forward(q, k, v, causal=causal), clock_cp),
-                    "ours wgmma (stage 06)": (lambda: flash_v3.forward(q, k, v, causal=causal, version="wgmma"),
-                                              clock_cp),
-                    "ours pipelined (stage 02)": (lambda: flash_v2.forward(q, k, v, causal=causal), clock_cp),
-                }
+                impls = {f"ours {ver} (stage 06)": (lambda ver=ver: flash_v3.forward(q, k, v, causal=causal,
+                                                                                   version=ver), clock_cp)
+                         for ver in checked}
+                impls["ours pipelined (stage 02)"] = (lambda: flash_v2.forward(q, k, v, causal=causal), clock_cp)
                 for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
                     def call(backend=backend):
@@ -77,7 +81,7 @@ def main(argv=None):
                     except Exception as e:  # a backend this GPU or build lacks: say so in the row
                         times[name] = None
                         print(f"  {name}: {bench._short(repr(e))}")
-                ours = times["ours ws (stage 06)"]
+                ours = times.get("ours ws (stage 06)")
                 for name, ms in times.items():
                     rows.append(dict(dtype=args.dtype, head_dim=D, causal=causal, seq_len=N, batch=B,
                                      heads=args.heads, impl=name, ms=f"{ms:.4f}" if ms else "",
