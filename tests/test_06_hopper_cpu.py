@@ -154,3 +154,31 @@ def test_schedules_refuse_bad_input():
         S.schedule_warpgroups(4, 1.0, 1.0, "fast")
     with pytest.raises(ValueError):
         S.simulate_pipeline(0, 2, 1, 1)
+
+
+# ---------------------------------------------------------------- the sm_90a kernels, compiled without a GPU
+@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws"])
+def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
+    from stages.common import device, kernels
+    from stages.hopper import blocks, flash_v3
+
+    if what == "blocks":
+        file, names, threads = blocks.FILE, blocks.kernel_names(), 128
+    else:
+        file, names, threads = flash_v3.FILES[what], flash_v3.kernel_names(what), flash_v3.THREADS[what]
+        # Q_i and the K/V stages fit the H100's shared memory at every head dim
+        assert all(flash_v3.smem_bytes(what, D) <= device.emulate("sm_90").smem_optin for D in flash_v3.HEAD_DIMS)
+    usage = kernels.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
+    for name in names:
+        u = usage[name]
+        assert u["spill"] == 0, f"{name} spills {u['spill']} bytes"
+        assert u["registers"] * threads <= 65536 and u["static_smem"] <= device.STATIC_SMEM_LIMIT, (name, u)
+
+
+def test_a_cubin_comes_back_whole():
+    """CuPy's getCUBIN leaves off the cubin's last byte; kernels._whole_elf restores it from the ELF header."""
+    from stages.common import kernels
+
+    cubin = kernels.compile_only("hopper_blocks.cu", arch="sm_90a")
+    assert kernels._whole_elf(cubin) == cubin and kernels._whole_elf(cubin[:-1]) == cubin
+    assert cubin[-1] == 0

@@ -131,7 +131,7 @@ def test_emulated_architecture_runs_its_own_code(arch, monkeypatch):
     assert kernels._emulated_cc() == device.emulate(arch).arch.cc
     name = "flash_v2_forward_tc<__half,__half,64,64,4>"
     module = kernels.load_module("flash_v2_forward_tc.cu", name_expressions=(name,))
-    assert isinstance(module, kernels._EmulatedModule)
+    assert isinstance(module, kernels._TargetModule)
     q, k, v = make_inputs(1, 2, 64, 64, 64, dtype=bfloat16, xp=cupy)
     if arch == "sm_75":
         with pytest.raises(device.UnsupportedDevice, match="sm_80.*float16"):

@@ -49,11 +49,11 @@ def _define_options(defines):
 
 
 @functools.lru_cache(maxsize=None)
-def _load(filename, defines, name_expressions, emulated_cc=None):
+def _load(filename, defines, name_expressions, target=None):
     import cupy
 
-    if emulated_cc is not None:
-        return _EmulatedModule(filename, defines, name_expressions or (), emulated_cc)
+    if target is not None:
+        return _TargetModule(filename, defines, name_expressions or (), target)
     return cupy.RawModule(
         code=_source(filename),
         options=BASE_OPTIONS + (f"-I{KERNELS_DIR}",) + defines,
@@ -62,15 +62,17 @@ def _load(filename, defines, name_expressions, emulated_cc=None):
     )
 
 
-def load_module(filename, *, defines=None, name_expressions=None):
+def load_module(filename, *, defines=None, name_expressions=None, target=None):
     """cupy.RawModule for kernels/<filename>, compiled once per (file, defines) and cached.
 
     defines: {"NAME": value} passed as -DNAME=value. name_expressions: template instantiations
     to look up later with module.get_function(expr). Under ATTN_ARCH=sm_XX the module is compiled for that
-    architecture (_EmulatedModule), so the GPU runs the code an sm_XX GPU would run.
+    architecture (_TargetModule), so the GPU runs the code an sm_XX GPU would run. target: an NVRTC architecture to
+    compile for instead of the GPU's own (e.g. "sm_90a", the arch-specific target whose wgmma stage 06 needs).
     """
-    return _load(filename, _define_options(defines), tuple(name_expressions) if name_expressions else None,
-                 _emulated_cc())
+    if target is None and (cc := _emulated_cc()) is not None:
+        target = f"compute_{cc}"
+    return _load(filename, _define_options(defines), tuple(name_expressions) if name_expressions else None, target)
 
 
 def _emulated_cc():
@@ -80,25 +82,28 @@ def _emulated_cc():
     return device.device().arch.cc
 
 
-class _EmulatedModule:
-    """kernels/<filename> compiled by NVRTC to PTX for compute_XX (an older architecture than the GPU's) and loaded
-    from it: the driver translates that PTX for the GPU it runs on. The code is what an sm_XX GPU runs, with
-    __CUDA_ARCH__ = XX0 (sm_75's paths in kernels/common.cuh: m16n8k8 pairs, synchronous copies), on a newer GPU.
-    get_function takes the same names as cupy.RawModule's (template instantiations by their name expressions)."""
+class _TargetModule:
+    """kernels/<filename> compiled by NVRTC for another target than the GPU's own, and loaded from that code.
+    target compute_XX (ATTN_ARCH=sm_XX, an older architecture than the GPU's): PTX, which the driver translates for
+    the GPU it runs on; the code is what an sm_XX GPU runs, with __CUDA_ARCH__ = XX0 (sm_75's paths in
+    kernels/common.cuh: m16n8k8 pairs, synchronous copies), on a newer GPU. target sm_XXa (an arch-specific target,
+    stage 06's sm_90a): a cubin for exactly that architecture. get_function takes the same names as
+    cupy.RawModule's (template instantiations by their name expressions)."""
 
-    _dir = None  # a temporary folder for the PTX files, removed when the process ends
+    _dir = None  # a temporary folder for the compiled files, removed when the process ends
 
-    def __init__(self, filename, defines, name_expressions, cc):
+    def __init__(self, filename, defines, name_expressions, target):
         import tempfile
 
         import cupy
 
-        ptx, _, self._lowered = _compile(filename, f"compute_{cc}", defines, name_expressions, verbose=False)
-        if _EmulatedModule._dir is None:
-            _EmulatedModule._dir = tempfile.TemporaryDirectory(prefix="attn_ptx_")
-        fd, path = tempfile.mkstemp(suffix=".ptx", dir=_EmulatedModule._dir.name)
+        code, _, self._lowered = _compile(filename, target, defines, name_expressions, verbose=False)
+        if _TargetModule._dir is None:
+            _TargetModule._dir = tempfile.TemporaryDirectory(prefix="attn_modules_")
+        ptx = target.startswith("compute_")
+        fd, path = tempfile.mkstemp(suffix=".ptx" if ptx else ".cubin", dir=_TargetModule._dir.name)
         with os.fdopen(fd, "wb") as f:
-            f.write(ptx.rstrip(b"\0"))
+            f.write(code.rstrip(b"\0") if ptx else code)
         self._module = cupy.RawModule(path=path)
 
     def get_function(self, name):
@@ -300,6 +305,21 @@ def resource_usage(filename, *, arch, defines=None, name_expressions=()):
     return out
 
 
+def _whole_elf(cubin):
+    """The cubin with the bytes CuPy's getCUBIN leaves off restored. getCUBIN returns the buffer as it returns PTX,
+    without its last byte (PTX's terminating NUL); a cubin is an ELF file whose headers at the end then fall one byte
+    short. The ELF header says where its program and section header tables end; the missing bytes are zeros (the
+    high bytes of the last header's alignment field)."""
+    import struct as _struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:  # not a 64-bit ELF: leave it
+        return cubin
+    phoff, shoff = _struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = _struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" * max(0, end - len(cubin))
+
+
 def _compile(filename, arch, define_options, name_expressions, verbose):
     """(cubin, log, {name expression: lowered name}) of one NVRTC compile; arch compute_XX: PTX instead of a
     cubin."""
@@ -317,7 +337,7 @@ def _compile(filename, arch, define_options, name_expressions, verbose):
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"{filename} does not compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in name_expressions}
-        code = nvrtc.getPTX(prog) if arch.startswith("compute_") else nvrtc.getCUBIN(prog)
+        code = nvrtc.getPTX(prog) if arch.startswith("compute_") else _whole_elf(nvrtc.getCUBIN(prog))
         return code, nvrtc.getProgramLog(prog), lowered
     finally:
         nvrtc.destroyProgram(prog)

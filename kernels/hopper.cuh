@@ -1,0 +1,153 @@
+// hopper.cuh: the sm_90a instructions stage 06 is built from, as inline PTX (compile with --gpu-architecture=sm_90a).
+//   mbarrier    a 64-bit shared-memory barrier that counts arrivals and bytes; waiters test the parity of its phase
+//   TMA         cp.async.bulk.tensor: the copy engine moves a box of a tensor map into shared memory, swizzled, and
+//               reports the bytes to an mbarrier (complete_tx)
+//   wgmma       the warpgroup's (4 warps, 128 threads) asynchronous MMA, operands read from shared memory through
+//               64-bit matrix descriptors
+// Layouts and descriptor fields: stages/06_hopper/layouts.py (the same arithmetic in numpy) and its README.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// CUtensorMap: 128 opaque bytes made on the host by cuTensorMapEncodeTiled, passed as a __grid_constant__ kernel
+// parameter (the copy engine reads it from the parameter space through its generic address).
+struct __align__(64) TensorMap {
+    u64 opaque[16];
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// ---------------------------------------------------------------- mbarrier
+__device__ __forceinline__ void mbar_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Make the initialised barriers visible to the copy engine (the async proxy) before any copy uses them.
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// One arrival that also announces `bytes` of copies the phase must wait for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Wait until the phase of this parity has completed (stages/06_hopper/schedules.py: MBarrier.try_wait_parity).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// ---------------------------------------------------------------- TMA
+// Copy the box at element coordinates (c0 = column, c1 = row) of the 2-D tensor map into shared memory at dst; the
+// bytes count towards bar's transaction.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+            dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+// The same for a 3-D tensor map (c0 = column, c1 = row, c2 = (batch, head)): rows past a head's last are filled
+// with zeros, never read from the next head.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
+// The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
+__device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return (smem_addr(smem) + 1023u) & ~1023u; }
+
+// ---------------------------------------------------------------- setmaxnreg
+// Move registers between warpgroups (all 128 threads of a warpgroup execute it): a producer that only issues copies
+// gives registers back (dec), the consumers that hold S and O take them (inc). N: registers per thread, a multiple
+// of 8 in 24 .. 256.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+
+// ---------------------------------------------------------------- wgmma
+// Matrix descriptor of a K-major operand in the 128-byte swizzle (layouts.descriptor): start >> 4, LBO 16 bytes
+// (unused), SBO 1024 bytes (8 rows of 128 bytes), swizzle code 1 in bits 62-63.
+__device__ __forceinline__ u64 desc_kmajor_128b(u32 smem_byte_addr) {
+    return (u64)((smem_byte_addr & 0x3FFFF) >> 4) | (u64)(16 >> 4) << 16 | (u64)(1024 >> 4) << 32 | (u64)1 << 62;
+}
+// Matrix descriptor of an MN-major operand in the 128-byte swizzle (layouts.read_operand_mn): rows of 64 N values
+// (128 bytes), SBO 1024 bytes between groups of 8 K rows, LBO between panels of 64 N values.
+__device__ __forceinline__ u64 desc_mnmajor_128b(u32 smem_byte_addr, u32 panel_bytes) {
+    return (u64)((smem_byte_addr & 0x3FFFF) >> 4) | (u64)((panel_bytes & 0x3FFFF) >> 4) << 16 |
+           (u64)(1024 >> 4) << 32 | (u64)1 << 62;
+}
+// Order the registers' writes before wgmma reads them (accumulators), and group and wait for issued wgmmas.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// The 32 accumulator registers of an m64n64 wgmma as inline-asm operands %0 .. %31, and their list in PTX.
+#define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+                  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_OUTS                                                                                                    \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+template <typename T> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+// D (64 x 64, fp32) += A (64 x 16) B^T (64 x 16), A and B K-major in shared memory (descriptors), 16-bit inputs.
+// scale_d = 0: D = A B^T. Accumulator layout (as mma.m16n8's C fragment, repeated): warp w of the warpgroup holds
+// rows 16 w .. 16 w + 15; lane = 4 g + t holds, for each n-block i of 8 columns, d[4 i + e]: row 16 w + g + 8 (e / 2),
+// column 8 i + 2 t + (e % 2).
+template <typename T>
+__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
+    static_assert(sizeof(T) == 2, "16-bit inputs");
+#define WGMMA_ARGS WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n"
+    if constexpr (IsBf16<T>::value) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+#undef WGMMA_ARGS
+}
+
+// D (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major in shared memory: imm-trans-b = 1). A's fragment
+// (four registers of two 16-bit values) is mma.m16n8k16's A fragment of the warp's 16 rows: a[0] row g, columns
+// 2 t, 2 t + 1; a[1] row g + 8; a[2] row g, columns 8 + 2 t, 9 + 2 t; a[3] row g + 8, those columns. It is exactly
+// what the accumulator of S holds for n-blocks 2 kk and 2 kk + 1 once rounded to 16 bits (P from S in registers).
+template <typename T>
+__device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int scale_d) {
+#define WGMMA_ARGS WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
+    if constexpr (IsBf16<T>::value) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    }
+#undef WGMMA_ARGS
+}

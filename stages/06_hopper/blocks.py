@@ -1,0 +1,144 @@
+"""Stage 06's building blocks on an sm_90 GPU (kernels/hopper_blocks.cu), each checked against layouts.py:
+
+    tile_bytes(x)     the copy engine loads x[:, :64] (16-bit, rows x 64) with the 128-byte swizzle; returns the
+                      shared-memory bytes as they lie (compare: layouts.store_tile)
+    qk_scores(q, k)   S = q k^T for q, k of 64 rows x D (D = 64, 128, 256): copy engine, then wgmma (compare: numpy)
+    pv_product(p, v)  O = p v for p of 64 x 64 in registers and v of 64 keys x D (D = 64, 128) read as an MN-major
+                      operand (compare: numpy)
+
+Tensor maps come from the driver's cuTensorMapEncodeTiled through cuda-bindings (NVIDIA's Python binding of the
+driver API); the kernels take them inside one parameter struct (BlockParams, kernels/hopper_blocks.cu).
+"""
+import ctypes
+import functools
+
+import numpy as np
+
+from stages.common import bfloat16, device, kernels, load_module
+
+FILE = "hopper_blocks.cu"
+ARCH = "sm_90a"  # wgmma and setmaxnreg exist only in the arch-specific target of sm_90
+_CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}
+
+
+class BlockParams(ctypes.Structure):
+    """struct BlockParams of kernels/hopper_blocks.cu: out, in, rows, D, then two 128-byte tensor maps at offsets 64
+    and 192 (CUtensorMap is 64-byte aligned)."""
+    _fields_ = [("out", ctypes.c_uint64), ("in_", ctypes.c_uint64), ("rows", ctypes.c_int32), ("D", ctypes.c_int32),
+                ("_pad", ctypes.c_uint8 * 40),
+                ("map_a", ctypes.c_uint64 * 16), ("map_b", ctypes.c_uint64 * 16)]
+
+
+def require_hopper(dev=None):
+    """Raise device.UnsupportedDevice unless the GPU is an sm_90 (H100, H200): these kernels use sm_90a instructions.
+    Elsewhere stages 02 (forward) and 03 (backward) run the same attention."""
+    dev = dev or device.device()
+    if dev.arch.cc != 90 or dev.emulated:
+        raise device.UnsupportedDevice(
+            f"stage 06 needs an sm_90 GPU (H100, H200); {dev.name} is {dev.arch.name}. "
+            "Use stage 02 version 'pipelined' (forward) and stage 03 version 'tc' (backward) instead")
+    return dev
+
+
+def tensor_map_2d(x, box_rows, box_cols=64):
+    """The 128 bytes of a CUtensorMap for the row-major 16-bit CuPy matrix x (rows x cols): boxes of box_rows x
+    box_cols elements, 128-byte swizzle (box_cols x 2 bytes must be 128)."""
+    rows, cols = x.shape
+    return _tensor_map(x, [cols, rows], [cols * 2], [box_cols, box_rows])
+
+
+def tensor_map_heads(x, box_rows=64, box_cols=64):
+    """The CUtensorMap of a (B, H, N, D) 16-bit CuPy array seen as D x N x (B H): boxes of box_rows x box_cols of one
+    head. Rows past a head's N come back as zeros (never the next head's)."""
+    B, H, N, D = x.shape
+    return _tensor_map(x, [D, N, B * H], [D * 2, N * D * 2], [box_cols, box_rows, 1])
+
+
+def _tensor_map(x, dims, strides, box):
+    """cuTensorMapEncodeTiled through cuda-bindings: sizes and box innermost first, byte strides of every dimension
+    but the innermost; 128-byte swizzle, zeros out of bounds."""
+    from cuda.bindings import driver as cu
+
+    if x.dtype.itemsize != 2 or box[0] * 2 != 128:
+        raise ValueError("tensor maps here: 16-bit values in boxes of 64 columns (128 bytes: the swizzle's span)")
+    if not x.flags.c_contiguous or any(s % 16 for s in strides):
+        raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
+    dtype = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if x.dtype == bfloat16
+             else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        dtype, len(dims), x.data.ptr,
+        [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
+        [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1) for _ in dims],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
+    words = getattr(tmap, "opaque", None)  # CUtensorMap's 16 64-bit words, as cuda-bindings exposes the struct
+    if words is None:
+        return (ctypes.c_uint64 * 16).from_buffer_copy(ctypes.string_at(tmap.getPtr(), 128))
+    return (ctypes.c_uint64 * 16)(*(int(w) for w in words))
+
+
+@functools.lru_cache(maxsize=None)
+def _function(name, smem):
+    module = load_module(FILE, name_expressions=(name,) if "<" in name else None, target=ARCH)
+    return kernels.function(module, name, smem)
+
+
+def tile_bytes(x):
+    """The shared-memory bytes after the copy engine loaded x[:, :64] (CuPy, 16-bit, rows <= 256) with the 128-byte
+    swizzle: a numpy uint8 array of rows x 128 bytes."""
+    import cupy
+
+    require_hopper()
+    rows = x.shape[0]
+    if not 1 <= rows <= 256 or x.shape[1] < 64:
+        raise ValueError("tile_bytes: 1 to 256 rows (a box dimension's limit) and at least 64 columns")
+    out = cupy.zeros(rows * 128, cupy.uint8)
+    p = BlockParams(rows=rows, map_a=tensor_map_2d(x, rows))
+    kernels.Launch(_function("tile_bytes", rows * 128 + 1024), (1,), (128,), rows * 128 + 1024, p)(out)
+    return cupy.asnumpy(out)
+
+
+def qk_scores(q, k):
+    """S = q k^T (64 x 64, float32) for CuPy q, k of 64 rows x D (D = 64, 128 or 256; fp16 or bf16), computed by
+    wgmma from tiles the copy engine loaded."""
+    import cupy
+
+    require_hopper()
+    D = q.shape[1]
+    if q.shape != (64, D) or k.shape != (64, D) or D not in (64, 128, 256) or q.dtype != k.dtype:
+        raise ValueError("qk_scores: q and k of 64 rows x D, D = 64, 128 or 256, one dtype")
+    if np.dtype(q.dtype) not in _CTYPE:
+        raise TypeError(f"qk_scores: dtype {q.dtype} is not supported; use float16 or bfloat16")
+    out = cupy.empty((64, 64), cupy.float32)
+    p = BlockParams(D=D, map_a=tensor_map_2d(q, 64), map_b=tensor_map_2d(k, 64))
+    smem = 2 * 64 * D * 2 + 1024
+    kernels.Launch(_function(f"qk_scores<{_CTYPE[np.dtype(q.dtype)]}>", smem), (1,), (128,), smem, p)(out)
+    return out
+
+
+def pv_product(p, v):
+    """O = p v (64 x D, float32) for CuPy p (64 x 64) and v (64 keys x D, D = 64 or 128), one 16-bit dtype: p in
+    registers as wgmma's A fragments, v loaded by the copy engine and read as an MN-major operand."""
+    import cupy
+
+    require_hopper()
+    D = v.shape[1]
+    if p.shape != (64, 64) or v.shape != (64, D) or D not in (64, 128) or p.dtype != v.dtype:
+        raise ValueError("pv_product: p of 64 x 64 and v of 64 x D, D = 64 or 128, one dtype")
+    if np.dtype(p.dtype) not in _CTYPE:
+        raise TypeError(f"pv_product: dtype {p.dtype} is not supported; use float16 or bfloat16")
+    out = cupy.empty((64, D), cupy.float32)
+    params = BlockParams(D=D, map_b=tensor_map_2d(v, 64))
+    smem = 64 * D * 2 + 1024
+    p = cupy.ascontiguousarray(p)
+    kernels.Launch(_function(f"pv_product<{_CTYPE[np.dtype(p.dtype)]}>", smem), (1,), (128,), smem, params)(out, p)
+    return out
+
+
+def kernel_names():
+    """The instantiations CI compiles for sm_90a."""
+    return ["tile_bytes"] + [f"{k}<{c}>" for k in ("qk_scores", "pv_product") for c in _CTYPE.values()]

@@ -1,0 +1,104 @@
+"""Stage 06's forward on Hopper: o, lse of attention for CuPy q, k, v (B, H, N, D) in float16 or bfloat16,
+D = 64, 128 or 256, on an sm_90 GPU.
+
+    o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "ws"
+    o, lse = flash_v3.forward(q, k, v, causal=True, version="wgmma")
+
+Versions, in the order the README teaches them:
+  wgmma  (kernels/flash_v3_forward_wgmma.cu) stage 02's algorithm with Hopper's data paths: the copy engine (TMA)
+         loads the tiles, wgmma multiplies from shared memory (S = Q K^T) and from registers (O += P V); one
+         warpgroup per 64-row Q tile, thread 0 issues the copies, two K/V stages.
+  ws     (kernels/flash_v3_forward_ws.cu) warp specialisation: a producer warpgroup issues the copies (setmaxnreg
+         gives its registers to the consumers), two consumer warpgroups compute a 128-row Q tile, and full / empty
+         mbarriers per stage order them.
+"""
+import ctypes
+import functools
+
+import numpy as np
+
+from stages.common import LOG2E, bfloat16, kernels, load_module
+from stages.common.checks import check_causal, resolve_scale
+
+from . import blocks
+
+FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu"}
+VERSIONS = tuple(FILES)
+HEAD_DIMS = (64, 128, 256)
+BC = 64                         # rows of K_j, V_j: one wgmma's N
+BR = {"wgmma": 64, "ws": 128}   # rows of Q_i: one warpgroup's M, or two consumer warpgroups'
+THREADS = {"wgmma": 128, "ws": 384}
+STAGES = 2                      # K/V stages of version ws
+_CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}
+
+
+class HopperFwdParams(ctypes.Structure):
+    """struct HopperFwdParams of kernels/flash_v3_forward_wgmma.cu: o, lse, Nq, Nk, scale_log2, causal, then three
+    128-byte tensor maps at offsets 64, 192, 320."""
+    _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
+                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 32),
+                ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
+
+
+def smem_bytes(version, D):
+    """Q_i and the K/V stages (64-row tiles of D 16-bit values: one for wgmma's Q_i and two per stage, two more for
+    ws's 128-row Q_i), and 1024 bytes to align the first tile."""
+    tiles = 1 + 2 * 2 if version == "wgmma" else 2 + 2 * STAGES
+    return tiles * 64 * D * 2 + 1024
+
+
+def _name(version, ctype, D):
+    return (f"flash_v3_forward_wgmma<{ctype},{D}>" if version == "wgmma"
+            else f"flash_v3_forward_ws<{ctype},{D},{STAGES}>")
+
+
+@functools.lru_cache(maxsize=None)
+def _function(version, ctype, D):
+    name = _name(version, ctype, D)
+    module = load_module(FILES[version], name_expressions=(name,), target=blocks.ARCH)
+    return kernels.function(module, name, smem_bytes(version, D))
+
+
+def forward(q, k, v, *, causal=False, scale=None, version="ws"):
+    """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. Raises device.UnsupportedDevice off sm_90
+    (naming the stage 02 version to use), TypeError / ValueError for what the kernel does not take."""
+    import cupy
+
+    if version not in VERSIONS:
+        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS}")
+    blocks.require_hopper()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, cupy.ndarray) or x.ndim != 4:
+            raise TypeError(f"flash_v3.forward: {name} must be a 4-D CuPy array (B, H, N, D)")
+    if np.dtype(q.dtype) not in _CTYPE or not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"flash_v3.forward: q, k, v must share one dtype, float16 or bfloat16 (got {q.dtype}, "
+                        f"{k.dtype}, {v.dtype})")
+    B, H, Nq, D = q.shape
+    if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
+        raise ValueError(f"flash_v3.forward: k and v must be (B, H, Nk, D) = ({B}, {H}, Nk, {D}); got {k.shape}, "
+                         f"{v.shape}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"flash_v3.forward: head dim {D} is not supported; use one of {HEAD_DIMS} "
+                         "(stage 02 takes any)")
+    if B * H > 65535:
+        raise ValueError(f"flash_v3.forward: batch * heads = {B * H} is over the grid limit 65535")
+    causal = check_causal(causal, "flash_v3.forward")
+    scale = resolve_scale(scale, D)
+    Nk = k.shape[2]
+    if Nq == 0 or Nk == 0:  # no rows, or no key for any row: O = 0, L = -inf (a tensor map has no empty dimension)
+        return cupy.zeros_like(q), cupy.full((B, H, Nq), -np.inf, cupy.float32)
+    o = cupy.empty_like(q)
+    lse = cupy.empty((B, H, Nq), cupy.float32)
+    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+    params = HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)),
+                             map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
+                             map_v=blocks.tensor_map_heads(v))
+    fn = _function(version, _CTYPE[np.dtype(q.dtype)], D)
+    grid = (-(-Nq // BR[version]), B * H)  # one block per (Q tile i, head)
+    kernels.Launch(fn, grid, (THREADS[version],), smem_bytes(version, D), params)(o, lse)
+    return o, lse
+
+
+def kernel_names(version):
+    """The instantiations of a version that CI compiles for sm_90a."""
+    return [_name(version, c, D) for c in _CTYPE.values() for D in HEAD_DIMS]

@@ -1,0 +1,136 @@
+"""Stage 06's building blocks on an sm_90 GPU (kernels/hopper_blocks.cu through stages/06_hopper/blocks.py), each
+against the CPU arithmetic of layouts.py: the bytes the copy engine writes are layouts.store_tile's, and wgmma through
+the descriptors of layouts.descriptor multiplies the tiles it was given. On another GPU the blocks refuse with an
+error that names the stage 02/03 versions to use."""
+import numpy as np
+import pytest
+
+from stages.common import bfloat16, device
+from stages.hopper import layouts
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [np.float16, bfloat16]
+
+
+def _hopper():
+    from stages.hopper import blocks
+
+    try:
+        blocks.require_hopper()
+    except device.UnsupportedDevice as e:
+        pytest.skip(f"not an sm_90 GPU: {e}")
+    return blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(64, 64), (128, 192), (8, 64)])
+def test_copy_engine_writes_the_128_byte_swizzle(rows, cols, dtype):
+    import cupy
+
+    blocks = _hopper()
+    x = np.arange(rows * cols, dtype=np.uint16).reshape(rows, cols).view(dtype)  # every element its own bits
+    got = blocks.tile_bytes(cupy.asarray(x))
+    want = layouts.store_tile(np.ascontiguousarray(x[:, :64]).view(np.uint16))
+    assert got.shape == want.shape and (got == want).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_wgmma_computes_q_k_transposed(D, dtype):
+    """Small integers: every product and partial sum is exact in float32, so S must equal q k^T exactly; then
+    random values, within float32 rounding of the exact product."""
+    import cupy
+
+    blocks = _hopper()
+    rng = np.random.default_rng(D)
+    q = rng.integers(-4, 5, (64, D)).astype(dtype)
+    k = rng.integers(-4, 5, (64, D)).astype(dtype)
+    s = cupy.asnumpy(blocks.qk_scores(cupy.asarray(q), cupy.asarray(k)))
+    assert (s == q.astype(np.float64) @ k.astype(np.float64).T).all()
+    q = rng.standard_normal((64, D)).astype(dtype)
+    k = rng.standard_normal((64, D)).astype(dtype)
+    s = cupy.asnumpy(blocks.qk_scores(cupy.asarray(q), cupy.asarray(k)))
+    exact = q.astype(np.float64) @ k.astype(np.float64).T
+    bound = D * 2.0 ** -23 * (np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)).T)  # D roundings of fp32
+    assert (np.abs(s - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+def test_wgmma_computes_p_v_from_registers(D, dtype):
+    import cupy
+
+    blocks = _hopper()
+    rng = np.random.default_rng(D + 1)
+    p = rng.integers(-4, 5, (64, 64)).astype(dtype)
+    v = rng.integers(-4, 5, (64, D)).astype(dtype)
+    o = cupy.asnumpy(blocks.pv_product(cupy.asarray(p), cupy.asarray(v)))
+    assert (o == p.astype(np.float64) @ v.astype(np.float64)).all()
+
+
+def test_blocks_refuse_other_gpus(monkeypatch):
+    """Under ATTN_ARCH=sm_80 (an emulated older GPU) the blocks say what to use instead."""
+    import cupy
+
+    from stages.hopper import blocks
+
+    monkeypatch.setenv("ATTN_ARCH", "sm_80")
+    with pytest.raises(device.UnsupportedDevice, match="stage 02 version 'pipelined'"):
+        blocks.qk_scores(cupy.zeros((64, 64), cupy.float16), cupy.zeros((64, 64), cupy.float16))
+
+
+# ---------------------------------------------------------------- version 1: the forward with TMA and wgmma
+SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, one row, one key
+    (1, 2, 128, 128), (2, 3, 100, 130), (1, 2, 200, 77), (1, 1, 1, 65), (1, 1, 65, 1), (2, 2, 333, 333),
+]
+
+
+@pytest.mark.parametrize("version", ["wgmma", "ws"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_within_the_tolerance_rule(shape, causal, D, dtype, version):
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(*shape, D, dtype=dtype, xp=cupy)
+    check_forward(flash_v3.forward, q, k, v, causal=causal, version=version)
+
+
+@pytest.mark.parametrize("version", ["wgmma", "ws"])
+def test_forward_at_large_logits_and_a_row_that_sees_nothing(version):
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(1, 2, 130, 70, 128, dtype=bfloat16, xp=cupy, scale=10.0)
+    check_forward(flash_v3.forward, q, k, v, causal=True, version=version)  # the first 60 rows see no key
+    o, lse = flash_v3.forward(q, k, v, causal=True, version=version)
+    assert bool(cupy.isneginf(lse[:, :, :60]).all()) and not bool(o[:, :, :60].any())
+
+
+def test_forward_refuses_what_it_does_not_take():
+    import cupy
+
+    from stages.common import make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(1, 1, 64, 64, 96, dtype=np.float16, xp=cupy)
+    with pytest.raises(ValueError, match="head dim 96"):
+        flash_v3.forward(q, k, v)
+    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float32, xp=cupy)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        flash_v3.forward(q, k, v)
+    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy)
+    with pytest.raises(TypeError, match="causal"):
+        flash_v3.forward(q, k, v, causal="no")
+    with pytest.raises(ValueError, match="version 'fast'"):
+        flash_v3.forward(q, k, v, version="fast")
