@@ -5,24 +5,27 @@
 //   * two consumer warpgroups, each on its own 64 rows of a 128-row Q tile, wait for a full stage (full[s]), compute
 //     as version 1 does, and release it (empty[s]); the loads of later tiles run while they compute, STAGES ahead,
 //     with no __syncthreads in the loop: the mbarriers' phases alone order the two sides
-//     (stages/06_hopper/schedules.py simulates this protocol tick by tick).
+//     (stages/06_hopper/schedules.py simulates this protocol tick by tick);
+//   * K/V tiles of BC keys: 128 where the registers allow (D <= 128), so that S = Q K^T is one m64n128 wgmma per K
+//     step, which reads Q's slice from shared memory once for 128 keys instead of once per 64.
 // Tile step and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 
-template <typename T, int D, int STAGES>
+template <typename T, int D, int BC, int STAGES>
 __global__ void __launch_bounds__(384, 1) flash_v3_forward_ws(const __grid_constant__ HopperFwdParams p) {
-    constexpr u32 TILE = (D / 64) * 8192u;     // bytes of one 64-row tile (D / 64 panels of 8 KB)
+    constexpr u32 TILE = (D / 64) * 8192u;     // bytes of one 64-row Q tile (D / 64 panels of 64 rows x 128 bytes)
+    constexpr u32 KV = (D / 64) * BC * 128u;   // bytes of one K or V tile of BC rows
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // Q; full[s]; empty[s]
     const u32 q_s = aligned_1024(smem_raw);    // Q (two 64-row halves), then stage s: K_j at kv(s), V_j after it
-    auto kv = [&](int s) { return q_s + (2 + 2 * s) * TILE; };
+    auto kv = [&](int s) { return q_s + 2 * TILE + 2 * s * KV; };
     auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
     auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
     const int wg = threadIdx.x / 128, bh = blockIdx.y, row0 = 128 * blockIdx.x;
     const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
     const int last_row = min(row0 + 127, Nq - 1);
     const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;  // the last key a row of the tile sees
-    const int n_tiles = last_key < 0 ? 0 : last_key / 64 + 1;
+    const int n_tiles = last_key < 0 ? 0 : last_key / BC + 1;
 
     if (threadIdx.x == 0) {
         mbar_init(smem_addr(&bars[0]), 1);
@@ -45,10 +48,10 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_ws(const __grid_const
             for (int j = 0; j < n_tiles; ++j) {
                 const int s = j % STAGES, round = j / STAGES;
                 mbar_wait(empty(s), (round & 1) ^ 1);  // passes at once in round 0: the stages start empty
-                mbar_arrive_expect_tx(full(s), 2 * TILE);
-                for (int c = 0; c < D / 64; ++c) {
-                    tma_load_3d(kv(s) + c * 8192u, &p.map_k, full(s), 64 * c, 64 * j, bh);
-                    tma_load_3d(kv(s) + TILE + c * 8192u, &p.map_v, full(s), 64 * c, 64 * j, bh);
+                mbar_arrive_expect_tx(full(s), 2 * KV);
+                for (int c = 0; c < D / 64; ++c) {  // boxes of BC rows x 64 columns
+                    tma_load_3d(kv(s) + c * BC * 128u, &p.map_k, full(s), 64 * c, BC * j, bh);
+                    tma_load_3d(kv(s) + KV + c * BC * 128u, &p.map_v, full(s), 64 * c, BC * j, bh);
                 }
             }
         }
@@ -65,9 +68,9 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_ws(const __grid_const
     for (int j = 0; j < n_tiles; ++j) {
         const int s = j % STAGES, round = j / STAGES;
         mbar_wait(full(s), round & 1);
-        const bool masked = (j + 1) * 64 > Nk || (p.causal && (j + 1) * 64 - 1 > first + shift);
-        consume_tile<T, D>(st, q_mine, kv(s), kv(s) + TILE, r0, 64 * j, Nk, p.causal, shift, p.scale_log2, masked, g,
-                           t);
+        const bool masked = (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift);
+        consume_tile<T, D, BC>(st, q_mine, kv(s), kv(s) + KV, r0, BC * j, Nk, p.causal, shift, p.scale_log2, masked,
+                               g, t);
         mbar_arrive(empty(s));  // this thread is done with the stage (its wgmmas have completed)
     }
     store_rows<T, D>(st, static_cast<T*>(p.o), p.lse, bh, Nq, r0, g, t);

@@ -97,14 +97,19 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
-// The 32 accumulator registers of an m64n64 wgmma as inline-asm operands %0 .. %31, and their list in PTX.
+// The accumulator registers of an m64n64 wgmma (32) and of an m64n128 one (64) as inline-asm operands %0 .. %31
+// (%0 .. %63), and their lists in PTX.
 #define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
                   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define WGMMA_OUTS                                                                                                    \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),       \
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),        \
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),       \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_D64                                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "  \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "   \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define WGMMA_F8(i)                                                                                                   \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),      \
+        "+f"(d[i + 7])
+#define WGMMA_OUTS WGMMA_F8(0), WGMMA_F8(8), WGMMA_F8(16), WGMMA_F8(24)
+#define WGMMA_OUTS64 WGMMA_OUTS, WGMMA_F8(32), WGMMA_F8(40), WGMMA_F8(48), WGMMA_F8(56)
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -131,6 +136,27 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
 #undef WGMMA_ARGS
 }
 
+// D (64 x 128, fp32) += A (64 x 16) B^T (128 x 16), both K-major in shared memory: S for a tile of 128 keys in one
+// instruction. Against two m64n64 halves it reads A from shared memory once instead of twice: at N = 64 the two
+// operands' 4 KB per instruction take as many shared-memory cycles (128 bytes a cycle) as the tensor cores take to
+// multiply them, at N = 128 the 6 KB take three quarters. Accumulator layout: as above, n-blocks i = 0 .. 15.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
+#define WGMMA_ARGS WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n"
+    if constexpr (IsBf16<T>::value) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS64
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS64
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+#undef WGMMA_ARGS
+}
+
 // D (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major in shared memory: imm-trans-b = 1). A's fragment
 // (four registers of two 16-bit values) is mma.m16n8k16's A fragment of the warp's 16 rows: a[0] row g, columns
 // 2 t, 2 t + 1; a[1] row g + 8; a[2] row g, columns 8 + 2 t, 9 + 2 t; a[3] row g + 8, those columns. It is exactly
@@ -150,4 +176,28 @@ __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
     }
 #undef WGMMA_ARGS
+}
+
+// The compiler does not know that an issued wgmma writes its accumulators later, at the wait: without a fence it may
+// move an ordinary read or write of those registers (the softmax reading S, the rescaling of O) across the
+// wgmma.wait. An empty asm that "modifies" each register pins them: nothing that uses them moves across it.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(u32 (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// ---------------------------------------------------------------- named barriers
+// bar.sync id, n waits until n threads have arrived at barrier id (1 .. 15; 0 is __syncthreads); bar.arrive counts
+// this thread's arrival without waiting. Two warpgroups take turns with two of them (the ping-pong schedule).
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }

@@ -33,43 +33,60 @@ struct RowState {
     }
 };
 
-// One K/V tile: S = Q K_j^T (wgmma, both K-major in shared memory), masking, the online softmax in base 2, and
-// O += P V_j (wgmma, P in registers, V_j MN-major). q_s, k_s, v_s: shared addresses of 64-row tiles (D / 64 panels
-// of 8 KB). r0: this warp's first row; col0: the tile's first key; masked: the tile holds Nk's tail or keys right
-// of some row's diagonal.
-template <typename T, int D>
-__device__ __forceinline__ void consume_tile(RowState<D>& st, u32 q_s, u32 k_s, u32 v_s, int r0, int col0, int Nk,
-                                             int causal, int shift, float scale_log2, bool masked, int g, int t) {
-    // Alg.1 L8: S_ij = Q_i K_j^T, D / 16 K steps; each 32 bytes further inside a 128-byte panel line.
-    float s[8][4];
-    wgmma_fence();
+// Alg.1 L8, issued: S_ij = Q_i K_j^T for a tile of NC keys (64 or 128), D / 16 K steps of wgmma from shared memory;
+// a K step is 32 bytes further inside a 128-byte panel line, a new panel every 4 steps (Q: 64 rows x 128 bytes = 8 KB
+// a panel; K_j: NC rows x 128 bytes). The caller commits and waits.
+template <typename T, int D, int NC>
+__device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s) {
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-        const u32 off = (k / 4) * 8192u + (k % 4) * 32u;
-        wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(s), desc_kmajor_128b(q_s + off), desc_kmajor_128b(k_s + off),
-                          k > 0);
+        const u32 q_off = (k / 4) * 8192u + (k % 4) * 32u, k_off = (k / 4) * (NC * 128u) + (k % 4) * 32u;
+        if constexpr (NC == 64)
+            wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(s), desc_kmajor_128b(q_s + q_off),
+                              desc_kmajor_128b(k_s + k_off), k > 0);
+        else
+            wgmma_64x128x16<T>(reinterpret_cast<float(&)[64]>(s), desc_kmajor_128b(q_s + q_off),
+                               desc_kmajor_128b(k_s + k_off), k > 0);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    if (masked) mask_scores<1, 64>(reinterpret_cast<float(&)[1][8][4]>(s), r0, col0, Nk, causal, shift, g, t);
+}
 
-    // Alg.1 L9-10 in base 2 (stage 02's pipelined kernel): m_ij, P_ij = exp2(S scale log2 e - m), l_ij, alpha.
-    float alpha[2];
+// Alg.1 L10, issued: O_i += P_ij V_j with P_ij's A fragments in registers and V_j (NC keys) MN-major, panel by panel
+// of 64 columns of D (NC x 128 bytes each); 16 keys further is 2048 bytes. The caller commits and waits.
+template <typename T, int D, int NC>
+__device__ __forceinline__ void issue_pv(RowState<D>& st, const u32 (&pa)[NC / 16][4], u32 v_s) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+#pragma unroll
+        for (int kk = 0; kk < NC / 16; ++kk)
+            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(st.o[c]), pa[kk],
+                                 desc_mnmajor_128b(v_s + c * (NC * 128u) + kk * 2048u, NC * 128u), 1);
+}
+
+// Alg.1 L9-10 in base 2 (stage 02's pipelined kernel) on this warp's scores of one tile: m_ij, P_ij =
+// exp2(S scale log2 e - m) in place of S, l_i, and alpha = exp2(m_old - m_new), by which O_i is still to be scaled.
+template <int NC, int D>
+__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[NC / 8][4], float scale_log2,
+                                             float (&alpha)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(st.m[h], row_max<64>(s, h) * scale_log2);
+        const float m_new = fmaxf(st.m[h], row_max<NC>(s, h) * scale_log2);
         const float m_use = m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
         alpha[h] = fast_exp2(st.m[h] - m_use);
         st.m[h] = m_new;
         float rs = 0.f;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < NC / 8; ++n) {
             s[n][2 * h] = fast_exp2(__fmul_rn(s[n][2 * h], scale_log2) - m_use);
             s[n][2 * h + 1] = fast_exp2(__fmul_rn(s[n][2 * h + 1], scale_log2) - m_use);
             rs += s[n][2 * h] + s[n][2 * h + 1];
         }
         st.l[h] = st.l[h] * alpha[h] + rs;
     }
+}
+
+// O_i = diag(alpha) O_i (Alg.1 L10's rescaling of the old rows).
+template <int D>
+__device__ __forceinline__ void rescale_o(RowState<D>& st, const float (&alpha)[2]) {
 #pragma unroll
     for (int c = 0; c < D / 64; ++c)
 #pragma unroll
@@ -77,22 +94,41 @@ __device__ __forceinline__ void consume_tile(RowState<D>& st, u32 q_s, u32 k_s, 
             st.o[c][n][0] *= alpha[0], st.o[c][n][1] *= alpha[0];
             st.o[c][n][2] *= alpha[1], st.o[c][n][3] *= alpha[1];
         }
-    u32 pa[4][4];  // P_ij as the A fragments of the 4 K steps of 16 keys
+}
+
+// P_ij rounded to 16 bits as the A fragments of its NC / 16 K steps: K step kk is S's n-blocks 2 kk and 2 kk + 1.
+template <typename T, int NC>
+__device__ __forceinline__ void p_fragments(u32 (&pa)[NC / 16][4], float (&s)[NC / 8][4]) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < NC / 16; ++kk) {
         c_to_a<T>(pa[kk], 2 * kk, s[2 * kk]);
         c_to_a<T>(pa[kk], 2 * kk + 1, s[2 * kk + 1]);
     }
-    // Alg.1 L10: O_i += P_ij V_j, panel by panel of 64 columns; 16 keys further is 2048 bytes.
+}
+
+// One K/V tile of NC keys, each GEMM waited for before the next step (versions wgmma and ws): S = Q K_j^T, masking,
+// the online softmax, O += P V_j. q_s, k_s, v_s: shared addresses of the tiles; r0: this warp's first row; col0: the
+// tile's first key; masked: the tile holds Nk's tail or keys right of some row's diagonal.
+template <typename T, int D, int NC>
+__device__ __forceinline__ void consume_tile(RowState<D>& st, u32 q_s, u32 k_s, u32 v_s, int r0, int col0, int Nk,
+                                             int causal, int shift, float scale_log2, bool masked, int g, int t) {
+    float s[NC / 8][4];
     wgmma_fence();
-#pragma unroll
-    for (int c = 0; c < D / 64; ++c)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(st.o[c]), pa[kk],
-                                 desc_mnmajor_128b(v_s + c * 8192u + kk * 2048u, 8192u), 1);
+    issue_qk<T, D, NC>(s, q_s, k_s);
     wgmma_commit();
     wgmma_wait<0>();
+    fence_operands(reinterpret_cast<float(&)[NC / 2]>(s));
+    if (masked) mask_scores<1, NC>(reinterpret_cast<float(&)[1][NC / 8][4]>(s), r0, col0, Nk, causal, shift, g, t);
+    float alpha[2];
+    softmax_tile<NC, D>(st, s, scale_log2, alpha);
+    rescale_o(st, alpha);
+    u32 pa[NC / 16][4];
+    p_fragments<T, NC>(pa, s);
+    wgmma_fence();
+    issue_pv<T, D, NC>(st, pa, v_s);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
 }
 
 // Alg.1 L12-14 for this warp's rows r0 + g, r0 + g + 8 of head bh: O_i = diag(l_i)^-1 O_i, L_i = m_i + log l_i

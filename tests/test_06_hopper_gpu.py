@@ -81,12 +81,14 @@ def test_blocks_refuse_other_gpus(monkeypatch):
 
 
 # ---------------------------------------------------------------- version 1: the forward with TMA and wgmma
-SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, one row, one key
+SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, one row, one key, and enough K/V tiles
+    # that every stage's barriers go round several phases
     (1, 2, 128, 128), (2, 3, 100, 130), (1, 2, 200, 77), (1, 1, 1, 65), (1, 1, 65, 1), (2, 2, 333, 333),
+    (1, 2, 260, 1100),
 ]
 
 
-@pytest.mark.parametrize("version", ["wgmma", "ws"])
+@pytest.mark.parametrize("version", ["wgmma", "ws", "pingpong"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
@@ -102,7 +104,7 @@ def test_forward_within_the_tolerance_rule(shape, causal, D, dtype, version):
     check_forward(flash_v3.forward, q, k, v, causal=causal, version=version)
 
 
-@pytest.mark.parametrize("version", ["wgmma", "ws"])
+@pytest.mark.parametrize("version", ["wgmma", "ws", "pingpong"])
 def test_forward_at_large_logits_and_a_row_that_sees_nothing(version):
     import cupy
 

@@ -1,19 +1,23 @@
 """Stage 06's forward on Hopper: o, lse of attention for CuPy q, k, v (B, H, N, D) in float16 or bfloat16,
 D = 64, 128 or 256, on an sm_90 GPU.
 
-    o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "ws"
+    o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "pingpong"
     o, lse = flash_v3.forward(q, k, v, causal=True, version="wgmma")
 
 Versions, in the order the README teaches them:
-  wgmma  (kernels/flash_v3_forward_wgmma.cu) stage 02's algorithm with Hopper's data paths: the copy engine (TMA)
-         loads the tiles, wgmma multiplies from shared memory (S = Q K^T) and from registers (O += P V); one
-         warpgroup per 64-row Q tile, thread 0 issues the copies, two K/V stages.
-  ws     (kernels/flash_v3_forward_ws.cu) warp specialisation: a producer warpgroup issues the copies (setmaxnreg
-         gives its registers to the consumers), two consumer warpgroups compute a 128-row Q tile, and full / empty
-         mbarriers per stage order them.
+  wgmma     (kernels/flash_v3_forward_wgmma.cu) stage 02's algorithm with Hopper's data paths: the copy engine (TMA)
+            loads the tiles, wgmma multiplies from shared memory (S = Q K^T) and from registers (O += P V); one
+            warpgroup per 64-row Q tile, thread 0 issues the copies, two K/V stages.
+  ws        (kernels/flash_v3_forward_ws.cu) warp specialisation: a producer warpgroup issues the copies (setmaxnreg
+            gives its registers to the consumers), two consumer warpgroups compute a 128-row Q tile, and full / empty
+            mbarriers per stage order them; K/V tiles of 128 keys where the registers allow.
+  pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
+            take turns at the tensor cores (named barriers), and inside each, S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+            run while the softmax of S_j is computed.
 """
 import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,34 +26,50 @@ from stages.common.checks import check_causal, resolve_scale
 
 from . import blocks
 
-FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu"}
+FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu",
+         "pingpong": "flash_v3_forward_pingpong.cu"}
 VERSIONS = tuple(FILES)
+DEFAULT = "pingpong"
 HEAD_DIMS = (64, 128, 256)
-BC = 64                         # rows of K_j, V_j: one wgmma's N
-BR = {"wgmma": 64, "ws": 128}   # rows of Q_i: one warpgroup's M, or two consumer warpgroups'
-THREADS = {"wgmma": 128, "ws": 384}
-STAGES = 2                      # K/V stages of version ws
+STAGES = 2                      # K/V stages of versions ws and pingpong
 _CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}
 
 
+class Config(NamedTuple):
+    """A version's tiles for head dim D: Q_i of br rows, K_j / V_j of bc rows, threads per block."""
+
+    br: int
+    bc: int
+    threads: int
+
+
+def config(version, D):
+    """wgmma: one warpgroup, 64 x 64 tiles. ws, pingpong: a producer and two consumer warpgroups (384 threads) on a
+    128-row Q_i; K_j of 128 keys while a consumer's registers hold S (64 x bc) and O (64 x D) (D <= 128), else 64."""
+    if version == "wgmma":
+        return Config(64, 64, 128)
+    return Config(128, 128 if D <= 128 else 64, 384)
+
+
 class HopperFwdParams(ctypes.Structure):
-    """struct HopperFwdParams of kernels/flash_v3_forward_wgmma.cu: o, lse, Nq, Nk, scale_log2, causal, then three
-    128-byte tensor maps at offsets 64, 192, 320."""
+    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, Nq, Nk, scale_log2, causal, then three 128-byte
+    tensor maps at offsets 64, 192, 320."""
     _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
                 ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 32),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
 
 
 def smem_bytes(version, D):
-    """Q_i and the K/V stages (64-row tiles of D 16-bit values: one for wgmma's Q_i and two per stage, two more for
-    ws's 128-row Q_i), and 1024 bytes to align the first tile."""
-    tiles = 1 + 2 * 2 if version == "wgmma" else 2 + 2 * STAGES
-    return tiles * 64 * D * 2 + 1024
+    """Q_i (br rows), K_j and V_j of every stage (bc rows each; wgmma: two stages), 2 bytes a value, and 1024 bytes
+    to align the first tile to the swizzle's period."""
+    br, bc, _ = config(version, D)
+    return (br + 2 * STAGES * bc) * D * 2 + 1024
 
 
 def _name(version, ctype, D):
-    return (f"flash_v3_forward_wgmma<{ctype},{D}>" if version == "wgmma"
-            else f"flash_v3_forward_ws<{ctype},{D},{STAGES}>")
+    if version == "wgmma":
+        return f"flash_v3_forward_wgmma<{ctype},{D}>"
+    return f"flash_v3_forward_{version}<{ctype},{D},{config(version, D).bc},{STAGES}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +79,7 @@ def _function(version, ctype, D):
     return kernels.function(module, name, smem_bytes(version, D))
 
 
-def forward(q, k, v, *, causal=False, scale=None, version="ws"):
+def forward(q, k, v, *, causal=False, scale=None, version=DEFAULT):
     """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. Raises device.UnsupportedDevice off sm_90
     (naming the stage 02 version to use), TypeError / ValueError for what the kernel does not take."""
     import cupy
@@ -90,12 +110,13 @@ def forward(q, k, v, *, causal=False, scale=None, version="ws"):
     o = cupy.empty_like(q)
     lse = cupy.empty((B, H, Nq), cupy.float32)
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+    cfg = config(version, D)
     params = HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)),
-                             map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
-                             map_v=blocks.tensor_map_heads(v))
+                             map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k, box_rows=cfg.bc),
+                             map_v=blocks.tensor_map_heads(v, box_rows=cfg.bc))
     fn = _function(version, _CTYPE[np.dtype(q.dtype)], D)
-    grid = (-(-Nq // BR[version]), B * H)  # one block per (Q tile i, head)
-    kernels.Launch(fn, grid, (THREADS[version],), smem_bytes(version, D), params)(o, lse)
+    grid = (-(-Nq // cfg.br), B * H)  # one block per (Q tile i, head)
+    kernels.Launch(fn, grid, (cfg.threads,), smem_bytes(version, D), params)(o, lse)
     return o, lse
 
 
