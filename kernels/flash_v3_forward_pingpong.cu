@@ -10,11 +10,7 @@
 //     registers and O are the wgmma's until wgmma.wait_group 0, so P_j stays in S's registers and the rescaling of O by
 //     alpha_j waits for that wait.
 // K and V have stages of their own (full and empty barriers each): K_j is released as soon as S_j is computed, V_j
-// one tile later, after O += P_j V_j.
-// The kernel is persistent: one block per SM takes the work tiles (Q tile i, head) w = blockIdx.x, + gridDim.x, ...,
-// so that the producer loads the next tile's Q and first K/V while the consumers still finish the last one and write
-// its O (Q has full and empty barriers too). Work tiles go head by head (the blocks running at once share K and V in
-// L2); under the causal mask each head's heaviest Q tiles come first.
+// one tile later, after O += P_j V_j. The heaviest Q tiles under the causal mask start first.
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 
@@ -24,140 +20,114 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     constexpr u32 KV = (D / 64) * BC * 128u;  // bytes of one K or V tile of BC rows
     enum { FULL_K, FULL_V, EMPTY_K, EMPTY_V };
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ __align__(8) u64 bars[2 + 4 * STAGES];  // Q full, Q empty; then full_k[s], full_v[s], empty_k[s], empty_v[s]
+    __shared__ __align__(8) u64 bars[1 + 4 * STAGES];  // Q; then full_k[s], full_v[s], empty_k[s], empty_v[s]
     const u32 q_s = aligned_1024(smem_raw);             // Q (two 64-row halves), then stage s: K_j, V_j
     auto k_tile = [&](int s) { return q_s + 2 * TILE + 2 * s * KV; };
     auto v_tile = [&](int s) { return q_s + 2 * TILE + (2 * s + 1) * KV; };
-    auto bar = [&](int kind, int s) { return smem_addr(&bars[2 + kind * STAGES + s]); };
-    const u32 q_full = smem_addr(&bars[0]), q_empty = smem_addr(&bars[1]);
-    const int wg = threadIdx.x / 128;
-    const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq, q_tiles = (Nq + 127) / 128;
-    // Work tile w: head w / q_tiles, Q rows row0 .. row0 + 127, and the K/V tiles its rows see.
-    auto decode = [&](int w, int& bh, int& row0) {
-        bh = w / q_tiles;
-        const int i = w % q_tiles;
-        row0 = 128 * (p.causal ? q_tiles - 1 - i : i);
-        const int last_row = min(row0 + 127, Nq - 1);
-        const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
-        return last_key < 0 ? 0 : last_key / BC + 1;
-    };
-    const int work = q_tiles * p.heads;
+    auto bar = [&](int kind, int s) { return smem_addr(&bars[1 + kind * STAGES + s]); };
+    const int wg = threadIdx.x / 128, bh = blockIdx.y;
+    const int row0 = 128 * (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
+    const int last_row = min(row0 + 127, Nq - 1);
+    const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
+    const int n_tiles = last_key < 0 ? 0 : last_key / BC + 1;
 
     if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
-        mbar_init(q_empty, 8);  // one arrival per consumer warp
+        mbar_init(smem_addr(&bars[0]), 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar(FULL_K, s), 1);  // the producer's arrival, with the tile's bytes
             mbar_init(bar(FULL_V, s), 1);
-            mbar_init(bar(EMPTY_K, s), 8);
+            mbar_init(bar(EMPTY_K, s), 8);  // one arrival per consumer warp
             mbar_init(bar(EMPTY_V, s), 8);
         }
         mbar_fence_init();
     }
     __syncthreads();
 
-    if (wg == 0) {  // ---------------- producer: per work tile Q, then K_j and V_j as their stages free up
+    if (wg == 0) {  // ---------------- producer: Q, then K_j and V_j as their stages free up
         setmaxnreg_dec<24>();
         if (threadIdx.x == 0) {
-            int it = 0, uses = 0;  // K/V tiles and Q tiles loaded so far: they count the barriers' rounds
-            for (int w = blockIdx.x; w < work; w += gridDim.x) {
-                int bh, row0;
-                const int n_tiles = decode(w, bh, row0);
-                if (n_tiles == 0) continue;  // no key for any row: the consumers write O = 0 without Q
-                mbar_wait(q_empty, (uses++ & 1) ^ 1);  // round 0 passes at once
-                mbar_arrive_expect_tx(q_full, 2 * TILE);
-                for (int half = 0; half < 2; ++half)
-                    for (int c = 0; c < D / 64; ++c)
-                        tma_load_3d(q_s + half * TILE + c * 8192u, &p.map_q, q_full, 64 * c, row0 + 64 * half, bh);
-                for (int j = 0; j < n_tiles; ++j, ++it) {
-                    const int s = it % STAGES, free_parity = ((it / STAGES) & 1) ^ 1;
-                    mbar_wait(bar(EMPTY_K, s), free_parity);
-                    mbar_arrive_expect_tx(bar(FULL_K, s), KV);
-                    for (int c = 0; c < D / 64; ++c)
-                        tma_load_3d(k_tile(s) + c * BC * 128u, &p.map_k, bar(FULL_K, s), 64 * c, BC * j, bh);
-                    mbar_wait(bar(EMPTY_V, s), free_parity);
-                    mbar_arrive_expect_tx(bar(FULL_V, s), KV);
-                    for (int c = 0; c < D / 64; ++c)
-                        tma_load_3d(v_tile(s) + c * BC * 128u, &p.map_v, bar(FULL_V, s), 64 * c, BC * j, bh);
-                }
+            mbar_arrive_expect_tx(smem_addr(&bars[0]), 2 * TILE);
+            for (int half = 0; half < 2; ++half)
+                for (int c = 0; c < D / 64; ++c)
+                    tma_load_3d(q_s + half * TILE + c * 8192u, &p.map_q, smem_addr(&bars[0]), 64 * c, row0 + 64 * half,
+                                bh);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int s = j % STAGES, free_parity = ((j / STAGES) & 1) ^ 1;  // round 0 passes at once
+                mbar_wait(bar(EMPTY_K, s), free_parity);
+                mbar_arrive_expect_tx(bar(FULL_K, s), KV);
+                for (int c = 0; c < D / 64; ++c) tma_load_3d(k_tile(s) + c * BC * 128u, &p.map_k, bar(FULL_K, s), 64 * c, BC * j, bh);
+                mbar_wait(bar(EMPTY_V, s), free_parity);
+                mbar_arrive_expect_tx(bar(FULL_V, s), KV);
+                for (int c = 0; c < D / 64; ++c) tma_load_3d(v_tile(s) + c * BC * 128u, &p.map_v, bar(FULL_V, s), 64 * c, BC * j, bh);
             }
         }
         return;
     }
-    // ---------------- consumers: warpgroup c = wg - 1 owns rows row0 + 64 c .. + 63 of each work tile
+    // ---------------- consumers: warpgroup c = wg - 1 owns rows row0 + 64 c .. + 63
     setmaxnreg_inc<240>();
     const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int first = row0 + 64 * c, r0 = first + 16 * warp;
     const u32 q_mine = q_s + c * TILE;
-    auto release = [&](u32 barrier) {  // this warp's wgmmas on the tile have completed
-        if (lane == 0) mbar_arrive(barrier);
+    auto release = [&](int kind, int s) {  // this warp's wgmmas on the tile have completed
+        if (lane == 0) mbar_arrive(bar(kind, s));
     };
     auto my_turn = [&] { named_bar_sync(1 + c, 256); };     // wait until the other warpgroup has issued its GEMMs
     auto pass_turn = [&] { named_bar_arrive(2 - c, 256); };  // let it issue its own
-    int it = 0, uses = 0;
-    for (int w = blockIdx.x; w < work; w += gridDim.x) {
-        int bh, row0;
-        const int n_tiles = decode(w, bh, row0);
-        const int first = row0 + 64 * c, r0 = first + 16 * warp;
-        auto masked = [&](int j) { return (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift); };
-        auto full = [&](int kind, int j) { mbar_wait(bar(kind, (it + j) % STAGES), ((it + j) / STAGES) & 1); };
-        auto empty = [&](int kind, int j) { release(bar(kind, (it + j) % STAGES)); };
+    auto masked = [&](int j) { return (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift); };
 
-        RowState<D> st;  // Alg.1 L5
-        st.init();
-        float s[BC / 8][4], alpha[2];
-        u32 pa[BC / 16][4];
-        if (n_tiles > 0) {
-            if (c == 1) pass_turn();  // warpgroup 0 issues first
-            mbar_wait(q_full, uses & 1);
-            // Tile 0: S_0 = Q K_0^T and its softmax; O += P_0 V_0 is issued with S_1.
-            full(FULL_K, 0);
+    RowState<D> st;  // Alg.1 L5
+    st.init();
+    float s[BC / 8][4], alpha[2];
+    u32 pa[BC / 16][4];
+    if (n_tiles > 0) {
+        if (c == 1) pass_turn();  // warpgroup 0 issues first
+        mbar_wait(smem_addr(&bars[0]), 0);
+        // Tile 0: S_0 = Q K_0^T and its softmax; O += P_0 V_0 is issued with S_1.
+        mbar_wait(bar(FULL_K, 0), 0);
+        my_turn();
+        wgmma_fence();
+        issue_qk<T, D, BC>(s, q_mine, k_tile(0));
+        wgmma_commit();
+        if (c == 0 || n_tiles > 1) pass_turn();  // the turns each warpgroup takes and is given balance out
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
+        release(EMPTY_K, 0);
+        if (masked(0)) mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
+        softmax_tile<BC, D>(st, s, p.scale_log2, alpha);  // O_i = 0: nothing to rescale
+        p_fragments<T, BC>(pa, s);
+
+        for (int j = 1; j < n_tiles; ++j) {  // Alg.1 L6, one tile behind for P V
+            const int sk = j % STAGES, sv = (j - 1) % STAGES;
+            mbar_wait(bar(FULL_K, sk), (j / STAGES) & 1);
+            mbar_wait(bar(FULL_V, sv), ((j - 1) / STAGES) & 1);
             my_turn();
             wgmma_fence();
-            issue_qk<T, D, BC>(s, q_mine, k_tile((it) % STAGES));
+            issue_qk<T, D, BC>(s, q_mine, k_tile(sk));  // S_j = Q K_j^T
             wgmma_commit();
-            if (c == 0 || n_tiles > 1) pass_turn();  // the turns each warpgroup takes and is given balance out
-            wgmma_wait<0>();
+            issue_pv<T, D, BC>(st, pa, v_tile(sv));  // O += P_{j-1} V_{j-1}
+            wgmma_commit();
+            if (c == 0 || j < n_tiles - 1) pass_turn();
+            wgmma_wait<1>();  // S_j is ready; O += P_{j-1} V_{j-1} may still run
             fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
-            empty(EMPTY_K, 0);
-            if (masked(0))
-                mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
-            softmax_tile<BC, D>(st, s, p.scale_log2, alpha);  // O_i = 0: nothing to rescale
-            p_fragments<T, BC>(pa, s);
-
-            for (int j = 1; j < n_tiles; ++j) {  // Alg.1 L6, one tile behind for P V
-                full(FULL_K, j);
-                full(FULL_V, j - 1);
-                my_turn();
-                wgmma_fence();
-                issue_qk<T, D, BC>(s, q_mine, k_tile((it + j) % STAGES));  // S_j = Q K_j^T
-                wgmma_commit();
-                issue_pv<T, D, BC>(st, pa, v_tile((it + j - 1) % STAGES));  // O += P_{j-1} V_{j-1}
-                wgmma_commit();
-                if (c == 0 || j < n_tiles - 1) pass_turn();
-                wgmma_wait<1>();  // S_j is ready; O += P_{j-1} V_{j-1} may still run
-                fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
-                empty(EMPTY_K, j);
-                if (masked(j))
-                    mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, BC * j, Nk, p.causal, shift,
-                                       g, t);
-                softmax_tile<BC, D>(st, s, p.scale_log2, alpha);
-                wgmma_wait<0>();  // O and P_{j-1}'s registers are ours again
-                fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
-                empty(EMPTY_V, j - 1);
-                rescale_o(st, alpha);
-                p_fragments<T, BC>(pa, s);
-            }
-            release(q_empty);  // every S of this work tile is computed: the producer may load the next Q
-            ++uses;
-            full(FULL_V, n_tiles - 1);  // O += P_last V_last
-            wgmma_fence();
-            issue_pv<T, D, BC>(st, pa, v_tile((it + n_tiles - 1) % STAGES));
-            wgmma_commit();
-            wgmma_wait<0>();
+            release(EMPTY_K, sk);
+            if (masked(j))
+                mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, BC * j, Nk, p.causal, shift, g, t);
+            softmax_tile<BC, D>(st, s, p.scale_log2, alpha);
+            wgmma_wait<0>();  // O and P_{j-1}'s registers are ours again
             fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
-            empty(EMPTY_V, n_tiles - 1);
-            it += n_tiles;
+            release(EMPTY_V, sv);
+            rescale_o(st, alpha);
+            p_fragments<T, BC>(pa, s);
         }
-        store_rows<T, D>(st, static_cast<T*>(p.o), p.lse, bh, Nq, r0, g, t);
+        const int sv = (n_tiles - 1) % STAGES;  // O += P_{last} V_{last}
+        mbar_wait(bar(FULL_V, sv), ((n_tiles - 1) / STAGES) & 1);
+        wgmma_fence();
+        issue_pv<T, D, BC>(st, pa, v_tile(sv));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
+        release(EMPTY_V, sv);
     }
+    store_rows<T, D>(st, static_cast<T*>(p.o), p.lse, bh, Nq, r0, g, t);
 }

@@ -15,7 +15,6 @@ struct HopperFwdParams {
     int Nq, Nk;
     float scale_log2;  // softmax scale x log2(e)
     int causal;        // 1: query r sees key c iff c <= r + Nk - Nq
-    int heads;         // B H
     TensorMap map_q, map_k, map_v;
 };
 

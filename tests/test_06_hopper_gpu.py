@@ -104,23 +104,6 @@ def test_forward_within_the_tolerance_rule(shape, causal, D, dtype, version):
     check_forward(flash_v3.forward, q, k, v, causal=causal, version=version)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(3, 50, 200, 333), (3, 50, 333, 100)])
-def test_persistent_blocks_take_several_work_tiles(shape, causal, D, dtype):
-    """Version pingpong runs one block per SM over 300 work tiles: each block takes several, the barriers' rounds
-    carry from one to the next; with Nq > Nk under the causal mask some work tiles see no key at all."""
-    import cupy
-
-    from stages.common import check_forward, make_inputs
-    from stages.hopper import flash_v3
-
-    _hopper()
-    q, k, v = make_inputs(*shape, D, dtype=dtype, xp=cupy)
-    check_forward(flash_v3.forward, q, k, v, causal=causal, version="pingpong")
-
-
 @pytest.mark.parametrize("version", ["wgmma", "ws", "pingpong"])
 def test_forward_at_large_logits_and_a_row_that_sees_nothing(version):
     import cupy

@@ -52,11 +52,10 @@ def config(version, D):
 
 
 class HopperFwdParams(ctypes.Structure):
-    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, Nq, Nk, scale_log2, causal, heads (B H), then
-    three 128-byte tensor maps at offsets 64, 192, 320."""
+    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, Nq, Nk, scale_log2, causal, then three 128-byte
+    tensor maps at offsets 64, 192, 320."""
     _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
-                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("heads", ctypes.c_int32),
-                ("_pad", ctypes.c_uint8 * 28),
+                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 32),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
 
 
@@ -87,7 +86,7 @@ def forward(q, k, v, *, causal=False, scale=None, version=DEFAULT):
 
     if version not in VERSIONS:
         raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS}")
-    dev = blocks.require_hopper()
+    blocks.require_hopper()
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray) or x.ndim != 4:
             raise TypeError(f"flash_v3.forward: {name} must be a 4-D CuPy array (B, H, N, D)")
@@ -112,14 +111,11 @@ def forward(q, k, v, *, causal=False, scale=None, version=DEFAULT):
     lse = cupy.empty((B, H, Nq), cupy.float32)
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
     cfg = config(version, D)
-    params = HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)), heads=B * H,
+    params = HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k, box_rows=cfg.bc),
                              map_v=blocks.tensor_map_heads(v, box_rows=cfg.bc))
     fn = _function(version, _CTYPE[np.dtype(q.dtype)], D)
-    if version == "pingpong":  # persistent: one block per SM (at most one per work tile) walks the work tiles
-        grid = (min(-(-Nq // cfg.br) * B * H, dev.sm_count), 1)
-    else:
-        grid = (-(-Nq // cfg.br), B * H)  # one block per (Q tile i, head)
+    grid = (-(-Nq // cfg.br), B * H)  # one block per (Q tile i, head)
     kernels.Launch(fn, grid, (cfg.threads,), smem_bytes(version, D), params)(o, lse)
     return o, lse
 
