@@ -178,6 +178,26 @@ __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)
 #undef WGMMA_ARGS
 }
 
+// D (64 x 128, fp32) += A (64 x 16, registers) B (16 x 128, MN-major in shared memory): O += P V for D = 128 in one
+// instruction per K step; B spans two 64-column panels, LBO bytes apart. A's fragment as above; accumulator layout
+// as wgmma_64x128x16's.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x128x16_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, int scale_d) {
+#define WGMMA_ARGS WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
+    if constexpr (IsBf16<T>::value) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS64
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WGMMA_ARGS "}\n"
+                     : WGMMA_OUTS64
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    }
+#undef WGMMA_ARGS
+}
+
 // The compiler does not know that an issued wgmma writes its accumulators later, at the wait: without a fence it may
 // move an ordinary read or write of those registers (the softmax reading S, the rescaling of O) across the
 // wgmma.wait. An empty asm that "modifies" each register pins them: nothing that uses them moves across it.

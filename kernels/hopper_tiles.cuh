@@ -50,16 +50,22 @@ __device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s
     }
 }
 
-// Alg.1 L10, issued: O_i += P_ij V_j with P_ij's A fragments in registers and V_j (NC keys) MN-major, panel by panel
-// of 64 columns of D (NC x 128 bytes each); 16 keys further is 2048 bytes. The caller commits and waits.
+// Alg.1 L10, issued: O_i += P_ij V_j with P_ij's A fragments in registers and V_j (NC keys) MN-major in panels of
+// 64 columns of D (NC x 128 bytes each, LBO apart); 16 keys further is 2048 bytes. D = 128: both panels in one
+// m64n128 instruction per K step; otherwise panel by panel. The caller commits and waits.
 template <typename T, int D, int NC>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const u32 (&pa)[NC / 16][4], u32 v_s) {
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c)
+    for (int kk = 0; kk < NC / 16; ++kk) {
+        if constexpr (D == 128)
+            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(st.o), pa[kk],
+                                  desc_mnmajor_128b(v_s + kk * 2048u, NC * 128u), 1);
+        else
 #pragma unroll
-        for (int kk = 0; kk < NC / 16; ++kk)
-            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(st.o[c]), pa[kk],
-                                 desc_mnmajor_128b(v_s + c * (NC * 128u) + kk * 2048u, NC * 128u), 1);
+            for (int c = 0; c < D / 64; ++c)
+                wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(st.o[c]), pa[kk],
+                                     desc_mnmajor_128b(v_s + c * (NC * 128u) + kk * 2048u, NC * 128u), 1);
+    }
 }
 
 // Alg.1 L9-10 in base 2 (stage 02's pipelined kernel) on this warp's scores of one tile: m_ij, P_ij =
@@ -76,8 +82,8 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[NC / 8]
         float rs = 0.f;
 #pragma unroll
         for (int n = 0; n < NC / 8; ++n) {
-            s[n][2 * h] = fast_exp2(__fmul_rn(s[n][2 * h], scale_log2) - m_use);
-            s[n][2 * h + 1] = fast_exp2(__fmul_rn(s[n][2 * h + 1], scale_log2) - m_use);
+            s[n][2 * h] = fast_exp2(fmaf(s[n][2 * h], scale_log2, -m_use));  // one FFMA a score
+            s[n][2 * h + 1] = fast_exp2(fmaf(s[n][2 * h + 1], scale_log2, -m_use));
             rs += s[n][2 * h] + s[n][2 * h + 1];
         }
         st.l[h] = st.l[h] * alpha[h] + rs;

@@ -105,6 +105,23 @@ def test_forward_within_the_tolerance_rule(shape, causal, D, dtype, version):
 
 
 @pytest.mark.parametrize("version", ["wgmma", "ws", "pingpong"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(3, 50, 200, 333), (3, 50, 333, 100)])
+def test_forward_with_more_blocks_than_sms(shape, causal, D, version):
+    """150 heads: more blocks than an H100 has SMs, so blocks start as others finish; with Nq > Nk under the causal
+    mask some Q tiles see no key at all."""
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(*shape, D, dtype=bfloat16, xp=cupy)
+    check_forward(flash_v3.forward, q, k, v, causal=causal, version=version)
+
+
+@pytest.mark.parametrize("version", ["wgmma", "ws", "pingpong"])
 def test_forward_at_large_logits_and_a_row_that_sees_nothing(version):
     import cupy
 
