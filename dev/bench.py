@@ -11,6 +11,8 @@ Implementations (CSV impl/version):
   ours  fp32x3     forward version="fp32x3": fp32 on TF32 tensor cores with the 3xTF32 split (fp32 table only)
   ours  tc         version="tc": mma.sync tensor cores, bf16/fp16
   ours  pipelined  forward version="pipelined" (cp.async double buffering, padded shared memory)
+  ours  hopper     stage 06's forward on an sm_90 GPU: stages.hopper.flash_v3.forward(version="pingpong") (TMA,
+                   wgmma, warp specialisation, ping-pong); "missing" on other GPUs
   ours  tc-det     backward version="tc", deterministic=True (no atomics: a separate dQ pass)
   torch flash      F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.FLASH_ATTENTION), bf16/fp16
   torch cudnn      ... SDPBackend.CUDNN_ATTENTION, bf16/fp16
@@ -80,7 +82,8 @@ QUICK = dict(seqs=[512, 4096], fp32_seqs=[1024], head_dims=[64, 128], fp32_head_
 REF_BYTES = 6e9  # memory the chunked reference (o, lse our backward starts from) may use for its N x N matrices
 CHECK_SHAPE = (1, 2, 256)  # B, H, N of the small problem every implementation is checked on before timing
 
-OURS_FWD = {"16": ["tc", "pipelined"], "32": ["fp32", "fp32x3"]}  # version names of stage 02
+OURS_FWD = {"16": ["tc", "pipelined", "hopper"], "32": ["fp32", "fp32x3"]}  # stage 02's versions, and stage 06
+HOPPER = ("hopper", "flash_v3", "pingpong")  # (column, module of stages.hopper, its version)
 OURS_BWD = {"16": [("tc", False, "tc"), ("tc", True, "tc-det")], "32": [("fp32", False, "fp32")]}  # stage 03
 TORCH_VERSIONS = {"16": ["flash", "cudnn"], "32": ["efficient"]}
 
@@ -149,6 +152,18 @@ def _stage(name):
         return None, f"missing: stages.{name} does not import ({_short(e, 100)})"
     except Exception as e:
         return None, f"error: import stages.{name}: {_short(e)}"
+
+
+def _hopper(cfg):
+    """(stages.hopper.flash_v3, None) where stage 06 runs this config, else (None, "missing: why")."""
+    try:
+        mod = importlib.import_module(f"stages.hopper.{HOPPER[1]}")
+        mod.blocks.require_hopper()
+    except Exception as e:  # not an sm_90 GPU, or cuda-bindings missing
+        return None, f"missing: stage 06: {_short(e, 120)}"
+    if cfg.head_dim not in mod.HEAD_DIMS:
+        return None, f"missing: stage 06 takes head dims {mod.HEAD_DIMS}"
+    return mod, None
 
 
 def _has_version(mod, version):
@@ -335,7 +350,7 @@ def _plan(cfg, direction):
 
     p = _precision(cfg.dtype)
     if direction == "fwd":
-        ours = [v for v in OURS_FWD[p] if cfg.head_dim in flash_v2.head_dims(v)]
+        ours = [v for v in OURS_FWD[p] if v == HOPPER[0] or cfg.head_dim in flash_v2.head_dims(v)]
     else:
         ours = [name for base, _, name in OURS_BWD[p] if cfg.head_dim in flash_v2_backward.HEAD_DIMS[base]]
     return [("ours", v) for v in ours] + [("torch", v) for v in TORCH_VERSIONS[p]]
@@ -453,7 +468,10 @@ class Bench:
                         return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
                 entries[(impl, version)] = (gate, setup, backend)
                 continue
-            if direction == "fwd":
+            if direction == "fwd" and version == HOPPER[0]:
+                mod, why = _hopper(cfg)
+                base, det = HOPPER[2], False
+            elif direction == "fwd":
                 mod, why = _stage("flash_v2")
                 if mod is not None and not _has_version(mod, version):
                     mod, why = None, f"missing: version {version!r} not in stages.flash_v2.VERSIONS {mod.VERSIONS}"
@@ -496,8 +514,8 @@ class Bench:
                 return status, ratio, name
 
             if direction == "fwd":
-                def setup(mod=mod, version=version):
-                    return lambda: mod.forward(q, k, v, causal=cfg.causal, version=version)
+                def setup(mod=mod, base=base):
+                    return lambda: mod.forward(q, k, v, causal=cfg.causal, version=base)
             else:
                 def setup(mod=mod, base=base, det=det):
                     return lambda: mod.backward(q, k, v, o_in, lse_in, do, causal=cfg.causal, version=base,

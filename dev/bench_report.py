@@ -31,7 +31,7 @@ PROVENANCE = ["git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"]
 # call. CSVs written before bench.py measured them lack them.
 TIMING = ["ms_synced", "host_us"]
 COLUMNS = BASE_COLUMNS + TIMING + ["err_over_bound", "err_output"] + PROVENANCE  # what bench.py writes
-OURS = ("fp32", "fp32x3", "tc", "pipelined", "tc-det")  # column order of our versions
+OURS = ("fp32", "fp32x3", "tc", "pipelined", "hopper", "tc-det")  # column order of our versions (hopper: stage 06)
 TORCH = ("flash", "cudnn", "efficient")  # column order of PyTorch's backends
 REFS = {"16-bit": ("flash", "cudnn"), "fp32": ("efficient",)}  # what our versions are divided by, per group
 DTYPE_ORDER = {"bf16": 0, "fp16": 1, "fp32": 2}

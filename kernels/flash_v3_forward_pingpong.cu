@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
 
     if (wg == 0) {  // ---------------- producer: Q, then K_j and V_j as their stages free up
         setmaxnreg_dec<24>();
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0 && n_tiles > 0) {  // no copy may still be in flight when the block exits: the
+            // consumers wait for Q only when there is a K/V tile, so Q is loaded only then
             mbar_arrive_expect_tx(smem_addr(&bars[0]), 2 * TILE);
             for (int half = 0; half < 2; ++half)
                 for (int c = 0; c < D / 64; ++c)
