@@ -131,7 +131,8 @@ def main(argv=None):
     torch_ok = _torch(world, gpu and backend == "nccl" and not args.no_torch and args.dtype != "float32")
     if rank == 0:
         print(f"== ring attention benchmark on {size} x {name}: backend {backend} ({reason}); rings of {sizes} GPUs; "
-              f"{args.dtype} B={BATCH} D={args.head_dim}; stage 02 {vf}, stage 03 {vb}; PyTorch context parallel: "
+              f"{args.dtype} B={BATCH} D={args.head_dim}; stage 02 {vf} (stage 06 on sm_90), stage 03 {vb}; "
+              f"PyTorch context parallel: "
               f"{'yes' if torch_ok is True else torch_ok}", flush=True)
         if backend != "nccl":
             print(f"   ({backend} backend: ranks share {'GPUs' if gpu else 'CPU cores'}, so these numbers show the "
@@ -255,11 +256,19 @@ def _times(fwd, bwd, args, gpu, n):
 
 
 def _one_gpu_kernels(gpu):
-    """forward, backward of one device: stages 02/03 on a GPU, stage 00 on the CPU (the smoke run)."""
+    """forward, backward of one device: stages 02/03 on a GPU (the forward stage 06's where the ring's blocks are,
+    ring.hopper_blocks: the same kernel on one GPU as in the ring), stage 00 on the CPU (the smoke run)."""
     if gpu:
         from stages import flash_v2, flash_v2_backward
+        from stages.hopper import flash_v3
 
-        return flash_v2.forward, flash_v2_backward.backward
+        def forward(q, k, v, *, version=None, **kw):
+            if version in (None, "auto", "pipelined") and flash_v3.takes(q.dtype, q.shape[3], heads=q.shape[1],
+                                                                         kv_heads=k.shape[1], batch=q.shape[0]):
+                return flash_v3.forward(q, k, v, **kw)
+            return flash_v2.forward(q, k, v, version=version, **kw)
+
+        return forward, flash_v2_backward.backward
     from stages import naive
 
     return (lambda *a, version=None, **kw: naive.forward(*a, **kw),

@@ -130,5 +130,5 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
         fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
         release(EMPTY_V, sv);
     }
-    store_rows<T, D>(st, static_cast<T*>(p.o), p.lse, bh, Nq, r0, g, t);
+    store_rows<T, D>(st, p, bh, r0, g, t);
 }

@@ -73,5 +73,5 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_ws(const __grid_const
                                g, t);
         mbar_arrive(empty(s));  // this thread is done with the stage (its wgmmas have completed)
     }
-    store_rows<T, D>(st, static_cast<T*>(p.o), p.lse, bh, Nq, r0, g, t);
+    store_rows<T, D>(st, p, bh, r0, g, t);
 }

@@ -15,6 +15,9 @@ struct HopperFwdParams {
     int Nq, Nk;
     float scale_log2;  // softmax scale x log2(e)
     int causal;        // 1: query r sees key c iff c <= r + Nk - Nq
+    int o_rows;        // rows of one head in o and lse: Nq, or the ring's whole shard when o, lse are its running
+                       // (O, L) and this call computes rows of it
+    int merge;         // 0: write O_i (the input type) and L_i; 1: merge them into the running float32 (O, L)
     TensorMap map_q, map_k, map_v;
 };
 
@@ -138,17 +141,27 @@ __device__ __forceinline__ void consume_tile(RowState<D>& st, u32 q_s, u32 k_s, 
 }
 
 // Alg.1 L12-14 for this warp's rows r0 + g, r0 + g + 8 of head bh: O_i = diag(l_i)^-1 O_i, L_i = m_i + log l_i
-// (natural log); a row that saw no key: O = 0, L = -inf.
+// (natural log); a row that saw no key: O = 0, L = -inf. With p.merge, a block of ring attention (stage 04): O_i, L_i
+// merge into the running float32 (O, L) of those rows instead (attention_tiles.cuh: merge_row_into_running).
 template <typename T, int D>
-__device__ __forceinline__ void store_rows(const RowState<D>& st, T* o, float* lse, int bh, int Nq, int r0, int g,
+__device__ __forceinline__ void store_rows(RowState<D>& st, const HopperFwdParams& p, int bh, int r0, int g,
                                            int t) {
+    const int Nq = p.Nq;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float l;
         const float inv_l = inverse_row_sum(st.l[h], l);
         const int row = r0 + g + 8 * h;
+        const long at = (long)bh * p.o_rows + row;
+        if (p.merge) {  // every lane takes part (the running L travels within the quad)
+            merge_row_into_running<D>(static_cast<float*>(p.o) + at * D, p.lse + at,
+                                      reinterpret_cast<float(&)[D / 8][4]>(st.o), h, inv_l, st.m[h], l,
+                                      row < Nq, 4 * g + t);
+            continue;
+        }
         if (row >= Nq) continue;
-        const long at = (long)bh * Nq + row;
+        T* o = static_cast<T*>(p.o);
+        float* lse = p.lse;
         if (t == 0) lse[at] = row_lse(st.m[h], l);
 #pragma unroll
         for (int c = 0; c < D / 64; ++c)

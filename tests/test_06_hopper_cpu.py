@@ -182,3 +182,14 @@ def test_a_cubin_comes_back_whole():
     cubin = kernels.compile_only("hopper_blocks.cu", arch="sm_90a")
     assert kernels._whole_elf(cubin) == cubin and kernels._whole_elf(cubin[:-1]) == cubin
     assert cubin[-1] == 0
+
+
+def test_stage_06_is_taken_only_where_it_computes_the_problem():
+    """The ring and the GPT ask flash_v3.takes before they pick stage 06: never in float32, at a head dim it has no
+    kernel for, or with grouped-query heads (on any machine, GPU or not)."""
+    from stages.common import bfloat16
+    from stages.hopper import flash_v3
+
+    assert not flash_v3.takes(np.float32, 128)
+    assert not flash_v3.takes(bfloat16, 96)
+    assert not flash_v3.takes(bfloat16, 128, heads=8, kv_heads=2)

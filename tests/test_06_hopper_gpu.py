@@ -153,3 +153,62 @@ def test_forward_refuses_what_it_does_not_take():
         flash_v3.forward(q, k, v, causal="no")
     with pytest.raises(ValueError, match="version 'fast'"):
         flash_v3.forward(q, k, v, version="fast")
+
+
+# ---------------------------------------------------------------- stage 06 inside the ring (stage 04) and the GPT (05)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_merge_into_the_running_o_and_lse_of_some_rows(D, dtype, causal):
+    """A ring block: rows 40..289 of q against keys 0..149 and then 150..332 (causal: keys 150..332 alone, the mask
+    aligned bottom-right inside the block), each merged in the kernel's epilogue into the running float32 O, L of
+    those rows; the rows outside stay as they were."""
+    import cupy
+
+    from stages.common import cast, check_forward, make_inputs
+    from stages.common.checks import resolve_scale
+    from stages.hopper import flash_v3
+
+    _hopper()
+    B, H, Lq, Lk = 2, 3, 300, 333
+    q, k, v = make_inputs(B, H, Lq, Lk, D, dtype=dtype, xp=cupy)
+    rows, blocks_of_keys = (40, 290), ([(150, Lk)] if causal else [(0, 150), (150, Lk)])
+    k0 = blocks_of_keys[0][0]
+    outside = {}
+
+    def merged(q_rows, k_seen, v_seen, *, causal, scale):
+        o_run = cupy.zeros((B, H, Lq, D), cupy.float32)
+        lse_run = cupy.full((B, H, Lq), -np.inf, cupy.float32)
+        for keys in blocks_of_keys:
+            flash_v3.merge_into(q, k, v, o_run, lse_run, rows, keys, causal=causal, scale=resolve_scale(scale, D))
+        outside["o"] = bool((o_run[:, :, :rows[0]] == 0).all() and (o_run[:, :, rows[1]:] == 0).all())
+        outside["lse"] = bool(cupy.isneginf(lse_run[:, :, :rows[0]]).all()
+                              and cupy.isneginf(lse_run[:, :, rows[1]:]).all())
+        return cast(o_run[:, :, rows[0]:rows[1]], dtype), lse_run[:, :, rows[0]:rows[1]]
+
+    check_forward(merged, q[:, :, rows[0]:rows[1]], k[:, :, k0:], v[:, :, k0:], causal=causal)
+    assert outside == {"o": True, "lse": True}
+
+
+def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
+    """On an sm_90 GPU the ring's forward blocks at the default version are stage 06's merge_into (stage 02 version
+    tc when named), and the GPT's flash_v2 attention in bfloat16 runs stage 06's forward."""
+    import cupy
+
+    from stages import ring
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+    from stages.train_gpt import attention
+
+    _hopper()
+    calls = []
+    real = flash_v3.merge_into
+    monkeypatch.setattr(flash_v3, "merge_into", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    q, k, v = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy)
+    check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash")
+    assert calls, "the ring's forward blocks did not go through stage 06"
+    calls.clear()
+    check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash", version="tc")
+    assert not calls, "version 'tc' named: the ring must keep stage 02"
+    assert attention.StageAttention("flash_v2", 64, bfloat16).fwd is flash_v3.forward
+    assert attention.StageAttention("flash_v2", 64, np.float32).fwd is not flash_v3.forward

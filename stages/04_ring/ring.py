@@ -65,7 +65,7 @@ from .layout import (
     LAYOUTS, _runs, block_calls, check_layout, check_ranks, halves, positions, shard, shard_len, steps, unshard,
 )
 
-__all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version",
+__all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version", "hopper_blocks",
            "RingMismatch", "check_same_everywhere", "LAYOUTS", "block_calls", "positions", "shard", "shard_len",
            "unshard", "steps", "schedule", "memory_per_token", "SCHEMES"]
 
@@ -120,6 +120,19 @@ def flash_version(dtype, version=None):
     from stages import flash_v2
 
     return flash_v2.resolve_version(version or "auto", dtype)
+
+
+def hopper_blocks(prob, dtype, version):
+    """Whether the flash forward blocks of this problem are stage 06's (FlashAttention-3 on an sm_90 GPU, merged into
+    O_r, L_r in their epilogue as stage 02's pipelined blocks are): on a GPU that stage 06 runs on, for a problem
+    with no window and no option that acts on scores (a call whose mask is a band still goes to stage 02), at the
+    default version (None, "auto" or "pipelined", what stage 02's auto picks in 16 bits). Naming stage 02's "tc"
+    keeps stage 02."""
+    if prob.xp is np or not prob.plain or prob.window is not None or version not in (None, "auto", "pipelined"):
+        return False
+    from stages.hopper import flash_v3
+
+    return flash_v3.takes(dtype, prob.D, heads=prob.H, kv_heads=prob.Hkv, batch=prob.B)
 
 
 # ----------------------------------------------------------------------------- the merge
@@ -547,8 +560,9 @@ class _Blocks:
     def __init__(self, prob, block, version, dtype, backward):
         self.prob, self.version = prob, version
         self.fwd, self.bwd = BLOCKS[block]
-        self.fused = False
-        if block == "flash" and prob.xp is not np:
+        self.hopper = block == "flash" and not backward and hopper_blocks(prob, dtype, version)
+        self.fused = self.hopper
+        if block == "flash" and prob.xp is not np and not self.hopper:
             try:
                 if backward:
                     from stages import flash_v2_backward
@@ -596,6 +610,12 @@ class _Blocks:
         """Rows q_start:q_stop of q against keys k_start:k_stop of k, v (a half block), merged into those rows of
         o_run, lse_run."""
         prob = self.prob
+        if self.hopper and "window" not in c.mask():
+            from stages.hopper import flash_v3
+
+            flash_v3.merge_into(q, k, v, o_run, lse_run, (c.q_start, c.q_stop), (c.k_start, c.k_stop),
+                                causal=c.mask()["causal"], scale=prob.scale)
+            return
         if self.fused:
             from stages.flash_v2 import tc
 
@@ -692,6 +712,10 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernel writes the result in the inputs' dtype itself
         c, kpos = whole
+        if blocks.hopper and "window" not in c.mask():
+            from stages.hopper import flash_v3
+
+            return _one_call(xp, timeline, lambda: flash_v3.forward(q, k, v, scale=prob.scale, **c.mask()))
         return _one_call(xp, timeline, lambda: blocks.fwd(q, k, v, scale=prob.scale, version=version, **c.mask(),
                                                           **prob.options(blocks.qpos, kpos, c)))
     marks = _Timeline(xp)

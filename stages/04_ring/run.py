@@ -234,7 +234,13 @@ def main(argv=None):
     where = f"GPU {gpu_name()}" if gpu else "CPU"
     if rank == 0:
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
-        print(f"   blocks {block}" + (f" (stage 02 version {versions[0]}, stage 03 version {versions[1]})"
+        fwd_blocks = f"stage 02 version {versions[0]}"
+        if block == "flash" and gpu and not variants and versions[0] in (None, "auto", "pipelined"):
+            from stages.hopper import flash_v3
+
+            if flash_v3.takes(dtype, D, heads=H, kv_heads=Hkv, batch=args.batch):
+                fwd_blocks = "stage 06 (FlashAttention-3 on sm_90)"
+        print(f"   blocks {block}" + (f" ({fwd_blocks}, stage 03 version {versions[1]})"
                                       if block == "flash" else f" (stage 00{'; ' + why if why else ''})")
               + f", scheme {args.scheme}, layout {layout}, causal={causal}, {np.dtype(dtype).name}, "
               + f"B={args.batch} H={H} Hkv={Hkv} D={D}"

@@ -6,9 +6,10 @@ Each kernel object has the stage API restricted to what a decoder needs (causal,
 A stage that does not take the model's compute dtype gets its inputs cast to one it takes (flash_v1 only
 takes float32: bfloat16 activations are widened for it, and its results rounded back).
 
-The ring computes each (query shard, key block) pair with stage 00 ("naive" blocks) or stages 02/03 ("flash"
-blocks); ring_blocks() decides which, from the head dim, the dtype and the device (passed in as arguments, so the
-decision is tested without a GPU).
+flash_v2 on an sm_90 GPU (H100, H200) in 16 bits runs stage 06's forward (FlashAttention-3) and stage 03's
+backward. The ring computes each (query shard, key block) pair with stage 00 ("naive" blocks) or stages 02/03
+("flash" blocks; on an sm_90 GPU the forward blocks are stage 06's); ring_blocks() decides which, from the head dim,
+the dtype and the device (passed in as arguments, so the decision is tested without a GPU).
 """
 import numpy as np
 
@@ -53,10 +54,17 @@ class StageAttention:
                 raise ValueError(f"attention flash_v2 in {dtype.name}: head dim {head_dim} is not supported by "
                                  f"stages 02 + 03; use one of {dims} (head dim = d_model / n_heads)")
         self.mod = _stage(name)
+        # flash_v2 on an sm_90 GPU in 16 bits: the forward is stage 06's (FlashAttention-3), the backward stays
+        # stage 03's (it takes the o, lse of any forward)
+        self.fwd = self.mod.forward
+        if name == "flash_v2" and dtype != np.float32:
+            v3 = _stage("hopper.flash_v3")
+            if v3.takes(dtype, head_dim):
+                self.fwd = v3.forward
 
     def forward(self, q, k, v):
         kd = self.kernel_dtype
-        o, lse = self.mod.forward(cast(q, kd), cast(k, kd), cast(v, kd), causal=True)
+        o, lse = self.fwd(cast(q, kd), cast(k, kd), cast(v, kd), causal=True)
         return cast(o, self.dtype), lse
 
     def backward(self, q, k, v, o, lse, do):

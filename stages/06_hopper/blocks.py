@@ -47,26 +47,31 @@ def tensor_map_2d(x, box_rows, box_cols=64):
     return _tensor_map(x, [cols, rows], [cols * 2], [box_cols, box_rows])
 
 
-def tensor_map_heads(x, box_rows=64, box_cols=64):
+def tensor_map_heads(x, box_rows=64, box_cols=64, rows=None):
     """The CUtensorMap of a (B, H, N, D) 16-bit CuPy array seen as D x N x (B H): boxes of box_rows x box_cols of one
-    head. Rows past a head's N come back as zeros (never the next head's)."""
+    head. Rows past a head's N come back as zeros (never the next head's). rows = (start, stop): only those rows of
+    every head (the map starts at row start and its heads stay N rows apart; rows from stop on read as zeros)."""
     B, H, N, D = x.shape
-    return _tensor_map(x, [D, N, B * H], [D * 2, N * D * 2], [box_cols, box_rows, 1])
+    start, stop = rows or (0, N)
+    if not 0 <= start < stop <= N:
+        raise ValueError(f"tensor_map_heads: rows {rows} are not a non-empty range of 0..{N}")
+    return _tensor_map(x, [D, stop - start, B * H], [D * 2, N * D * 2], [box_cols, box_rows, 1],
+                       offset=start * D * 2)
 
 
-def _tensor_map(x, dims, strides, box):
+def _tensor_map(x, dims, strides, box, offset=0):
     """cuTensorMapEncodeTiled through cuda-bindings: sizes and box innermost first, byte strides of every dimension
     but the innermost; 128-byte swizzle, zeros out of bounds."""
     from cuda.bindings import driver as cu
 
     if x.dtype.itemsize != 2 or box[0] * 2 != 128:
         raise ValueError("tensor maps here: 16-bit values in boxes of 64 columns (128 bytes: the swizzle's span)")
-    if not x.flags.c_contiguous or any(s % 16 for s in strides):
+    if not x.flags.c_contiguous or any(s % 16 for s in strides) or offset % 16:
         raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
     dtype = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if x.dtype == bfloat16
              else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     err, tmap = cu.cuTensorMapEncodeTiled(
-        dtype, len(dims), x.data.ptr,
+        dtype, len(dims), x.data.ptr + offset,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
         [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1) for _ in dims],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -52,10 +52,11 @@ def config(version, D):
 
 
 class HopperFwdParams(ctypes.Structure):
-    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, Nq, Nk, scale_log2, causal, then three 128-byte
-    tensor maps at offsets 64, 192, 320."""
+    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, Nq, Nk, scale_log2, causal, o_rows, merge, then
+    three 128-byte tensor maps at offsets 64, 192, 320."""
     _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
-                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 32),
+                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("o_rows", ctypes.c_int32),
+                ("merge", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 24),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
 
 
@@ -110,14 +111,46 @@ def forward(q, k, v, *, causal=False, scale=None, version=DEFAULT):
     o = cupy.empty_like(q)
     lse = cupy.empty((B, H, Nq), cupy.float32)
     q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
-    cfg = config(version, D)
-    params = HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)),
-                             map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k, box_rows=cfg.bc),
-                             map_v=blocks.tensor_map_heads(v, box_rows=cfg.bc))
-    fn = _function(version, _CTYPE[np.dtype(q.dtype)], D)
-    grid = (-(-Nq // cfg.br), B * H)  # one block per (Q tile i, head)
-    kernels.Launch(fn, grid, (cfg.threads,), smem_bytes(version, D), params)(o, lse)
+    _launch(version, q, k, v, o, lse, (0, Nq), (0, Nk), causal, scale, merge=False)
     return o, lse
+
+
+def _launch(version, q, k, v, o, lse, rows, keys, causal, scale, merge):
+    """One launch on rows (start, stop) of every head of q against keys (start, stop) of k, v; o, lse: the whole
+    outputs (heads of q.shape[2] rows), written (merge=False) or merged into (merge=True, float32) at those rows."""
+    (q0, q1), (k0, k1) = rows, keys
+    B, H, Lq, D = q.shape
+    cfg = config(version, D)
+    params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
+                             o_rows=Lq, merge=int(merge),
+                             map_q=blocks.tensor_map_heads(q, rows=rows),
+                             map_k=blocks.tensor_map_heads(k, box_rows=cfg.bc, rows=keys),
+                             map_v=blocks.tensor_map_heads(v, box_rows=cfg.bc, rows=keys))
+    fn = _function(version, _CTYPE[np.dtype(q.dtype)], D)
+    grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
+    launch = kernels.Launch(fn, grid, (cfg.threads,), smem_bytes(version, D), params)
+    launch(o.data.ptr + q0 * D * o.itemsize, lse.data.ptr + 4 * q0)
+
+
+def takes(dtype, head_dim, *, heads=1, kv_heads=1, batch=1):
+    """Whether stage 06 computes such a problem on this GPU: an sm_90 GPU, float16 or bfloat16, a head dim of
+    HEAD_DIMS, as many K/V heads as query heads (no grouped-query attention yet), B H within the grid. The ring
+    (stage 04) and the GPT (stage 05) ask before they pick stage 06 over stage 02."""
+    try:
+        blocks.require_hopper()
+    except Exception:  # not an sm_90 GPU (or no CUDA driver, or no cuda-bindings)
+        return False
+    return (np.dtype(dtype) in _CTYPE and head_dim in HEAD_DIMS and heads == kv_heads
+            and batch * heads <= 65535)
+
+
+def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DEFAULT):
+    """One block of ring attention (stage 04), merged in place, as stage 02's tc.merge_into: rows = (q_start, q_stop)
+    of q (B, H, Lq, D) against keys = (k_start, k_stop) of k, v (B, H, Lk, D); the block's O_i, L_i merge in the
+    kernel's epilogue into the running float32 O, L of those rows (o_run (B, H, Lq, D), lse_run (B, H, Lq); L = -inf
+    where nothing was merged yet). No row is copied: the tensor maps start at the rows' first and step over whole
+    heads. Causal: bottom-right aligned within the block. The caller checks the arrays (takes())."""
+    _launch(version, q, k, v, o_run, lse_run, rows, keys, bool(causal), scale, merge=True)
 
 
 def kernel_names(version):
