@@ -128,7 +128,8 @@ def hopper_blocks(prob, dtype, version):
     with no window and no option that acts on scores (a call whose mask is a band still goes to stage 02), at the
     default version (None, "auto" or "pipelined", what stage 02's auto picks in 16 bits). Naming stage 02's "tc"
     keeps stage 02."""
-    if prob.xp is np or not prob.plain or prob.window is not None or version not in (None, "auto", "pipelined"):
+    banded = prob.window not in (None, (-1, -1))  # (-1, -1): the causal mask, no band
+    if prob.xp is np or not prob.plain or banded or version not in (None, "auto", "pipelined"):
         return False
     from stages.hopper import flash_v3
 
