@@ -232,14 +232,14 @@ def main(argv=None):
     block, why = _blocks(args, gpu, dtype, variants)
     versions = _versions(block, dtype, D, args, rank, gpu, variants)
     where = f"GPU {gpu_name()}" if gpu else "CPU"
+    hopper = False  # the forward blocks are stage 06's (ring.hopper_blocks), and so is one device's forward
+    if block == "flash" and gpu and not variants and versions[0] in (None, "auto", "pipelined"):
+        from stages.hopper import flash_v3
+
+        hopper = flash_v3.takes(dtype, D, heads=H, kv_heads=Hkv, batch=args.batch)
     if rank == 0:
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
-        fwd_blocks = f"stage 02 version {versions[0]}"
-        if block == "flash" and gpu and not variants and versions[0] in (None, "auto", "pipelined"):
-            from stages.hopper import flash_v3
-
-            if flash_v3.takes(dtype, D, heads=H, kv_heads=Hkv, batch=args.batch):
-                fwd_blocks = "stage 06 (FlashAttention-3 on sm_90)"
+        fwd_blocks = "stage 06 (FlashAttention-3 on sm_90)" if hopper else f"stage 02 version {versions[0]}"
         print(f"   blocks {block}" + (f" ({fwd_blocks}, stage 03 version {versions[1]})"
                                       if block == "flash" else f" (stage 00{'; ' + why if why else ''})")
               + f", scheme {args.scheme}, layout {layout}, causal={causal}, {np.dtype(dtype).name}, "
@@ -284,7 +284,7 @@ def main(argv=None):
     rows = world.gather(_time(R.ring_forward, R.ring_backward, shape, dtype, xp, gpu, args.repeat, kw_f, kw_b, Hkv),
                         root=0)
     if rank == 0:
-        fwd, bwd = _one_device(block)
+        fwd, bwd = _one_device(block, hopper)
         vf, vb = ({"version": v} if block == "flash" else {} for v in versions)
         single = _time(fwd, bwd, (args.batch, H, n_time, D), dtype, xp, gpu, args.repeat,
                        dict(vf, causal=causal, **opts), dict(vb, causal=causal, **opts), Hkv)
@@ -334,11 +334,16 @@ def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring"):
     return "\n".join(lines)
 
 
-def _one_device(block):
-    """forward, backward of one device for a block kind: stages 02/03 (flash) or stage 00 (naive)."""
+def _one_device(block, hopper=False):
+    """forward, backward of one device for a block kind: stages 02/03 (flash; hopper: stage 06's forward, as the
+    ring's blocks) or stage 00 (naive)."""
     if block == "flash":
         from stages import flash_v2, flash_v2_backward
 
+        if hopper:
+            from stages.hopper import flash_v3
+
+            return (lambda q, k, v, *, version=None, **kw: flash_v3.forward(q, k, v, **kw)), flash_v2_backward.backward
         return flash_v2.forward, flash_v2_backward.backward
     from stages import naive
 
