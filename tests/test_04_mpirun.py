@@ -314,3 +314,17 @@ def test_run_py_blocks_where_the_flash_kernels_cannot_take_the_options(capsys):
     with pytest.raises(SystemExit):
         run._versions("flash", np.float32, 64, explicit, 0, True, True)
     assert "--block naive" in capsys.readouterr().err
+
+
+def test_run_py_times_one_device_with_the_forward_the_ring_blocks_use(monkeypatch):
+    """Where the ring's forward blocks are stage 06's (an sm_90 GPU), one device's forward, the efficiency's
+    yardstick, is stage 06's too; otherwise stage 02's. The call signature is the one _time uses."""
+    from stages import flash_v2
+    from stages.hopper import flash_v3
+
+    run = _run_module()
+    seen = []
+    monkeypatch.setattr(flash_v3, "forward", lambda q, k, v, **kw: seen.append(kw) or ("o", "lse"))
+    fwd, _ = run._one_device("flash", hopper=True)
+    assert fwd("q", "k", "v", version="pipelined", causal=True) == ("o", "lse") and seen == [{"causal": True}]
+    assert run._one_device("flash")[0] is flash_v2.forward
