@@ -616,10 +616,10 @@ def hopper_summary(results_dir):
         got = _ratio_summary(rows, "fwd", "16-bit", "hopper", ref)
         if got is not None:
             n, _, _, rmin, rmed, (dtype, causal, d, seq) = got
-            parts.append(f"over {ref}: min **{rmin:.2f}** ({dtype}, {'causal' if causal else 'full'}, d={d}, "
+            parts.append(f"over {ref}'s: min **{rmin:.2f}** ({dtype}, {'causal' if causal else 'full'}, d={d}, "
                          f"N={_k(seq)}), median **{rmed:.2f}** over {n} configs")
     return (f"Stage 06's forward (FlashAttention-3 on Hopper, version `pingpong`) on one **{gpus(rows)}** "
-            f"(`results/{HOPPER_CSV}`, N >= {SUMMARY_MIN_SEQ}, bf16 and fp16, d = 64/128, causal and not), TFLOP/s "
+            f"(`results/{HOPPER_CSV}`, N >= {SUMMARY_MIN_SEQ}, bf16 and fp16, d = 64/128, causal and not), its TFLOP/s "
             + "; ".join(parts) + ". Its versions step by step: [`stages/06_hopper/README.md`]"
             "(stages/06_hopper/README.md).")
 

@@ -26,7 +26,8 @@ How a block travels (what makes the ring pay on real GPUs):
     holds a block and a half (the half in flight lands in a spare), not the two blocks and two gradient buffers of
     a double-buffered ring: its memory is its shards, its accumulators and 1.5 blocks.
   * Merged where it is computed. On the GPU the kernels add each block into the ring's float32 accumulators
-    themselves: version pipelined merges O_rj, L_rj into O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
+    themselves: version pipelined (or stage 06's forward on an sm_90 GPU, hopper_blocks) merges O_rj, L_rj into
+    O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
     atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
     returns its partial result and merge() / += add it (the same arithmetic).
   * No copies: a block call reads rows q_start:q_stop of the shard and keys k_start:k_stop of the half in place.
