@@ -256,19 +256,13 @@ def _times(fwd, bwd, args, gpu, n):
 
 
 def _one_gpu_kernels(gpu):
-    """forward, backward of one device: stages 02/03 on a GPU (the forward stage 06's where the ring's blocks are,
-    ring.hopper_blocks: the same kernel on one GPU as in the ring), stage 00 on the CPU (the smoke run)."""
+    """forward, backward of one device: on a GPU the forward the ring's blocks run (ring.one_device_forward: stage
+    06's on an sm_90 GPU where it takes the problem, else stage 02's) and stage 03's backward; stage 00 on the CPU
+    (the smoke run)."""
     if gpu:
-        from stages import flash_v2, flash_v2_backward
-        from stages.hopper import flash_v3
+        from stages import flash_v2_backward
 
-        def forward(q, k, v, *, version=None, **kw):
-            if version in (None, "auto", "pipelined") and flash_v3.takes(q.dtype, q.shape[3], heads=q.shape[1],
-                                                                         kv_heads=k.shape[1], batch=q.shape[0]):
-                return flash_v3.forward(q, k, v, **kw)
-            return flash_v2.forward(q, k, v, version=version, **kw)
-
-        return forward, flash_v2_backward.backward
+        return R.one_device_forward, flash_v2_backward.backward
     from stages import naive
 
     return (lambda *a, version=None, **kw: naive.forward(*a, **kw),

@@ -318,13 +318,31 @@ def test_run_py_blocks_where_the_flash_kernels_cannot_take_the_options(capsys):
 
 def test_run_py_times_one_device_with_the_forward_the_ring_blocks_use(monkeypatch):
     """Where the ring's forward blocks are stage 06's (an sm_90 GPU), one device's forward, the efficiency's
-    yardstick, is stage 06's too; otherwise stage 02's. The call signature is the one _time uses."""
+    yardstick, is stage 06's too; otherwise, with an option stage 06 does not take, or on numpy arrays, stage 02's.
+    run.py and dev/bench_ring.py both time ring.one_device_forward. The call signature is the one run.py's _time
+    uses."""
+    import importlib
+
     from stages import flash_v2
     from stages.hopper import flash_v3
 
+    ring = importlib.import_module("stages.ring.ring")  # the module whose hopper_takes one_device_forward calls
     run = _run_module()
+    assert run._one_device("flash")[0] is ring.one_device_forward
     seen = []
-    monkeypatch.setattr(flash_v3, "forward", lambda q, k, v, **kw: seen.append(kw) or ("o", "lse"))
-    fwd, _ = run._one_device("flash", hopper=True)
-    assert fwd("q", "k", "v", version="pipelined", causal=True) == ("o", "lse") and seen == [{"causal": True}]
-    assert run._one_device("flash")[0] is flash_v2.forward
+    monkeypatch.setattr(flash_v3, "forward", lambda q, k, v, **kw: seen.append(("06", kw)) or ("o", "lse"))
+    monkeypatch.setattr(flash_v2, "forward", lambda q, k, v, **kw: seen.append(("02", kw)) or ("o", "lse"))
+
+    class GpuArray:  # stands for a CuPy array (not numpy)
+        shape, dtype = (1, 2, 8, 64), np.dtype(np.float16)
+
+    q, host = GpuArray(), np.zeros((1, 2, 8, 64), np.float16)
+    for on_hopper in (True, False):
+        monkeypatch.setattr(ring, "hopper_takes", lambda *a, on_hopper=on_hopper, **kw: on_hopper)
+        assert ring.one_device_forward(q, q, q, version="pipelined", causal=True) == ("o", "lse")
+    monkeypatch.setattr(ring, "hopper_takes", lambda *a, **kw: True)
+    ring.one_device_forward(q, q, q, version="pipelined", causal=True, softcap=30.0)  # an option: stage 02
+    ring.one_device_forward(host, host, host, version="pipelined", causal=True)  # numpy: stage 02's mirrors
+    assert seen == [("06", {"causal": True}), ("02", {"version": "pipelined", "causal": True}),
+                    ("02", {"version": "pipelined", "causal": True, "softcap": 30.0}),
+                    ("02", {"version": "pipelined", "causal": True})]

@@ -67,8 +67,8 @@ from .layout import (
 )
 
 __all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version", "hopper_blocks",
-           "RingMismatch", "check_same_everywhere", "LAYOUTS", "block_calls", "positions", "shard", "shard_len",
-           "unshard", "steps", "schedule", "memory_per_token", "SCHEMES"]
+           "hopper_takes", "one_device_forward", "RingMismatch", "check_same_everywhere", "LAYOUTS", "block_calls",
+           "positions", "shard", "shard_len", "unshard", "steps", "schedule", "memory_per_token", "SCHEMES"]
 
 
 # ----------------------------------------------------------------------------- block kernels
@@ -123,18 +123,42 @@ def flash_version(dtype, version=None):
     return flash_v2.resolve_version(version or "auto", dtype)
 
 
-def hopper_blocks(prob, dtype, version):
-    """Whether the flash forward blocks of this problem are stage 06's (FlashAttention-3 on an sm_90 GPU, merged into
-    O_r, L_r in their epilogue as stage 02's pipelined blocks are): on a GPU that stage 06 runs on, for a problem
-    with no window and no option that acts on scores (a call whose mask is a band still goes to stage 02), at the
-    default version (None, "auto" or "pipelined", what stage 02's auto picks in 16 bits). Naming stage 02's "tc"
-    keeps stage 02."""
-    banded = prob.window not in (None, (-1, -1))  # (-1, -1): the causal mask, no band
-    if prob.xp is np or not prob.plain or banded or version not in (None, "auto", "pipelined"):
+DEFAULT_FORWARD = (None, "auto", "pipelined")  # the forward versions that mean "what stage 02's auto picks"
+
+
+def hopper_takes(dtype, D, *, H, Hkv, B, version=None):
+    """Whether the flash forward is stage 06's (FlashAttention-3) for plain attention of this shape: at the default
+    version (naming stage 02's "tc" keeps stage 02), on a GPU and a problem stage 06 takes (flash_v3.takes)."""
+    if version not in DEFAULT_FORWARD:
         return False
     from stages.hopper import flash_v3
 
-    return flash_v3.takes(dtype, prob.D, heads=prob.H, kv_heads=prob.Hkv, batch=prob.B)
+    return flash_v3.takes(dtype, D, heads=H, kv_heads=Hkv, batch=B)
+
+
+def hopper_blocks(prob, dtype, version):
+    """Whether the flash forward blocks of this problem are stage 06's, merged into O_r, L_r in their epilogue as
+    stage 02's pipelined blocks are: hopper_takes, for a problem with no window and no option that acts on scores
+    (a call whose mask is a band still goes to stage 02)."""
+    banded = prob.window not in (None, (-1, -1))  # (-1, -1): the causal mask, no band
+    if prob.xp is np or not prob.plain or banded:
+        return False
+    return hopper_takes(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B, version=version)
+
+
+def one_device_forward(q, k, v, *, version=None, **kw):
+    """The forward one device runs for the ring's flash blocks (the yardstick of the ring's efficiency): stage 06's
+    for GPU arrays where hopper_takes and no option but causal and scale is given, else stage 02's forward at that
+    version (numpy arrays: its tile mirrors)."""
+    from stages import flash_v2
+
+    plain_gpu_call = not isinstance(q, np.ndarray) and not kw.keys() - {"causal", "scale"}
+    if plain_gpu_call and hopper_takes(q.dtype, q.shape[3], H=q.shape[1], Hkv=k.shape[1], B=q.shape[0],
+                                       version=version):
+        from stages.hopper import flash_v3
+
+        return flash_v3.forward(q, k, v, **kw)
+    return flash_v2.forward(q, k, v, version=version, **kw)
 
 
 # ----------------------------------------------------------------------------- the merge

@@ -232,11 +232,9 @@ def main(argv=None):
     block, why = _blocks(args, gpu, dtype, variants)
     versions = _versions(block, dtype, D, args, rank, gpu, variants)
     where = f"GPU {gpu_name()}" if gpu else "CPU"
-    hopper = False  # the forward blocks are stage 06's (ring.hopper_blocks), and so is one device's forward
-    if block == "flash" and gpu and not variants and versions[0] in (None, "auto", "pipelined"):
-        from stages.hopper import flash_v3
-
-        hopper = flash_v3.takes(dtype, D, heads=H, kv_heads=Hkv, batch=args.batch)
+    # the forward blocks are stage 06's (ring.hopper_blocks), and so is one device's forward (ring.one_device_forward)
+    hopper = block == "flash" and gpu and not variants and R.hopper_takes(dtype, D, H=H, Hkv=Hkv, B=args.batch,
+                                                                          version=versions[0])
     if rank == 0:
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
         fwd_blocks = "stage 06 (FlashAttention-3 on sm_90)" if hopper else f"stage 02 version {versions[0]}"
@@ -284,7 +282,7 @@ def main(argv=None):
     rows = world.gather(_time(R.ring_forward, R.ring_backward, shape, dtype, xp, gpu, args.repeat, kw_f, kw_b, Hkv),
                         root=0)
     if rank == 0:
-        fwd, bwd = _one_device(block, hopper)
+        fwd, bwd = _one_device(block)
         vf, vb = ({"version": v} if block == "flash" else {} for v in versions)
         single = _time(fwd, bwd, (args.batch, H, n_time, D), dtype, xp, gpu, args.repeat,
                        dict(vf, causal=causal, **opts), dict(vb, causal=causal, **opts), Hkv)
@@ -334,17 +332,14 @@ def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring"):
     return "\n".join(lines)
 
 
-def _one_device(block, hopper=False):
-    """forward, backward of one device for a block kind: stages 02/03 (flash; hopper: stage 06's forward, as the
-    ring's blocks) or stage 00 (naive)."""
+def _one_device(block):
+    """forward, backward of one device for a block kind: flash, the forward the ring's blocks run
+    (ring.one_device_forward: stage 06's on an sm_90 GPU where it takes the problem, else stage 02's) and stage 03's
+    backward; naive, stage 00."""
     if block == "flash":
-        from stages import flash_v2, flash_v2_backward
+        from stages import flash_v2_backward
 
-        if hopper:
-            from stages.hopper import flash_v3
-
-            return (lambda q, k, v, *, version=None, **kw: flash_v3.forward(q, k, v, **kw)), flash_v2_backward.backward
-        return flash_v2.forward, flash_v2_backward.backward
+        return R.one_device_forward, flash_v2_backward.backward
     from stages import naive
 
     return naive.forward, naive.backward

@@ -57,9 +57,9 @@ class StageAttention:
         # flash_v2 on an sm_90 GPU in 16 bits: the forward is stage 06's (FlashAttention-3), the backward stays
         # stage 03's (it takes the o, lse of any forward)
         self.fwd = self.mod.forward
-        if name == "flash_v2" and dtype != np.float32:
+        if name == "flash_v2":
             v3 = _stage("hopper.flash_v3")
-            if v3.takes(dtype, head_dim):
+            if v3.takes(dtype, head_dim):  # never in float32
                 self.fwd = v3.forward
 
     def forward(self, q, k, v):

@@ -18,7 +18,7 @@ from stages.common import bfloat16, device, kernels, load_module
 
 FILE = "hopper_blocks.cu"
 ARCH = "sm_90a"  # wgmma and setmaxnreg exist only in the arch-specific target of sm_90
-_CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}
+CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}  # the kernels' type names
 
 
 class BlockParams(ctypes.Structure):
@@ -116,12 +116,12 @@ def qk_scores(q, k):
     D = q.shape[1]
     if q.shape != (64, D) or k.shape != (64, D) or D not in (64, 128, 256) or q.dtype != k.dtype:
         raise ValueError("qk_scores: q and k of 64 rows x D, D = 64, 128 or 256, one dtype")
-    if np.dtype(q.dtype) not in _CTYPE:
+    if np.dtype(q.dtype) not in CTYPE:
         raise TypeError(f"qk_scores: dtype {q.dtype} is not supported; use float16 or bfloat16")
     out = cupy.empty((64, 64), cupy.float32)
     p = BlockParams(D=D, map_a=tensor_map_2d(q, 64), map_b=tensor_map_2d(k, 64))
     smem = 2 * 64 * D * 2 + 1024
-    kernels.Launch(_function(f"qk_scores<{_CTYPE[np.dtype(q.dtype)]}>", smem), (1,), (128,), smem, p)(out)
+    kernels.Launch(_function(f"qk_scores<{CTYPE[np.dtype(q.dtype)]}>", smem), (1,), (128,), smem, p)(out)
     return out
 
 
@@ -134,16 +134,16 @@ def pv_product(p, v):
     D = v.shape[1]
     if p.shape != (64, 64) or v.shape != (64, D) or D not in (64, 128) or p.dtype != v.dtype:
         raise ValueError("pv_product: p of 64 x 64 and v of 64 x D, D = 64 or 128, one dtype")
-    if np.dtype(p.dtype) not in _CTYPE:
+    if np.dtype(p.dtype) not in CTYPE:
         raise TypeError(f"pv_product: dtype {p.dtype} is not supported; use float16 or bfloat16")
     out = cupy.empty((64, D), cupy.float32)
     params = BlockParams(D=D, map_b=tensor_map_2d(v, 64))
     smem = 64 * D * 2 + 1024
     p = cupy.ascontiguousarray(p)
-    kernels.Launch(_function(f"pv_product<{_CTYPE[np.dtype(p.dtype)]}>", smem), (1,), (128,), smem, params)(out, p)
+    kernels.Launch(_function(f"pv_product<{CTYPE[np.dtype(p.dtype)]}>", smem), (1,), (128,), smem, params)(out, p)
     return out
 
 
 def kernel_names():
     """The instantiations CI compiles for sm_90a."""
-    return ["tile_bytes"] + [f"{k}<{c}>" for k in ("qk_scores", "pv_product") for c in _CTYPE.values()]
+    return ["tile_bytes"] + [f"{k}<{c}>" for k in ("qk_scores", "pv_product") for c in CTYPE.values()]

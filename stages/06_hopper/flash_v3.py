@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, bfloat16, kernels, load_module
+from stages.common import LOG2E, kernels, load_module
 from stages.common.checks import check_causal, resolve_scale
 
 from . import blocks
@@ -32,7 +32,6 @@ VERSIONS = tuple(FILES)
 DEFAULT = "pingpong"
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
-_CTYPE = {np.dtype(np.float16): "__half", np.dtype(bfloat16): "__nv_bfloat16"}
 
 
 class Config(NamedTuple):
@@ -91,7 +90,7 @@ def forward(q, k, v, *, causal=False, scale=None, version=DEFAULT):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray) or x.ndim != 4:
             raise TypeError(f"flash_v3.forward: {name} must be a 4-D CuPy array (B, H, N, D)")
-    if np.dtype(q.dtype) not in _CTYPE or not q.dtype == k.dtype == v.dtype:
+    if np.dtype(q.dtype) not in blocks.CTYPE or not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"flash_v3.forward: q, k, v must share one dtype, float16 or bfloat16 (got {q.dtype}, "
                         f"{k.dtype}, {v.dtype})")
     B, H, Nq, D = q.shape
@@ -126,7 +125,7 @@ def _launch(version, q, k, v, o, lse, rows, keys, causal, scale, merge):
                              map_q=blocks.tensor_map_heads(q, rows=rows),
                              map_k=blocks.tensor_map_heads(k, box_rows=cfg.bc, rows=keys),
                              map_v=blocks.tensor_map_heads(v, box_rows=cfg.bc, rows=keys))
-    fn = _function(version, _CTYPE[np.dtype(q.dtype)], D)
+    fn = _function(version, blocks.CTYPE[np.dtype(q.dtype)], D)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
     launch = kernels.Launch(fn, grid, (cfg.threads,), smem_bytes(version, D), params)
     launch(o.data.ptr + q0 * D * o.itemsize, lse.data.ptr + 4 * q0)
@@ -140,7 +139,7 @@ def takes(dtype, head_dim, *, heads=1, kv_heads=1, batch=1):
         blocks.require_hopper()
     except Exception:  # not an sm_90 GPU (or no CUDA driver, or no cuda-bindings)
         return False
-    return (np.dtype(dtype) in _CTYPE and head_dim in HEAD_DIMS and heads == kv_heads
+    return (np.dtype(dtype) in blocks.CTYPE and head_dim in HEAD_DIMS and heads == kv_heads
             and batch * heads <= 65535)
 
 
@@ -155,4 +154,4 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DE
 
 def kernel_names(version):
     """The instantiations of a version that CI compiles for sm_90a."""
-    return [_name(version, c, D) for c in _CTYPE.values() for D in HEAD_DIMS]
+    return [_name(version, c, D) for c in blocks.CTYPE.values() for D in HEAD_DIMS]
