@@ -11,8 +11,9 @@ Implementations (CSV impl/version):
   ours  fp32x3     forward version="fp32x3": fp32 on TF32 tensor cores with the 3xTF32 split (fp32 table only)
   ours  tc         version="tc": mma.sync tensor cores, bf16/fp16
   ours  pipelined  forward version="pipelined" (cp.async double buffering, padded shared memory)
-  ours  hopper     stage 06's forward on an sm_90 GPU: stages.hopper.flash_v3.forward(version="pingpong") (TMA,
-                   wgmma, warp specialisation, ping-pong); "missing" on other GPUs
+  ours  hopper     stage 06 on an sm_90 GPU: stages.hopper.flash_v3.forward(version="pingpong") (TMA, wgmma, warp
+                   specialisation, ping-pong) and stages.hopper.flash_v3_backward.backward(version="wgmma");
+                   "missing" on other GPUs
   ours  tc-det     backward version="tc", deterministic=True (no atomics: a separate dQ pass)
   torch flash      F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.FLASH_ATTENTION), bf16/fp16
   torch cudnn      ... SDPBackend.CUDNN_ATTENTION, bf16/fp16
@@ -84,6 +85,7 @@ CHECK_SHAPE = (1, 2, 256)  # B, H, N of the small problem every implementation i
 
 OURS_FWD = {"16": ["tc", "pipelined", "hopper"], "32": ["fp32", "fp32x3"]}  # stage 02's versions, and stage 06
 HOPPER = ("hopper", "flash_v3", "pingpong")  # (column, module of stages.hopper, its version)
+HOPPER_BWD = ("hopper", "flash_v3_backward", "wgmma")  # the same for the backward
 OURS_BWD = {"16": [("tc", False, "tc"), ("tc", True, "tc-det")], "32": [("fp32", False, "fp32")]}  # stage 03
 TORCH_VERSIONS = {"16": ["flash", "cudnn"], "32": ["efficient"]}
 
@@ -154,10 +156,10 @@ def _stage(name):
         return None, f"error: import stages.{name}: {_short(e)}"
 
 
-def _hopper(cfg):
-    """(stages.hopper.flash_v3, None) where stage 06 runs this config, else (None, "missing: why")."""
+def _hopper(cfg, direction="fwd"):
+    """(the stage 06 module, None) where stage 06 runs this config in this direction, else (None, "missing: why")."""
     try:
-        mod = importlib.import_module(f"stages.hopper.{HOPPER[1]}")
+        mod = importlib.import_module(f"stages.hopper.{(HOPPER if direction == 'fwd' else HOPPER_BWD)[1]}")
         mod.blocks.require_hopper()
     except Exception as e:  # not an sm_90 GPU, or cuda-bindings missing
         return None, f"missing: stage 06: {_short(e, 120)}"
@@ -353,6 +355,7 @@ def _plan(cfg, direction):
         ours = [v for v in OURS_FWD[p] if v == HOPPER[0] or cfg.head_dim in flash_v2.head_dims(v)]
     else:
         ours = [name for base, _, name in OURS_BWD[p] if cfg.head_dim in flash_v2_backward.HEAD_DIMS[base]]
+        ours += [HOPPER_BWD[0]] if p == "16" else []
     return [("ours", v) for v in ours] + [("torch", v) for v in TORCH_VERSIONS[p]]
 
 
@@ -468,14 +471,14 @@ class Bench:
                         return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
                 entries[(impl, version)] = (gate, setup, backend)
                 continue
-            if direction == "fwd" and version == HOPPER[0]:
-                mod, why = _hopper(cfg)
-                base, det = HOPPER[2], False
+            if version == HOPPER[0]:
+                mod, why = _hopper(cfg, direction)
+                base, det = (HOPPER if direction == "fwd" else HOPPER_BWD)[2], None
             elif direction == "fwd":
                 mod, why = _stage("flash_v2")
                 if mod is not None and not _has_version(mod, version):
                     mod, why = None, f"missing: version {version!r} not in stages.flash_v2.VERSIONS {mod.VERSIONS}"
-                base, det = version, False
+                base, det = version, None
             else:
                 mod, why = _stage("flash_v2_backward")
                 base, det = next((b, d) for b, d, name in OURS_BWD[_precision(cfg.dtype)] if name == version)
@@ -486,7 +489,7 @@ class Bench:
                 if mod is None:
                     raise _Missing(why)
                 got = {}
-                kw = dict(version=base) if direction == "fwd" else dict(version=base, deterministic=det)
+                kw = dict(version=base) if det is None else dict(version=base, deterministic=det)
 
                 def call(*a, **k):  # keeps the outputs, for the error/bound column
                     got["out"] = (mod.forward if direction == "fwd" else mod.backward)(*a, **k)
@@ -518,8 +521,8 @@ class Bench:
                     return lambda: mod.forward(q, k, v, causal=cfg.causal, version=base)
             else:
                 def setup(mod=mod, base=base, det=det):
-                    return lambda: mod.backward(q, k, v, o_in, lse_in, do, causal=cfg.causal, version=base,
-                                                deterministic=det)
+                    kw = {} if det is None else dict(deterministic=det)
+                    return lambda: mod.backward(q, k, v, o_in, lse_in, do, causal=cfg.causal, version=base, **kw)
             entries[(impl, version)] = (gate, setup, None)
         return entries
 

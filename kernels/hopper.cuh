@@ -46,6 +46,10 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
         : "memory");
 }
 
+// Shared memory written by ordinary stores that wgmma or the copy engine (the async proxy) reads next: each writing
+// thread fences, then a barrier orders the readers after the writers.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // ---------------------------------------------------------------- TMA
 // Copy the box at element coordinates (c0 = column, c1 = row) of the 2-D tensor map into shared memory at dst; the
 // bytes count towards bar's transaction.
@@ -115,23 +119,24 @@ template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
 // D (64 x 64, fp32) += A (64 x 16) B^T (64 x 16), A and B K-major in shared memory (descriptors), 16-bit inputs.
-// scale_d = 0: D = A B^T. Accumulator layout (as mma.m16n8's C fragment, repeated): warp w of the warpgroup holds
+// scale_d = 0: D = A B^T. TA, TB = 1: that operand is MN-major instead (imm-trans; the backward's dQ = dS K reads
+// dS^T and K_j as they lie). Accumulator layout (as mma.m16n8's C fragment, repeated): warp w of the warpgroup holds
 // rows 16 w .. 16 w + 15; lane = 4 g + t holds, for each n-block i of 8 columns, d[4 i + e]: row 16 w + g + 8 (e / 2),
 // column 8 i + 2 t + (e % 2).
-template <typename T>
+template <typename T, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
     static_assert(sizeof(T) == 2, "16-bit inputs");
-#define WGMMA_ARGS WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n"
+#define WGMMA_ARGS WGMMA_D32 ", %32, %33, p, 1, 1, %35, %36;\n"
     if constexpr (IsBf16<T>::value) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
                      : WGMMA_OUTS
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
     } else {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_ARGS "}\n"
                      : WGMMA_OUTS
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
     }
 #undef WGMMA_ARGS
 }
@@ -140,19 +145,19 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
 // instruction. Against two m64n64 halves it reads A from shared memory once instead of twice: at N = 64 the two
 // operands' 4 KB per instruction take as many shared-memory cycles (128 bytes a cycle) as the tensor cores take to
 // multiply them, at N = 128 the 6 KB take three quarters. Accumulator layout: as above, n-blocks i = 0 .. 15.
-template <typename T>
+template <typename T, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
-#define WGMMA_ARGS WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n"
+#define WGMMA_ARGS WGMMA_D64 ", %64, %65, p, 1, 1, %67, %68;\n"
     if constexpr (IsBf16<T>::value) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
                      : WGMMA_OUTS64
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
     } else {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WGMMA_ARGS "}\n"
                      : WGMMA_OUTS64
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
     }
 #undef WGMMA_ARGS
 }

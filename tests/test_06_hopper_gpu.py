@@ -155,6 +155,78 @@ def test_forward_refuses_what_it_does_not_take():
         flash_v3.forward(q, k, v, version="fast")
 
 
+# ---------------------------------------------------------------- the backward
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_within_the_tolerance_rule(shape, causal, D, dtype):
+    import cupy
+
+    from stages.common import check_backward, make_inputs
+    from stages.hopper import flash_v3_backward
+
+    _hopper()
+    q, k, v, do = make_inputs(*shape, D, dtype=dtype, xp=cupy, grad=True)
+    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(3, 50, 150, 200), (3, 50, 200, 70)])
+def test_backward_with_more_blocks_than_sms(shape, causal, D):
+    """150 heads: blocks start as others finish, and their dQ reductions meet in the same rows; with Nq > Nk under
+    the causal mask some rows see no key (their dq is 0) and with Nk > Nq some K/V tiles see no row (dk = dv = 0)."""
+    import cupy
+
+    from stages.common import check_backward, make_inputs
+    from stages.hopper import flash_v3_backward
+
+    _hopper()
+    q, k, v, do = make_inputs(*shape, D, dtype=bfloat16, xp=cupy, grad=True)
+    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal)
+
+
+def test_backward_at_large_logits_and_rows_and_keys_that_see_nothing():
+    import cupy
+
+    from stages.common import check_backward, make_inputs
+    from stages.hopper import flash_v3, flash_v3_backward
+
+    _hopper()
+    q, k, v, do = make_inputs(1, 2, 130, 70, 128, dtype=bfloat16, xp=cupy, scale=10.0, grad=True)
+    check_backward(flash_v3_backward.backward, q, k, v, do, causal=True)  # the first 60 rows see no key
+    o, lse = flash_v3.forward(q, k, v, causal=True)
+    dq, dk, dv = flash_v3_backward.backward(q, k, v, o, lse, do, causal=True)
+    assert not bool(dq[:, :, :60].any()) and all(bool(cupy.isfinite(x.astype(cupy.float32)).all())
+                                                 for x in (dq, dk, dv))
+
+
+def test_backward_refuses_what_it_does_not_take():
+    import cupy
+
+    from stages.common import make_inputs
+    from stages.hopper import flash_v3_backward
+
+    _hopper()
+    q, k, v = make_inputs(1, 1, 64, 64, 96, dtype=np.float16, xp=cupy)
+    lse = cupy.zeros((1, 1, 64), cupy.float32)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        flash_v3_backward.backward(q, k, v, q, lse, q)
+    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float32, xp=cupy)
+    with pytest.raises(TypeError, match="float16"):
+        flash_v3_backward.backward(q, k, v, q, lse, q)
+    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy)
+    with pytest.raises(TypeError, match="causal"):
+        flash_v3_backward.backward(q, k, v, q, lse, q, causal="no")
+    with pytest.raises(ValueError, match="version 'fast'"):
+        flash_v3_backward.backward(q, k, v, q, lse, q, version="fast")
+    with pytest.raises(TypeError, match="CuPy arrays"):
+        flash_v3_backward.backward(*(cupy.asnumpy(x) for x in (q, k, v, q, lse, q)))
+    with pytest.raises(ValueError, match="lse has shape"):
+        flash_v3_backward.backward(q, k, v, q, lse[:, :, :3], q)
+
+
 # ---------------------------------------------------------------- stage 06 inside the ring (stage 04) and the GPT (05)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [64, 128, 256])

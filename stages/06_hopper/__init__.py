@@ -2,6 +2,6 @@
 (layouts.py), the pipeline and ping-pong schedules, simulated (schedules.py). On an sm_90 GPU: the building blocks
 checked one by one (blocks.py) and the forward in three versions (flash_v3.py: wgmma, ws, pingpong), which the ring
 (stage 04) and the GPT (stage 05) use on Hopper."""
-from . import blocks, flash_v3, layouts, schedules
+from . import blocks, flash_v3, flash_v3_backward, layouts, schedules
 
-__all__ = ["layouts", "schedules", "blocks", "flash_v3"]
+__all__ = ["layouts", "schedules", "blocks", "flash_v3", "flash_v3_backward"]

@@ -1,0 +1,206 @@
+// flash_v3_backward_wgmma.cu: stage 06's backward, version "wgmma": the FlashAttention-2 backward (Dao, arXiv
+// 2307.08691, Algorithm 2) with the forward's Hopper data paths (FlashAttention-3, Shah et al., arXiv 2407.08608,
+// Sec. 3.3): one warpgroup per K/V tile j of 64 keys keeps dK_j and dV_j in its accumulators and walks the Q tiles.
+// Per Q tile i of 64 rows, five GEMMs by wgmma, the transposed products so that every result lands where it is used:
+//   S_ij^T  = K_j Q_i^T        shared x shared, both K-major (the forward's S = Q K^T with the roles swapped)
+//   dP_ij^T = V_j dO_i^T       the same
+//   P^T = exp2(S^T scale log2 e - L_i log2 e), dS^T = P^T o (dP^T - D_i), in registers (L_i, D_i: one per column)
+//   dV_j   += P_ij^T dO_i      P^T from registers (the accumulator rounded to 16 bits is an A fragment), dO_i
+//                              MN-major: the forward's O += P V
+//   dK_j   += dS_ij^T Q_i      the same
+//   dQ_i   += dS_ij K_j        dS^T through shared memory (written swizzled), read as an MN-major A, K_j as an
+//                              MN-major B; added to the fp32 dQ accumulator with vector reductions (other K/V
+//                              blocks add to the same rows at the same time)
+// Q_i and dO_i come by TMA into two stages on mbarriers; thread 0 issues the copies. D = 256: two blocks per K/V
+// tile (grid.z), each with half of the columns of dK_j, dV_j, dQ_i (DP = 128), as stage 03 splits it: the
+// accumulators of all 256 columns do not fit one warpgroup's registers.
+// Launched by stages/06_hopper/flash_v3_backward.py after stage 03's preprocess (D_i; L_i log2 e, +inf where nothing
+// is visible and past Nq); stage 03's bwd_convert_dq turns the accumulator into dQ. Checked by
+// tests/test_06_hopper_gpu.py.
+#include "backward_dq.cuh"
+#include "hopper_tiles.cuh"
+
+// The one argument: pointer fields first (kernels.Launch fills them per call), tensor maps at multiples of 64 bytes.
+// q, k, v, dO: (B, H, N, D) row-major, seen by the maps as D x N x (B H) in boxes of 64 x 64.
+// stages/06_hopper/flash_v3_backward.py mirrors it.
+struct HopperBwdParams {
+    float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += dS K (scale applied by the conversion)
+    void* dk;            // (B, H, Nk, D), the input type
+    void* dv;
+    const float* lse2;   // (B H, Nq_pad): L_i log2(e); +inf where a row sees no key and past Nq (P = 0 there)
+    const float* delta;  // (B H, Nq_pad): D_i = rowsum(dO_i o O_i); 0 past Nq
+    int Nq, Nk, Nq_pad;
+    float scale;         // softmax scale: dK = scale dS^T Q
+    float scale_log2;    // scale x log2(e)
+    int causal;          // 1: query r sees key c iff c <= r + Nk - Nq
+    TensorMap map_q, map_k, map_v, map_do;
+};
+
+// acc (64 rows x DP columns, DP / 64 panels of 8 n-blocks) += A (64 x 64 from registers: four K steps of 16) times B
+// (64 rows x DP columns of a tile in shared memory, MN-major: rows 16 kk.. are 2048 bytes further, panels 8 KB
+// apart). col_panel: B's first 64-column panel. dV += P^T dO and dK += dS^T Q.
+template <typename T, int DP>
+__device__ __forceinline__ void issue_rs(float (&acc)[DP / 64][8][4], const u32 (&a)[4][4], u32 b_s, int col_panel) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const u32 b = b_s + col_panel * 8192u + kk * 2048u;
+        if constexpr (DP == 128)
+            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(acc), a[kk], desc_mnmajor_128b(b, 8192u), 1);
+        else
+            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(acc[0]), a[kk], desc_mnmajor_128b(b, 8192u), 1);
+    }
+}
+
+// dQ_i (64 x DP) = dS_ij (64 queries x 64 keys) K_j[:, columns of col_panel..]: A = dS^T as stored (keys x queries,
+// MN-major for A), B = K_j as stored (keys x D, MN-major for B).
+template <typename T, int DP>
+__device__ __forceinline__ void issue_dq(float (&dq)[DP / 64][8][4], u32 ds_s, u32 k_s, int col_panel) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const u64 a = desc_mnmajor_128b(ds_s + kk * 2048u, 8192u);
+        const u32 b = k_s + col_panel * 8192u + kk * 2048u;
+        if constexpr (DP == 128)
+            wgmma_64x128x16<T, 1, 1>(reinterpret_cast<float(&)[64]>(dq), a, desc_mnmajor_128b(b, 8192u), kk > 0);
+        else
+            wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq[0]), a, desc_mnmajor_128b(b, 8192u), kk > 0);
+    }
+}
+
+template <typename T, int D, int DP>
+__global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_constant__ HopperBwdParams p) {
+    constexpr int PANELS = D / 64;        // 64-column panels of a tile (one TMA box, 8 KB each)
+    constexpr u32 TILE = PANELS * 8192u;  // bytes of one 64-row tile
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) u64 bars[3];  // K_j and V_j; Q/dO stage 0; Q/dO stage 1
+    // K_j, V_j, dS^T (64 x 64: 8 KB), then stage s: Q_i at q_s + 2 s TILE, dO_i one TILE further
+    const u32 k_s = aligned_1024(smem_raw), v_s = k_s + TILE, ds_s = v_s + TILE, q_s = ds_s + 8192u;
+    const int j = blockIdx.x, bh = blockIdx.y, col_panel = blockIdx.z * (DP / 64), key0 = 64 * j;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
+    const int first_row = p.causal ? max(0, key0 - shift) : 0;  // the first query row that sees a key of K_j
+    const int i0 = first_row / 64;
+    const int n_tiles = first_row >= Nq ? 0 : (Nq + 63) / 64 - i0;  // Q tiles i0 .. i0 + n_tiles - 1
+    const u32 bar_kv = smem_addr(&bars[0]);
+
+    auto load_q_do = [&](int n) {  // thread 0: Q and dO of the block's n-th Q tile into stage n & 1
+        const u32 bar = smem_addr(&bars[1 + (n & 1)]), dst = q_s + 2 * (n & 1) * TILE;
+        mbar_arrive_expect_tx(bar, 2 * TILE);
+        for (int c = 0; c < PANELS; ++c) {
+            tma_load_3d(dst + c * 8192u, &p.map_q, bar, 64 * c, 64 * (i0 + n), bh);
+            tma_load_3d(dst + TILE + c * 8192u, &p.map_do, bar, 64 * c, 64 * (i0 + n), bh);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int b = 0; b < 3; ++b) mbar_init(smem_addr(&bars[b]), 1);
+        mbar_fence_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && n_tiles > 0) {  // no copy is issued that the block would not wait for
+        mbar_arrive_expect_tx(bar_kv, 2 * TILE);
+        for (int c = 0; c < PANELS; ++c) {
+            tma_load_3d(k_s + c * 8192u, &p.map_k, bar_kv, 64 * c, key0, bh);
+            tma_load_3d(v_s + c * 8192u, &p.map_v, bar_kv, 64 * c, key0, bh);
+        }
+        for (int n = 0; n < min(2, n_tiles); ++n) load_q_do(n);
+    }
+
+    float dk[DP / 64][8][4], dv[DP / 64][8][4];  // Alg.2 L5: dK_j, dV_j of this warp's 16 keys (rows of the tile)
+#pragma unroll
+    for (int c = 0; c < DP / 64; ++c) zero(dk[c]), zero(dv[c]);
+    const int kr = key0 + 16 * warp + g;  // this lane's keys: kr (h = 0), kr + 8 (h = 1)
+    if (n_tiles > 0) mbar_wait(bar_kv, 0);
+
+    for (int n = 0; n < n_tiles; ++n) {  // Alg.2 L6: the Q tiles that see K_j
+        const int row0 = 64 * (i0 + n);
+        const u32 qn_s = q_s + 2 * (n & 1) * TILE, do_s = qn_s + TILE;
+        mbar_wait(smem_addr(&bars[1 + (n & 1)]), (n >> 1) & 1);
+        float s[8][4], dp[8][4];  // S^T, dP^T: rows = this warp's keys, columns = the tile's 64 queries
+        wgmma_fence();
+        issue_qk<T, D, 64>(s, k_s, qn_s);  // Alg.2 L8
+        wgmma_commit();
+        issue_qk<T, D, 64>(dp, v_s, do_s);  // Alg.2 L10
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(reinterpret_cast<float(&)[32]>(s));
+        const float* lse2 = p.lse2 + (long)bh * p.Nq_pad + row0;
+        const bool masked = key0 + 63 >= Nk || (p.causal && key0 + 63 > row0 + shift);
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) {  // Alg.2 L9: P^T, column 8 nb + 2 t + e is query row0 + 8 nb + 2 t + e
+            const float2 L = *reinterpret_cast<const float2*>(lse2 + 8 * nb + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kr + 8 * (e / 2), row = row0 + 8 * nb + 2 * t + (e % 2);
+                const bool seen = !masked || (key < Nk && (!p.causal || key <= row + shift));
+                s[nb][e] = seen ? fast_exp2(fmaf(s[nb][e], p.scale_log2, -(e % 2 ? L.y : L.x))) : 0.f;
+            }
+        }
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[32]>(dp));
+        const float* delta = p.delta + (long)bh * p.Nq_pad + row0;
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) {  // Alg.2 L11: dS^T = P^T o (dP^T - D_i)
+            const float2 Di = *reinterpret_cast<const float2*>(delta + 8 * nb + 2 * t);
+            dp[nb][0] = s[nb][0] * (dp[nb][0] - Di.x), dp[nb][1] = s[nb][1] * (dp[nb][1] - Di.y);
+            dp[nb][2] = s[nb][2] * (dp[nb][2] - Di.x), dp[nb][3] = s[nb][3] * (dp[nb][3] - Di.y);
+        }
+        u32 pa[4][4], da[4][4];  // P^T and dS^T as the A fragments of four K steps of 16 queries
+        p_fragments<T, 64>(pa, s);
+        p_fragments<T, 64>(da, dp);
+        // dS^T into shared memory in the 128-byte swizzle of a TMA tile (rows = keys, 128 bytes of 64 queries): the
+        // pair of columns 8 nb + 2 t, + 1 of row r sits in 16-byte chunk nb ^ (r % 8) at byte 4 t
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const int r = 16 * warp + g + 8 * (w % 2), nb = 2 * kk + w / 2;
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds_s + r * 128u + ((nb ^ (r % 8)) << 4) + 4 * t),
+                             "r"(da[kk][w])
+                             : "memory");
+            }
+        fence_proxy_async();
+        wgmma_fence();
+        issue_rs<T, DP>(dv, pa, do_s, col_panel);  // Alg.2 L9: dV_j += P^T dO_i
+        issue_rs<T, DP>(dk, da, qn_s, col_panel);  // Alg.2 L12: dK_j += dS^T Q_i
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[DP / 2]>(dv));
+        fence_operands(reinterpret_cast<float(&)[DP / 2]>(dk));
+        fence_operands(reinterpret_cast<u32(&)[16]>(pa));
+        fence_operands(reinterpret_cast<u32(&)[16]>(da));
+        __syncthreads();  // every warp's rows of dS^T are in shared memory
+        float dq[DP / 64][8][4];
+        wgmma_fence();
+        issue_dq<T, DP>(dq, ds_s, k_s, col_panel);  // Alg.2 L13: dQ_i += dS K_j
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[DP / 2]>(dq));
+        const int qr = row0 + 16 * warp + g;  // this lane's query rows of dQ_i: qr, qr + 8
+        float* acc = p.dq_acc + ((long)bh * Nq + qr) * D + 64 * col_panel + 2 * t;
+#pragma unroll
+        for (int c = 0; c < DP / 64; ++c)
+#pragma unroll
+            for (int nb = 0; nb < 8; ++nb) {
+                if (qr < Nq) red_add_f32x2<0>(acc + 64 * c + 8 * nb, dq[c][nb][0], dq[c][nb][1]);
+                if (qr + 8 < Nq) red_add_f32x2<0>(acc + 8 * D + 64 * c + 8 * nb, dq[c][nb][2], dq[c][nb][3]);
+            }
+        __syncthreads();  // stage n & 1 and dS^T are free: every wgmma that read them has completed
+        if (threadIdx.x == 0 && n + 2 < n_tiles) load_q_do(n + 2);
+    }
+
+    // Alg.2 L16: dK_j = scale dS^T Q summed, dV_j; keys past Nk are not written (a block that no query sees: zeros)
+    T* dk_out = static_cast<T*>(p.dk);
+    T* dv_out = static_cast<T*>(p.dv);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = kr + 8 * h;
+        if (key >= Nk) continue;
+        const long at = ((long)bh * Nk + key) * D + 64 * col_panel + 2 * t;
+#pragma unroll
+        for (int c = 0; c < DP / 64; ++c)
+#pragma unroll
+            for (int nb = 0; nb < 8; ++nb) {
+                store2(dk_out + at + 64 * c + 8 * nb, p.scale * dk[c][nb][2 * h], p.scale * dk[c][nb][2 * h + 1]);
+                store2(dv_out + at + 64 * c + 8 * nb, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
+            }
+    }
+}
