@@ -17,39 +17,7 @@
 // Launched by stages/06_hopper/flash_v3_backward.py after stage 03's preprocess (D_i; L_i log2 e, +inf where nothing
 // is visible and past Nq); stage 03's bwd_convert_dq turns the accumulator into dQ. Checked by
 // tests/test_06_hopper_gpu.py.
-#include "backward_dq.cuh"
-#include "hopper_tiles.cuh"
-
-// The one argument: pointer fields first (kernels.Launch fills them per call), tensor maps at multiples of 64 bytes.
-// q, k, v, dO: (B, H, N, D) row-major, seen by the maps as D x N x (B H) in boxes of 64 x 64.
-// stages/06_hopper/flash_v3_backward.py mirrors it.
-struct HopperBwdParams {
-    float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += dS K (scale applied by the conversion)
-    void* dk;            // (B, H, Nk, D), the input type
-    void* dv;
-    const float* lse2;   // (B H, Nq_pad): L_i log2(e); +inf where a row sees no key and past Nq (P = 0 there)
-    const float* delta;  // (B H, Nq_pad): D_i = rowsum(dO_i o O_i); 0 past Nq
-    int Nq, Nk, Nq_pad;
-    float scale;         // softmax scale: dK = scale dS^T Q
-    float scale_log2;    // scale x log2(e)
-    int causal;          // 1: query r sees key c iff c <= r + Nk - Nq
-    TensorMap map_q, map_k, map_v, map_do;
-};
-
-// acc (64 rows x DP columns, DP / 64 panels of 8 n-blocks) += A (64 x 64 from registers: four K steps of 16) times B
-// (64 rows x DP columns of a tile in shared memory, MN-major: rows 16 kk.. are 2048 bytes further, panels 8 KB
-// apart). col_panel: B's first 64-column panel. dV += P^T dO and dK += dS^T Q.
-template <typename T, int DP>
-__device__ __forceinline__ void issue_rs(float (&acc)[DP / 64][8][4], const u32 (&a)[4][4], u32 b_s, int col_panel) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        const u32 b = b_s + col_panel * 8192u + kk * 2048u;
-        if constexpr (DP == 128)
-            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(acc), a[kk], desc_mnmajor_128b(b, 8192u), 1);
-        else
-            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(acc[0]), a[kk], desc_mnmajor_128b(b, 8192u), 1);
-    }
-}
+#include "hopper_bwd_tiles.cuh"
 
 // dQ_i (64 x DP) = dS_ij (64 queries x 64 keys) K_j[:, columns of col_panel..]: A = dS^T as stored (keys x queries,
 // MN-major for A), B = K_j as stored (keys x D, MN-major for B).
@@ -115,49 +83,19 @@ __global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_c
         const u32 qn_s = q_s + 2 * (n & 1) * TILE, do_s = qn_s + TILE;
         mbar_wait(smem_addr(&bars[1 + (n & 1)]), (n >> 1) & 1);
         float s[8][4], dp[8][4];  // S^T, dP^T: rows = this warp's keys, columns = the tile's 64 queries
-        wgmma_fence();
-        issue_qk<T, D, 64>(s, k_s, qn_s);  // Alg.2 L8
-        wgmma_commit();
-        issue_qk<T, D, 64>(dp, v_s, do_s);  // Alg.2 L10
-        wgmma_commit();
+        issue_s_dp<T, D>(s, dp, k_s, v_s, qn_s, do_s);
         wgmma_wait<1>();
         fence_operands(reinterpret_cast<float(&)[32]>(s));
-        const float* lse2 = p.lse2 + (long)bh * p.Nq_pad + row0;
         const bool masked = key0 + 63 >= Nk || (p.causal && key0 + 63 > row0 + shift);
-#pragma unroll
-        for (int nb = 0; nb < 8; ++nb) {  // Alg.2 L9: P^T, column 8 nb + 2 t + e is query row0 + 8 nb + 2 t + e
-            const float2 L = *reinterpret_cast<const float2*>(lse2 + 8 * nb + 2 * t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = kr + 8 * (e / 2), row = row0 + 8 * nb + 2 * t + (e % 2);
-                const bool seen = !masked || (key < Nk && (!p.causal || key <= row + shift));
-                s[nb][e] = seen ? fast_exp2(fmaf(s[nb][e], p.scale_log2, -(e % 2 ? L.y : L.x))) : 0.f;
-            }
-        }
+        const long tile_rows = (long)bh * p.Nq_pad + row0;  // L_i and D_i of the tile, read from global memory
+        probabilities_t(s, p, p.lse2 + tile_rows, kr, row0, masked, t);
         wgmma_wait<0>();
         fence_operands(reinterpret_cast<float(&)[32]>(dp));
-        const float* delta = p.delta + (long)bh * p.Nq_pad + row0;
-#pragma unroll
-        for (int nb = 0; nb < 8; ++nb) {  // Alg.2 L11: dS^T = P^T o (dP^T - D_i)
-            const float2 Di = *reinterpret_cast<const float2*>(delta + 8 * nb + 2 * t);
-            dp[nb][0] = s[nb][0] * (dp[nb][0] - Di.x), dp[nb][1] = s[nb][1] * (dp[nb][1] - Di.y);
-            dp[nb][2] = s[nb][2] * (dp[nb][2] - Di.x), dp[nb][3] = s[nb][3] * (dp[nb][3] - Di.y);
-        }
+        ds_t(dp, s, p.delta + tile_rows, t);
         u32 pa[4][4], da[4][4];  // P^T and dS^T as the A fragments of four K steps of 16 queries
         p_fragments<T, 64>(pa, s);
         p_fragments<T, 64>(da, dp);
-        // dS^T into shared memory in the 128-byte swizzle of a TMA tile (rows = keys, 128 bytes of 64 queries): the
-        // pair of columns 8 nb + 2 t, + 1 of row r sits in 16-byte chunk nb ^ (r % 8) at byte 4 t
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const int r = 16 * warp + g + 8 * (w % 2), nb = 2 * kk + w / 2;
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds_s + r * 128u + ((nb ^ (r % 8)) << 4) + 4 * t),
-                             "r"(da[kk][w])
-                             : "memory");
-            }
-        fence_proxy_async();
+        store_ds_t(ds_s, da, warp, g, t);
         wgmma_fence();
         issue_rs<T, DP>(dv, pa, do_s, col_panel);  // Alg.2 L9: dV_j += P^T dO_i
         issue_rs<T, DP>(dk, da, qn_s, col_panel);  // Alg.2 L12: dK_j += dS^T Q_i
@@ -187,20 +125,5 @@ __global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_c
         if (threadIdx.x == 0 && n + 2 < n_tiles) load_q_do(n + 2);
     }
 
-    // Alg.2 L16: dK_j = scale dS^T Q summed, dV_j; keys past Nk are not written (a block that no query sees: zeros)
-    T* dk_out = static_cast<T*>(p.dk);
-    T* dv_out = static_cast<T*>(p.dv);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int key = kr + 8 * h;
-        if (key >= Nk) continue;
-        const long at = ((long)bh * Nk + key) * D + 64 * col_panel + 2 * t;
-#pragma unroll
-        for (int c = 0; c < DP / 64; ++c)
-#pragma unroll
-            for (int nb = 0; nb < 8; ++nb) {
-                store2(dk_out + at + 64 * c + 8 * nb, p.scale * dk[c][nb][2 * h], p.scale * dk[c][nb][2 * h + 1]);
-                store2(dv_out + at + 64 * c + 8 * nb, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
-            }
-    }
+    store_dk_dv<T, D, DP>(dk, dv, p, bh, kr, col_panel, t);  // Alg.2 L16 (a block no query sees writes zeros)
 }

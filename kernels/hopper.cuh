@@ -61,6 +61,13 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 b
         : "memory");
 }
 
+// A plain bulk copy (no tensor map): `bytes` (a multiple of 16) from global src to shared dst, counted on bar.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
 // The same for a 3-D tensor map (c0 = column, c1 = row, c2 = (batch, head)): rows past a head's last are filled
 // with zeros, never read from the next head.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2) {
@@ -73,6 +80,22 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
 
 // The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
 __device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return (smem_addr(smem) + 1023u) & ~1023u; }
+
+// Bulk reduction by the copy engine: [dst] += [src] elementwise over `bytes` (a multiple of 16) of float32, from
+// shared to global memory. Many blocks may add to the same rows at once (the backward's dQ); a bulk group of this
+// thread tracks it: wait_read<0> before src is written again, wait_all<0> before the block exits.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory"); }
 
 // ---------------------------------------------------------------- setmaxnreg
 // Move registers between warpgroups (all 128 threads of a warpgroup execute it): a producer that only issues copies

@@ -157,7 +157,7 @@ def test_schedules_refuse_bad_input():
 
 
 # ---------------------------------------------------------------- the sm_90a kernels, compiled without a GPU
-@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "backward wgmma"])
+@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "backward wgmma", "backward ws"])
 def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
     from stages.common import device, kernels
     from stages.hopper import blocks, flash_v3, flash_v3_backward
@@ -167,9 +167,9 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
     elif what.startswith("backward"):
         version = what.split()[1]
         file, names = flash_v3_backward.FILES[version], flash_v3_backward.kernel_names(version)
-        threads = flash_v3_backward.THREADS
-        assert all(flash_v3_backward.smem_bytes(D) <= device.emulate("sm_90").smem_optin
-                   for D in flash_v3_backward.HEAD_DIMS)
+        threads = flash_v3_backward.CONFIGS[version].threads
+        assert all(flash_v3_backward.smem_bytes(version, D) <= device.emulate("sm_90").smem_optin
+                   for D in flash_v3_backward.VERSION_HEAD_DIMS[version])
     else:
         file, names, threads = flash_v3.FILES[what], flash_v3.kernel_names(what), flash_v3.config(what, 64).threads
         # Q_i and the K/V stages fit the H100's shared memory at every head dim

@@ -156,11 +156,14 @@ def test_forward_refuses_what_it_does_not_take():
 
 
 # ---------------------------------------------------------------- the backward
+BACKWARD = [(v, D) for v in ("wgmma", "ws") for D in (64, 128, 256) if v == "wgmma" or D <= 128]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("version,D", BACKWARD)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_backward_within_the_tolerance_rule(shape, causal, D, dtype):
+def test_backward_within_the_tolerance_rule(shape, causal, version, D, dtype):
     import cupy
 
     from stages.common import check_backward, make_inputs
@@ -168,13 +171,13 @@ def test_backward_within_the_tolerance_rule(shape, causal, D, dtype):
 
     _hopper()
     q, k, v, do = make_inputs(*shape, D, dtype=dtype, xp=cupy, grad=True)
-    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal)
+    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("version,D", BACKWARD)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(3, 50, 150, 200), (3, 50, 200, 70)])
-def test_backward_with_more_blocks_than_sms(shape, causal, D):
+def test_backward_with_more_blocks_than_sms(shape, causal, version, D):
     """150 heads: blocks start as others finish, and their dQ reductions meet in the same rows; with Nq > Nk under
     the causal mask some rows see no key (their dq is 0) and with Nk > Nq some K/V tiles see no row (dk = dv = 0)."""
     import cupy
@@ -184,10 +187,11 @@ def test_backward_with_more_blocks_than_sms(shape, causal, D):
 
     _hopper()
     q, k, v, do = make_inputs(*shape, D, dtype=bfloat16, xp=cupy, grad=True)
-    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal)
+    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
 
 
-def test_backward_at_large_logits_and_rows_and_keys_that_see_nothing():
+@pytest.mark.parametrize("version", ["wgmma", "ws"])
+def test_backward_at_large_logits_and_rows_that_see_nothing(version):
     import cupy
 
     from stages.common import check_backward, make_inputs
@@ -195,9 +199,9 @@ def test_backward_at_large_logits_and_rows_and_keys_that_see_nothing():
 
     _hopper()
     q, k, v, do = make_inputs(1, 2, 130, 70, 128, dtype=bfloat16, xp=cupy, scale=10.0, grad=True)
-    check_backward(flash_v3_backward.backward, q, k, v, do, causal=True)  # the first 60 rows see no key
+    check_backward(flash_v3_backward.backward, q, k, v, do, causal=True, version=version)  # rows 0..59 see no key
     o, lse = flash_v3.forward(q, k, v, causal=True)
-    dq, dk, dv = flash_v3_backward.backward(q, k, v, o, lse, do, causal=True)
+    dq, dk, dv = flash_v3_backward.backward(q, k, v, o, lse, do, causal=True, version=version)
     assert not bool(dq[:, :, :60].any()) and all(bool(cupy.isfinite(x.astype(cupy.float32)).all())
                                                  for x in (dq, dk, dv))
 
@@ -221,6 +225,9 @@ def test_backward_refuses_what_it_does_not_take():
         flash_v3_backward.backward(q, k, v, q, lse, q, causal="no")
     with pytest.raises(ValueError, match="version 'fast'"):
         flash_v3_backward.backward(q, k, v, q, lse, q, version="fast")
+    q, k, v = make_inputs(1, 1, 64, 64, 256, dtype=np.float16, xp=cupy)
+    with pytest.raises(ValueError, match="version 'wgmma' takes"):
+        flash_v3_backward.backward(q, k, v, q, lse, q, version="ws")
     with pytest.raises(TypeError, match="CuPy arrays"):
         flash_v3_backward.backward(*(cupy.asnumpy(x) for x in (q, k, v, q, lse, q)))
     with pytest.raises(ValueError, match="lse has shape"):

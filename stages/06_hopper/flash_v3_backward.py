@@ -5,15 +5,22 @@ bfloat16, D = 64, 128 or 256, on an sm_90 GPU.
     dq, dk, dv = flash_v3_backward.backward(q, k, v, o, lse, do, causal=True)
 
 Three launches, the first and last stage 03's (kernels/flash_v2_backward_pre.cu):
-  bwd_preprocess               D_i = rowsum(dO_i o O_i), L_i log2 e (+inf where nothing is visible and past Nq);
-                               the fp32 dQ accumulator zeroed
-  flash_v3_backward_wgmma      (kernels/flash_v3_backward_wgmma.cu) one warpgroup per K/V tile of 64 keys, dK_j and
-                               dV_j in its accumulators, the five GEMMs of each Q tile by wgmma, Q_i and dO_i by TMA
-                               into two stages; dQ_i added to the accumulator
-  bwd_convert_dq               dQ = scale x the accumulator, in the inputs' dtype
+  bwd_preprocess     D_i = rowsum(dO_i o O_i), L_i log2 e (+inf where nothing is visible and past Nq); the fp32 dQ
+                     accumulator zeroed
+  the main kernel    dK_j, dV_j of each K/V tile in the accumulators of the warpgroups that own its keys, the five GEMMs
+                     of each Q tile by wgmma; dQ_i added to the accumulator
+  bwd_convert_dq     dQ = scale x the accumulator, in the inputs' dtype
+
+Versions, in the order the README teaches them:
+  wgmma  (kernels/flash_v3_backward_wgmma.cu) one warpgroup per K/V tile of 64 keys, Q_i and dO_i by TMA into two
+         stages (thread 0 issues the copies), dQ_i added by each lane's vector reductions. D = 64, 128, 256.
+  ws     (kernels/flash_v3_backward_ws.cu) a producer warpgroup and two consumers on a K/V tile of 128 keys; dQ_i
+         summed over the 128 keys in the block and added by one bulk reduction of the copy engine. D = 64, 128.
+version "auto" (the default): ws where it takes the head dim, else wgmma.
 """
 import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,14 +29,25 @@ from stages.common.checks import check_backward_inputs, check_causal, resolve_sc
 
 from . import blocks
 
-FILES = {"wgmma": "flash_v3_backward_wgmma.cu"}
+FILES = {"wgmma": "flash_v3_backward_wgmma.cu", "ws": "flash_v3_backward_ws.cu"}
 VERSIONS = tuple(FILES)
-DEFAULT = "wgmma"
+DEFAULT = "auto"
 HEAD_DIMS = (64, 128, 256)
+VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": (64, 128)}
+STAGES = 2  # Q/dO stages of version ws
 PRE_FILE = "flash_v2_backward_pre.cu"  # stage 03's preprocess and dQ conversion
 PAD = 128                              # D_i and L_i are padded to a multiple of 128 rows (>= the 64-row Q tiles)
-BR = BC = 64                           # Q tiles and K/V tiles of 64 rows
-THREADS = 128                          # one warpgroup
+BR = 64                                # Q tiles of 64 rows
+
+
+class Config(NamedTuple):
+    """A version's K/V tile (bc keys per block) and threads per block."""
+
+    bc: int
+    threads: int
+
+
+CONFIGS = {"wgmma": Config(64, 128), "ws": Config(128, 384)}  # ws: a producer and two consumer warpgroups
 
 
 class HopperBwdParams(ctypes.Structure):
@@ -43,27 +61,44 @@ class HopperBwdParams(ctypes.Structure):
                 ("map_do", ctypes.c_uint64 * 16)]
 
 
-def parts(D):
-    """Blocks per K/V tile: each computes D / parts columns of dK_j, dV_j, dQ_i. Two at D = 256, where one
-    warpgroup's registers cannot hold 64 x 256 accumulators of both dK_j and dV_j."""
+def resolve_version(version, D):
+    """The version that runs: version "auto" is ws where it takes D, else wgmma."""
+    if version == "auto":
+        return "ws" if D in VERSION_HEAD_DIMS["ws"] else "wgmma"
+    if version not in VERSIONS:
+        raise ValueError(f"flash_v3_backward: version {version!r} is not one of {('auto',) + VERSIONS}")
+    if D not in VERSION_HEAD_DIMS[version]:
+        raise ValueError(f"flash_v3_backward: version {version!r} takes head_dim {VERSION_HEAD_DIMS[version]}, not "
+                         f"{D}; version 'wgmma' takes {VERSION_HEAD_DIMS['wgmma']}")
+    return version
+
+
+def parts(version, D):
+    """Blocks per K/V tile: each computes D / parts columns of dK_j, dV_j, dQ_i. Two at D = 256 (version wgmma),
+    where one warpgroup's registers cannot hold 64 x 256 accumulators of both dK_j and dV_j."""
     return 2 if D == 256 else 1
 
 
-def smem_bytes(D):
-    """K_j and V_j, the 64 x 64 dS^T, two stages of Q_i and dO_i (64 rows x D each, 2 bytes a value), and 1024 bytes
-    to align the first tile to the swizzle's period."""
-    return 6 * BC * D * 2 + BC * BR * 2 + 1024
+def smem_bytes(version, D):
+    """2 bytes a value; 1024 bytes to align the first tile to the swizzle's period. wgmma: K_j and V_j (64 keys),
+    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x 64), dQ_i in float32
+    (64 x D), STAGES stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
+    if version == "wgmma":
+        return 6 * 64 * D * 2 + 64 * BR * 2 + 1024
+    return 2 * 128 * D * 2 + 128 * BR * 2 + BR * D * 4 + STAGES * (2 * BR * D * 2 + 2 * BR * 4) + 1024
 
 
 def _name(version, ctype, D):
-    return f"flash_v3_backward_{version}<{ctype},{D},{D // parts(D)}>"
+    if version == "wgmma":
+        return f"flash_v3_backward_wgmma<{ctype},{D},{D // parts(version, D)}>"
+    return f"flash_v3_backward_ws<{ctype},{D},{STAGES}>"
 
 
 @functools.lru_cache(maxsize=None)
 def _function(version, ctype, D):
     name = _name(version, ctype, D)
     module = load_module(FILES[version], name_expressions=(name,), target=blocks.ARCH)
-    return kernels.function(module, name, smem_bytes(D))
+    return kernels.function(module, name, smem_bytes(version, D))
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,8 +114,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     import cupy
 
     where = "flash_v3_backward"
-    if version not in VERSIONS:
-        raise ValueError(f"{where}: version {version!r} is not one of {VERSIONS}")
+    if version != "auto" and version not in VERSIONS:
+        raise ValueError(f"{where}: version {version!r} is not one of {('auto',) + VERSIONS}")
     if not all(isinstance(x, cupy.ndarray) for x in (q, k, v, o, lse, do)):
         raise TypeError(f"{where}: q, k, v, o, lse, do must be CuPy arrays (stage 06 runs on the GPU only; stage 03's "
                         "mirror takes numpy)")
@@ -91,6 +126,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
         raise ValueError(f"{where}: batch * heads = {B * H} is over the grid limit 65535")
     causal = check_causal(causal, where)
     scale = resolve_scale(scale, D)
+    version = resolve_version(version, D)
     asc = cupy.ascontiguousarray
     q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=cupy.float32)
     BH, Nq_pad = B * H, -(-Nq // PAD) * PAD
@@ -106,8 +142,10 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale, scale_log2=scale * LOG2E,
                              causal=int(causal), map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
                              map_v=blocks.tensor_map_heads(v), map_do=blocks.tensor_map_heads(do))
-    grid = (-(-Nk // BC), BH, parts(D))  # one block per (K/V tile j, head, column part)
-    kernels.Launch(_function(version, ctype, D), grid, (THREADS,), smem_bytes(D), params)(dq_acc, dk, dv, lse2, delta)
+    cfg = CONFIGS[version]
+    grid = (-(-Nk // cfg.bc), BH, parts(version, D))  # one block per (K/V tile j, head, column part)
+    kernels.Launch(_function(version, ctype, D), grid, (cfg.threads,), smem_bytes(version, D), params)(
+        dq_acc, dk, dv, lse2, delta)
     n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
     kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),), (256,), 0,
                    (f32(scale), np.int64(n)))(dq_acc, dq)
@@ -116,4 +154,4 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
 
 def kernel_names(version):
     """The instantiations of a version that CI compiles for sm_90a."""
-    return [_name(version, c, D) for c in blocks.CTYPE.values() for D in HEAD_DIMS]
+    return [_name(version, c, D) for c in blocks.CTYPE.values() for D in VERSION_HEAD_DIMS[version]]

@@ -1,0 +1,168 @@
+// flash_v3_backward_ws.cu: stage 06's backward, version "ws": version "wgmma" with warp specialisation and the dQ
+// reduction moved to the copy engine (FlashAttention-3, Shah et al., arXiv 2407.08608, Sec. 3.3). What changes, and
+// why:
+//   * dQ_i += dS K_j was 64 x D single reductions per lane and tile into the fp32 accumulator: the largest cost of
+//     version 1. Here the block's K/V tile has 128 keys, so each dQ_i is summed over twice as many keys before it
+//     leaves the block, and it leaves by one bulk reduction: the consumers write dQ_i to shared memory, one thread
+//     hands the whole tile to the copy engine (cp.reduce.async.bulk .add.f32), which adds it to global memory while
+//     the next tile is computed;
+//   * two consumer warpgroups, each on its 64 keys of the tile, share every Q_i and dO_i a producer warpgroup loads
+//     (setmaxnreg: 24 registers for it, 240 for each consumer) STAGES tiles ahead on full / empty mbarriers;
+//   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j: at D = 128 each consumer computes half of its columns over all 128
+//     keys (32 accumulator registers); at D = 64 each computes all columns over its own 64 keys, and the two halves
+//     meet in shared memory before the bulk reduction. Two named barriers order the consumers: dS^T of both is
+//     written (BAR_DS), dQ_i is in shared memory (BAR_DQ).
+// Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
+// Tile steps and epilogue: hopper_bwd_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
+#include "hopper_bwd_tiles.cuh"
+
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_constant__ HopperBwdParams p) {
+    static_assert(D == 64 || D == 128, "version ws: head dims 64 and 128");
+    constexpr int PANELS = D / 64;
+    constexpr u32 TILE = PANELS * 8192u;  // bytes of one 64-row tile
+    enum { BAR_DS = 1, BAR_DQ = 2 };      // named barriers of the two consumer warpgroups (256 threads)
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // K and V; full[s]; empty[s]
+    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (64 x D fp32, row-major), then stage s:
+    // Q_i, dO_i; after the stages, stage s's L_i log2 e and D_i (64 floats each)
+    const u32 k_s = aligned_1024(smem_raw), v_s = k_s + 2 * TILE, ds_s = v_s + 2 * TILE, dq_s = ds_s + 16384u;
+    const u32 q_s = dq_s + 64u * D * 4u, ld_s = q_s + STAGES * 2 * TILE;
+    auto shared_floats = [&](u32 addr) { return reinterpret_cast<float*>(smem_raw + (addr - smem_addr(smem_raw))); };
+    auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
+    auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
+    const int wg = threadIdx.x / 128, bh = blockIdx.y, key0 = 128 * blockIdx.x;
+    const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
+    const int first_row = p.causal ? max(0, key0 - shift) : 0;  // the first query row that sees a key of K_j
+    const int i0 = first_row / 64;
+    const int n_tiles = first_row >= Nq ? 0 : (Nq + 63) / 64 - i0;  // Q tiles i0 .. i0 + n_tiles - 1
+
+    if (threadIdx.x == 0) {
+        mbar_init(smem_addr(&bars[0]), 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), 1);   // the producer's arrival, with the stage's bytes
+            mbar_init(empty(s), 8);  // one arrival per consumer warp
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ---------------- producer: K_j and V_j once, then Q_i and dO_i as stages free up
+        setmaxnreg_dec<24>();
+        if (threadIdx.x == 0 && n_tiles > 0) {  // no copy is issued that the consumers would not wait for
+            mbar_arrive_expect_tx(smem_addr(&bars[0]), 4 * TILE);
+            for (int half = 0; half < 2; ++half)
+                for (int c = 0; c < PANELS; ++c) {
+                    tma_load_3d(k_s + half * TILE + c * 8192u, &p.map_k, smem_addr(&bars[0]), 64 * c,
+                                key0 + 64 * half, bh);
+                    tma_load_3d(v_s + half * TILE + c * 8192u, &p.map_v, smem_addr(&bars[0]), 64 * c,
+                                key0 + 64 * half, bh);
+                }
+            for (int n = 0; n < n_tiles; ++n) {
+                const int s = n % STAGES;
+                const u32 dst = q_s + 2 * s * TILE;
+                const long tile_rows = (long)bh * p.Nq_pad + 64 * (i0 + n);  // within Nq_pad: a multiple of 64
+                mbar_wait(empty(s), ((n / STAGES) & 1) ^ 1);  // round 0 passes at once: the stages start empty
+                mbar_arrive_expect_tx(full(s), 2 * TILE + 512);
+                bulk_load(ld_s + 512 * s, p.lse2 + tile_rows, 256, full(s));
+                bulk_load(ld_s + 512 * s + 256, p.delta + tile_rows, 256, full(s));
+                for (int c = 0; c < PANELS; ++c) {
+                    tma_load_3d(dst + c * 8192u, &p.map_q, full(s), 64 * c, 64 * (i0 + n), bh);
+                    tma_load_3d(dst + TILE + c * 8192u, &p.map_do, full(s), 64 * c, 64 * (i0 + n), bh);
+                }
+            }
+        }
+        return;
+    }
+    // ---------------- consumers: warpgroup wg - 1 owns keys key0 + 64 (wg - 1) .. + 63
+    setmaxnreg_inc<240>();
+    const int me = wg - 1, ct = threadIdx.x - 128;  // consumer index, thread index among the 256 consumer threads
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int kfirst = key0 + 64 * me, kr = kfirst + 16 * warp + g;  // this warpgroup's keys; this lane's
+    const u32 k_mine = k_s + me * TILE, v_mine = v_s + me * TILE, ds_mine = ds_s + me * 8192u;
+    float dk[PANELS][8][4], dv[PANELS][8][4];  // Alg.2 L5
+#pragma unroll
+    for (int c = 0; c < PANELS; ++c) zero(dk[c]), zero(dv[c]);
+    if (n_tiles > 0) mbar_wait(smem_addr(&bars[0]), 0);
+
+    for (int n = 0; n < n_tiles; ++n) {  // Alg.2 L6
+        const int s = n % STAGES, row0 = 64 * (i0 + n);
+        const u32 qn_s = q_s + 2 * s * TILE, do_s = qn_s + TILE;
+        mbar_wait(full(s), (n / STAGES) & 1);
+        float st[8][4], dp[8][4];  // S^T, dP^T of this warpgroup's keys
+        issue_s_dp<T, D>(st, dp, k_mine, v_mine, qn_s, do_s);
+        wgmma_wait<1>();
+        fence_operands(reinterpret_cast<float(&)[32]>(st));
+        const bool masked = kfirst + 63 >= Nk || (p.causal && kfirst + 63 > row0 + shift);
+        probabilities_t(st, p, shared_floats(ld_s + 512 * s), kr, row0, masked, t);
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[32]>(dp));
+        ds_t(dp, st, shared_floats(ld_s + 512 * s + 256), t);
+        u32 pa[4][4], da[4][4];
+        p_fragments<T, 64>(pa, st);
+        p_fragments<T, 64>(da, dp);
+        wgmma_fence();
+        issue_rs<T, D>(dv, pa, do_s, 0);  // Alg.2 L9: dV_j += P^T dO_i
+        issue_rs<T, D>(dk, da, qn_s, 0);  // Alg.2 L12: dK_j += dS^T Q_i
+        wgmma_commit();                    // waited for with dQ's: pa, da stay the wgmma's until then
+        store_ds_t(ds_mine, da, warp, g, t);  // free: BAR_DQ of the last tile came after both read dS^T
+        if (ct == 0) bulk_wait_read<0>();     // the last tile's dQ_i has left shared memory
+        named_bar_sync(BAR_DS, 256);          // both halves of dS^T are written; dQ's buffer is free
+        // Alg.2 L13: dQ_i += dS_i K_j. A = dS (queries x keys) as dS^T lies (MN-major), B = K_j (MN-major); 16 keys
+        // further is 2048 bytes, 64 keys further the next tile
+        float dq[8][4];
+        const int qr = 16 * warp + g;  // this lane's rows of dQ_i: qr, qr + 8
+        float* dq_row = shared_floats(dq_s) + qr * D + 2 * t;
+        wgmma_fence();
+        if constexpr (D == 128) {  // columns 64 me .. + 63, all 128 keys
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                const u32 a = ds_s + (kk / 4) * 8192u + (kk % 4) * 2048u;
+                const u32 b = k_s + (kk / 4) * TILE + me * 8192u + (kk % 4) * 2048u;
+                wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq), desc_mnmajor_128b(a, 8192u),
+                                        desc_mnmajor_128b(b, 8192u), kk > 0);
+            }
+        } else {  // all 64 columns, this warpgroup's 64 keys
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq), desc_mnmajor_128b(ds_mine + kk * 2048u, 8192u),
+                                        desc_mnmajor_128b(k_mine + kk * 2048u, 8192u), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[D / 2]>(dv));
+        fence_operands(reinterpret_cast<float(&)[D / 2]>(dk));
+        fence_operands(reinterpret_cast<u32(&)[16]>(pa));
+        fence_operands(reinterpret_cast<u32(&)[16]>(da));
+        fence_operands(reinterpret_cast<float(&)[32]>(dq));
+        if (lane == 0) mbar_arrive(empty(s));  // this warp is done with Q_i and dO_i
+        const int col = D == 128 ? 64 * me : 0;
+        if (D == 128 || me == 0)
+#pragma unroll
+            for (int nb = 0; nb < 8; ++nb) {
+                *reinterpret_cast<float2*>(dq_row + col + 8 * nb) = make_float2(dq[nb][0], dq[nb][1]);
+                *reinterpret_cast<float2*>(dq_row + 8 * D + col + 8 * nb) = make_float2(dq[nb][2], dq[nb][3]);
+            }
+        if (D == 64) {  // the second warpgroup adds its keys' half to the first's
+            named_bar_sync(BAR_DQ, 256);
+            if (me == 1)
+#pragma unroll
+                for (int nb = 0; nb < 8; ++nb) {
+                    float2* a = reinterpret_cast<float2*>(dq_row + 8 * nb);
+                    float2* b = reinterpret_cast<float2*>(dq_row + 8 * D + 8 * nb);
+                    const float2 x = *a, y = *b;
+                    *a = make_float2(x.x + dq[nb][0], x.y + dq[nb][1]);
+                    *b = make_float2(y.x + dq[nb][2], y.y + dq[nb][3]);
+                }
+        }
+        fence_proxy_async();  // the copy engine reads what these stores wrote
+        named_bar_sync(BAR_DQ, 256);
+        if (ct == 0) {  // the rows of dQ_i that exist are contiguous in the accumulator: one bulk reduction
+            const int rows = min(64, Nq - row0);
+            bulk_reduce_add_f32(p.dq_acc + ((long)bh * Nq + row0) * D, dq_s, rows * D * 4u);
+            bulk_commit();
+        }
+    }
+    if (ct == 0) bulk_wait_all<0>();  // no reduction may still read shared memory when the block exits
+    store_dk_dv<T, D, D>(dk, dv, p, bh, kr, 0, t);  // Alg.2 L16 (a block no query sees writes zeros)
+}

@@ -1,0 +1,117 @@
+// hopper_bwd_tiles.cuh: what one consumer warpgroup of stage 06's backward does with its 64 keys and one Q tile of
+// 64 rows (FlashAttention-2's Algorithm 2, lines 8-12, transposed), and its epilogue. Warp w owns keys 16 w .. 16 w
+// + 15 of the warpgroup's 64; the accumulators of S^T and dP^T have the mma.m16n8 C layout (rows = keys g, g + 8;
+// columns = queries 8 n + 2 t, + 1 of each 8-column block n), so L_i and D_i are needed per column.
+#pragma once
+#include "backward_dq.cuh"
+#include "hopper_tiles.cuh"
+
+// The one argument of every stage 06 backward version: pointer fields first (kernels.Launch fills them per call),
+// tensor maps at multiples of 64 bytes. q, k, v, dO: (B, H, N, D) row-major, seen by the maps as D x N x (B H) in
+// boxes of 64 x 64. stages/06_hopper/flash_v3_backward.py mirrors it.
+struct HopperBwdParams {
+    float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += dS K (scale applied by the conversion)
+    void* dk;            // (B, H, Nk, D), the input type
+    void* dv;
+    const float* lse2;   // (B H, Nq_pad): L_i log2(e); +inf where a row sees no key and past Nq (P = 0 there)
+    const float* delta;  // (B H, Nq_pad): D_i = rowsum(dO_i o O_i); 0 past Nq
+    int Nq, Nk, Nq_pad;
+    float scale;         // softmax scale: dK = scale dS^T Q
+    float scale_log2;    // scale x log2(e)
+    int causal;          // 1: query r sees key c iff c <= r + Nk - Nq
+    TensorMap map_q, map_k, map_v, map_do;
+};
+
+// S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (k_s, v_s: 64-row tiles) against Q_i, dO_i: issued as
+// two commit groups, S^T's first, so that the caller can wait for S^T alone (wgmma_wait<1>) and compute P^T while
+// dP^T is still on the tensor cores.
+template <typename T, int D>
+__device__ __forceinline__ void issue_s_dp(float (&s)[8][4], float (&dp)[8][4], u32 k_s, u32 v_s, u32 q_s, u32 do_s) {
+    wgmma_fence();
+    issue_qk<T, D, 64>(s, k_s, q_s);  // Alg.2 L8
+    wgmma_commit();
+    issue_qk<T, D, 64>(dp, v_s, do_s);  // Alg.2 L10
+    wgmma_commit();
+}
+
+// Alg.2 L9 in place: P^T = exp2(S^T scale log2 e - L_i log2 e); entries whose key is past Nk or right of the query's
+// diagonal are 0 (masked: this tile has such entries). lse2: L_i log2 e of the Q tile's 64 rows (global or shared
+// memory); kr: this lane's first key; row0: the Q tile's first row.
+__device__ __forceinline__ void probabilities_t(float (&s)[8][4], const HopperBwdParams& p, const float* lse2, int kr,
+                                                int row0, bool masked, int t) {
+    const int shift = p.Nk - p.Nq;
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {  // column 8 nb + 2 t + e % 2 is query row0 + 8 nb + 2 t + e % 2
+        const float2 L = *reinterpret_cast<const float2*>(lse2 + 8 * nb + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = kr + 8 * (e / 2), row = row0 + 8 * nb + 2 * t + (e % 2);
+            const bool seen = !masked || (key < p.Nk && (!p.causal || key <= row + shift));
+            s[nb][e] = seen ? fast_exp2(fmaf(s[nb][e], p.scale_log2, -(e % 2 ? L.y : L.x))) : 0.f;
+        }
+    }
+}
+
+// Alg.2 L11 in place of dP^T: dS^T = P^T o (dP^T - D_i); delta: D_i of the Q tile's 64 rows.
+__device__ __forceinline__ void ds_t(float (&dp)[8][4], const float (&pt)[8][4], const float* delta, int t) {
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+        const float2 Di = *reinterpret_cast<const float2*>(delta + 8 * nb + 2 * t);
+        dp[nb][0] = pt[nb][0] * (dp[nb][0] - Di.x), dp[nb][1] = pt[nb][1] * (dp[nb][1] - Di.y);
+        dp[nb][2] = pt[nb][2] * (dp[nb][2] - Di.x), dp[nb][3] = pt[nb][3] * (dp[nb][3] - Di.y);
+    }
+}
+
+// dS^T's A fragments into a 64 x 64 tile of shared memory at ds_s (rows = this warpgroup's keys, 128 bytes of 64
+// queries) in the 128-byte swizzle a TMA tile has: the pair of columns 8 nb + 2 t, + 1 of row r sits in 16-byte
+// chunk nb ^ (r % 8) at byte 4 t (conflict-free: the 8 rows g of a warp hit 8 different chunks). Then the fence that
+// lets wgmma (the async proxy) read what ordinary stores wrote.
+__device__ __forceinline__ void store_ds_t(u32 ds_s, const u32 (&da)[4][4], int warp, int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // a[w]: row g + 8 (w % 2), columns of n-block 2 kk + w / 2
+            const int r = 16 * warp + g + 8 * (w % 2), nb = 2 * kk + w / 2;
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(ds_s + r * 128u + ((nb ^ (r % 8)) << 4) + 4 * t),
+                         "r"(da[kk][w])
+                         : "memory");
+        }
+    fence_proxy_async();
+}
+
+// acc (64 rows x DP columns, DP / 64 panels of 8 n-blocks) += A (64 x 64 from registers: four K steps of 16) times B
+// (64 rows x DP columns of a tile in shared memory, MN-major: rows 16 kk.. are 2048 bytes further, panels 8 KB
+// apart). col_panel: B's first 64-column panel. Alg.2 L9 dV += P^T dO and L12 dK += dS^T Q.
+template <typename T, int DP>
+__device__ __forceinline__ void issue_rs(float (&acc)[DP / 64][8][4], const u32 (&a)[4][4], u32 b_s, int col_panel) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const u32 b = b_s + col_panel * 8192u + kk * 2048u;
+        if constexpr (DP == 128)
+            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(acc), a[kk], desc_mnmajor_128b(b, 8192u), 1);
+        else
+            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(acc[0]), a[kk], desc_mnmajor_128b(b, 8192u), 1);
+    }
+}
+
+// Alg.2 L16 for this lane's keys kr, kr + 8: dK_j = scale sum dS^T Q and dV_j, columns 64 col_panel.. (DP of them),
+// in the input type; keys past Nk are not written.
+template <typename T, int D, int DP>
+__device__ __forceinline__ void store_dk_dv(const float (&dk)[DP / 64][8][4], const float (&dv)[DP / 64][8][4],
+                                            const HopperBwdParams& p, int bh, int kr, int col_panel, int t) {
+    T* dk_out = static_cast<T*>(p.dk);
+    T* dv_out = static_cast<T*>(p.dv);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = kr + 8 * h;
+        if (key >= p.Nk) continue;
+        const long at = ((long)bh * p.Nk + key) * D + 64 * col_panel + 2 * t;
+#pragma unroll
+        for (int c = 0; c < DP / 64; ++c)
+#pragma unroll
+            for (int nb = 0; nb < 8; ++nb) {
+                store2(dk_out + at + 64 * c + 8 * nb, p.scale * dk[c][nb][2 * h], p.scale * dk[c][nb][2 * h + 1]);
+                store2(dv_out + at + 64 * c + 8 * nb, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
+            }
+    }
+}
