@@ -3,9 +3,9 @@
 // why:
 //   * dQ_i += dS K_j was 64 x D single reductions per lane and tile into the fp32 accumulator: the largest cost of
 //     version 1. Here the block's K/V tile has 128 keys, so each dQ_i is summed over twice as many keys before it
-//     leaves the block, and it leaves by one bulk reduction: the consumers write dQ_i to shared memory, one thread
-//     hands the whole tile to the copy engine (cp.reduce.async.bulk .add.f32), which adds it to global memory while
-//     the next tile is computed;
+//     leaves the block, and it leaves by bulk reductions: the consumers write dQ_i to shared memory (panels of 32
+//     floats, 128-byte swizzle: conflict-free), one thread hands it to the copy engine (cp.reduce.async.bulk.tensor
+//     .add), which adds it to the accumulator while the next tile is computed;
 //   * two consumer warpgroups, each on its 64 keys of the tile, share every Q_i and dO_i a producer warpgroup loads
 //     (setmaxnreg: 24 registers for it, 240 for each consumer) STAGES tiles ahead on full / empty mbarriers;
 //   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j: at D = 128 each consumer computes half of its columns over all 128
@@ -24,7 +24,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     enum { BAR_DS = 1, BAR_DQ = 2 };      // named barriers of the two consumer warpgroups (256 threads)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // K and V; full[s]; empty[s]
-    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (64 x D fp32, row-major), then stage s:
+    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (64 x D fp32: D / 32 panels of 64 rows
+    // x 128 bytes, swizzled as the map_dq box), then stage s:
     // Q_i, dO_i; after the stages, stage s's L_i log2 e and D_i (64 floats each)
     const u32 k_s = aligned_1024(smem_raw), v_s = k_s + 2 * TILE, ds_s = v_s + 2 * TILE, dq_s = ds_s + 16384u;
     const u32 q_s = dq_s + 64u * D * 4u, ld_s = q_s + STAGES * 2 * TILE;
@@ -111,8 +112,13 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         // Alg.2 L13: dQ_i += dS_i K_j. A = dS (queries x keys) as dS^T lies (MN-major), B = K_j (MN-major); 16 keys
         // further is 2048 bytes, 64 keys further the next tile
         float dq[8][4];
-        const int qr = 16 * warp + g;  // this lane's rows of dQ_i: qr, qr + 8
-        float* dq_row = shared_floats(dq_s) + qr * D + 2 * t;
+        const int qr = 16 * warp + g;  // this lane's rows of dQ_i: qr, qr + 8 (the same row % 8)
+        // columns 8 nb + 2 t, + 1 from column col: panel (col + 8 nb) / 32, 16-byte chunk (2 (nb % 4) + t / 2) ^
+        // (row % 8), byte 8 (t % 2); 8 rows further is 1024 bytes
+        auto dq_at = [&](int col, int nb) {
+            return shared_floats(dq_s + ((col + 8 * nb) / 32) * 8192u + qr * 128u +
+                                 (((2 * (nb % 4) + t / 2) ^ (qr % 8)) << 4) + 8 * (t % 2));
+        };
         wgmma_fence();
         if constexpr (D == 128) {  // columns 64 me .. + 63, all 128 keys
 #pragma unroll
@@ -140,16 +146,16 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         if (D == 128 || me == 0)
 #pragma unroll
             for (int nb = 0; nb < 8; ++nb) {
-                *reinterpret_cast<float2*>(dq_row + col + 8 * nb) = make_float2(dq[nb][0], dq[nb][1]);
-                *reinterpret_cast<float2*>(dq_row + 8 * D + col + 8 * nb) = make_float2(dq[nb][2], dq[nb][3]);
+                *reinterpret_cast<float2*>(dq_at(col, nb)) = make_float2(dq[nb][0], dq[nb][1]);
+                *reinterpret_cast<float2*>(dq_at(col, nb) + 256) = make_float2(dq[nb][2], dq[nb][3]);
             }
         if (D == 64) {  // the second warpgroup adds its keys' half to the first's
             named_bar_sync(BAR_DQ, 256);
             if (me == 1)
 #pragma unroll
                 for (int nb = 0; nb < 8; ++nb) {
-                    float2* a = reinterpret_cast<float2*>(dq_row + 8 * nb);
-                    float2* b = reinterpret_cast<float2*>(dq_row + 8 * D + 8 * nb);
+                    float2* a = reinterpret_cast<float2*>(dq_at(0, nb));
+                    float2* b = reinterpret_cast<float2*>(dq_at(0, nb) + 256);
                     const float2 x = *a, y = *b;
                     *a = make_float2(x.x + dq[nb][0], x.y + dq[nb][1]);
                     *b = make_float2(y.x + dq[nb][2], y.y + dq[nb][3]);
@@ -157,9 +163,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         }
         fence_proxy_async();  // the copy engine reads what these stores wrote
         named_bar_sync(BAR_DQ, 256);
-        if (ct == 0) {  // the rows of dQ_i that exist are contiguous in the accumulator: one bulk reduction
-            const int rows = min(64, Nq - row0);
-            bulk_reduce_add_f32(p.dq_acc + ((long)bh * Nq + row0) * D, dq_s, rows * D * 4u);
+        if (ct == 0) {  // one box of 64 rows x 32 columns per panel; rows past Nq are skipped
+            for (int c = 0; c < D / 32; ++c) tma_reduce_add_3d(&p.map_dq, dq_s + c * 8192u, 32 * c, row0, bh);
             bulk_commit();
         }
     }

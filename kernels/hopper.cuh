@@ -81,12 +81,14 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
 // The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
 __device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return (smem_addr(smem) + 1023u) & ~1023u; }
 
-// Bulk reduction by the copy engine: [dst] += [src] elementwise over `bytes` (a multiple of 16) of float32, from
-// shared to global memory. Many blocks may add to the same rows at once (the backward's dQ); a bulk group of this
-// thread tracks it: wait_read<0> before src is written again, wait_all<0> before the block exits.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
-                 "r"(bytes)
+// Bulk reduction by the copy engine: the box at (c0, c1, c2) of a 3-D tensor map += the shared-memory tile at src,
+// laid out as the map's swizzle says; elements outside the tensor (rows past a head's last) are skipped. Many blocks
+// may add to the same rows at once (the backward's dQ). A bulk group of the issuing thread tracks it: wait_read<0>
+// before src is written again, wait_all<0> before the block exits.
+__device__ __forceinline__ void tma_reduce_add_3d(const TensorMap* map, u32 src, int c0, int c1, int c2) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                     reinterpret_cast<u64>(map)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }

@@ -20,6 +20,7 @@ struct HopperBwdParams {
     float scale_log2;    // scale x log2(e)
     int causal;          // 1: query r sees key c iff c <= r + Nk - Nq
     TensorMap map_q, map_k, map_v, map_do;
+    TensorMap map_dq;    // dq_acc seen as D x Nq x (B H), boxes of 32 x 64 floats (version ws's bulk reductions)
 };
 
 // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (k_s, v_s: 64-row tiles) against Q_i, dO_i: issued as

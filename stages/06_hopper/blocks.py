@@ -47,16 +47,19 @@ def tensor_map_2d(x, box_rows, box_cols=64):
     return _tensor_map(x, [cols, rows], [cols * 2], [box_cols, box_rows])
 
 
-def tensor_map_heads(x, box_rows=64, box_cols=64, rows=None):
-    """The CUtensorMap of a (B, H, N, D) 16-bit CuPy array seen as D x N x (B H): boxes of box_rows x box_cols of one
-    head. Rows past a head's N come back as zeros (never the next head's). rows = (start, stop): only those rows of
-    every head (the map starts at row start and its heads stay N rows apart; rows from stop on read as zeros)."""
+def tensor_map_heads(x, box_rows=64, rows=None):
+    """The CUtensorMap of a (B, H, N, D) CuPy array (16-bit, or float32) seen as D x N x (B H): boxes of box_rows rows
+    x 128 bytes (64 16-bit columns, 32 float32) of one head. Rows past a head's N come back as zeros (never the next
+    head's), and a reduction into them is skipped. rows = (start, stop): only those rows of every head (the map starts
+    at row start and its heads stay N rows apart; rows from stop on read as zeros)."""
     B, H, N, D = x.shape
+    box_cols = 128 // x.dtype.itemsize
     start, stop = rows or (0, N)
     if not 0 <= start < stop <= N:
         raise ValueError(f"tensor_map_heads: rows {rows} are not a non-empty range of 0..{N}")
-    return _tensor_map(x, [D, stop - start, B * H], [D * 2, N * D * 2], [box_cols, box_rows, 1],
-                       offset=start * D * 2)
+    size = x.dtype.itemsize
+    return _tensor_map(x, [D, stop - start, B * H], [D * size, N * D * size], [box_cols, box_rows, 1],
+                       offset=start * D * size)
 
 
 def _tensor_map(x, dims, strides, box, offset=0):
@@ -64,12 +67,14 @@ def _tensor_map(x, dims, strides, box, offset=0):
     but the innermost; 128-byte swizzle, zeros out of bounds."""
     from cuda.bindings import driver as cu
 
-    if x.dtype.itemsize != 2 or box[0] * 2 != 128:
-        raise ValueError("tensor maps here: 16-bit values in boxes of 64 columns (128 bytes: the swizzle's span)")
+    if x.dtype not in (np.float16, bfloat16, np.float32) or box[0] * x.dtype.itemsize != 128:
+        raise ValueError("tensor maps here: float16, bfloat16 or float32 values in boxes of 128-byte rows (the "
+                         "swizzle's span)")
     if not x.flags.c_contiguous or any(s % 16 for s in strides) or offset % 16:
         raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
-    dtype = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if x.dtype == bfloat16
-             else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    dtype = {np.dtype(bfloat16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             np.dtype(np.float16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             np.dtype(np.float32): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[np.dtype(x.dtype)]
     err, tmap = cu.cuTensorMapEncodeTiled(
         dtype, len(dims), x.data.ptr + offset,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],

@@ -52,13 +52,14 @@ CONFIGS = {"wgmma": Config(64, 128), "ws": Config(128, 384)}  # ws: a producer a
 
 class HopperBwdParams(ctypes.Structure):
     """struct HopperBwdParams of kernels/flash_v3_backward_wgmma.cu: dq_acc, dk, dv, lse2, delta, Nq, Nk, Nq_pad,
-    scale, scale_log2, causal, then four 128-byte tensor maps (q, k, v, do) at offsets 64, 192, 320, 448."""
+    scale, scale_log2, causal, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets 64, 192,
+    320, 448, 576."""
     _fields_ = [("dq_acc", ctypes.c_uint64), ("dk", ctypes.c_uint64), ("dv", ctypes.c_uint64),
                 ("lse2", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("Nq", ctypes.c_int32),
                 ("Nk", ctypes.c_int32), ("Nq_pad", ctypes.c_int32), ("scale", ctypes.c_float),
                 ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16),
-                ("map_do", ctypes.c_uint64 * 16)]
+                ("map_do", ctypes.c_uint64 * 16), ("map_dq", ctypes.c_uint64 * 16)]
 
 
 def resolve_version(version, D):
@@ -133,7 +134,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     ctype = blocks.CTYPE[np.dtype(q.dtype)]
     delta = cupy.empty(BH * Nq_pad, cupy.float32)
     lse2 = cupy.empty(BH * Nq_pad, cupy.float32)
-    dq_acc = cupy.empty(BH * Nq * D, cupy.float32)
+    dq_acc = cupy.empty((B, H, Nq, D), cupy.float32)
     i32, f32 = np.int32, np.float32
     kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
                    (i32(Nq), i32(Nq), i32(Nq_pad), i32(D), f32(LOG2E), i32(1), i32(0)))(
@@ -141,7 +142,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale, scale_log2=scale * LOG2E,
                              causal=int(causal), map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
-                             map_v=blocks.tensor_map_heads(v), map_do=blocks.tensor_map_heads(do))
+                             map_v=blocks.tensor_map_heads(v), map_do=blocks.tensor_map_heads(do),
+                             map_dq=blocks.tensor_map_heads(dq_acc))
     cfg = CONFIGS[version]
     grid = (-(-Nk // cfg.bc), BH, parts(version, D))  # one block per (K/V tile j, head, column part)
     kernels.Launch(_function(version, ctype, D), grid, (cfg.threads,), smem_bytes(version, D), params)(
