@@ -12,7 +12,7 @@ Implementations (CSV impl/version):
   ours  tc         version="tc": mma.sync tensor cores, bf16/fp16
   ours  pipelined  forward version="pipelined" (cp.async double buffering, padded shared memory)
   ours  hopper     stage 06 on an sm_90 GPU: stages.hopper.flash_v3.forward(version="pingpong") (TMA, wgmma, warp
-                   specialisation, ping-pong) and stages.hopper.flash_v3_backward.backward(version="wgmma");
+                   specialisation, ping-pong) and stages.hopper.flash_v3_backward.backward(version="auto": "ws");
                    "missing" on other GPUs
   ours  tc-det     backward version="tc", deterministic=True (no atomics: a separate dQ pass)
   torch flash      F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.FLASH_ATTENTION), bf16/fp16
@@ -85,7 +85,7 @@ CHECK_SHAPE = (1, 2, 256)  # B, H, N of the small problem every implementation i
 
 OURS_FWD = {"16": ["tc", "pipelined", "hopper"], "32": ["fp32", "fp32x3"]}  # stage 02's versions, and stage 06
 HOPPER = ("hopper", "flash_v3", "pingpong")  # (column, module of stages.hopper, its version)
-HOPPER_BWD = ("hopper", "flash_v3_backward", "wgmma")  # the same for the backward
+HOPPER_BWD = ("hopper", "flash_v3_backward", "auto")  # the same for the backward (ws at d = 64, 128)
 OURS_BWD = {"16": [("tc", False, "tc"), ("tc", True, "tc-det")], "32": [("fp32", False, "fp32")]}  # stage 03
 TORCH_VERSIONS = {"16": ["flash", "cudnn"], "32": ["efficient"]}
 

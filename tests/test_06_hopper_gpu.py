@@ -271,7 +271,7 @@ def test_merge_into_the_running_o_and_lse_of_some_rows(D, dtype, causal):
 
 def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     """On an sm_90 GPU the ring's forward blocks at the default version are stage 06's merge_into (stage 02 version
-    tc when named), and the GPT's flash_v2 attention in bfloat16 runs stage 06's forward."""
+    tc when named), and the GPT's flash_v2 attention in bfloat16 runs stage 06's forward and backward."""
     import cupy
 
     from stages import ring
@@ -289,5 +289,9 @@ def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     calls.clear()
     check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash", version="tc")
     assert not calls, "version 'tc' named: the ring must keep stage 02"
+    from stages.hopper import flash_v3_backward
+
     assert attention.StageAttention("flash_v2", 64, bfloat16).fwd is flash_v3.forward
+    assert attention.StageAttention("flash_v2", 64, bfloat16).bwd is flash_v3_backward.backward
     assert attention.StageAttention("flash_v2", 64, np.float32).fwd is not flash_v3.forward
+    assert attention.StageAttention("flash_v2", 64, np.float32).bwd is not flash_v3_backward.backward

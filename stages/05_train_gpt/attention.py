@@ -54,13 +54,12 @@ class StageAttention:
                 raise ValueError(f"attention flash_v2 in {dtype.name}: head dim {head_dim} is not supported by "
                                  f"stages 02 + 03; use one of {dims} (head dim = d_model / n_heads)")
         self.mod = _stage(name)
-        # flash_v2 on an sm_90 GPU in 16 bits: the forward is stage 06's (FlashAttention-3), the backward stays
-        # stage 03's (it takes the o, lse of any forward)
-        self.fwd = self.mod.forward
+        # flash_v2 on an sm_90 GPU in 16 bits: the forward and the backward are stage 06's (FlashAttention-3)
+        self.fwd, self.bwd = self.mod.forward, self.mod.backward
         if name == "flash_v2":
             v3 = _stage("hopper.flash_v3")
             if v3.takes(dtype, head_dim):  # never in float32
-                self.fwd = v3.forward
+                self.fwd, self.bwd = v3.forward, _stage("hopper.flash_v3_backward").backward
 
     def forward(self, q, k, v):
         kd = self.kernel_dtype
@@ -69,7 +68,7 @@ class StageAttention:
 
     def backward(self, q, k, v, o, lse, do):
         kd = self.kernel_dtype
-        grads = self.mod.backward(*(cast(t, kd) for t in (q, k, v, o)), lse, cast(do, kd), causal=True)
+        grads = self.bwd(*(cast(t, kd) for t in (q, k, v, o)), lse, cast(do, kd), causal=True)
         return tuple(cast(g, self.dtype) for g in grads)
 
 
