@@ -1,13 +1,15 @@
-"""What the profiler shows at each version of stage 06's forward: Nsight Compute counters of the wgmma, ws and
-pingpong kernels on one problem, one CSV row per version.
+"""What the profiler shows at each version of stage 06's forward (the wgmma, ws and pingpong kernels) or, with
+--backward, of its backward (the wgmma and ws main kernels): Nsight Compute counters on one problem, one CSV row per
+version.
 
     python3 dev/profile_hopper.py --out results/profile_hopper_h100.csv
+    python3 dev/profile_hopper.py --backward --out results/profile_hopper_bwd_h100.csv
     python3 dev/profile_hopper.py --head-dim 64 --seq 8192 --batch 2 --causal
 
 Needs an sm_90 GPU, CuPy, cuda-bindings and Nsight Compute's `ncu` with permission to read the performance counters.
-The script runs itself under ncu once per version: the child makes the inputs and calls the forward twice; ncu
-measures the second launch. ncu runs one kernel at a time at fixed clocks: its durations compare the versions with
-each other; dev/bench_hopper.py gives the speeds.
+The script runs itself under ncu once per version: the child makes the inputs and calls the forward (or the
+backward) twice; ncu measures the second launch of the version's kernel. ncu runs one kernel at a time at fixed
+clocks: its durations compare the versions with each other; dev/bench_hopper.py and dev/bench.py give the speeds.
 
 Columns, per version: duration_ms, warp_instructions, sm_busy_pct (sm__throughput, % of peak), tensor_pct (the
 tensor pipe's active cycles, % of peak while the SM is active; "" where this ncu does not report it), and, per warp,
@@ -39,15 +41,21 @@ METRICS = {  # CSV column -> ncu metric
 
 
 def child(args):
-    """Under ncu: the version's forward, twice."""
+    """Under ncu: the version's forward (or backward), twice."""
     import cupy
 
     from stages.common import bfloat16, make_inputs
-    from stages.hopper import flash_v3
+    from stages.hopper import flash_v3, flash_v3_backward
 
-    q, k, v = make_inputs(args.batch, args.heads, args.seq, args.seq, args.head_dim, dtype=bfloat16, xp=cupy)
+    q, k, v, do = make_inputs(args.batch, args.heads, args.seq, args.seq, args.head_dim, dtype=bfloat16, xp=cupy,
+                              grad=True)
+    if args.backward:
+        o, lse = flash_v3.forward(q, k, v, causal=args.causal)
     for _ in range(2):
-        flash_v3.forward(q, k, v, causal=args.causal, version=args.child)
+        if args.backward:
+            flash_v3_backward.backward(q, k, v, o, lse, do, causal=args.causal, version=args.child)
+        else:
+            flash_v3.forward(q, k, v, causal=args.causal, version=args.child)
     cupy.cuda.runtime.deviceSynchronize()
 
 
@@ -59,14 +67,15 @@ def _value(text):
         return None
 
 
-def profile(ncu, version, argv):
-    """{column: value} of the version's kernel, second launch, from ncu's CSV output."""
-    cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:flash_v3_forward_{version}",
+def profile(ncu, kernel, version, argv):
+    """{column: value} of the version's kernel (flash_v3_forward or flash_v3_backward), second launch, from ncu's CSV
+    output."""
+    cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:{kernel}_{version}",
            "-s", "1", "-c", "1", sys.executable, os.path.abspath(__file__), "--child", version] + argv
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith('"')]
     if not lines:
-        raise SystemExit(f"ncu found no flash_v3_forward_{version} kernel (exit {run.returncode}):\n"
+        raise SystemExit(f"ncu found no {kernel}_{version} kernel (exit {run.returncode}):\n"
                          f"{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
     got = {r["Metric Name"]: r for r in csv.DictReader(io.StringIO("\n".join(lines)))}
     row = {}
@@ -88,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--backward", action="store_true", help="the backward's versions instead of the forward's")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -95,7 +105,7 @@ def main(argv=None):
     import bench  # provenance
     import cupy
 
-    from stages.hopper import flash_v3
+    from stages.hopper import flash_v3, flash_v3_backward
 
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     if not os.path.exists(ncu) and not shutil.which(ncu):
@@ -105,10 +115,15 @@ def main(argv=None):
     ncu_version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     problem = ["--head-dim", str(args.head_dim), "--seq", str(args.seq), "--batch", str(args.batch),
                "--heads", str(args.heads)] + (["--causal"] if args.causal else [])
+    kernel, versions = "flash_v3_forward", flash_v3.VERSIONS
+    if args.backward:
+        kernel, versions = "flash_v3_backward", flash_v3_backward.VERSIONS
+        problem.append("--backward")
     rows = []
-    for version in flash_v3.VERSIONS:
+    for version in versions:
         row = dict(version=version, dtype="bf16", head_dim=args.head_dim, seq_len=args.seq, batch=args.batch,
-                   heads=args.heads, causal=args.causal, **profile(ncu, version, problem), ncu=ncu_version, **prov)
+                   heads=args.heads, causal=args.causal, **profile(ncu, kernel, version, problem), ncu=ncu_version,
+                   **prov)
         rows.append(row)
         print(", ".join(f"{k}={row[k]}" for k in ["version", *METRICS]), flush=True)
     if args.out:
