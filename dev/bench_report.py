@@ -277,6 +277,7 @@ HOPPER_CSV = "bench_fwd_hopper_h100.csv"  # dev/bench.py --direction fwd: stage 
 HOPPER_BWD_CSV = "bench_bwd_hopper_h100.csv"  # dev/bench.py --direction bwd: stage 06 beside stage 03 and PyTorch
 HOPPER_STEPS_CSV = "bench_hopper_h100.csv"  # dev/bench_hopper.py: every stage 06 version, one run
 HOPPER_PROFILE_CSV = "profile_hopper_h100.csv"  # dev/profile_hopper.py: ncu counters of every stage 06 version
+HOPPER_BWD_PROFILE_CSV = "profile_hopper_bwd_h100.csv"  # dev/profile_hopper.py --backward: the same, backward
 HOPPER_STEPS = ("wgmma", "ws", "pingpong")  # stage 06's forward versions, in the README's order
 
 
@@ -682,10 +683,10 @@ def hopper_backward_table(results_dir):
     return "\n".join(out)
 
 
-def hopper_profile_table(results_dir):
-    """Markdown: dev/profile_hopper.py's counters per stage 06 version (the columns every row has); "" without the
-    CSV."""
-    rows = _rows_of(results_dir, HOPPER_PROFILE_CSV, read_rows)
+def hopper_profile_table(results_dir, csv_name=HOPPER_PROFILE_CSV):
+    """Markdown: dev/profile_hopper.py's counters per stage 06 version (the columns every row has), of the forward
+    or (csv_name HOPPER_BWD_PROFILE_CSV) the backward; "" without the CSV."""
+    rows = _rows_of(results_dir, csv_name, read_rows)
     if rows is None:
         return ""
     cols = [("duration_ms", "ms under ncu"), ("warp_instructions", "warp instructions"), ("sm_busy_pct", "SM busy, %"),
@@ -693,7 +694,8 @@ def hopper_profile_table(results_dir):
             ("stall_long_scoreboard", "stalled on loads"), ("stall_mio_throttle", "stalled on the MIO queue")]
     cols = [(c, h) for c, h in cols if all(r.get(c) for r in rows)]
     r0 = rows[0]
-    out = [f"Nsight Compute on one {r0['gpu']} (`results/{HOPPER_PROFILE_CSV}`, `dev/profile_hopper.py`; "
+    command = "dev/profile_hopper.py" + (" --backward" if csv_name == HOPPER_BWD_PROFILE_CSV else "")
+    out = [f"Nsight Compute on one {r0['gpu']} (`results/{csv_name}`, `{command}`; "
            f"{r0['dtype']}, d = {r0['head_dim']}, N = {r0['seq_len']}, B = {r0['batch']}, H = {r0['heads']}; "
            "stalls: the average cycles a warp spent stalled for that reason over the kernel):", "",
            "| causal | version | " + " | ".join(h for _, h in cols) + " |", "|---|---|" + "---:|" * len(cols)]
@@ -1041,7 +1043,8 @@ def generated(root=None):
     hopper_readme = root / "stages" / "06_hopper" / "README.md"
     hopper_text = _splice(hopper_readme.read_text(), "hopper_steps", hopper_steps_table(root / "results"))
     hopper_text = _splice(hopper_text, "hopper_profile", hopper_profile_table(root / "results"))
-    hopper_text = _splice(hopper_text, "hopper_backward", hopper_backward_table(root / "results"))
+    hopper_text = _splice(hopper_text, "hopper_backward", hopper_backward_table(root / "results") + "\n\n"
+                          + hopper_profile_table(root / "results", HOPPER_BWD_PROFILE_CSV))
     gpt_text = _splice(gpt_readme.read_text(), "vs_torch", vs_torch_table(root / "results"))
     gpt_text = _splice(gpt_text, "train_scaling", scaling_section(root / "results"))
     return {root / "README.md": readme, root / "results" / "README.md": results_readme(root / "results"),
