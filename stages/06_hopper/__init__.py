@@ -1,7 +1,8 @@
 """Stage 06: FlashAttention-3 on Hopper. The CPU part: the shared-memory layouts the copy engine and wgmma agree on
-(layouts.py), the pipeline and ping-pong schedules, simulated (schedules.py). On an sm_90 GPU: the building blocks
-checked one by one (blocks.py) and the forward in three versions (flash_v3.py: wgmma, ws, pingpong), which the ring
-(stage 04) and the GPT (stage 05) use on Hopper."""
-from . import blocks, flash_v3, flash_v3_backward, layouts, schedules
+(layouts.py), the pipeline and ping-pong schedules, simulated (schedules.py), and the backward's tile order in numpy
+(backward_mirror.py). On an sm_90 GPU: the building blocks checked one by one (blocks.py), the forward in three
+versions (flash_v3.py: wgmma, ws, pingpong) and the backward in two (flash_v3_backward.py: wgmma, ws), which the ring
+(stage 04, its forward) and the GPT (stage 05) use on Hopper."""
+from . import backward_mirror, blocks, flash_v3, flash_v3_backward, layouts, schedules
 
-__all__ = ["layouts", "schedules", "blocks", "flash_v3", "flash_v3_backward"]
+__all__ = ["layouts", "schedules", "backward_mirror", "blocks", "flash_v3", "flash_v3_backward"]

@@ -8,6 +8,8 @@
    load + (n - 1) max(load, compute) + compute.
 4. The consumer warpgroups: the tensor cores' busy fraction for one warpgroup, one with GEMM0 issued early, two that
    share the tensor cores, and two in ping-pong (times of one tile from the FlashAttention-3 paper's H100 rates).
+5. The backward's tile order (backward_mirror): its gradients against stage 00's, and how many reductions into dQ
+   blocks of 64 keys (version wgmma) and of 128 (version ws) make.
 
     python stages/06_hopper/run.py
     python stages/06_hopper/run.py --quick      # the same (it takes a second); for the tutorial-wide runner
@@ -17,6 +19,7 @@ import sys
 
 import numpy as np
 
+from stages.hopper import backward_mirror as M
 from stages.hopper import layouts as L
 from stages.hopper import schedules as S
 
@@ -78,13 +81,33 @@ def show_warpgroups(n=32):
         print(f"   D = {D:3d} (softmax / one GEMM = {s / g:.2f}): " + ", ".join(cells))
 
 
+def show_backward(B=1, H=2, Nq=200, Nk=333, D=64):
+    from stages import naive
+    from stages.common import make_inputs
+
+    print(f"\n5. the backward's tile order, B={B} H={H} Nq={Nq} Nk={Nk} d={D}, float64, against stage 00")
+    ok = True
+    for causal in (False, True):
+        q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=np.float64, grad=True, seed=5)
+        o, lse = naive.forward(q, k, v, causal=causal)
+        want = naive.backward(q, k, v, o, lse, do, causal=causal)
+        for bc in (64, 128):
+            got = M.backward(q, k, v, o, lse, do, causal=causal, bc=bc)
+            err = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
+            ok &= err < 1e-10
+            print(f"   causal={causal!s:5s} blocks of {bc:3d} keys: max |difference| {err:.1e}, "
+                  f"{M.dq_reductions(Nq, Nk, causal, bc)} reductions into dQ per head")
+    return ok
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="accepted for the tutorial-wide runner (same work)")
     ap.parse_args(argv)
     ok = all([show_swizzle(), show_descriptor(), show_pipeline()])  # the checks; section 4 only shows
     show_warpgroups()
-    print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: layouts and schedules)")
+    ok = show_backward() and ok
+    print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: layouts, schedules, the backward's tile order)")
     return 0 if ok else 1
 
 
