@@ -4,7 +4,7 @@
 // Per Q tile i of 64 rows, five GEMMs by wgmma, the transposed products so that every result lands where it is used:
 //   S_ij^T  = K_j Q_i^T        shared x shared, both K-major (the forward's S = Q K^T with the roles swapped)
 //   dP_ij^T = V_j dO_i^T       the same
-//   P^T = exp2(S^T scale log2 e - L_i log2 e), dS^T = P^T o (dP^T - D_i), in registers (L_i, D_i: one per column)
+//   P^T = exp(scale S^T - L_i), dS^T = P^T o (dP^T - D_i), in registers (L_i, D_i: one per column)
 //   dV_j   += P_ij^T dO_i      P^T from registers (the accumulator rounded to 16 bits is an A fragment), dO_i
 //                              MN-major: the forward's O += P V
 //   dK_j   += dS_ij^T Q_i      the same
@@ -14,7 +14,7 @@
 // Q_i and dO_i come by TMA into two stages on mbarriers; thread 0 issues the copies. D = 256: two blocks per K/V
 // tile (grid.z), each with half of the columns of dK_j, dV_j, dQ_i (DP = 128), as stage 03 splits it: the
 // accumulators of all 256 columns do not fit one warpgroup's registers.
-// Launched by stages/06_hopper/flash_v3_backward.py after stage 03's preprocess (D_i; L_i log2 e, +inf where nothing
+// Launched by stages/06_hopper/flash_v3_backward.py after stage 03's preprocess (D_i; L_i, +inf where nothing
 // is visible and past Nq); stage 03's bwd_convert_dq turns the accumulator into dQ. Checked by
 // tests/test_06_hopper_gpu.py.
 #include "hopper_bwd_tiles.cuh"
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_c
         fence_operands(reinterpret_cast<float(&)[32]>(s));
         const bool masked = key0 + 63 >= Nk || (p.causal && key0 + 63 > row0 + shift);
         const long tile_rows = (long)bh * p.Nq_pad + row0;  // L_i and D_i of the tile, read from global memory
-        probabilities_t(s, p, p.lse2 + tile_rows, kr, row0, masked, t);
+        probabilities_t(s, p, p.lse + tile_rows, kr, row0, masked, t);
         wgmma_wait<0>();
         fence_operands(reinterpret_cast<float(&)[32]>(dp));
         ds_t(dp, s, p.delta + tile_rows, t);

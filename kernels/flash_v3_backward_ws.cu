@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // K and V; full[s]; empty[s]
     // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (64 x D fp32: D / 32 panels of 64 rows
     // x 128 bytes, swizzled as the map_dq box), then stage s:
-    // Q_i, dO_i; after the stages, stage s's L_i log2 e and D_i (64 floats each)
+    // Q_i, dO_i; after the stages, stage s's L_i and D_i (64 floats each)
     const u32 k_s = aligned_1024(smem_raw), v_s = k_s + 2 * TILE, ds_s = v_s + 2 * TILE, dq_s = ds_s + 16384u;
     const u32 q_s = dq_s + 64u * D * 4u, ld_s = q_s + STAGES * 2 * TILE;
     auto shared_floats = [&](u32 addr) { return reinterpret_cast<float*>(smem_raw + (addr - smem_addr(smem_raw))); };
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
                 const long tile_rows = (long)bh * p.Nq_pad + 64 * (i0 + n);  // within Nq_pad: a multiple of 64
                 mbar_wait(empty(s), ((n / STAGES) & 1) ^ 1);  // round 0 passes at once: the stages start empty
                 mbar_arrive_expect_tx(full(s), 2 * TILE + 512);
-                bulk_load(ld_s + 512 * s, p.lse2 + tile_rows, 256, full(s));
+                bulk_load(ld_s + 512 * s, p.lse + tile_rows, 256, full(s));
                 bulk_load(ld_s + 512 * s + 256, p.delta + tile_rows, 256, full(s));
                 for (int c = 0; c < PANELS; ++c) {
                     tma_load_3d(dst + c * 8192u, &p.map_q, full(s), 64 * c, 64 * (i0 + n), bh);

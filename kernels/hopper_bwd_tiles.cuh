@@ -13,11 +13,10 @@ struct HopperBwdParams {
     float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += dS K (scale applied by the conversion)
     void* dk;            // (B, H, Nk, D), the input type
     void* dv;
-    const float* lse2;   // (B H, Nq_pad): L_i log2(e); +inf where a row sees no key and past Nq (P = 0 there)
+    const float* lse;    // (B H, Nq_pad): L_i (natural log); +inf where a row sees no key and past Nq (P = 0 there)
     const float* delta;  // (B H, Nq_pad): D_i = rowsum(dO_i o O_i); 0 past Nq
     int Nq, Nk, Nq_pad;
-    float scale;         // softmax scale: dK = scale dS^T Q
-    float scale_log2;    // scale x log2(e)
+    float scale;         // softmax scale: P = exp(scale S - L), dK = scale dS^T Q
     int causal;          // 1: query r sees key c iff c <= r + Nk - Nq
     TensorMap map_q, map_k, map_v, map_do;
     TensorMap map_dq;    // dq_acc seen as D x Nq x (B H), boxes of 32 x 64 floats (version ws's bulk reductions)
@@ -35,20 +34,22 @@ __device__ __forceinline__ void issue_s_dp(float (&s)[8][4], float (&dp)[8][4], 
     wgmma_commit();
 }
 
-// Alg.2 L9 in place: P^T = exp2(S^T scale log2 e - L_i log2 e); entries whose key is past Nk or right of the query's
-// diagonal are 0 (masked: this tile has such entries). lse2: L_i log2 e of the Q tile's 64 rows (global or shared
-// memory); kr: this lane's first key; row0: the Q tile's first row.
-__device__ __forceinline__ void probabilities_t(float (&s)[8][4], const HopperBwdParams& p, const float* lse2, int kr,
+// Alg.2 L9 in place: P^T = exp(scale S^T - L_i), as exp2((scale S^T - L_i) log2 e): scale S - L is one FMA, one
+// rounding of a number near 0 (folding log2 e into the scale and L instead would round each of two large numbers,
+// an error that grows with the logits). Entries whose key is past Nk or right of the query's diagonal are 0
+// (masked: this tile has such entries). lse: L_i of the Q tile's 64 rows (global or shared memory); kr: this lane's
+// first key; row0: the Q tile's first row.
+__device__ __forceinline__ void probabilities_t(float (&s)[8][4], const HopperBwdParams& p, const float* lse, int kr,
                                                 int row0, bool masked, int t) {
     const int shift = p.Nk - p.Nq;
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) {  // column 8 nb + 2 t + e % 2 is query row0 + 8 nb + 2 t + e % 2
-        const float2 L = *reinterpret_cast<const float2*>(lse2 + 8 * nb + 2 * t);
+        const float2 L = *reinterpret_cast<const float2*>(lse + 8 * nb + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = kr + 8 * (e / 2), row = row0 + 8 * nb + 2 * t + (e % 2);
             const bool seen = !masked || (key < p.Nk && (!p.causal || key <= row + shift));
-            s[nb][e] = seen ? fast_exp2(fmaf(s[nb][e], p.scale_log2, -(e % 2 ? L.y : L.x))) : 0.f;
+            s[nb][e] = seen ? fast_exp2(fmaf(s[nb][e], p.scale, -(e % 2 ? L.y : L.x)) * LOG2E_F) : 0.f;
         }
     }
 }

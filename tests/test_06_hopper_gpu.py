@@ -190,6 +190,22 @@ def test_backward_with_more_blocks_than_sms(shape, causal, version, D):
     check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("version,D", BACKWARD)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_at_inputs_times_100(causal, version, D, dtype):
+    """Logits in the thousands: P = exp(scale S - L) must be one rounding of a number near 0, not the difference of
+    two large rounded numbers."""
+    import cupy
+
+    from stages.common import check_backward, make_inputs
+    from stages.hopper import flash_v3_backward
+
+    _hopper()
+    q, k, v, do = make_inputs(1, 2, 128, 128, D, dtype=dtype, xp=cupy, scale=100.0, grad=True)
+    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
+
+
 @pytest.mark.parametrize("version", ["wgmma", "ws"])
 def test_backward_at_large_logits_and_rows_that_see_nothing(version):
     import cupy

@@ -5,7 +5,7 @@ bfloat16, D = 64, 128 or 256, on an sm_90 GPU.
     dq, dk, dv = flash_v3_backward.backward(q, k, v, o, lse, do, causal=True)
 
 Three launches, the first and last stage 03's (kernels/flash_v2_backward_pre.cu):
-  bwd_preprocess     D_i = rowsum(dO_i o O_i), L_i log2 e (+inf where nothing is visible and past Nq); the fp32 dQ
+  bwd_preprocess     D_i = rowsum(dO_i o O_i), L_i (+inf where nothing is visible and past Nq); the fp32 dQ
                      accumulator zeroed
   the main kernel    dK_j, dV_j of each K/V tile in the accumulators of the warpgroups that own its keys, the five GEMMs
                      of each Q tile by wgmma; dQ_i added to the accumulator
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, kernels, load_module
+from stages.common import kernels, load_module
 from stages.common.checks import check_backward_inputs, check_causal, resolve_scale
 
 from . import blocks
@@ -51,13 +51,13 @@ CONFIGS = {"wgmma": Config(64, 128), "ws": Config(128, 384)}  # ws: a producer a
 
 
 class HopperBwdParams(ctypes.Structure):
-    """struct HopperBwdParams of kernels/flash_v3_backward_wgmma.cu: dq_acc, dk, dv, lse2, delta, Nq, Nk, Nq_pad,
-    scale, scale_log2, causal, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets 64, 192,
+    """struct HopperBwdParams of kernels/hopper_bwd_tiles.cuh: dq_acc, dk, dv, lse, delta, Nq, Nk, Nq_pad, scale,
+    causal, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets 64, 192,
     320, 448, 576."""
     _fields_ = [("dq_acc", ctypes.c_uint64), ("dk", ctypes.c_uint64), ("dv", ctypes.c_uint64),
-                ("lse2", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("Nq", ctypes.c_int32),
+                ("lse", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("Nq", ctypes.c_int32),
                 ("Nk", ctypes.c_int32), ("Nq_pad", ctypes.c_int32), ("scale", ctypes.c_float),
-                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32),
+                ("causal", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 4),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16),
                 ("map_do", ctypes.c_uint64 * 16), ("map_dq", ctypes.c_uint64 * 16)]
 
@@ -133,21 +133,21 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     BH, Nq_pad = B * H, -(-Nq // PAD) * PAD
     ctype = blocks.CTYPE[np.dtype(q.dtype)]
     delta = cupy.empty(BH * Nq_pad, cupy.float32)
-    lse2 = cupy.empty(BH * Nq_pad, cupy.float32)
+    lse_pad = cupy.empty(BH * Nq_pad, cupy.float32)
     dq_acc = cupy.empty((B, H, Nq, D), cupy.float32)
     i32, f32 = np.int32, np.float32
     kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                   (i32(Nq), i32(Nq), i32(Nq_pad), i32(D), f32(LOG2E), i32(1), i32(0)))(
-        o, do, lse, delta, lse2, dq_acc, np.uint64(0))
+                   (i32(Nq), i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(1), i32(0)))(
+        o, do, lse, delta, lse_pad, dq_acc, np.uint64(0))
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-    params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale, scale_log2=scale * LOG2E,
+    params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale,
                              causal=int(causal), map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
                              map_v=blocks.tensor_map_heads(v), map_do=blocks.tensor_map_heads(do),
                              map_dq=blocks.tensor_map_heads(dq_acc))
     cfg = CONFIGS[version]
     grid = (-(-Nk // cfg.bc), BH, parts(version, D))  # one block per (K/V tile j, head, column part)
     kernels.Launch(_function(version, ctype, D), grid, (cfg.threads,), smem_bytes(version, D), params)(
-        dq_acc, dk, dv, lse2, delta)
+        dq_acc, dk, dv, lse_pad, delta)
     n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
     kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),), (256,), 0,
                    (f32(scale), np.int64(n)))(dq_acc, dq)
