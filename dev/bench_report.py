@@ -928,6 +928,7 @@ def _versions():
         return f"{t.br}x{t.bc}" + ("p" if t.wq > 1 else "")
 
     v3 = importlib.import_module("stages.hopper.flash_v3")
+    v3b = importlib.import_module("stages.hopper.flash_v3_backward")
 
     def hopper_tiles(version):
         def f(dev, D):
@@ -939,11 +940,21 @@ def _versions():
             return f"{c.br}x{c.bc}"
         return f
 
+    def hopper_bwd_tiles(version):  # Q tiles of 64 rows x K/V tiles of bc keys
+        def f(dev, D):
+            if dev.arch.cc != 90:
+                raise device.UnsupportedDevice("stage 06 needs sm_90")
+            if D not in v3b.VERSION_HEAD_DIMS[version]:
+                return "-"
+            return f"{v3b.BR}x{v3b.CONFIGS[version].bc}"
+        return f
+
     return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),
             ("02", "`tc`", BOTH16, tc_tiles("tc")), ("02", "`pipelined`", BOTH16, tc_tiles("pipelined")),
             ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32),
             ("03", "`tc`", BOTH16, bw_tc)] + [("06", f"`{v}` (fwd)", "fp16, bf16", hopper_tiles(v))
-                                               for v in v3.VERSIONS]
+                                               for v in v3.VERSIONS] + [
+            ("06", f"`{v}` (bwd)", "fp16, bf16", hopper_bwd_tiles(v)) for v in v3b.VERSIONS]
 
 
 BOTH16 = "fp16, bf16 (bf16 from sm_80)"
