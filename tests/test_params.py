@@ -1,7 +1,8 @@
 """The kernels' parameter structs and their Python mirrors agree byte for byte (no GPU needed).
 
-kernels/params.cuh defines the struct a kernel takes; stages/common/params.py defines the same struct with ctypes,
-which a launcher fills. NVRTC compiles a static_assert of the size and of every field's offset, so a field added,
+kernels/params.cuh defines the struct a stage 02 kernel takes and stages/common/params.py the same struct with ctypes,
+which a launcher fills; stage 06's structs are in its headers (hopper_tiles.cuh, hopper_bwd_tiles.cuh) and mirrored
+in its launchers. NVRTC compiles a static_assert of the size and of every field's offset, so a field added,
 removed, reordered or retyped on one side only fails here.
 """
 import ctypes
@@ -9,11 +10,14 @@ import ctypes
 import pytest
 
 from stages.common import kernels, params
+from stages.hopper import flash_v3, flash_v3_backward
 
-STRUCTS = [(params.FwdParams, "FwdParams")]
+STRUCTS = [(params.FwdParams, "FwdParams", "params.cuh"),
+           (flash_v3.HopperFwdParams, "HopperFwdParams", "hopper_tiles.cuh"),
+           (flash_v3_backward.HopperBwdParams, "HopperBwdParams", "hopper_bwd_tiles.cuh")]
 
 
-def _layout_errors(struct_type, c_name):
+def _layout_errors(struct_type, c_name, header):
     """The fields whose offset differs between struct_type and the CUDA struct c_name (and "size" when the sizes
     differ). NVRTC cannot evaluate offsetof at compile time, so a kernel compares each field's address inside a local
     struct with its ctypes offset and stores to bad[n] when the n-th differs: the compiler folds every comparison,
@@ -23,14 +27,16 @@ def _layout_errors(struct_type, c_name):
     from cupy_backends.cuda.libs import nvrtc
 
     names = [name for name, _ in struct_type._fields_]
-    checks = [f"if (at(&s.{n}) != {getattr(struct_type, n).offset}) bad[{i}] = 1;" for i, n in enumerate(names)]
+    checks = [f"if (at(&s.{n}) != {getattr(struct_type, n).offset}) bad[{i}] = 1;" for i, n in enumerate(names)
+              if not n.startswith("_")]  # _pad: the mirror's bytes for the C compiler's alignment, no field there
     checks.append(f"if (sizeof(s) != {ctypes.sizeof(struct_type)}) bad[{len(names)}] = 1;")
-    source = (f'#include "params.cuh"\nextern "C" __global__ void layout_check(int* bad) {{\n  {c_name} s;\n'
+    source = (f'#include "{header}"\nextern "C" __global__ void layout_check(int* bad) {{\n  {c_name} s;\n'
               "  auto at = [&](const void* f) { return (long)((const char*)f - (const char*)&s); };\n  "
               + "\n  ".join(checks) + "\n}\n")
     prog = nvrtc.createProgram(source, "layout_check.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, ["-std=c++17", "--gpu-architecture=compute_90", f"-I{kernels.KERNELS_DIR}"])
+        nvrtc.compileProgram(prog, ["-std=c++17", "--gpu-architecture=compute_90", f"-I{kernels.KERNELS_DIR}"]
+                             + [f"-I{d}" for d in kernels._cuda_include_dirs()[:1]])  # cuda_fp16.h and friends
         ptx = nvrtc.getPTX(prog).decode()
     except nvrtc.NVRTCError as e:
         raise RuntimeError(nvrtc.getProgramLog(prog)) from e
@@ -42,20 +48,20 @@ def _layout_errors(struct_type, c_name):
     return [(names + ["size"])[n] for n in stored]
 
 
-@pytest.mark.parametrize("struct_type,c_name", STRUCTS)
-def test_python_struct_matches_the_kernels_struct(struct_type, c_name):
-    assert _layout_errors(struct_type, c_name) == []
+@pytest.mark.parametrize("struct_type,c_name,header", STRUCTS)
+def test_python_struct_matches_the_kernels_struct(struct_type, c_name, header):
+    assert _layout_errors(struct_type, c_name, header) == []
 
 
-@pytest.mark.parametrize("struct_type,c_name", STRUCTS)
-def test_the_layout_check_finds_fields_out_of_place(struct_type, c_name):
+@pytest.mark.parametrize("struct_type,c_name,header", STRUCTS)
+def test_the_layout_check_finds_fields_out_of_place(struct_type, c_name, header):
     """Positive control: a mirror with two neighbouring fields of different sizes swapped is caught, at those
     fields."""
     fields = list(struct_type._fields_)
     i = next(n for n in range(len(fields) - 1) if ctypes.sizeof(fields[n][1]) != ctypes.sizeof(fields[n + 1][1]))
     fields[i], fields[i + 1] = fields[i + 1], fields[i]
     swapped = type("Swapped", (ctypes.Structure,), {"_fields_": fields})
-    wrong = _layout_errors(swapped, c_name)
+    wrong = _layout_errors(swapped, c_name, header)
     assert fields[i][0] in wrong and fields[i + 1][0] in wrong
 
 
