@@ -143,6 +143,22 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
+// One wgmma of SHAPE for T = __nv_bfloat16 or __half (the instruction names the input type, so each is its own asm
+// string): the scale-d predicate p from operand PRED (0: D = A B, else D += A B), then the instruction with ARGS.
+#define WGMMA_ASM(T, SHAPE, PRED, ARGS, OUTS, ...)                                                                    \
+    do {                                                                                                              \
+        if constexpr (IsBf16<T>::value)                                                                               \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                            \
+                         "wgmma.mma_async.sync.aligned." SHAPE ".f32.bf16.bf16 " ARGS "}\n"                           \
+                         : OUTS                                                                                       \
+                         : __VA_ARGS__);                                                                              \
+        else                                                                                                          \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                            \
+                         "wgmma.mma_async.sync.aligned." SHAPE ".f32.f16.f16 " ARGS "}\n"                             \
+                         : OUTS                                                                                       \
+                         : __VA_ARGS__);                                                                              \
+    } while (0)
+
 // D (64 x 64, fp32) += A (64 x 16) B^T (64 x 16), A and B K-major in shared memory (descriptors), 16-bit inputs.
 // scale_d = 0: D = A B^T. TA, TB = 1: that operand is MN-major instead (imm-trans; the backward's dQ = dS K reads
 // dS^T and K_j as they lie). Accumulator layout (as mma.m16n8's C fragment, repeated): warp w of the warpgroup holds
@@ -151,19 +167,8 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 template <typename T, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 desc_b, int scale_d) {
     static_assert(sizeof(T) == 2, "16-bit inputs");
-#define WGMMA_ARGS WGMMA_D32 ", %32, %33, p, 1, 1, %35, %36;\n"
-    if constexpr (IsBf16<T>::value) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
-    }
-#undef WGMMA_ARGS
+    WGMMA_ASM(T, "m64n64k16", "%34", WGMMA_D32 ", %32, %33, p, 1, 1, %35, %36;\n", WGMMA_OUTS, "l"(desc_a),
+              "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
 // D (64 x 128, fp32) += A (64 x 16) B^T (128 x 16), both K-major in shared memory: S for a tile of 128 keys in one
@@ -172,19 +177,8 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
 // multiply them, at N = 128 the 6 KB take three quarters. Accumulator layout: as above, n-blocks i = 0 .. 15.
 template <typename T, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
-#define WGMMA_ARGS WGMMA_D64 ", %64, %65, p, 1, 1, %67, %68;\n"
-    if constexpr (IsBf16<T>::value) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS64
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS64
-                     : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
-    }
-#undef WGMMA_ARGS
+    WGMMA_ASM(T, "m64n128k16", "%66", WGMMA_D64 ", %64, %65, p, 1, 1, %67, %68;\n", WGMMA_OUTS64, "l"(desc_a),
+              "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
 // D (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major in shared memory: imm-trans-b = 1). A's fragment
@@ -193,19 +187,8 @@ __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 
 // what the accumulator of S holds for n-blocks 2 kk and 2 kk + 1 once rounded to 16 bits (P from S in registers).
 template <typename T>
 __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int scale_d) {
-#define WGMMA_ARGS WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
-    if constexpr (IsBf16<T>::value) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    }
-#undef WGMMA_ARGS
+    WGMMA_ASM(T, "m64n64k16", "%37", WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n", WGMMA_OUTS, "r"(a[0]),
+              "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
 // D (64 x 128, fp32) += A (64 x 16, registers) B (16 x 128, MN-major in shared memory): O += P V for D = 128 in one
@@ -213,19 +196,8 @@ __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)
 // as wgmma_64x128x16's.
 template <typename T>
 __device__ __forceinline__ void wgmma_64x128x16_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, int scale_d) {
-#define WGMMA_ARGS WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
-    if constexpr (IsBf16<T>::value) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS64
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " WGMMA_ARGS "}\n"
-                     : WGMMA_OUTS64
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    }
-#undef WGMMA_ARGS
+    WGMMA_ASM(T, "m64n128k16", "%69", WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n", WGMMA_OUTS64,
+              "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
 // The compiler does not know that an issued wgmma writes its accumulators later, at the wait: without a fence it may
