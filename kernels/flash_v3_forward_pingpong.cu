@@ -49,10 +49,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
         if (threadIdx.x == 0 && n_tiles > 0) {  // no copy may still be in flight when the block exits: the
             // consumers wait for Q only when there is a K/V tile, so Q is loaded only then
             mbar_arrive_expect_tx(smem_addr(&bars[0]), 2 * TILE);
-            for (int half = 0; half < 2; ++half)
-                for (int c = 0; c < D / 64; ++c)
-                    tma_load_3d(q_s + half * TILE + c * 8192u, &p.map_q, smem_addr(&bars[0]), 64 * c, row0 + 64 * half,
-                                bh);
+            tma_load_rows<D>(q_s, &p.map_q, smem_addr(&bars[0]), row0, bh, 2);  // both 64-row halves
             for (int j = 0; j < n_tiles; ++j) {
                 const int s = j % STAGES, free_parity = ((j / STAGES) & 1) ^ 1;  // round 0 passes at once
                 mbar_wait(bar(EMPTY_K, s), free_parity);

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(128, 1) flash_v3_forward_wgmma(const __grid_co
     __syncthreads();
     if (threadIdx.x == 0) {  // Alg.1 L4: Q_i; L6 (j = 0): K_0, V_0
         mbar_arrive_expect_tx(bar_q, TILE);
-        for (int c = 0; c < PANELS; ++c) tma_load_3d(q_s + c * 8192u, &p.map_q, bar_q, 64 * c, row0, bh);
+        tma_load_rows<D>(q_s, &p.map_q, bar_q, row0, bh, 1);
         if (n_tiles > 0) load_kv(0);
     }
 

@@ -78,6 +78,15 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
         : "memory");
 }
 
+// Rows row0 .. row0 + 64 tiles - 1 of head bh (a tensor map of 64 x 64 boxes over D columns): each 64-row tile is
+// D / 64 panels of 64 columns, 8 KB each, laid out one after the other from dst, all counted on bar.
+template <int D>
+__device__ __forceinline__ void tma_load_rows(u32 dst, const TensorMap* map, u32 bar, int row0, int bh, int tiles) {
+    for (int h = 0; h < tiles; ++h)
+        for (int c = 0; c < D / 64; ++c)
+            tma_load_3d(dst + (h * (D / 64) + c) * 8192u, map, bar, 64 * c, row0 + 64 * h, bh);
+}
+
 // The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
 __device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return (smem_addr(smem) + 1023u) & ~1023u; }
 
