@@ -156,16 +156,18 @@ def _stage(name):
         return None, f"error: import stages.{name}: {_short(e)}"
 
 
-def _hopper(cfg, direction="fwd"):
-    """(the stage 06 module, None) where stage 06 runs this config in this direction, else (None, "missing: why")."""
+def _hopper(cfg, direction):
+    """(the stage 06 module, its version, None) where stage 06 runs this config in this direction, else (None, None,
+    "missing: why")."""
+    _, module, version = HOPPER if direction == "fwd" else HOPPER_BWD
     try:
-        mod = importlib.import_module(f"stages.hopper.{(HOPPER if direction == 'fwd' else HOPPER_BWD)[1]}")
+        mod = importlib.import_module(f"stages.hopper.{module}")
         mod.blocks.require_hopper()
     except Exception as e:  # not an sm_90 GPU, or cuda-bindings missing
-        return None, f"missing: stage 06: {_short(e, 120)}"
+        return None, None, f"missing: stage 06: {_short(e, 120)}"
     if cfg.head_dim not in mod.HEAD_DIMS:
-        return None, f"missing: stage 06 takes head dims {mod.HEAD_DIMS}"
-    return mod, None
+        return None, None, f"missing: stage 06 takes head dims {mod.HEAD_DIMS}"
+    return mod, version, None
 
 
 def _has_version(mod, version):
@@ -472,8 +474,8 @@ class Bench:
                 entries[(impl, version)] = (gate, setup, backend)
                 continue
             if version == HOPPER[0]:
-                mod, why = _hopper(cfg, direction)
-                base, det = (HOPPER if direction == "fwd" else HOPPER_BWD)[2], None
+                mod, base, why = _hopper(cfg, direction)
+                det = None
             elif direction == "fwd":
                 mod, why = _stage("flash_v2")
                 if mod is not None and not _has_version(mod, version):

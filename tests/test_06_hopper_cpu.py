@@ -233,3 +233,37 @@ def test_backward_mirror_reduces_into_dq_once_per_block_and_q_tile():
     M.backward(q, k, v, q, np.zeros((1, 1, 256)), do, causal=True, trace=trace)
     assert trace == [(0, 0), (0, 64), (0, 128), (0, 192), (128, 128), (128, 192)]
     assert len(trace) == M.dq_reductions(256, 256, True, 128)
+
+
+def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch):
+    """The forward and backward launchers get their kernels from blocks.sm90a_function (file, instantiation, shared
+    memory), and the backward's preprocess from the module stage 03 compiles (the same name expressions: one
+    compile for both stages). No GPU: the compile and the lookup are recorded, not run."""
+    from stages.hopper import blocks, flash_v3, flash_v3_backward
+
+    loads, functions = [], []
+    monkeypatch.setattr(blocks, "load_module", lambda f, **kw: loads.append((f, kw)) or f)
+    monkeypatch.setattr(blocks.kernels, "function", lambda m, name, smem: functions.append((m, name, smem)) or name)
+    blocks.sm90a_function.cache_clear()
+    assert flash_v3._function("pingpong", "__half", 128) == "flash_v3_forward_pingpong<__half,128,128,2>"
+    assert flash_v3_backward._function("ws", "__half", 64) == "flash_v3_backward_ws<__half,64,2>"
+    assert functions == [("flash_v3_forward_pingpong.cu", "flash_v3_forward_pingpong<__half,128,128,2>",
+                          flash_v3.smem_bytes("pingpong", 128)),
+                         ("flash_v3_backward_ws.cu", "flash_v3_backward_ws<__half,64,2>",
+                          flash_v3_backward.smem_bytes("ws", 64))]
+    assert all(kw["target"] == "sm_90a" for _, kw in loads)
+    blocks.sm90a_function.cache_clear()
+
+    from stages.flash_v2_backward import flash_v2_backward as stage03
+
+    seen = []
+
+    class Module:
+        def get_function(self, name):
+            return name
+
+    monkeypatch.setattr(flash_v3_backward, "load_module", lambda f, **kw: seen.append((f, kw)) or Module())
+    flash_v3_backward._pre_function.cache_clear()
+    assert flash_v3_backward._pre_function("bwd_preprocess", "__half") == "bwd_preprocess<__half>"
+    assert seen == [("flash_v2_backward_pre.cu", {"name_expressions": stage03.PRE_NAMES})]
+    flash_v3_backward._pre_function.cache_clear()

@@ -53,12 +53,11 @@ def tensor_map_heads(x, box_rows=64, rows=None):
     head's), and a reduction into them is skipped. rows = (start, stop): only those rows of every head (the map starts
     at row start and its heads stay N rows apart; rows from stop on read as zeros)."""
     B, H, N, D = x.shape
-    box_cols = 128 // x.dtype.itemsize
+    size = x.dtype.itemsize
     start, stop = rows or (0, N)
     if not 0 <= start < stop <= N:
         raise ValueError(f"tensor_map_heads: rows {rows} are not a non-empty range of 0..{N}")
-    size = x.dtype.itemsize
-    return _tensor_map(x, [D, stop - start, B * H], [D * size, N * D * size], [box_cols, box_rows, 1],
+    return _tensor_map(x, [D, stop - start, B * H], [D * size, N * D * size], [128 // size, box_rows, 1],
                        offset=start * D * size)
 
 
@@ -67,14 +66,14 @@ def _tensor_map(x, dims, strides, box, offset=0):
     but the innermost; 128-byte swizzle, zeros out of bounds."""
     from cuda.bindings import driver as cu
 
-    if x.dtype not in (np.float16, bfloat16, np.float32) or box[0] * x.dtype.itemsize != 128:
+    dtype = {np.dtype(bfloat16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             np.dtype(np.float16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             np.dtype(np.float32): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}.get(np.dtype(x.dtype))
+    if dtype is None or box[0] * x.dtype.itemsize != 128:
         raise ValueError("tensor maps here: float16, bfloat16 or float32 values in boxes of 128-byte rows (the "
                          "swizzle's span)")
     if not x.flags.c_contiguous or any(s % 16 for s in strides) or offset % 16:
         raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
-    dtype = {np.dtype(bfloat16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             np.dtype(np.float16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             np.dtype(np.float32): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[np.dtype(x.dtype)]
     err, tmap = cu.cuTensorMapEncodeTiled(
         dtype, len(dims), x.data.ptr + offset,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
@@ -92,8 +91,10 @@ def _tensor_map(x, dims, strides, box, offset=0):
 
 
 @functools.lru_cache(maxsize=None)
-def _function(name, smem):
-    module = load_module(FILE, name_expressions=(name,) if "<" in name else None, target=ARCH)
+def sm90a_function(file, name, smem):
+    """Kernel `name` of kernels/<file> (a template instantiation, or an extern "C" kernel's own name), compiled by
+    NVRTC for sm_90a, allowed smem bytes of dynamic shared memory: what every stage 06 launcher launches."""
+    module = load_module(file, name_expressions=(name,) if "<" in name else None, target=ARCH)
     return kernels.function(module, name, smem)
 
 
@@ -108,7 +109,7 @@ def tile_bytes(x):
         raise ValueError("tile_bytes: 1 to 256 rows (a box dimension's limit) and at least 64 columns")
     out = cupy.zeros(rows * 128, cupy.uint8)
     p = BlockParams(rows=rows, map_a=tensor_map_2d(x, rows))
-    kernels.Launch(_function("tile_bytes", rows * 128 + 1024), (1,), (128,), rows * 128 + 1024, p)(out)
+    kernels.Launch(sm90a_function(FILE, "tile_bytes", rows * 128 + 1024), (1,), (128,), rows * 128 + 1024, p)(out)
     return cupy.asnumpy(out)
 
 
@@ -126,7 +127,7 @@ def qk_scores(q, k):
     out = cupy.empty((64, 64), cupy.float32)
     p = BlockParams(D=D, map_a=tensor_map_2d(q, 64), map_b=tensor_map_2d(k, 64))
     smem = 2 * 64 * D * 2 + 1024
-    kernels.Launch(_function(f"qk_scores<{CTYPE[np.dtype(q.dtype)]}>", smem), (1,), (128,), smem, p)(out)
+    kernels.Launch(sm90a_function(FILE, f"qk_scores<{CTYPE[np.dtype(q.dtype)]}>", smem), (1,), (128,), smem, p)(out)
     return out
 
 
@@ -145,7 +146,8 @@ def pv_product(p, v):
     params = BlockParams(D=D, map_b=tensor_map_2d(v, 64))
     smem = 64 * D * 2 + 1024
     p = cupy.ascontiguousarray(p)
-    kernels.Launch(_function(f"pv_product<{CTYPE[np.dtype(p.dtype)]}>", smem), (1,), (128,), smem, params)(out, p)
+    fn = sm90a_function(FILE, f"pv_product<{CTYPE[np.dtype(p.dtype)]}>", smem)
+    kernels.Launch(fn, (1,), (128,), smem, params)(out, p)
     return out
 
 

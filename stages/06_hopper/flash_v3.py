@@ -16,12 +16,11 @@ Versions, in the order the README teaches them:
             run while the softmax of S_j is computed.
 """
 import ctypes
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, kernels, load_module
+from stages.common import LOG2E, kernels
 from stages.common.checks import check_causal, resolve_scale
 
 from . import blocks
@@ -72,11 +71,8 @@ def _name(version, ctype, D):
     return f"flash_v3_forward_{version}<{ctype},{D},{config(version, D).bc},{STAGES}>"
 
 
-@functools.lru_cache(maxsize=None)
 def _function(version, ctype, D):
-    name = _name(version, ctype, D)
-    module = load_module(FILES[version], name_expressions=(name,), target=blocks.ARCH)
-    return kernels.function(module, name, smem_bytes(version, D))
+    return blocks.sm90a_function(FILES[version], _name(version, ctype, D), smem_bytes(version, D))
 
 
 def forward(q, k, v, *, causal=False, scale=None, version=DEFAULT):

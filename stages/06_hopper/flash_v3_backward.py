@@ -26,6 +26,7 @@ import numpy as np
 
 from stages.common import kernels, load_module
 from stages.common.checks import check_backward_inputs, check_causal, resolve_scale
+from stages.flash_v2_backward import flash_v2_backward as stage03  # its preprocess, dQ conversion and padding
 
 from . import blocks
 
@@ -36,7 +37,7 @@ HEAD_DIMS = (64, 128, 256)
 VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": (64, 128)}
 STAGES = 2  # Q/dO stages of version ws
 PRE_FILE = "flash_v2_backward_pre.cu"  # stage 03's preprocess and dQ conversion
-PAD = 128                              # D_i and L_i are padded to a multiple of 128 rows (>= the 64-row Q tiles)
+PAD = stage03.PAD                      # D_i and L_i are padded to a multiple of PAD rows (>= the 64-row Q tiles)
 BR = 64                                # Q tiles of 64 rows
 
 
@@ -63,19 +64,18 @@ class HopperBwdParams(ctypes.Structure):
 
 
 def resolve_version(version, D):
-    """The version that runs: version "auto" is ws where it takes D, else wgmma."""
+    """The version that runs ("auto" or one of VERSIONS, as backward checked it): "auto" is ws where it takes D, else
+    wgmma."""
     if version == "auto":
         return "ws" if D in VERSION_HEAD_DIMS["ws"] else "wgmma"
-    if version not in VERSIONS:
-        raise ValueError(f"flash_v3_backward: version {version!r} is not one of {('auto',) + VERSIONS}")
     if D not in VERSION_HEAD_DIMS[version]:
         raise ValueError(f"flash_v3_backward: version {version!r} takes head_dim {VERSION_HEAD_DIMS[version]}, not "
                          f"{D}; version 'wgmma' takes {VERSION_HEAD_DIMS['wgmma']}")
     return version
 
 
-def parts(version, D):
-    """Blocks per K/V tile: each computes D / parts columns of dK_j, dV_j, dQ_i. Two at D = 256 (version wgmma),
+def parts(D):
+    """Blocks per K/V tile: each computes D / parts columns of dK_j, dV_j, dQ_i. Two at D = 256 (version wgmma only),
     where one warpgroup's registers cannot hold 64 x 256 accumulators of both dK_j and dV_j."""
     return 2 if D == 256 else 1
 
@@ -91,21 +91,18 @@ def smem_bytes(version, D):
 
 def _name(version, ctype, D):
     if version == "wgmma":
-        return f"flash_v3_backward_wgmma<{ctype},{D},{D // parts(version, D)}>"
+        return f"flash_v3_backward_wgmma<{ctype},{D},{D // parts(D)}>"
     return f"flash_v3_backward_ws<{ctype},{D},{STAGES}>"
 
 
-@functools.lru_cache(maxsize=None)
 def _function(version, ctype, D):
-    name = _name(version, ctype, D)
-    module = load_module(FILES[version], name_expressions=(name,), target=blocks.ARCH)
-    return kernels.function(module, name, smem_bytes(version, D))
+    return blocks.sm90a_function(FILES[version], _name(version, ctype, D), smem_bytes(version, D))
 
 
 @functools.lru_cache(maxsize=None)
 def _pre_function(kernel, ctype):
-    name = f"{kernel}<{ctype}>"
-    return load_module(PRE_FILE, name_expressions=(name,)).get_function(name)
+    """Stage 03's preprocess or dQ conversion for ctype, from the module stage 03 compiles (one compile for both)."""
+    return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
 
 
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
@@ -145,7 +142,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
                              map_v=blocks.tensor_map_heads(v), map_do=blocks.tensor_map_heads(do),
                              map_dq=blocks.tensor_map_heads(dq_acc))
     cfg = CONFIGS[version]
-    grid = (-(-Nk // cfg.bc), BH, parts(version, D))  # one block per (K/V tile j, head, column part)
+    grid = (-(-Nk // cfg.bc), BH, parts(D))  # one block per (K/V tile j, head, column part)
     kernels.Launch(_function(version, ctype, D), grid, (cfg.threads,), smem_bytes(version, D), params)(
         dq_acc, dk, dv, lse_pad, delta)
     n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
