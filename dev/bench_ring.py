@@ -256,13 +256,11 @@ def _times(fwd, bwd, args, gpu, n):
 
 
 def _one_gpu_kernels(gpu):
-    """forward, backward of one device: on a GPU the forward the ring's blocks run (ring.one_device_forward: stage
-    06's on an sm_90 GPU where it takes the problem, else stage 02's) and stage 03's backward; stage 00 on the CPU
-    (the smoke run)."""
+    """forward, backward of one device: on a GPU the attention the ring's blocks run (ring.one_device_forward,
+    ring.one_device_backward: stage 06's on an sm_90 GPU where it takes the problem, else stages 02 and 03); stage 00
+    on the CPU (the smoke run)."""
     if gpu:
-        from stages import flash_v2_backward
-
-        return R.one_device_forward, flash_v2_backward.backward
+        return R.one_device_forward, R.one_device_backward
     from stages import naive
 
     return (lambda *a, version=None, **kw: naive.forward(*a, **kw),

@@ -9,13 +9,14 @@
 //                              MN-major: the forward's O += P V
 //   dK_j   += dS_ij^T Q_i      the same
 //   dQ_i   += dS_ij K_j        dS^T through shared memory (written swizzled), read as an MN-major A, K_j as an
-//                              MN-major B; added to the fp32 dQ accumulator with vector reductions (other K/V
-//                              blocks add to the same rows at the same time)
+//                              MN-major B; scale dQ_i added to the fp32 dQ accumulator with vector reductions
+//                              (other K/V blocks add to the same rows at the same time)
 // Q_i and dO_i come by TMA into two stages on mbarriers; thread 0 issues the copies. D = 256: two blocks per K/V
 // tile (grid.z), each with half of the columns of dK_j, dV_j, dQ_i (DP = 128), as stage 03 splits it: the
 // accumulators of all 256 columns do not fit one warpgroup's registers.
 // Launched by stages/06_hopper/flash_v3_backward.py after stage 03's preprocess (D_i; L_i, +inf where nothing
-// is visible and past Nq); stage 03's bwd_convert_dq turns the accumulator into dQ. Checked by
+// is visible and past Nq); stage 03's bwd_convert_dq turns the accumulator into dQ (scale 1: the kernel adds
+// scale dS K). Checked by
 // tests/test_06_hopper_gpu.py.
 #include "hopper_bwd_tiles.cuh"
 
@@ -118,8 +119,9 @@ __global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_c
         for (int c = 0; c < DP / 64; ++c)
 #pragma unroll
             for (int nb = 0; nb < 8; ++nb) {
-                if (qr < Nq) red_add_f32x2<0>(acc + 64 * c + 8 * nb, dq[c][nb][0], dq[c][nb][1]);
-                if (qr + 8 < Nq) red_add_f32x2<0>(acc + 8 * D + 64 * c + 8 * nb, dq[c][nb][2], dq[c][nb][3]);
+                const float sc = p.scale;
+                if (qr < Nq) red_add_f32x2<0>(acc + 64 * c + 8 * nb, sc * dq[c][nb][0], sc * dq[c][nb][1]);
+                if (qr + 8 < Nq) red_add_f32x2<0>(acc + 8 * D + 64 * c + 8 * nb, sc * dq[c][nb][2], sc * dq[c][nb][3]);
             }
         __syncthreads();  // stage n & 1 and dS^T are free: every wgmma that read them has completed
         if (threadIdx.x == 0 && n + 2 < n_tiles) load_q_do(n + 2);

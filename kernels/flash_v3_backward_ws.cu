@@ -13,6 +13,8 @@
 //     meet in shared memory before the bulk reduction. Two named barriers order the consumers: dS^T of both is
 //     written (BAR_DS), dQ_i is in shared memory (BAR_DQ).
 // Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
+// A block of ring attention (stage 04; p.accumulate) adds scale dQ_i through map_dq, a map of the ring's float32 dQ
+// at the block's rows, and dK_j, dV_j into its float32 accumulators (hopper_bwd_tiles.cuh: store_dk_dv).
 // Tile steps and epilogue: hopper_bwd_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_bwd_tiles.cuh"
 
@@ -142,6 +144,9 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         fence_operands(reinterpret_cast<u32(&)[16]>(da));
         fence_operands(reinterpret_cast<float(&)[32]>(dq));
         if (lane == 0) mbar_arrive(empty(s));  // this warp is done with Q_i and dO_i
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb)  // scale dS K: what the accumulator (or the ring's dQ) gets
+            dq[nb][0] *= p.scale, dq[nb][1] *= p.scale, dq[nb][2] *= p.scale, dq[nb][3] *= p.scale;
         const int col = D == 128 ? 64 * me : 0;
         if (D == 128 || me == 0)
 #pragma unroll

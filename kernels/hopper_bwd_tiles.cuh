@@ -10,14 +10,16 @@
 // tensor maps at multiples of 64 bytes. q, k, v, dO: (B, H, N, D) row-major, seen by the maps as D x N x (B H) in
 // boxes of 64 x 64. stages/06_hopper/flash_v3_backward.py mirrors it.
 struct HopperBwdParams {
-    float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += dS K (scale applied by the conversion)
-    void* dk;            // (B, H, Nk, D), the input type
+    float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += scale dS K (version wgmma; ws: map_dq)
+    void* dk;            // (B, H, kv_rows, D): the input type, or with accumulate the ring's float32 accumulator
     void* dv;
     const float* lse;    // (B H, Nq_pad): L_i (natural log); +inf where a row sees no key and past Nq (P = 0 there)
     const float* delta;  // (B H, Nq_pad): D_i = rowsum(dO_i o O_i); 0 past Nq
     int Nq, Nk, Nq_pad;
     float scale;         // softmax scale: P = exp(scale S - L), dK = scale dS^T Q
     int causal;          // 1: query r sees key c iff c <= r + Nk - Nq
+    int kv_rows;         // rows of one head in dk, dv: Nk, or the ring's whole K/V block of which this call has Nk
+    int accumulate;      // 0: write dK, dV; 1: add them to the float32 dk, dv (a block of ring attention, stage 04)
     TensorMap map_q, map_k, map_v, map_do;
     TensorMap map_dq;    // dq_acc seen as D x Nq x (B H), boxes of 32 x 64 floats (version ws's bulk reductions)
 };
@@ -97,23 +99,29 @@ __device__ __forceinline__ void issue_rs(float (&acc)[DP / 64][8][4], const u32 
 }
 
 // Alg.2 L16 for this lane's keys kr, kr + 8: dK_j = scale sum dS^T Q and dV_j, columns 64 col_panel.. (DP of them),
-// in the input type; keys past Nk are not written.
+// written in the input type or (accumulate) added to the ring's float32 accumulators with vector reductions (the
+// ring's block calls of one step run side by side and may add to the same keys); keys past Nk are left alone.
 template <typename T, int D, int DP>
 __device__ __forceinline__ void store_dk_dv(const float (&dk)[DP / 64][8][4], const float (&dv)[DP / 64][8][4],
                                             const HopperBwdParams& p, int bh, int kr, int col_panel, int t) {
-    T* dk_out = static_cast<T*>(p.dk);
-    T* dv_out = static_cast<T*>(p.dv);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int key = kr + 8 * h;
         if (key >= p.Nk) continue;
-        const long at = ((long)bh * p.Nk + key) * D + 64 * col_panel + 2 * t;
+        const long at = ((long)bh * p.kv_rows + key) * D + 64 * col_panel + 2 * t;
 #pragma unroll
         for (int c = 0; c < DP / 64; ++c)
 #pragma unroll
             for (int nb = 0; nb < 8; ++nb) {
-                store2(dk_out + at + 64 * c + 8 * nb, p.scale * dk[c][nb][2 * h], p.scale * dk[c][nb][2 * h + 1]);
-                store2(dv_out + at + 64 * c + 8 * nb, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
+                const long x = at + 64 * c + 8 * nb;
+                const float k0 = p.scale * dk[c][nb][2 * h], k1 = p.scale * dk[c][nb][2 * h + 1];
+                if (p.accumulate) {
+                    red_add_f32x2<0>(static_cast<float*>(p.dk) + x, k0, k1);
+                    red_add_f32x2<0>(static_cast<float*>(p.dv) + x, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
+                } else {
+                    store2(static_cast<T*>(p.dk) + x, k0, k1);
+                    store2(static_cast<T*>(p.dv) + x, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
+                }
             }
     }
 }

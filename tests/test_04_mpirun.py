@@ -279,10 +279,11 @@ def test_gpu_mpirun_nccl_backend_four_gpus(extra):
     from stages.common import bfloat16
     from stages.hopper import flash_v3
 
-    plain = extra[:1] not in (["--heads"], ["--alibi"])  # no variant: stage 06's forward on an sm_90 GPU
-    fwd = "stage 06 (FlashAttention-3 on sm_90)" if plain and flash_v3.takes(bfloat16, 128) else \
-        "stage 02 version pipelined"
-    assert f"blocks flash ({fwd}, stage 03 version tc)" in out, out
+    plain = extra[:1] not in (["--heads"], ["--alibi"])  # no variant: stage 06's blocks on an sm_90 GPU
+    hopper = plain and flash_v3.takes(bfloat16, 128)
+    fwd = "stage 06 (FlashAttention-3 on sm_90)" if hopper else "stage 02 version pipelined"
+    bwd = "stage 06 backward version ws" if hopper else "stage 03 version tc"
+    assert f"blocks flash ({fwd}, {bwd})" in out, out
     assert "SUMMARY 04_ring PASS 4 ranks nccl" in out, out
 
 
@@ -328,7 +329,7 @@ def test_run_py_times_one_device_with_the_forward_the_ring_blocks_use(monkeypatc
 
     ring = importlib.import_module("stages.ring.ring")  # the module whose hopper_takes one_device_forward calls
     run = _run_module()
-    assert run._one_device("flash")[0] is ring.one_device_forward
+    assert run._one_device("flash") == (ring.one_device_forward, ring.one_device_backward)
     seen = []
     monkeypatch.setattr(flash_v3, "forward", lambda q, k, v, **kw: seen.append(("06", kw)) or ("o", "lse"))
     monkeypatch.setattr(flash_v2, "forward", lambda q, k, v, **kw: seen.append(("02", kw)) or ("o", "lse"))

@@ -285,14 +285,50 @@ def test_merge_into_the_running_o_and_lse_of_some_rows(D, dtype, causal):
     assert outside == {"o": True, "lse": True}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_accumulate_into_the_ring_gradients_of_some_rows_and_keys(D, dtype, causal):
+    """A ring block of the backward: rows 40..289 of q, o, lse, do against keys 0..149 and then 150..332 (causal: keys
+    150..332 alone, the mask aligned bottom-right inside the block), added by the kernel into the ring's float32
+    dQ (rows 40..289) and dK, dV (those keys); rows and keys outside stay 0."""
+    import cupy
+
+    from stages.common import cast, check_backward, make_inputs
+    from stages.common.checks import resolve_scale
+    from stages.hopper import flash_v3_backward
+
+    _hopper()
+    B, H, Lq, Lk = 2, 3, 300, 333
+    q, k, v, do = make_inputs(B, H, Lq, Lk, D, dtype=dtype, xp=cupy, grad=True)
+    (a, b), blocks_of_keys = (40, 290), ([(150, Lk)] if causal else [(0, 150), (150, Lk)])
+    k0 = blocks_of_keys[0][0]
+    outside = {}
+
+    def accumulated(q_rows, k_seen, v_seen, o_rows, lse_rows, do_rows, *, causal, scale):
+        o, lse = cupy.zeros_like(q), cupy.zeros((B, H, Lq), cupy.float32)
+        o[:, :, a:b], lse[:, :, a:b] = o_rows, lse_rows
+        runs = [cupy.zeros((B, H, n, D), cupy.float32) for n in (Lq, Lk, Lk)]
+        for keys in blocks_of_keys:
+            flash_v3_backward.accumulate_into(q, k, v, o, lse, do, *runs, (a, b), keys, causal=causal,
+                                              scale=resolve_scale(scale, D))
+        dq, dk, dv = runs
+        outside["dq"] = not bool(dq[:, :, :a].any() or dq[:, :, b:].any())
+        outside["dk, dv"] = not bool(dk[:, :, :k0].any() or dv[:, :, :k0].any())
+        return cast(dq[:, :, a:b], dtype), cast(dk[:, :, k0:], dtype), cast(dv[:, :, k0:], dtype)
+
+    check_backward(accumulated, q[:, :, a:b], k[:, :, k0:], v[:, :, k0:], do[:, :, a:b], causal=causal)
+    assert outside == {"dq": True, "dk, dv": True}
+
+
 def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
-    """On an sm_90 GPU the ring's forward blocks at the default version are stage 06's merge_into (stage 02 version
-    tc when named), and the GPT's flash_v2 attention in bfloat16 runs stage 06's forward and backward."""
+    """On an sm_90 GPU the ring's blocks at the default versions are stage 06's merge_into and accumulate_into (stage
+    02 version tc when named), and the GPT's flash_v2 attention in bfloat16 runs stage 06's forward and backward."""
     import cupy
 
     from stages import ring
-    from stages.common import check_forward, make_inputs
-    from stages.hopper import flash_v3
+    from stages.common import check_backward, check_forward, make_inputs
+    from stages.hopper import flash_v3, flash_v3_backward
     from stages.train_gpt import attention
 
     _hopper()
@@ -305,8 +341,13 @@ def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     calls.clear()
     check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash", version="tc")
     assert not calls, "version 'tc' named: the ring must keep stage 02"
-    from stages.hopper import flash_v3_backward
-
+    bwd_calls = []
+    real_bwd = flash_v3_backward.accumulate_into
+    monkeypatch.setattr(flash_v3_backward, "accumulate_into",
+                        lambda *a, **kw: (bwd_calls.append(1), real_bwd(*a, **kw))[1])
+    q, k, v, do = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy, grad=True)
+    check_backward(ring.backward, q, k, v, do, causal=True, layout="zigzag", ranks=4, block="flash")
+    assert bwd_calls, "the ring's backward blocks did not go through stage 06"
     assert attention.StageAttention("flash_v2", 64, bfloat16).fwd is flash_v3.forward
     assert attention.StageAttention("flash_v2", 64, bfloat16).bwd is flash_v3_backward.backward
     assert attention.StageAttention("flash_v2", 64, np.float32).fwd is not flash_v3.forward

@@ -10,14 +10,16 @@ from .comm import BACKENDS, simulate
 from .gather import SCHEMES, traffic
 from .layout import LAYOUTS, BlockCall, block_calls, halves, positions, shard, shard_len, steps, unshard
 from .ring import (
-    BLOCKS, RingMismatch, backward, check_same_everywhere, flash_version, forward, hopper_blocks, hopper_takes,
-    memory_per_token, merge, one_device_forward, ring_backward, ring_forward, schedule,
+    BLOCKS, RingMismatch, backward, check_same_everywhere, flash_version, forward, hopper_backward_blocks,
+    hopper_backward_takes, hopper_blocks, hopper_takes, memory_per_token, merge, one_device_backward,
+    one_device_forward, ring_backward, ring_forward, schedule,
 )
 
 
 __all__ = [
     "forward", "backward", "ring_forward", "ring_backward", "merge", "block_calls", "positions",
     "shard", "shard_len", "unshard", "flash_version", "hopper_takes", "hopper_blocks", "one_device_forward",
+    "hopper_backward_takes", "hopper_backward_blocks", "one_device_backward",
     "simulate", "check_same_everywhere", "BLOCKS", "LAYOUTS", "RingMismatch", "BACKENDS", "BlockCall", "steps",
     "schedule", "halves", "memory_per_token", "SCHEMES", "traffic",
 ]

@@ -27,7 +27,7 @@ How a block travels (what makes the ring pay on real GPUs):
     a double-buffered ring: its memory is its shards, its accumulators and 1.5 blocks.
   * Merged where it is computed. On the GPU the kernels add each block into the ring's float32 accumulators
     themselves: version pipelined (or stage 06's forward on an sm_90 GPU, hopper_blocks) merges O_rj, L_rj into
-    O_r, L_r in its epilogue, version tc adds dQ, dK, dV with
+    O_r, L_r in its epilogue, version tc (or stage 06's backward, hopper_backward_blocks) adds dQ, dK, dV with
     atomics; no block leaves a partial result behind. Elsewhere (numpy, stage 00 blocks, the float32 kernels) a block
     returns its partial result and merge() / += add it (the same arithmetic).
   * No copies: a block call reads rows q_start:q_stop of the shard and keys k_start:k_stop of the half in place.
@@ -67,7 +67,8 @@ from .layout import (
 )
 
 __all__ = ["ring_forward", "ring_backward", "merge", "forward", "backward", "BLOCKS", "flash_version", "hopper_blocks",
-           "hopper_takes", "one_device_forward", "RingMismatch", "check_same_everywhere", "LAYOUTS", "block_calls",
+           "hopper_takes", "hopper_backward_blocks", "hopper_backward_takes", "one_device_forward",
+           "one_device_backward", "RingMismatch", "check_same_everywhere", "LAYOUTS", "block_calls",
            "positions", "shard", "shard_len", "unshard", "steps", "schedule", "memory_per_token", "SCHEMES"]
 
 
@@ -124,6 +125,7 @@ def flash_version(dtype, version=None):
 
 
 DEFAULT_FORWARD = (None, "auto", "pipelined")  # the forward versions that mean "what stage 02's auto picks"
+DEFAULT_BACKWARD = (None, "auto", "tc")  # the backward versions that mean "what stage 03's auto picks"
 
 
 def hopper_takes(dtype, D, *, H, Hkv, B, version=None):
@@ -146,6 +148,24 @@ def hopper_blocks(prob, dtype, version):
     return hopper_takes(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B, version=version)
 
 
+def hopper_backward_takes(dtype, D, *, H, Hkv, B, version=None):
+    """Whether the flash backward is stage 06's for plain attention of this shape: at the default backward version
+    (naming stage 03's "fp32" keeps stage 03), where stage 06's forward is (hopper_takes) and its backward version ws
+    takes the head dim (flash_v3_backward.takes_block)."""
+    if version not in DEFAULT_BACKWARD or not hopper_takes(dtype, D, H=H, Hkv=Hkv, B=B):
+        return False
+    from stages.hopper import flash_v3_backward
+
+    return flash_v3_backward.takes_block(dtype, D)
+
+
+def hopper_backward_blocks(prob, dtype, version):
+    """Whether the flash backward blocks of this problem are stage 06's (flash_v3_backward.accumulate_into: dQ, dK, dV
+    added into the ring's float32 accumulators by the kernel): as hopper_blocks, with hopper_backward_takes."""
+    return (hopper_blocks(prob, dtype, None)
+            and hopper_backward_takes(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B, version=version))
+
+
 def one_device_forward(q, k, v, *, version=None, **kw):
     """The forward one device runs for the ring's flash blocks (the yardstick of the ring's efficiency): stage 06's
     for GPU arrays where hopper_takes and no option but causal and scale is given, else stage 02's forward at that
@@ -159,6 +179,20 @@ def one_device_forward(q, k, v, *, version=None, **kw):
 
         return flash_v3.forward(q, k, v, **kw)
     return flash_v2.forward(q, k, v, version=version, **kw)
+
+
+def one_device_backward(q, k, v, o, lse, do, *, version=None, **kw):
+    """The backward one device runs for the ring's flash blocks: stage 06's for GPU arrays where
+    hopper_backward_takes and no option but causal and scale is given, else stage 03's at that version."""
+    from stages import flash_v2_backward
+
+    plain_gpu_call = not isinstance(q, np.ndarray) and not kw.keys() - {"causal", "scale"}
+    if plain_gpu_call and hopper_backward_takes(q.dtype, q.shape[3], H=q.shape[1], Hkv=k.shape[1], B=q.shape[0],
+                                                version=version):
+        from stages.hopper import flash_v3_backward
+
+        return flash_v3_backward.backward(q, k, v, o, lse, do, **kw)
+    return flash_v2_backward.backward(q, k, v, o, lse, do, version=version, **kw)
 
 
 # ----------------------------------------------------------------------------- the merge
@@ -586,7 +620,8 @@ class _Blocks:
     def __init__(self, prob, block, version, dtype, backward):
         self.prob, self.version = prob, version
         self.fwd, self.bwd = BLOCKS[block]
-        self.hopper = block == "flash" and not backward and hopper_blocks(prob, dtype, version)
+        self.hopper = block == "flash" and (hopper_backward_blocks(prob, dtype, version) if backward
+                                            else hopper_blocks(prob, dtype, version))
         self.fused = self.hopper
         if block == "flash" and prob.xp is not np and not self.hopper:
             try:
@@ -659,6 +694,12 @@ class _Blocks:
         """The gradients of block call c, added into rows q_start:q_stop of dq_run and keys k_start:k_stop of dk_run,
         dv_run."""
         prob = self.prob
+        if self.hopper:  # stage 06 on an sm_90 GPU: the kernel adds into the accumulators
+            from stages.hopper import flash_v3_backward
+
+            flash_v3_backward.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, (c.q_start, c.q_stop),
+                                              (c.k_start, c.k_stop), causal=c.mask()["causal"], scale=prob.scale)
+            return
         if self.fused:
             from stages import flash_v2_backward
 

@@ -232,13 +232,16 @@ def main(argv=None):
     block, why = _blocks(args, gpu, dtype, variants)
     versions = _versions(block, dtype, D, args, rank, gpu, variants)
     where = f"GPU {gpu_name()}" if gpu else "CPU"
-    # the forward blocks are stage 06's (ring.hopper_blocks), and so is one device's forward (ring.one_device_forward)
-    hopper = block == "flash" and gpu and not variants and R.hopper_takes(dtype, D, H=H, Hkv=Hkv, B=args.batch,
-                                                                          version=versions[0])
+    # on an sm_90 GPU the blocks are stage 06's (ring.hopper_blocks, ring.hopper_backward_blocks), and so is one
+    # device's attention (ring.one_device_forward, ring.one_device_backward)
+    plain = block == "flash" and gpu and not variants
+    hopper = plain and R.hopper_takes(dtype, D, H=H, Hkv=Hkv, B=args.batch, version=versions[0])
+    hopper_bwd = plain and R.hopper_backward_takes(dtype, D, H=H, Hkv=Hkv, B=args.batch, version=versions[1])
     if rank == 0:
         print(f"== stage 04 ring attention: {P} ranks, backend {args.backend} -> {backend} ({reason})")
         fwd_blocks = "stage 06 (FlashAttention-3 on sm_90)" if hopper else f"stage 02 version {versions[0]}"
-        print(f"   blocks {block}" + (f" ({fwd_blocks}, stage 03 version {versions[1]})"
+        bwd_blocks = "stage 06 backward version ws" if hopper_bwd else f"stage 03 version {versions[1]}"
+        print(f"   blocks {block}" + (f" ({fwd_blocks}, {bwd_blocks})"
                                       if block == "flash" else f" (stage 00{'; ' + why if why else ''})")
               + f", scheme {args.scheme}, layout {layout}, causal={causal}, {np.dtype(dtype).name}, "
               + f"B={args.batch} H={H} Hkv={Hkv} D={D}"
@@ -333,13 +336,11 @@ def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring"):
 
 
 def _one_device(block):
-    """forward, backward of one device for a block kind: flash, the forward the ring's blocks run
-    (ring.one_device_forward: stage 06's on an sm_90 GPU where it takes the problem, else stage 02's) and stage 03's
-    backward; naive, stage 00."""
+    """forward, backward of one device for a block kind: flash, the attention the ring's blocks run
+    (ring.one_device_forward, ring.one_device_backward: stage 06's on an sm_90 GPU where it takes the problem, else
+    stages 02 and 03); naive, stage 00."""
     if block == "flash":
-        from stages import flash_v2_backward
-
-        return R.one_device_forward, flash_v2_backward.backward
+        return R.one_device_forward, R.one_device_backward
     from stages import naive
 
     return naive.forward, naive.backward

@@ -9,7 +9,7 @@ Three launches, the first and last stage 03's (kernels/flash_v2_backward_pre.cu)
                      accumulator zeroed
   the main kernel    dK_j, dV_j of each K/V tile in the accumulators of the warpgroups that own its keys, the five GEMMs
                      of each Q tile by wgmma; dQ_i added to the accumulator
-  bwd_convert_dq     dQ = scale x the accumulator, in the inputs' dtype
+  bwd_convert_dq     dQ = the accumulator (scale dS K summed) in the inputs' dtype
 
 Versions, in the order the README teaches them:
   wgmma  (kernels/flash_v3_backward_wgmma.cu) one warpgroup per K/V tile of 64 keys, Q_i and dO_i by TMA into two
@@ -53,12 +53,13 @@ CONFIGS = {"wgmma": Config(64, 128), "ws": Config(128, 384)}  # ws: a producer a
 
 class HopperBwdParams(ctypes.Structure):
     """struct HopperBwdParams of kernels/hopper_bwd_tiles.cuh: dq_acc, dk, dv, lse, delta, Nq, Nk, Nq_pad, scale,
-    causal, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets 64, 192,
-    320, 448, 576."""
+    causal, kv_rows, accumulate, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets 128,
+    256, 384, 512, 640."""
     _fields_ = [("dq_acc", ctypes.c_uint64), ("dk", ctypes.c_uint64), ("dv", ctypes.c_uint64),
                 ("lse", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("Nq", ctypes.c_int32),
                 ("Nk", ctypes.c_int32), ("Nq_pad", ctypes.c_int32), ("scale", ctypes.c_float),
-                ("causal", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 4),
+                ("causal", ctypes.c_int32), ("kv_rows", ctypes.c_int32), ("accumulate", ctypes.c_int32),
+                ("_pad", ctypes.c_uint8 * 60),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16),
                 ("map_do", ctypes.c_uint64 * 16), ("map_dq", ctypes.c_uint64 * 16)]
 
@@ -137,8 +138,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
                    (i32(Nq), i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(1), i32(0)))(
         o, do, lse, delta, lse_pad, dq_acc, np.uint64(0))
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-    params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale,
-                             causal=int(causal), map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
+    params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale, causal=int(causal), kv_rows=Nk, accumulate=0,
+                             map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
                              map_v=blocks.tensor_map_heads(v), map_do=blocks.tensor_map_heads(do),
                              map_dq=blocks.tensor_map_heads(dq_acc))
     cfg = CONFIGS[version]
@@ -147,8 +148,46 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
         dq_acc, dk, dv, lse_pad, delta)
     n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
     kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),), (256,), 0,
-                   (f32(scale), np.int64(n)))(dq_acc, dq)
+                   (f32(1.0), np.int64(n)))(dq_acc, dq)
     return dq, dk, dv
+
+
+def takes_block(dtype, head_dim):
+    """Whether accumulate_into computes a ring block of this dtype and head dim (version ws's head dims); the ring
+    asks flash_v3.takes for the GPU and the heads first."""
+    return np.dtype(dtype) in blocks.CTYPE and head_dim in VERSION_HEAD_DIMS["ws"]
+
+
+def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, causal, scale):
+    """One block of the ring backward (stage 04), added in place, as stage 03's accumulate_into: the gradients of
+    rows (a, b) of q, o, lse, do (B, H, Lq, ...) against keys (c, m) of k, v (B, H, Lk, D), version ws, added into the
+    ring's float32 accumulators: scale dQ into rows a:b of dq_run by the copy engine's reductions (a tensor map of
+    those rows), dK, dV into keys c:m of dk_run, dv_run (B, H, Lk, D) by the epilogue's reductions. No row is copied:
+    the maps start at row a and key c. Two launches: stage 03's preprocess (D_i, L_i of rows a:b) and the main
+    kernel. Causal: bottom-right aligned within the block. CuPy arrays, checked by the caller (takes_block)."""
+    import cupy
+
+    (a, b), (c, m) = rows, keys
+    B, H, Lq, D = q.shape
+    Nq, Nk, BH = b - a, m - c, B * H
+    Nq_pad = -(-Nq // PAD) * PAD
+    ctype = blocks.CTYPE[np.dtype(q.dtype)]
+    scratch = cupy.empty(2 * BH * Nq_pad, cupy.float32)  # D_i, then L_i, of rows a:b
+    delta, lse_pad = scratch[:BH * Nq_pad], scratch[BH * Nq_pad:]
+    i32, f32 = np.int32, np.float32
+    at = a * D * q.itemsize  # byte offset of row a in every head of o and do
+    kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
+                   (i32(Nq), i32(Lq), i32(Nq_pad), i32(D), f32(1.0), i32(0), i32(0)))(
+        o.data.ptr + at, do.data.ptr + at, lse.data.ptr + 4 * a, delta, lse_pad, np.uint64(0), np.uint64(0))
+    params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale,
+                             causal=int(bool(causal)), kv_rows=k.shape[2], accumulate=1,
+                             map_q=blocks.tensor_map_heads(q, rows=rows), map_k=blocks.tensor_map_heads(k, rows=keys),
+                             map_v=blocks.tensor_map_heads(v, rows=keys), map_do=blocks.tensor_map_heads(do, rows=rows),
+                             map_dq=blocks.tensor_map_heads(dq_run, rows=rows))
+    cfg = CONFIGS["ws"]
+    kv = 4 * c * D  # byte offset of key c in every head of the float32 accumulators
+    kernels.Launch(_function("ws", ctype, D), (-(-Nk // cfg.bc), BH, 1), (cfg.threads,), smem_bytes("ws", D),
+                   params)(np.uint64(0), dk_run.data.ptr + kv, dv_run.data.ptr + kv, lse_pad, delta)
 
 
 def kernel_names(version):
