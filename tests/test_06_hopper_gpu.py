@@ -323,7 +323,8 @@ def test_accumulate_into_the_ring_gradients_of_some_rows_and_keys(D, dtype, caus
 
 def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     """On an sm_90 GPU the ring's blocks at the default versions are stage 06's merge_into and accumulate_into (stage
-    02 version tc when named), and the GPT's flash_v2 attention in bfloat16 runs stage 06's forward and backward."""
+    02 version tc when named; a ring of one rank: stage 06's backward), and the GPT's flash_v2 attention in bfloat16
+    runs stage 06's forward and backward."""
     import cupy
 
     from stages import ring
@@ -348,6 +349,13 @@ def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     q, k, v, do = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy, grad=True)
     check_backward(ring.backward, q, k, v, do, causal=True, layout="zigzag", ranks=4, block="flash")
     assert bwd_calls, "the ring's backward blocks did not go through stage 06"
+    whole = []  # a ring of one rank is one call over the whole sequence: stage 06's backward itself
+    real_whole = flash_v3_backward.backward
+    monkeypatch.setattr(flash_v3_backward, "backward", lambda *a, **kw: (whole.append(1), real_whole(*a, **kw))[1])
+    for causal in (False, True):
+        whole.clear()
+        check_backward(ring.backward, q, k, v, do, causal=causal, layout="contiguous", ranks=1, block="flash")
+        assert whole, f"a ring of one rank (causal={causal}) did not run stage 06's backward"
     assert attention.StageAttention("flash_v2", 64, bfloat16).fwd is flash_v3.forward
     assert attention.StageAttention("flash_v2", 64, bfloat16).bwd is flash_v3_backward.backward
     assert attention.StageAttention("flash_v2", 64, np.float32).fwd is not flash_v3.forward

@@ -889,6 +889,11 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernels write the gradients in the inputs' dtype themselves
         c, kpos = whole
+        if blocks.hopper:
+            from stages.hopper import flash_v3_backward
+
+            return _one_call(xp, timeline, lambda: flash_v3_backward.backward(
+                q, k, v, o, cast(lse, np.float32), do, scale=prob.scale, **c.mask()))
         return _one_call(xp, timeline, lambda: blocks.bwd(q, k, v, o, lse, do, scale=prob.scale, version=version,
                                                           **c.mask(), **prob.options(blocks.qpos, kpos, c)))
     marks = _Timeline(xp)
