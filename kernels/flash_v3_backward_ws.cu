@@ -8,10 +8,12 @@
 //     .add), which adds it to the accumulator while the next tile is computed;
 //   * two consumer warpgroups, each on its 64 keys of the tile, share every Q_i and dO_i a producer warpgroup loads
 //     (setmaxnreg: 24 registers for it, 240 for each consumer) STAGES tiles ahead on full / empty mbarriers;
-//   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j: at D = 128 each consumer computes half of its columns over all 128
-//     keys (32 accumulator registers); at D = 64 each computes all columns over its own 64 keys, and the two halves
-//     meet in shared memory before the bulk reduction. Two named barriers order the consumers: dS^T of both is
-//     written (BAR_DS), dQ_i is in shared memory (BAR_DQ).
+//   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j. At D = 128 each consumer computes half of its columns over all 128
+//     keys (32 accumulator registers), so it needs the other's dS^T: two named barriers of both consumers order each
+//     tile: both halves of dS^T are written (BAR_DS), both halves of dQ_i are in shared memory (BAR_DQ; one thread
+//     then hands all of it to the copy engine). At D = 64 each consumer computes all columns over its own 64 keys and
+//     reduces that part of dQ_i itself, from a buffer of its own: the barriers are each consumer's alone, the two never
+//     wait for each other, and while one runs its softmax or its epilogue the other keeps the tensor cores busy.
 // Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
 // A block of ring attention (stage 04; p.accumulate) adds scale dQ_i through map_dq, a map of the ring's float32 dQ
 // at the block's rows, and dK_j, dV_j into its float32 accumulators (hopper_bwd_tiles.cuh: store_dk_dv).
@@ -23,14 +25,17 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     static_assert(D == 64 || D == 128, "version ws: head dims 64 and 128");
     constexpr int PANELS = D / 64;
     constexpr u32 TILE = PANELS * 8192u;  // bytes of one 64-row tile
-    enum { BAR_DS = 1, BAR_DQ = 2 };      // named barriers of the two consumer warpgroups (256 threads)
+    constexpr bool OWN = D == 64;  // each consumer reduces its own keys' part of dQ_i (see above)
+    // named barriers of both consumers (256 threads); at D = 64 each consumer has its own, BAR_DS + me, BAR_DQ + me
+    enum { BAR_DS = 1, BAR_DQ = 3 };
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // K and V; full[s]; empty[s]
-    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (64 x D fp32: D / 32 panels of 64 rows
-    // x 128 bytes, swizzled as the map_dq box), then stage s:
-    // Q_i, dO_i; after the stages, stage s's L_i and D_i (64 floats each)
+    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (a buffer per consumer: 64 rows x 64
+    // fp32 columns in two panels of 64 rows x 128 bytes, swizzled as the map_dq box; at D = 128 consumer me's columns
+    // 64 me.., so the two buffers are dQ_i's four panels in order), then stage s: Q_i, dO_i; after the stages, stage
+    // s's L_i and D_i (64 floats each)
     const u32 k_s = aligned_1024(smem_raw), v_s = k_s + 2 * TILE, ds_s = v_s + 2 * TILE, dq_s = ds_s + 16384u;
-    const u32 q_s = dq_s + 64u * D * 4u, ld_s = q_s + STAGES * 2 * TILE;
+    const u32 q_s = dq_s + 32768u, ld_s = q_s + STAGES * 2 * TILE;
     auto shared_floats = [&](u32 addr) { return reinterpret_cast<float*>(smem_raw + (addr - smem_addr(smem_raw))); };
     auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
     auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
@@ -79,10 +84,13 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     }
     // ---------------- consumers: warpgroup wg - 1 owns keys key0 + 64 (wg - 1) .. + 63
     setmaxnreg_inc<240>();
-    const int me = wg - 1, ct = threadIdx.x - 128;  // consumer index, thread index among the 256 consumer threads
+    const int me = wg - 1;  // consumer index
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kfirst = key0 + 64 * me, kr = kfirst + 16 * warp + g;  // this warpgroup's keys; this lane's
-    const u32 k_mine = k_s + me * TILE, v_mine = v_s + me * TILE, ds_mine = ds_s + me * 8192u;
+    const u32 k_mine = k_s + me * TILE, v_mine = v_s + me * TILE, dq_mine = dq_s + me * 16384u;
+    const u32 ds_mine = ds_s + me * 8192u;
+    const int bar_threads = OWN ? 128 : 256, bar_ds = BAR_DS + (OWN ? me : 0), bar_dq = BAR_DQ + (OWN ? me : 0);
+    const bool issuer = OWN ? threadIdx.x % 128 == 0 : threadIdx.x == 128;  // who talks to the copy engine
     float dk[PANELS][8][4], dv[PANELS][8][4];  // Alg.2 L5
 #pragma unroll
     for (int c = 0; c < PANELS; ++c) zero(dk[c]), zero(dv[c]);
@@ -108,17 +116,18 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         issue_rs<T, D>(dv, pa, do_s, 0);  // Alg.2 L9: dV_j += P^T dO_i
         issue_rs<T, D>(dk, da, qn_s, 0);  // Alg.2 L12: dK_j += dS^T Q_i
         wgmma_commit();                    // waited for with dQ's: pa, da stay the wgmma's until then
-        store_ds_t(ds_mine, da, warp, g, t);  // free: BAR_DQ of the last tile came after both read dS^T
-        if (ct == 0) bulk_wait_read<0>();     // the last tile's dQ_i has left shared memory
-        named_bar_sync(BAR_DS, 256);          // both halves of dS^T are written; dQ's buffer is free
+        // dS^T's last readers, the dQ GEMMs of the last tile, are done: at D = 128 both consumers passed its BAR_DQ
+        store_ds_t(ds_mine, da, warp, g, t);
+        if (issuer) bulk_wait_read<0>();      // the last tile's dQ_i has left shared memory
+        named_bar_sync(bar_ds, bar_threads);  // dS^T is written (both halves at D = 128); the dQ buffers are free
         // Alg.2 L13: dQ_i += dS_i K_j. A = dS (queries x keys) as dS^T lies (MN-major), B = K_j (MN-major); 16 keys
         // further is 2048 bytes, 64 keys further the next tile
         float dq[8][4];
         const int qr = 16 * warp + g;  // this lane's rows of dQ_i: qr, qr + 8 (the same row % 8)
-        // columns 8 nb + 2 t, + 1 from column col: panel (col + 8 nb) / 32, 16-byte chunk (2 (nb % 4) + t / 2) ^
+        // columns 8 nb + 2 t, + 1 of this consumer's buffer: panel nb / 4, 16-byte chunk (2 (nb % 4) + t / 2) ^
         // (row % 8), byte 8 (t % 2); 8 rows further is 1024 bytes
-        auto dq_at = [&](int col, int nb) {
-            return shared_floats(dq_s + ((col + 8 * nb) / 32) * 8192u + qr * 128u +
+        auto dq_at = [&](int nb) {
+            return shared_floats(dq_mine + (nb / 4) * 8192u + qr * 128u +
                                  (((2 * (nb % 4) + t / 2) ^ (qr % 8)) << 4) + 8 * (t % 2));
         };
         wgmma_fence();
@@ -133,7 +142,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         } else {  // all 64 columns, this warpgroup's 64 keys
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-                wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq), desc_mnmajor_128b(ds_mine + kk * 2048u, 8192u),
+                wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq),
+                                        desc_mnmajor_128b(ds_mine + kk * 2048u, 8192u),
                                         desc_mnmajor_128b(k_mine + kk * 2048u, 8192u), kk > 0);
         }
         wgmma_commit();
@@ -147,32 +157,20 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb)  // scale dS K: what the accumulator (or the ring's dQ) gets
             dq[nb][0] *= p.scale, dq[nb][1] *= p.scale, dq[nb][2] *= p.scale, dq[nb][3] *= p.scale;
-        const int col = D == 128 ? 64 * me : 0;
-        if (D == 128 || me == 0)
 #pragma unroll
-            for (int nb = 0; nb < 8; ++nb) {
-                *reinterpret_cast<float2*>(dq_at(col, nb)) = make_float2(dq[nb][0], dq[nb][1]);
-                *reinterpret_cast<float2*>(dq_at(col, nb) + 256) = make_float2(dq[nb][2], dq[nb][3]);
-            }
-        if (D == 64) {  // the second warpgroup adds its keys' half to the first's
-            named_bar_sync(BAR_DQ, 256);
-            if (me == 1)
-#pragma unroll
-                for (int nb = 0; nb < 8; ++nb) {
-                    float2* a = reinterpret_cast<float2*>(dq_at(0, nb));
-                    float2* b = reinterpret_cast<float2*>(dq_at(0, nb) + 256);
-                    const float2 x = *a, y = *b;
-                    *a = make_float2(x.x + dq[nb][0], x.y + dq[nb][1]);
-                    *b = make_float2(y.x + dq[nb][2], y.y + dq[nb][3]);
-                }
+        for (int nb = 0; nb < 8; ++nb) {  // this consumer's dQ_i (D = 128: its 64 columns; 64: its keys' part)
+            *reinterpret_cast<float2*>(dq_at(nb)) = make_float2(dq[nb][0], dq[nb][1]);
+            *reinterpret_cast<float2*>(dq_at(nb) + 256) = make_float2(dq[nb][2], dq[nb][3]);
         }
         fence_proxy_async();  // the copy engine reads what these stores wrote
-        named_bar_sync(BAR_DQ, 256);
-        if (ct == 0) {  // one box of 64 rows x 32 columns per panel; rows past Nq are skipped
-            for (int c = 0; c < D / 32; ++c) tma_reduce_add_3d(&p.map_dq, dq_s + c * 8192u, 32 * c, row0, bh);
+        named_bar_sync(bar_dq, bar_threads);
+        if (issuer) {  // one box of 64 rows x 32 columns per panel; rows past Nq are skipped
+            const u32 from = OWN ? dq_mine : dq_s;  // this consumer's part of dQ_i, or (D = 128) all of it
+            for (int c = 0; c < (OWN ? 2 : D / 32); ++c)
+                tma_reduce_add_3d(&p.map_dq, from + c * 8192u, 32 * c, row0, bh);
             bulk_commit();
         }
     }
-    if (ct == 0) bulk_wait_all<0>();  // no reduction may still read shared memory when the block exits
+    if (issuer) bulk_wait_all<0>();  // no reduction may still read shared memory when the block exits
     store_dk_dv<T, D, D>(dk, dv, p, bh, kr, 0, t);  // Alg.2 L16 (a block no query sees writes zeros)
 }

@@ -83,11 +83,11 @@ def parts(D):
 
 def smem_bytes(version, D):
     """2 bytes a value; 1024 bytes to align the first tile to the swizzle's period. wgmma: K_j and V_j (64 keys),
-    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x 64), dQ_i in float32
-    (64 x D), STAGES stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
+    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x 64), a dQ_i buffer per
+    consumer in float32 (64 x 64), STAGES stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
     if version == "wgmma":
         return 6 * 64 * D * 2 + 64 * BR * 2 + 1024
-    return 2 * 128 * D * 2 + 128 * BR * 2 + BR * D * 4 + STAGES * (2 * BR * D * 2 + 2 * BR * 4) + 1024
+    return 2 * 128 * D * 2 + 128 * BR * 2 + 2 * BR * 64 * 4 + STAGES * (2 * BR * D * 2 + 2 * BR * 4) + 1024
 
 
 def _name(version, ctype, D):
