@@ -10,8 +10,10 @@ A block owns a K/V tile j of `bc` keys; each consumer warpgroup owns 64 of them 
     dV_c += P^T dO_i,   dK_c += dS^T Q_i                             the consumer's accumulators
     dQ_i += dS_i K_j over the block's keys                           one reduction into dQ per (block, Q tile)
 
-and at the end dK = scale dK, dQ = scale dQ (the conversion kernel). Version wgmma is the same with bc = 64 (one
-warpgroup); version ws takes bc = 128, which halves the reductions into dQ (dq_reductions).
+and dK = scale dK, dQ = scale dQ (the kernels scale each sum before it leaves). Version wgmma is the same with
+bc = 64 (one warpgroup); version ws takes bc = 128, which at D = 128 halves the reductions into dQ (dq_reductions).
+At D = 64 each of its consumers reduces its own 64 keys' share (as many reductions as bc = 64, by the copy engine):
+the two consumers then never wait for each other.
 """
 import numpy as np
 
