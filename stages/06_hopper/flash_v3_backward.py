@@ -35,7 +35,9 @@ VERSIONS = tuple(FILES)
 DEFAULT = "auto"
 HEAD_DIMS = (64, 128, 256)
 VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": (64, 128)}
-STAGES = 2  # Q/dO stages of version ws
+# Q/dO stages of version ws, by head dim: a third stage at D = 64 lets a consumer run further ahead of the other
+# (they never wait for each other there); at D = 128 the two meet every tile and a third stage does not pay
+STAGES = {64: 3, 128: 2}
 PRE_FILE = "flash_v2_backward_pre.cu"  # stage 03's preprocess and dQ conversion
 PAD = stage03.PAD                      # D_i and L_i are padded to a multiple of PAD rows (>= the 64-row Q tiles)
 BR = 64                                # Q tiles of 64 rows
@@ -84,16 +86,16 @@ def parts(D):
 def smem_bytes(version, D):
     """2 bytes a value; 1024 bytes to align the first tile to the swizzle's period. wgmma: K_j and V_j (64 keys),
     the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x 64), a dQ_i buffer per
-    consumer in float32 (64 x 64), STAGES stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
+    consumer in float32 (64 x 64), STAGES[D] stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
     if version == "wgmma":
         return 6 * 64 * D * 2 + 64 * BR * 2 + 1024
-    return 2 * 128 * D * 2 + 128 * BR * 2 + 2 * BR * 64 * 4 + STAGES * (2 * BR * D * 2 + 2 * BR * 4) + 1024
+    return 2 * 128 * D * 2 + 128 * BR * 2 + 2 * BR * 64 * 4 + STAGES[D] * (2 * BR * D * 2 + 2 * BR * 4) + 1024
 
 
 def _name(version, ctype, D):
     if version == "wgmma":
         return f"flash_v3_backward_wgmma<{ctype},{D},{D // parts(D)}>"
-    return f"flash_v3_backward_ws<{ctype},{D},{STAGES}>"
+    return f"flash_v3_backward_ws<{ctype},{D},{STAGES[D]}>"
 
 
 def _function(version, ctype, D):
