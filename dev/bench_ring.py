@@ -131,7 +131,8 @@ def main(argv=None):
     torch_ok = _torch(world, gpu and backend == "nccl" and not args.no_torch and args.dtype != "float32")
     if rank == 0:
         print(f"== ring attention benchmark on {size} x {name}: backend {backend} ({reason}); rings of {sizes} GPUs; "
-              f"{args.dtype} B={BATCH} D={args.head_dim}; stage 02 {vf} (stage 06 on sm_90), stage 03 {vb}; "
+              f"{args.dtype} B={BATCH} D={args.head_dim}; stage 02 {vf} (stage 06 on sm_90), stage 03 {vb} "
+              f"(stage 06 ws on sm_90 at d = 64, 128); "
               f"PyTorch context parallel: "
               f"{'yes' if torch_ok is True else torch_ok}", flush=True)
         if backend != "nccl":
