@@ -132,7 +132,7 @@ def main(argv=None):
     if rank == 0:
         print(f"== ring attention benchmark on {size} x {name}: backend {backend} ({reason}); rings of {sizes} GPUs; "
               f"{args.dtype} B={BATCH} D={args.head_dim}; stage 02 {vf} (stage 06 on sm_90), stage 03 {vb} "
-              f"(stage 06 ws on sm_90 at d = 64, 128); "
+              "(stage 06 ws on sm_90 at d = 64, 128); "
               f"PyTorch context parallel: "
               f"{'yes' if torch_ok is True else torch_ok}", flush=True)
         if backend != "nccl":
