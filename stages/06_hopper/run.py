@@ -9,7 +9,7 @@
 4. The consumer warpgroups: the tensor cores' busy fraction for one warpgroup, one with GEMM0 issued early, two that
    share the tensor cores, and two in ping-pong (times of one tile from the FlashAttention-3 paper's H100 rates).
 5. The backward's tile order (backward_mirror): its gradients against stage 00's, and how many reductions into dQ
-   blocks of 64 keys (version wgmma) and of 128 (version ws) make.
+   blocks of 64 keys (version wgmma) and of 128 (version ws: one per block at D = 128, one per consumer at 64) make.
 
     python stages/06_hopper/run.py
     python stages/06_hopper/run.py --quick      # the same (it takes a second); for the tutorial-wide runner
@@ -91,12 +91,14 @@ def show_backward(B=1, H=2, Nq=200, Nk=333, D=64):
         q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=np.float64, grad=True, seed=5)
         o, lse = naive.forward(q, k, v, causal=causal)
         want = naive.backward(q, k, v, o, lse, do, causal=causal)
-        for bc in (64, 128):
-            got = M.backward(q, k, v, o, lse, do, causal=causal, bc=bc)
+        for bc, shared, what in ((64, True, "blocks of 64 keys (wgmma)"),
+                                 (128, True, "blocks of 128 keys (ws, D = 128)"),
+                                 (128, False, "blocks of 128 keys (ws, D = 64)")):
+            got = M.backward(q, k, v, o, lse, do, causal=causal, bc=bc, shared=shared)
             err = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
             ok &= err < 1e-10
-            print(f"   causal={causal!s:5s} blocks of {bc:3d} keys: max |difference| {err:.1e}, "
-                  f"{M.dq_reductions(Nq, Nk, causal, bc)} reductions into dQ per head")
+            print(f"   causal={causal!s:5s} {what + ':':33s} max |difference| {err:.1e}, "
+                  f"{M.dq_reductions(Nq, Nk, causal, bc, shared)} reductions into dQ per head")
     return ok
 
 
