@@ -2,10 +2,10 @@
 // reduction moved to the copy engine (FlashAttention-3, Shah et al., arXiv 2407.08608, Sec. 3.3). What changes, and
 // why:
 //   * dQ_i += dS K_j was 64 x D single reductions per lane and tile into the fp32 accumulator: the largest cost of
-//     version 1. Here the block's K/V tile has 128 keys, so each dQ_i is summed over twice as many keys before it
-//     leaves the block, and it leaves by bulk reductions: the consumers write dQ_i to shared memory (panels of 32
-//     floats, 128-byte swizzle: conflict-free), one thread hands it to the copy engine (cp.reduce.async.bulk.tensor
-//     .add), which adds it to the accumulator while the next tile is computed;
+//     version 1. Here dQ_i leaves by bulk reductions: the consumers write it to shared memory (panels of 32 floats,
+//     128-byte swizzle: conflict-free), one thread hands it to the copy engine (cp.reduce.async.bulk.tensor .add),
+//     which adds it to the accumulator while the next tile is computed. The block's K/V tile has 128 keys, and at
+//     D = 128 each dQ_i is summed over all of them before it leaves: half as many reductions;
 //   * two consumer warpgroups, each on its 64 keys of the tile, share every Q_i and dO_i a producer warpgroup loads
 //     (setmaxnreg: 24 registers for it, 240 for each consumer) STAGES tiles ahead on full / empty mbarriers;
 //   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j. At D = 128 each consumer computes half of its columns over all 128
