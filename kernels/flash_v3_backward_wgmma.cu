@@ -102,10 +102,7 @@ __global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_c
         issue_rs<T, DP>(dk, da, qn_s, col_panel);  // Alg.2 L12: dK_j += dS^T Q_i
         wgmma_commit();
         wgmma_wait<0>();
-        fence_operands(reinterpret_cast<float(&)[DP / 2]>(dv));
-        fence_operands(reinterpret_cast<float(&)[DP / 2]>(dk));
-        fence_operands(reinterpret_cast<u32(&)[16]>(pa));
-        fence_operands(reinterpret_cast<u32(&)[16]>(da));
+        fence_rs<DP>(dv, dk, pa, da);
         __syncthreads();  // every warp's rows of dS^T are in shared memory
         float dq[DP / 64][8][4];
         wgmma_fence();

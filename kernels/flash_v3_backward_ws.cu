@@ -148,10 +148,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         }
         wgmma_commit();
         wgmma_wait<0>();
-        fence_operands(reinterpret_cast<float(&)[D / 2]>(dv));
-        fence_operands(reinterpret_cast<float(&)[D / 2]>(dk));
-        fence_operands(reinterpret_cast<u32(&)[16]>(pa));
-        fence_operands(reinterpret_cast<u32(&)[16]>(da));
+        fence_rs<D>(dv, dk, pa, da);
         fence_operands(reinterpret_cast<float(&)[32]>(dq));
         if (lane == 0) mbar_arrive(empty(s));  // this warp is done with Q_i and dO_i
 #pragma unroll

@@ -98,6 +98,17 @@ __device__ __forceinline__ void issue_rs(float (&acc)[DP / 64][8][4], const u32 
     }
 }
 
+// After the wait for dV_j += P^T dO_i and dK_j += dS^T Q_i (issue_rs): their accumulators and A fragments are
+// ordinary registers again, and nothing that uses them may move across the wait (hopper.cuh: fence_operands).
+template <int DP>
+__device__ __forceinline__ void fence_rs(float (&dv)[DP / 64][8][4], float (&dk)[DP / 64][8][4], u32 (&pa)[4][4],
+                                         u32 (&da)[4][4]) {
+    fence_operands(reinterpret_cast<float(&)[DP / 2]>(dv));
+    fence_operands(reinterpret_cast<float(&)[DP / 2]>(dk));
+    fence_operands(reinterpret_cast<u32(&)[16]>(pa));
+    fence_operands(reinterpret_cast<u32(&)[16]>(da));
+}
+
 // Alg.2 L16 for this lane's keys kr, kr + 8: dK_j = scale sum dS^T Q and dV_j, columns 64 col_panel.. (DP of them),
 // written in the input type or (accumulate) added to the ring's float32 accumulators with vector reductions (the
 // ring's block calls of one step run side by side and may add to the same keys); keys past Nk are left alone.

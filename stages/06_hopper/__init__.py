@@ -2,7 +2,7 @@
 (layouts.py), the pipeline and ping-pong schedules, simulated (schedules.py), and the backward's tile order in numpy
 (backward_mirror.py). On an sm_90 GPU: the building blocks checked one by one (blocks.py), the forward in three
 versions (flash_v3.py: wgmma, ws, pingpong) and the backward in two (flash_v3_backward.py: wgmma, ws), which the ring
-(stage 04, its forward) and the GPT (stage 05) use on Hopper."""
+(stage 04) and the GPT (stage 05) use on Hopper."""
 from . import backward_mirror, blocks, flash_v3, flash_v3_backward, layouts, schedules
 
 __all__ = ["layouts", "schedules", "backward_mirror", "blocks", "flash_v3", "flash_v3_backward"]

@@ -15,7 +15,8 @@ Versions, in the order the README teaches them:
   wgmma  (kernels/flash_v3_backward_wgmma.cu) one warpgroup per K/V tile of 64 keys, Q_i and dO_i by TMA into two
          stages (thread 0 issues the copies), dQ_i added by each lane's vector reductions. D = 64, 128, 256.
   ws     (kernels/flash_v3_backward_ws.cu) a producer warpgroup and two consumers on a K/V tile of 128 keys; dQ_i
-         summed over the 128 keys in the block and added by one bulk reduction of the copy engine. D = 64, 128.
+         added by bulk reductions of the copy engine: summed over the block's 128 keys first at D = 128, each
+         consumer's 64 keys on their own at D = 64 (the consumers never wait for each other). D = 64, 128.
 version "auto" (the default): ws where it takes the head dim, else wgmma.
 """
 import ctypes
