@@ -8,7 +8,8 @@ scaled_dot_product_attention, side by side in one run on one GPU.
 
 Implementations (CSV impl/version):
   ours  fp32       stages.flash_v2.forward(version="fp32") / stages.flash_v2_backward.backward(version="fp32")
-  ours  fp32x3     forward version="fp32x3": fp32 on TF32 tensor cores with the 3xTF32 split (fp32 table only)
+  ours  fp32x3     version="fp32x3", forward and backward: fp32 on TF32 tensor cores with the 3xTF32 split (fp32
+                   table only)
   ours  tc         version="tc": mma.sync tensor cores, bf16/fp16
   ours  pipelined  forward version="pipelined" (cp.async double buffering, padded shared memory)
   ours  hopper     stage 06 on an sm_90 GPU: stages.hopper.flash_v3.forward(version="pingpong") (TMA, wgmma, warp
@@ -86,7 +87,8 @@ CHECK_SHAPE = (1, 2, 256)  # B, H, N of the small problem every implementation i
 OURS_FWD = {"16": ["tc", "pipelined", "hopper"], "32": ["fp32", "fp32x3"]}  # stage 02's versions, and stage 06
 HOPPER = ("hopper", "flash_v3", "pingpong")  # (column, module of stages.hopper, its version)
 HOPPER_BWD = ("hopper", "flash_v3_backward", "auto")  # the same for the backward (ws at d = 64, 128)
-OURS_BWD = {"16": [("tc", False, "tc"), ("tc", True, "tc-det")], "32": [("fp32", False, "fp32")]}  # stage 03
+OURS_BWD = {"16": [("tc", False, "tc"), ("tc", True, "tc-det")], "32": [("fp32", False, "fp32"),
+                                                                        ("fp32x3", False, "fp32x3")]}  # stage 03
 TORCH_VERSIONS = {"16": ["flash", "cudnn"], "32": ["efficient"]}
 
 

@@ -11,10 +11,15 @@ from stages.common import (
 )
 from tests.conftest import CASE_IDS, CASES, case_inputs
 
-COMBOS = [("fp32", np.float32), ("tc", np.float16), ("tc", bfloat16)]
-COMBO_IDS = ["fp32", "tc-fp16", "tc-bf16"]
+COMBOS = [("fp32", np.float32), ("tc", np.float16), ("tc", bfloat16), ("fp32x3", np.float32)]
+COMBO_IDS = ["fp32", "tc-fp16", "tc-bf16", "fp32x3"]
 MODES = [False, True]
 MODE_IDS = ["atomic", "deterministic"]
+
+
+def _modes(version):
+    """The dQ modes a version runs: fp32x3 adds dQ atomically only (deterministic=True is version fp32's)."""
+    return [False] if version == "fp32x3" else MODES
 
 
 def _inputs(case, dtype, xp=np):
@@ -23,8 +28,11 @@ def _inputs(case, dtype, xp=np):
 
 
 def _check(q, k, v, do, causal, version, det):
-    """check_backward by the rule, and the same call with out_dtype=float32: it rounds to exactly the default."""
+    """check_backward by the rule, and the same call with out_dtype=float32: it rounds to exactly the default
+    (deterministic mode: the same sums; float32 inputs: the same outputs)."""
     errs = check_backward(fb.backward, q, k, v, do, causal=causal, version=version, deterministic=det)
+    if not det and version == "fp32x3":
+        return errs
     o64, lse64 = tolerance.oracle(q, k, v, causal=causal)
     o, lse = verify.backward_start(q, o64, lse64)
     a = fb.backward(q, k, v, o, lse, do, causal=causal, version=version, deterministic=True)
@@ -38,12 +46,12 @@ def _check(q, k, v, do, causal, version, det):
 # ---------------------------------------------------------------- CPU: the tile mirror
 
 
-# Every case x (fp32, tc-fp16, tc-bf16), but for CI time (this file must run in ~90 s on 2 cores) the one
-# N = 4097 x 4097 case runs without tc-fp16: its mirror code is tc-bf16's with another rounding (float16 there
-# costs ~10 s of numpy), and the GPU tests run float16 on that case.
+# Every case x (fp32, tc-fp16, tc-bf16, fp32x3), but for CI time (this file must run in ~90 s on 2 cores) the one
+# N = 4097 x 4097 case runs without tc-fp16 and fp32x3: float16's mirror code is tc-bf16's with another rounding
+# (float16 there costs ~10 s of numpy), fp32x3's is fp32's with three matmuls for one; the GPU tests run both on it.
 MIRROR_PARAMS = [pytest.param(case, combo, id=f"{cid}-{comboid}")
                  for case, cid in zip(CASES, CASE_IDS) for combo, comboid in zip(COMBOS, COMBO_IDS)
-                 if not (case[2] * case[3] > 4_000_000 and comboid == "tc-fp16")]
+                 if not (case[2] * case[3] > 4_000_000 and comboid in ("tc-fp16", "fp32x3"))]
 
 
 @pytest.mark.parametrize("case,combo", MIRROR_PARAMS)
@@ -51,7 +59,7 @@ def test_mirror_against_oracle(case, combo):
     version, dtype = combo
     (q, k, v, do), causal = _inputs(case, dtype)
     # the atomic order and the separate dQ pass, both; at N = 4097 x 4097 one mode each (CI time)
-    modes = MODES if q.shape[2] * k.shape[2] < 4_000_000 else [version == "tc"]
+    modes = _modes(version) if q.shape[2] * k.shape[2] < 4_000_000 else [version == "tc"]
     for det in modes:
         errs = _check(q, k, v, do, causal, version, det)
         assert all(np.isfinite(e) for e in errs.values())
@@ -61,9 +69,9 @@ def test_mirror_against_oracle(case, combo):
 @pytest.mark.parametrize("shape", [(2, 1, 100, 37, False), (1, 2, 100, 60, True), (1, 1, 200, 300, True)])
 def test_mirror_every_head_dim(version, D, shape):
     B, H, Nq, Nk, causal = shape
-    for dtype in ([np.float32] if version == "fp32" else [np.float16, bfloat16]):
+    for dtype in fb.DTYPES[version]:
         q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=dtype, grad=True)
-        for det in MODES:
+        for det in _modes(version):
             check_backward(fb.backward, q, k, v, do, causal=causal, version=version, deterministic=det)
 
 
@@ -106,8 +114,14 @@ def test_auto_version_and_errors():
         fb.backward(qh, kh, vh, oh, lseh, doh)
     q2, k2, v2, do2 = make_inputs(1, 1, 8, 8, 256, dtype=np.float32, grad=True)  # d = 256: float32 says where it runs
     o2, lse2 = naive.forward(q2, k2, v2)
-    with pytest.raises(ValueError, match="head_dim 256 is not supported by version 'fp32'.*'tc' with float16/bfloat16"):
+    with pytest.raises(ValueError, match="head_dim 256 is not supported by version 'fp32'.*'tc' .float16/bfloat16"):
         fb.backward(q2, k2, v2, o2, lse2, do2)
+    q3, k3, v3, do3 = make_inputs(1, 1, 8, 8, 80, dtype=np.float32, grad=True)
+    o3, lse3 = naive.forward(q3, k3, v3)
+    with pytest.raises(ValueError, match="head_dim 80 is not supported by version 'fp32x3'.*one of .32, 64, 96, 128"):
+        fb.backward(q3, k3, v3, o3, lse3, do3, version="fp32x3")
+    with pytest.raises(ValueError, match="'fp32x3' adds dQ with atomics.*deterministic=True runs in version 'fp32'"):
+        fb.backward(q, k, v, o, lse, do, version="fp32x3", deterministic=True)
     with pytest.raises(ValueError, match="lse"):
         fb.backward(q, k, v, o, lse[..., :3], do)
 
@@ -117,6 +131,7 @@ def test_tc_tiles_are_named_and_checked():
     is one the kernel takes, and tiles_error says what is wrong with one it does not take. The pair layout's shared
     memory holds P^T too: Bc x (Br + 8) 16-bit values more."""
     from stages.flash_v2_backward import flash_v2_backward as launcher
+    from stages.flash_v2_backward import mirror
 
     for D, cands in launcher.TC_CANDIDATES.items():
         assert fb.tc_tiles(D) == cands[0] and cands[0][:2] == (launcher.TC_BR[D], launcher.TC_BC[D])
@@ -130,6 +145,9 @@ def test_tc_tiles_are_named_and_checked():
     assert "needs min(Br, 32) to be a multiple of 32" in fb.tiles_error(256, 16, 32, 2)
     assert "up to 128" in fb.tiles_error(64, 256, 128, 1)
     assert "multiple of 16" in fb.tiles_error(64, 40, 128, 1)
+    for D, cands in launcher.FP32X3_CANDIDATES.items():  # version fp32x3: the mirror's tiles are its first choice
+        assert fb.fp32x3_tiles(D) == cands[0] and (cands[0].br, cands[0].bc) == mirror.tiles("fp32x3", D)
+        assert all(isinstance(c, fb.Fp32x3Tiles) and launcher.fp32x3_smem(D, c) <= 227 * 1024 for c in cands)
 
 
 def test_run_py_runs_the_versions_that_take_the_head_dim(capsys):
@@ -139,8 +157,9 @@ def test_run_py_runs_the_versions_that_take_the_head_dim(capsys):
 
     run = importlib.import_module("stages.flash_v2_backward.run")
     assert run.parse(["--head-dim", "256"]).versions == ("tc",)
-    assert run.parse(["--head-dim", "32"]).versions == ("fp32",)
-    assert run.parse([]).versions == ("fp32", "tc")
+    assert run.parse(["--head-dim", "32"]).versions == ("fp32", "fp32x3")
+    assert run.parse(["--head-dim", "96"]).versions == ("fp32x3",)
+    assert run.parse([]).versions == ("fp32", "tc", "fp32x3")
     for bad in (["--head-dim", "80"], ["--head-dim", "256", "--version", "fp32"]):
         with pytest.raises(SystemExit):
             run.parse(bad)
@@ -169,14 +188,13 @@ def test_forward_is_the_shared_api():
 # ---------------------------------------------------------------- GPU: the kernels
 
 # every (version, dtype, head dim) the kernels take
-KERNEL_COMBOS = [(v, dt, D) for v, dts in (("fp32", [np.float32]), ("tc", [np.float16, bfloat16]))
-                 for dt in dts for D in fb.HEAD_DIMS[v]]
+KERNEL_COMBOS = [(v, dt, D) for v in fb.VERSIONS for dt in fb.DTYPES[v] for D in fb.HEAD_DIMS[v]]
 KERNEL_IDS = [f"{v}-{np.dtype(dt).name}-d{D}" for v, dt, D in KERNEL_COMBOS]
 
 
 def _check_both_modes(q, k, v, do, causal, version):
     """The rule for the atomic and the deterministic dQ modes, outputs poisoned before launch."""
-    for det in MODES:
+    for det in _modes(version):
         _check(q, k, v, do, causal, version, det)
 
 
@@ -351,7 +369,7 @@ def test_fp32_kernel_against_stage01(D, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("combo", COMBOS[:3], ids=COMBO_IDS[:3])  # the versions with a deterministic mode
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_mode_is_bit_identical(combo, causal):
     import cupy
@@ -369,13 +387,14 @@ def test_deterministic_mode_is_bit_identical(combo, causal):
 
 
 @pytest.mark.gpu
-def test_kernel_matches_mirror():
+@pytest.mark.parametrize("version,D", [("fp32", 64), ("fp32x3", 64), ("fp32x3", 128)])
+def test_kernel_matches_mirror(version, D):
     """The GPU kernel and the numpy mirror run the same algorithm: close to fp32 rounding."""
     import cupy
 
-    q, k, v, do = make_inputs(1, 2, 333, 257, 64, dtype=np.float32, grad=True)
+    q, k, v, do = make_inputs(1, 2, 333, 257, D, dtype=np.float32, grad=True)
     o, lse = naive.forward(q, k, v, causal=True)
-    cpu = fb.backward(q, k, v, o, lse, do, causal=True)
-    gpu = fb.backward(*(cupy.asarray(x) for x in (q, k, v, o, lse, do)), causal=True)
+    cpu = fb.backward(q, k, v, o, lse, do, causal=True, version=version)
+    gpu = fb.backward(*(cupy.asarray(x) for x in (q, k, v, o, lse, do)), causal=True, version=version)
     for a, b in zip(cpu, gpu):
         np.testing.assert_allclose(to_numpy(b), a, rtol=1e-4, atol=1e-5)

@@ -100,6 +100,10 @@ def test_each_architecture_gets_plans_that_fit_it(arch):
         else:
             with pytest.raises(device.UnsupportedDevice, match="shared memory"):
                 flash_v2_backward.tc_tiles(D, dev)
+    # the 3xTF32 backward: every head dim where TF32 mma exists (sm_80 on), none before
+    x3 = [p for p in flash_v2_backward.kernel_plans(dev) if p.file == "flash_v2_backward_fp32x3.cu"]
+    assert len(x3) == (len(flash_v2_backward.HEAD_DIMS["fp32x3"]) if dev.arch.cc >= 80 else 0)
+    assert all(device.fits(dev, p.dynamic_smem) for p in x3)
 
 
 def test_emulated_architectures_and_clear_errors(monkeypatch):

@@ -6,6 +6,8 @@
 numpy inputs run the tile mirror (mirror.py), CuPy inputs the CUDA kernels:
     kernels/flash_v2_backward_pre.cu   D_i = rowsum(dO_i * O_i), L_i rescaled; dQ accumulator -> dQ
     kernels/flash_v2_backward_fp32.cu  version "fp32": float32, CUDA cores, head_dim 32, 64, 128
+    kernels/flash_v2_backward_fp32x3.cu  version "fp32x3": float32 on TF32 tensor cores (the 3xTF32 split, close
+                                       to fp32 accuracy; sm_80 and newer), head_dim 32, 64, 96, 128
     kernels/flash_v2_backward_tc.cu    version "tc": float16 / bfloat16, mma.sync tensor cores, head_dim 64, 128,
                                        256 (d = 256: two blocks per K/V tile, one per half of dK_j, dV_j, dQ_i)
     kernels/flash_v2_backward_dq.cu    version "tc"'s deterministic dQ pass
@@ -27,15 +29,16 @@ from stages.common import (
 
 from . import mirror
 
-VERSIONS = ("fp32", "tc")
-HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128, 256)}
-DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16)}
+VERSIONS = ("fp32", "tc", "fp32x3")
+HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128, 256), "fp32x3": (32, 64, 96, 128)}
+DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16), "fp32x3": (np.dtype(np.float32),)}
 PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so tile loads never run past them
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
 # kernels/ files of each version: (its main kernels, its deterministic dQ pass)
 FILES = {"fp32": ("flash_v2_backward_fp32.cu", "flash_v2_backward_fp32.cu"),
-         "tc": ("flash_v2_backward_tc.cu", "flash_v2_backward_dq.cu")}
+         "tc": ("flash_v2_backward_tc.cu", "flash_v2_backward_dq.cu"),
+         "fp32x3": ("flash_v2_backward_fp32x3.cu", None)}  # atomic dQ only: deterministic=True is version fp32's
 TC_BR, TC_BC = mirror.TC_BR, mirror.TC_BC  # Br, Bc of the tc kernel per head dim (Bc / 16 warps): the mirror's tiles
 # The tc kernel's atomic dQ for Q tile i runs one tile late, at the end of the next tile (one barrier per tile
 # instead of two; dS^T double-buffered). False: right after tile i, behind a second barrier (tc_config=
@@ -130,6 +133,53 @@ def reachable_tc(D, dev):
     return any(device.fits(dev, smem_bytes("tc", D, *c)[0]) for c in TC_CANDIDATES[D])
 
 
+class Fp32x3Tiles(NamedTuple):
+    """Version fp32x3's configuration: nw warps of 16 key rows each (Bc = 16 nw keys per block), Br query rows per
+    Q tile, stages (2: Q_i, dO_i double-buffered; 1: tile i+1 loads during tile i's dQ step) and minb, the blocks
+    per SM the registers must allow."""
+    nw: int
+    br: int
+    stages: int
+    minb: int
+
+    @property
+    def bc(self):
+        return 16 * self.nw
+
+    @property
+    def threads(self):
+        return 32 * self.nw
+
+
+# Version fp32x3's configurations per head dim, first choice first; the later ones are for GPUs with less shared
+# memory (fp32x3_smem gives each need). Four warps, two blocks per SM; from d = 96 on, the second stage of Q_i, dO_i
+# or Br = 32 would not leave room for two blocks.
+FP32X3_CANDIDATES = {32: [Fp32x3Tiles(4, 32, 2, 2)], 64: [Fp32x3Tiles(4, 32, 2, 2), Fp32x3Tiles(4, 16, 1, 2)],
+                     96: [Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)],
+                     128: [Fp32x3Tiles(4, 16, 2, 2), Fp32x3Tiles(4, 16, 1, 2)]}
+FP32X3_FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
+
+
+def fp32x3_smem(D, cfg):
+    """Version fp32x3's dynamic shared memory (bytes): K_j, V_j [Bc][D+4], Q_i, dO_i [stages][Br][D+4], dS^T
+    [Bc][Br+4], L_i, D_i [stages][Br] floats, as in the kernel's layout comment."""
+    rows = 2 * cfg.bc * (D + 4) + 2 * cfg.stages * cfg.br * (D + 4)  # K_j, V_j; Q_i, dO_i
+    return 4 * (rows + cfg.bc * (cfg.br + 4) + 2 * cfg.stages * cfg.br)
+
+
+def fp32x3_tiles(D, dev=None):
+    """Fp32x3Tiles at head dim D on device dev (None: the first candidate)."""
+    cands = FP32X3_CANDIDATES[D]
+    if dev is None:
+        return cands[0]
+    return device.pick(cands, lambda c: fp32x3_smem(D, c), dev, what=f"flash_v2_backward version 'fp32x3' d={D}")
+
+
+def fp32x3_name(D, cfg):
+    """The template instantiation of version fp32x3 at head dim D."""
+    return f"flash_bwd_fp32x3<{D},{cfg.nw},{cfg.br},{cfg.stages},{cfg.minb}>"
+
+
 def resolve_version(version, dtype):
     """'auto' -> 'fp32' for float32, 'tc' for float16/bfloat16; otherwise check the name and dtype."""
     dtype = np.dtype(dtype)
@@ -197,10 +247,13 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
         raise TypeError(f"flash_v2_backward: deterministic must be True or False, got {deterministic!r}")
     version = resolve_version(version, q.dtype)
     if D not in HEAD_DIMS[version]:
-        alt = (" or version='fp32' with float32 inputs" if version == "tc" else
-               f" or version 'tc' with float16/bfloat16 inputs (head_dim {', '.join(map(str, HEAD_DIMS['tc']))})")
+        others = [v for v in VERSIONS if v != version and D in HEAD_DIMS[v]]
+        alt = "".join(f" or version {v!r} ({'/'.join(d.name for d in DTYPES[v])})" for v in others)
         raise ValueError(f"flash_v2_backward: head_dim {D} is not supported by version {version!r}; "
                          f"use one of {HEAD_DIMS[version]}{alt}")
+    if version == "fp32x3" and deterministic:
+        raise ValueError("flash_v2_backward: version 'fp32x3' adds dQ with atomics (deterministic=False); "
+                         "deterministic=True runs in version 'fp32'")
     scale = resolve_scale(scale, D)
     if tc_config is not None and (version != "tc" or xp is np or set(tc_config) - set(TC_CONFIG_KEYS)):
         raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} takes the keys {', '.join(TC_CONFIG_KEYS)} and "
@@ -366,6 +419,9 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     ld: (ldq, ldk) for a ring block of larger arrays (accumulate_into: version tc, float32 gradients added to the
     ring's accumulators, no dQ accumulator or conversion of its own), or None: a whole problem."""
     BH = B * H
+    if version != "tc" and BH > 65535:  # the grid's y axis runs over (batch, head)
+        raise ValueError(f"flash_v2_backward version {version!r}: batch * heads = {BH} is over the grid limit 65535; "
+                         "split the batch into several calls")
     ctype = _CTYPE[dtype]
     device.require(dev, ("bf16",) if dtype == bfloat16 else (),  # tc: fp16 from sm_75 (stage 02's tc.py), bf16 sm_80
                    what=f"flash_v2_backward version {version!r} ({dtype})",
@@ -385,11 +441,18 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         if why:
             raise ValueError(f"flash_v2_backward: tc_config={tc_config!r} at head_dim {D}: {why}")
     var = opts is not None
-    names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, wq=wq,
-                   var=var, drop=var and opts.dropout_p > 0)
+    x3 = None  # version fp32x3's Fp32x3Tiles
+    if version == "fp32x3":
+        device.require(dev, FP32X3_FEATURES, what="flash_v2_backward version 'fp32x3' (TF32 tensor cores)",
+                       instead="On this GPU use version 'fp32' (CUDA cores)")
+        x3 = fp32x3_tiles(D, dev)
+        names = [fp32x3_name(D, x3)]
+    else:
+        names = _names(version, ctype, D, defer=tc_config.get("defer_dq"), otype=_CTYPE[odtype], br=br, bc=bc, wq=wq,
+                       var=var, drop=var and opts.dropout_p > 0)
     main_file, dq_file = FILES[version]  # tc's dQ pass is a file of its own, compiled only for deterministic mode
     mod = load_module(main_file, name_expressions=names if dq_file == main_file else names[:2])
-    smem_main, smem_dq = smem_bytes(version, D, br, bc, wq)
+    smem_main, smem_dq = smem_bytes(version, D, br, bc, wq) if x3 is None else (fp32x3_smem(D, x3), 0)
     for what, need in (("", smem_main), (" with deterministic=True (its dQ pass)", smem_dq if deterministic else 0)):
         if not device.fits(dev, need):
             raise device.UnsupportedDevice(
@@ -405,6 +468,8 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     args = (i32(Nq), i32(Nk), i32(Nq_pad), f32(scale), i32(causal))
     if version == "fp32":
         main = kernels.Launch(fn, (-(-Nk // 32), BH), (256,), smem_main, args)
+    elif x3 is not None:  # one block per (K/V tile j, head)
+        main = kernels.Launch(fn, (-(-Nk // x3.bc), BH), (x3.threads,), smem_main, args)
     else:
         # varlen: the grid runs over (sequence, head) x the K/V tiles of the longest sequence (at least one: a
         # sequence without keys still has its dQ = 0 written, by its j = 0 block)
@@ -438,7 +503,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
         n = BH * Nq * D  # a multiple of 4: the kernel converts 4 values per step
         last = kernels.Launch(pre_mod.get_function(f"bwd_convert_dq<{_CTYPE[odtype]}>"),
                               (min(-(-n // 1024), 65535),), (256,), 0,
-                              (f32(scale if version == "fp32" else 1.0), np.int64(n)))
+                              (f32(1.0 if version == "tc" else scale), np.int64(n)))
     else:
         last, done = None, blocks
     # the preprocess also zeroes the fp32 dQ accumulator the atomics add to, and the counters (deterministic mode
@@ -586,6 +651,11 @@ def kernel_plans(dev):
         names = _names("fp32", "float", D)
         out += [device.KernelPlan("flash_v2_backward_fp32.cu", {}, n, sm, 0, 256)
                 for n, sm in zip(names, (main, main, dq)) if device.fits(dev, sm)]
+    if dev.arch.cc >= 80:  # version fp32x3: TF32 mma
+        for D in HEAD_DIMS["fp32x3"]:
+            cfg = fp32x3_tiles(D, dev)
+            out.append(device.KernelPlan(FILES["fp32x3"][0], {}, fp32x3_name(D, cfg), fp32x3_smem(D, cfg), 0,
+                                         cfg.threads))
     for D in HEAD_DIMS["tc"]:
         if not reachable_tc(D, dev):
             continue

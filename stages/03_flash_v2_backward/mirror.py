@@ -21,6 +21,8 @@ flash_v2_backward_dq_tc): for i in Q tiles, for j in K/V tiles, recompute dS_ij 
 
 The "tc" version computes as the tensor-core kernel does: fp32 accumulation, exp2 with log2(e)
 folded into the scale, and P_ij, dS_ij rounded to the input dtype before they enter a matmul.
+The "fp32x3" version computes its five matmuls with the 3xTF32 split (stage 02's matmul_3xtf32) and
+P_ij = exp(scale S_ij - L_i) from one float32 rounding of the exponent, as its kernel does.
 
 The variants (opts, stages/common/variants.py), tile by tile:
     grouped-query   the block of kv head g loops over the H / Hkv query heads that read it: dK_j, dV_j sum
@@ -40,11 +42,24 @@ from stages.common import LOG2E, cast, empty, variants
 TC_BR = {64: 128, 128: 64, 256: 64}  # the kernel computes a 128-row Q tile (d=64) as two 64-row chunks
 TC_BC = {64: 128, 128: 128, 256: 64}  # Bc of flash_v2_backward_tc per head dim: Bc / 16 warps, each owning 16 key rows
 DQ_TILES = {"fp32": (32, 32), "tc": (64, 64)}
+FP32X3_BR = {32: 32, 64: 32, 96: 32, 128: 16}  # Br of flash_bwd_fp32x3 per head dim; Bc = 64 (4 warps of 16 keys)
+FP32X3_BC = 64
 
 
 def tiles(version, D):
     """(Br, Bc) of the main kernel of `version` at head dim D."""
+    if version == "fp32x3":
+        return FP32X3_BR[D], FP32X3_BC
     return (32, 32) if version == "fp32" else (TC_BR[D], TC_BC[D])
+
+
+def _matmul(version):
+    """The matmul of `version`'s kernel: the 3xTF32 split for fp32x3 (stage 02's, as its forward), float32 else."""
+    if version == "fp32x3":
+        from stages.flash_v2.mirror import matmul_3xtf32
+
+        return matmul_3xtf32
+    return np.matmul
 
 
 def _probabilities(S, L_i, scale, version, visible):
@@ -53,15 +68,19 @@ def _probabilities(S, L_i, scale, version, visible):
         if version == "tc":  # exp2((scale S - L_i) log2 e), scale S - L_i one FMA (float64, rounded once)
             x = (S.astype(np.float64) * np.float32(scale) - L_i[..., None]).astype(np.float32)
             P = np.exp2(x * np.float32(LOG2E))
+        elif version == "fp32x3":  # exp(scale S - L_i), the exponent one FMA (float64, rounded once)
+            P = np.exp((S.astype(np.float64) * np.float32(scale) - L_i[..., None]).astype(np.float32))
         else:  # the fp32 kernel forms the exponent in float64 (with inputs x100 it reaches 1e5: see the kernel)
             P = np.exp((S * scale - L_i[..., None].astype(np.float64)).astype(np.float32))
     return np.where(visible, P, np.float32(0.0)) if visible is not None else P
 
 
 def _scores(Q_i, K_j, version):
-    """S_ij = Q_i K_j^T: fp32 accumulation in the tc kernel, float64 in the fp32 kernel."""
+    """S_ij = Q_i K_j^T: fp32 accumulation in the tc kernel, 3xTF32 in fp32x3, float64 in the fp32 kernel."""
     if version == "tc":
         return Q_i @ K_j.swapaxes(-1, -2)
+    if version == "fp32x3":
+        return _matmul(version)(Q_i, K_j.swapaxes(-1, -2))
     return Q_i.astype(np.float64) @ K_j.astype(np.float64).swapaxes(-1, -2)
 
 
@@ -109,6 +128,7 @@ def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic, out_
     off = Nk - Nq  # query q sees key kv iff kv <= q + off
     dq_acc = np.zeros((B, H, Nq, D), np.float32)  # the fp32 atomicAdd target
     dk, dv = empty(np, k.shape, odtype), empty(np, v.shape, odtype)
+    mm = _matmul(version)
     for j in range(Tc):  # Alg.2 L5: one thread block per j
         k0, k1 = j * Bc, min(Nk, (j + 1) * Bc)
         K_j, V_j = K[:, :, k0:k1], V[:, :, k0:k1]  # (B, H, bc, D)
@@ -120,13 +140,13 @@ def backward(q, k, v, o, lse, do, *, causal, scale, version, deterministic, out_
             Q_i, dO_i = Q[:, :, q0:q1], dO[:, :, q0:q1]  # (B, H, br, D)
             S = _scores(Q_i, K_j, version)  # (B, H, br, bc) S_ij, unscaled
             P = _probabilities(S, L[:, :, q0:q1], scale, version, _visible(q0, q1, k0, k1, off, causal))
-            dP = dO_i @ V_j.swapaxes(-1, -2)  # (B, H, br, bc)
+            dP = mm(dO_i, V_j.swapaxes(-1, -2))  # (B, H, br, bc)
             dS = P * (dP - Dvec[:, :, q0:q1, None])  # (B, H, br, bc)
             P, dS = rnd(P), rnd(dS)
-            dV_j += P.swapaxes(-1, -2) @ dO_i  # (B, H, bc, D)
-            dK_j += dS.swapaxes(-1, -2) @ Q_i  # (B, H, bc, D)
+            dV_j += mm(P.swapaxes(-1, -2), dO_i)  # (B, H, bc, D)
+            dK_j += mm(dS.swapaxes(-1, -2), Q_i)  # (B, H, bc, D)
             if not deterministic:
-                dq_acc[:, :, q0:q1] += dS @ K_j  # (B, H, br, D): atomicAdd on the GPU
+                dq_acc[:, :, q0:q1] += mm(dS, K_j)  # (B, H, br, D): atomicAdd on the GPU
         dk[:, :, k0:k1] = cast(np.float32(scale) * dK_j, odtype)
         dv[:, :, k0:k1] = cast(dV_j, odtype)
 

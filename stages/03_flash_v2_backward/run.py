@@ -10,8 +10,10 @@
 2. Then times each version and mode (CUDA events on the GPU).
 
 Versions (--version; both dQ modes unless --deterministic):
-    fp32  float32 on CUDA cores, S in double for the exponent; the readable one. Head dims 32, 64, 128.
-    tc    float16/bfloat16 on tensor cores (mma.sync, ldmatrix, cp.async double buffers). Head dims 64, 128, 256.
+    fp32    float32 on CUDA cores, S in double for the exponent; the readable one. Head dims 32, 64, 128.
+    tc      float16/bfloat16 on tensor cores (mma.sync, ldmatrix, cp.async double buffers). Head dims 64, 128, 256.
+    fp32x3  float32 on TF32 tensor cores by the 3xTF32 split (sm_80 and newer), atomic dQ only. Head dims 32, 64,
+            96, 128.
 With --version all, the versions that take --head-dim run.
 On the CPU the numpy tile mirror runs instead (same tiles and loop order).
 Comparisons with torch SDPA's backward, per-launch times and the tc kernel's other tiles: dev/sweep_backward.py.
@@ -28,23 +30,24 @@ import numpy as np
 
 from stages import flash_v2_backward as fb
 from stages import naive
-from stages.common import bfloat16, check_backward, gpu_name, make_inputs, run_devices, time_ms
+from stages.common import bfloat16, check_backward, device, gpu_name, make_inputs, run_devices, time_ms
 from stages.common.verify import errors_and_bounds
 from stages.common.cli import check_head_dim, positive_int
 
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
 HEADS = 4  # H (2 with --quick)
-HEAD_DIM = 64  # D (fp32: 32, 64, 128; tc: 64, 128, 256)
+HEAD_DIM = 64  # D (fp32: 32, 64, 128; tc: 64, 128, 256; fp32x3: 32, 64, 96, 128)
 SEQ = {"cpu": 300, "gpu": 2048}  # N of the check and the timing (128 with --quick); numpy is slow: small on the CPU
 REPEAT = {"cpu": 3, "gpu": 10}  # timed repeats (median)
-DTYPES = {"fp16": np.float16, "bf16": bfloat16}  # the tc version's dtypes (fp32 runs float32)
+DTYPES = {"fp16": np.float16, "bf16": bfloat16}  # the tc version's dtypes (fp32 and fp32x3 run float32)
 
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", choices=["all", *fb.VERSIONS], default="all",
-                    help="which kernel version: fp32 (float32) or tc (fp16/bf16); all: both")
+                    help="which kernel version: fp32 or fp32x3 (float32), tc (fp16/bf16); all: each that takes "
+                         "--head-dim")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the tc version")
     ap.add_argument("--deterministic", action="store_true",
                     help="only the deterministic mode (dQ from a separate pass, no atomics); default: both modes")
@@ -63,6 +66,8 @@ def parse(argv):
     if not takers:
         check_head_dim(ap, "--head-dim", args.head_dim, fb.HEAD_DIMS[args.versions[0]], f"version {args.versions[0]}")
     args.versions = takers
+    if args.deterministic and args.versions == ("fp32x3",):
+        ap.error("version fp32x3 adds dQ with atomics only: --deterministic runs in version fp32")
     return args
 
 
@@ -81,13 +86,17 @@ def main(argv=None):
         repeat = args.repeat or REPEAT[dev]
         where = f"GPU {gpu_name()}" if gpu else "CPU (numpy tile mirror)"
         print(f"\n== stage 03 FlashAttention-2 backward on the {where}: B={B} H={H} N={n} D={D} causal={causal}")
-        runs = [(version, np.float32 if version == "fp32" else DTYPES[args.dtype], det)
-                for version in args.versions for det in modes]
+        versions = args.versions
+        if gpu and "fp32x3" in versions and device.device().arch.cc < 80:
+            print("  version fp32x3 needs TF32 tensor cores (sm_80 or newer): skipped on this GPU")
+            versions = tuple(v for v in versions if v != "fp32x3")
+        runs = [(version, np.float32 if version != "tc" else DTYPES[args.dtype], det)
+                for version in versions for det in modes if not (det and version == "fp32x3")]
         # 1. check every version and mode against the fp64 oracle, before any timing
         print("error against the fp64 oracle at each output's worst row (tolerance rule):")
         for version, dtype, det in runs:
             q, k, v, do = make_inputs(B, H, n, n, D, dtype=dtype, xp=xp, grad=True)
-            label = f"{version:>4} {np.dtype(dtype).name:>8} {'deterministic' if det else 'atomic dQ':>13}"
+            label = f"{version:>6} {np.dtype(dtype).name:>8} {'deterministic' if det else 'atomic dQ':>13}"
             try:
                 errs = check_backward(fb.backward, q, k, v, do, causal=causal, version=version, deterministic=det,
                                       with_bounds=True)
@@ -103,13 +112,13 @@ def main(argv=None):
         flops = fb.backward_flops(B, H, n, n, D, causal)
         print(f"timings on the {where}, median of {repeat}:")
         unit, per_ms = ("TFLOP/s", 1e9) if gpu else ("GFLOP/s", 1e6)
-        print(f"  {'ver':>4} {'dtype':>8} {'dQ mode':>13} | {'ms':>9} {unit:>9}")
+        print(f"  {'ver':>6} {'dtype':>8} {'dQ mode':>13} | {'ms':>9} {unit:>9}")
         for version, dtype, det in runs:
             q, k, v, do = make_inputs(B, H, n, n, D, dtype=dtype, xp=xp, grad=True)
             o, lse = naive.forward(q, k, v, causal=causal)
             t = time_ms(lambda: fb.backward(q, k, v, o, lse, do, causal=causal, version=version, deterministic=det),
                         gpu=gpu, warmup=1, repeat=repeat)
-            print(f"  {version:>4} {np.dtype(dtype).name:>8} {'deterministic' if det else 'atomic dQ':>13} | "
+            print(f"  {version:>6} {np.dtype(dtype).name:>8} {'deterministic' if det else 'atomic dQ':>13} | "
                   f"{t:>9.3f} {flops / t / per_ms:>9.3g}")
     print(f"SUMMARY 03_flash_v2_backward {'PASS' if ok else 'FAIL'} {'+'.join(args.versions)} dq/dk/dv vs fp64 "
           f"oracle, {'deterministic' if args.deterministic else 'atomic+deterministic'}, on {', '.join(devices)}")
