@@ -1,8 +1,10 @@
 """Where the backward's time goes: Nsight Compute counters of stage 03's tensor-core kernel (version 'tc') and of
-PyTorch's FlashAttention-2 backward kernel on the same problem, one CSV row per kernel.
+PyTorch's FlashAttention-2 backward kernel on the same problem, one CSV row per kernel; with --dtype fp32, stage 03's
+version 'fp32x3' and PyTorch's memory-efficient backward kernel (CUTLASS, float32).
 
     python3 dev/profile_backward.py --out results/profile_backward_h100.csv
     python3 dev/profile_backward.py --dtype fp16 --head-dim 64 --seq 4096 --batch 4 --heads 16 --causal
+    python3 dev/profile_backward.py --dtype fp32 --head-dim 64 --out fp32.csv
 
 Needs a CUDA GPU, CuPy, PyTorch and Nsight Compute's `ncu` (on PATH or in /usr/local/cuda/bin) with permission to
 read the GPU's performance counters. The script runs itself under ncu once per kernel: the child makes the inputs,
@@ -17,6 +19,7 @@ Columns, per kernel:
     smem_wavefronts       shared-memory wavefronts (one per 128 bytes a warp moves; an ldmatrix.x4 is four)
     smem_pct_of_peak      shared-memory pipe throughput, % of its peak over the kernel
     tensor_pct_of_peak    tensor (HMMA) pipe activity, % of its peak while the SM is active
+    issue_pct             instructions issued, % of the SM's peak issue rate while it is active
     short_scoreboard      cycles per warp stalled waiting on shared-memory / ldmatrix results (short scoreboard)
     registers, smem_kb    registers per thread, dynamic shared memory per block (KB)
     occupancy_pct         achieved occupancy (active warps / the SM's maximum)
@@ -43,12 +46,14 @@ METRICS = {  # CSV column -> ncu metric
     "smem_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
     "smem_pct_of_peak": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
     "tensor_pct_of_peak": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "issue_pct": "sm__inst_issued.avg.pct_of_peak_sustained_active",
     "short_scoreboard": "smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio",
     "registers": "launch__registers_per_thread",
     "smem_kb": "launch__shared_mem_per_block_dynamic",
     "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
 }
 KERNELS = {"ours": "flash_v2_backward_tc", "torch": "flash_bwd_dq_dk_dv"}  # kernel-name patterns (ncu -k regex:)
+KERNELS_FP32 = {"ours": "flash_bwd_fp32x3", "torch": "fmha_cutlassB"}  # --dtype fp32
 
 
 def child(args):
@@ -59,21 +64,25 @@ def child(args):
     from stages import flash_v2, flash_v2_backward
     from stages.common import bfloat16, cast
 
-    dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16)}[args.dtype]
+    dtype = {"bf16": bfloat16, "fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32)}[args.dtype]
     rng = np.random.default_rng(0)
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     q, k, v, do = (cast(cupy.asarray(rng.standard_normal(shape, dtype=np.float32)), dtype) for _ in range(4))
     o, lse = flash_v2.forward(q, k, v, causal=args.causal)
     for _ in range(2):
-        flash_v2_backward.backward(q, k, v, o, lse, do, causal=args.causal)
+        flash_v2_backward.backward(q, k, v, o, lse, do, causal=args.causal,
+                                   version="fp32x3" if args.dtype == "fp32" else "auto")
     cupy.cuda.Device().synchronize()
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     # PyTorch's own layout, (B, N, H, d) in memory, seen as (B, H, N, d): as dev/bench.py gives it
-    tq, tk, tv, tdo = (torch.as_tensor(x.view(cupy.uint16), device="cuda").view(tdt).transpose(1, 2).contiguous()
+    bits = cupy.uint32 if args.dtype == "fp32" else cupy.uint16
+    tq, tk, tv, tdo = (torch.as_tensor(x.view(bits), device="cuda").view(tdt).transpose(1, 2).contiguous()
                        .transpose(1, 2) for x in (q, k, v, do))
     for t in (tq, tk, tv):
         t.requires_grad_(True)
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+    backend = "EFFICIENT_ATTENTION" if args.dtype == "fp32" else "FLASH_ATTENTION"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)):
         out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal)
     for _ in range(2):
         torch.autograd.grad(out, (tq, tk, tv), tdo, retain_graph=True)
@@ -112,15 +121,15 @@ def _unit(unit, scales):
     return scales[base]
 
 
-def profile(ncu, impl, argv):
-    """{column: value} of the kernel KERNELS[impl], second launch, from ncu's CSV output."""
-    cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:{KERNELS[impl]}", "-s", "1", "-c", "1",
+def profile(ncu, impl, argv, kernels=KERNELS):
+    """{column: value} of the kernel kernels[impl], second launch, from ncu's CSV output."""
+    cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:{kernels[impl]}", "-s", "1", "-c", "1",
            sys.executable, os.path.abspath(__file__), "--child", *argv]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith('"')]
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
     if run.returncode != 0 or not rows:
-        raise SystemExit(f"ncu found no {KERNELS[impl]!r} kernel (exit {run.returncode}):\n{run.stdout[-2000:]}\n"
+        raise SystemExit(f"ncu found no {kernels[impl]!r} kernel (exit {run.returncode}):\n{run.stdout[-2000:]}\n"
                          f"{run.stderr[-2000:]}")
     values = {r["Metric Name"]: (r["Metric Value"].replace(",", ""), r["Metric Unit"]) for r in rows}
     out = {"impl": impl, "kernel": rows[0]["Kernel Name"].split("<")[0].split("(")[0].replace("void ", "")}
@@ -141,7 +150,7 @@ def profile(ncu, impl, argv):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="CSV to write (default: print only)")
-    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=4)
@@ -161,8 +170,9 @@ def main(argv=None):
     gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
     prov = bench.provenance(cupy, torch, gpu)
     rows = []
-    for impl in KERNELS:
-        row = profile(ncu, impl, problem)
+    kernels = KERNELS_FP32 if args.dtype == "fp32" else KERNELS
+    for impl in kernels:
+        row = profile(ncu, impl, problem, kernels)
         row.update(dtype=args.dtype, head_dim=args.head_dim, seq_len=args.seq, batch=args.batch, heads=args.heads,
                    causal=args.causal, ncu=version, **prov)
         rows.append(row)

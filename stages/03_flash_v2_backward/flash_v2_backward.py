@@ -7,11 +7,13 @@ numpy inputs run the tile mirror (mirror.py), CuPy inputs the CUDA kernels:
     kernels/flash_v2_backward_pre.cu   D_i = rowsum(dO_i * O_i), L_i rescaled; dQ accumulator -> dQ
     kernels/flash_v2_backward_fp32.cu  version "fp32": float32, CUDA cores, head_dim 32, 64, 128
     kernels/flash_v2_backward_fp32x3.cu  version "fp32x3": float32 on TF32 tensor cores (the 3xTF32 split, close
-                                       to fp32 accuracy; sm_80 and newer), head_dim 32, 64, 96, 128
+                                       to fp32 accuracy; sm_80 and newer), head_dim 32, 64, 128
     kernels/flash_v2_backward_tc.cu    version "tc": float16 / bfloat16, mma.sync tensor cores, head_dim 64, 128,
                                        256 (d = 256: two blocks per K/V tile, one per half of dK_j, dV_j, dQ_i)
     kernels/flash_v2_backward_dq.cu    version "tc"'s deterministic dQ pass
 
+version "auto": fp32 for float32 (fp32x3 on a GPU with TF32 tensor cores, with deterministic=False and no
+variants), tc for float16 / bfloat16.
 deterministic: False (default) adds dQ_i += dS_ij K_j into an fp32 buffer with atomicAdd from the block of
 every K/V tile: fast, but the order of the additions (so the last bits of dq) changes from run to run.
 True: no atomics; a second kernel, parallel over Q tiles, recomputes dS_ij and sums dQ_i in a fixed
@@ -30,7 +32,7 @@ from stages.common import (
 from . import mirror
 
 VERSIONS = ("fp32", "tc", "fp32x3")
-HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128, 256), "fp32x3": (32, 64, 96, 128)}
+HEAD_DIMS = {"fp32": (32, 64, 128), "tc": (64, 128, 256), "fp32x3": (32, 64, 128)}
 DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16), "fp32x3": (np.dtype(np.float32),)}
 PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so tile loads never run past them
 
@@ -151,12 +153,13 @@ class Fp32x3Tiles(NamedTuple):
         return 32 * self.nw
 
 
-# Version fp32x3's configurations per head dim, first choice first; the later ones are for GPUs with less shared
-# memory (fp32x3_smem gives each need). Four warps, two blocks per SM; from d = 96 on, the second stage of Q_i, dO_i
-# or Br = 32 would not leave room for two blocks.
-FP32X3_CANDIDATES = {32: [Fp32x3Tiles(4, 32, 2, 2)], 64: [Fp32x3Tiles(4, 32, 2, 2), Fp32x3Tiles(4, 16, 1, 2)],
-                     96: [Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)],
-                     128: [Fp32x3Tiles(4, 16, 2, 2), Fp32x3Tiles(4, 16, 1, 2)]}
+# Version fp32x3's configurations per head dim, first choice first, in the order of speed on the H200; the later ones
+# are for GPUs with less shared memory (fp32x3_smem gives each need). Four warps, registers for two blocks per SM, one
+# stage of Q_i, dO_i: the larger Br a second stage's shared memory would take (Br = 64 at d <= 64, 32 at d = 128)
+# does more for the k steps of dV_j, dK_j per split of P^T, dS^T than the overlap would.
+FP32X3_CANDIDATES = {32: [Fp32x3Tiles(4, 64, 1, 2)],
+                     64: [Fp32x3Tiles(4, 64, 1, 2), Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)],
+                     128: [Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)]}
 FP32X3_FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
 
 
@@ -196,6 +199,13 @@ def resolve_version(version, dtype):
         raise TypeError(f"flash_v2_backward: version {version!r} takes {names}, got {dtype}; "
                         "version='auto' picks fp32 for float32 and tc for float16/bfloat16")
     return version
+
+
+def _fp32x3_runs(xp, deterministic, opts, D):
+    """Whether version="auto" runs fp32x3 for float32 (resolve_version's fp32 otherwise): on a GPU with TF32 tensor
+    cores (sm_80 on; not the CPU mirror), for plain attention at its head dims with the atomic dQ."""
+    return (xp is not np and not deterministic and opts is None and D in HEAD_DIMS["fp32x3"]
+            and device.device().arch.cc >= 80)
 
 
 def forward(q, k, v, *, causal=False, scale=None, **kw):
@@ -245,7 +255,9 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto", d
     out_dtype = check_out_dtype(out_dtype, q.dtype, "flash_v2_backward")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"flash_v2_backward: deterministic must be True or False, got {deterministic!r}")
-    version = resolve_version(version, q.dtype)
+    asked, version = version, resolve_version(version, q.dtype)
+    if asked == "auto" and version == "fp32" and _fp32x3_runs(xp, deterministic, opts, D):  # fast float32 where it runs
+        version = "fp32x3"
     if D not in HEAD_DIMS[version]:
         others = [v for v in VERSIONS if v != version and D in HEAD_DIMS[v]]
         alt = "".join(f" or version {v!r} ({'/'.join(d.name for d in DTYPES[v])})" for v in others)

@@ -42,7 +42,7 @@ from stages.common import LOG2E, cast, empty, variants
 TC_BR = {64: 128, 128: 64, 256: 64}  # the kernel computes a 128-row Q tile (d=64) as two 64-row chunks
 TC_BC = {64: 128, 128: 128, 256: 64}  # Bc of flash_v2_backward_tc per head dim: Bc / 16 warps, each owning 16 key rows
 DQ_TILES = {"fp32": (32, 32), "tc": (64, 64)}
-FP32X3_BR = {32: 32, 64: 32, 96: 32, 128: 16}  # Br of flash_bwd_fp32x3 per head dim; Bc = 64 (4 warps of 16 keys)
+FP32X3_BR = {32: 64, 64: 64, 128: 32}  # Br of flash_bwd_fp32x3 per head dim; Bc = 64 (4 warps of 16 keys)
 FP32X3_BC = 64
 
 

@@ -13,7 +13,7 @@ Versions (--version; both dQ modes unless --deterministic):
     fp32    float32 on CUDA cores, S in double for the exponent; the readable one. Head dims 32, 64, 128.
     tc      float16/bfloat16 on tensor cores (mma.sync, ldmatrix, cp.async double buffers). Head dims 64, 128, 256.
     fp32x3  float32 on TF32 tensor cores by the 3xTF32 split (sm_80 and newer), atomic dQ only. Head dims 32, 64,
-            96, 128.
+            128.
 With --version all, the versions that take --head-dim run.
 On the CPU the numpy tile mirror runs instead (same tiles and loop order).
 Comparisons with torch SDPA's backward, per-launch times and the tc kernel's other tiles: dev/sweep_backward.py.
@@ -37,7 +37,7 @@ from stages.common.cli import check_head_dim, positive_int
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
 HEADS = 4  # H (2 with --quick)
-HEAD_DIM = 64  # D (fp32: 32, 64, 128; tc: 64, 128, 256; fp32x3: 32, 64, 96, 128)
+HEAD_DIM = 64  # D (fp32: 32, 64, 128; tc: 64, 128, 256; fp32x3: 32, 64, 128)
 SEQ = {"cpu": 300, "gpu": 2048}  # N of the check and the timing (128 with --quick); numpy is slow: small on the CPU
 REPEAT = {"cpu": 3, "gpu": 10}  # timed repeats (median)
 DTYPES = {"fp16": np.float16, "bf16": bfloat16}  # the tc version's dtypes (fp32 and fp32x3 run float32)
