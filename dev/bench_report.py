@@ -273,6 +273,7 @@ SCHEMES_CSV = "ring_schemes_h200x2.csv"  # dev/bench_ring.py --schemes: ring, al
 
 
 D256_CSV = "bench_d256_h100.csv"  # head dim 256, stages 02 and 03 beside PyTorch (dev/bench.py --head-dims 256)
+FP32_CSV = "bench_fp32_h100.csv"  # float32, N 1024-16384: stages 02 and 03 beside PyTorch's memory-efficient backend
 HOPPER_CSV = "bench_fwd_hopper_h100.csv"  # dev/bench.py --direction fwd: stage 06 beside stage 02 and PyTorch
 HOPPER_BWD_CSV = "bench_bwd_hopper_h100.csv"  # dev/bench.py --direction bwd: stage 06 beside stage 03 and PyTorch
 HOPPER_STEPS_CSV = "bench_hopper_h100.csv"  # dev/bench_hopper.py: every stage 06 version, one run
@@ -308,12 +309,12 @@ def _k(n):
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-def _ratio_summary(rows, direction, group, ours, ref, ref_impl="torch"):
-    """(number of configs, ours TFLOP/s min, max, ratio min, median, worst config) over N >= SUMMARY_MIN_SEQ: our
+def _ratio_summary(rows, direction, group, ours, ref, ref_impl="torch", min_seq=SUMMARY_MIN_SEQ):
+    """(number of configs, ours TFLOP/s min, max, ratio min, median, worst config) over N >= min_seq: our
     version ours against (ref_impl, ref), by default a PyTorch backend."""
     by_key = {}
     for r in rows:
-        if r["direction"] == direction and _group(r["dtype"]) == group and r["seq_len"] >= SUMMARY_MIN_SEQ:
+        if r["direction"] == direction and _group(r["dtype"]) == group and r["seq_len"] >= min_seq:
             by_key.setdefault((r["dtype"], r["causal"], r["head_dim"], r["seq_len"]), {})[(r["impl"], r["version"])] = r
     pts = []
     for key, cells in sorted(by_key.items()):
@@ -332,7 +333,7 @@ SUMMARY_ROWS = [("fwd", "16-bit", "pipelined", "flash"), ("fwd", "16-bit", "pipe
                 ("bwd", "16-bit", "tc", "flash"), ("bwd", "16-bit", "tc-det", "flash"),
                 ("bwd", "16-bit", "tc", "cudnn"),
                 ("fwd", "fp32", "fp32", "efficient"), ("fwd", "fp32", "fp32x3", "efficient"),
-                ("bwd", "fp32", "fp32", "efficient")]
+                ("bwd", "fp32", "fp32", "efficient"), ("bwd", "fp32", "fp32x3", "efficient")]
 _VERSION_NOTE = {"tc-det": "tc, deterministic dQ"}
 
 
@@ -733,6 +734,19 @@ def readme_results(results_dir=None):
                   + "; ".join(parts) + ". The variants (sliding window, softcap, grouped-query, dropout, packed "
                   "batches) beside FlexAttention, SDPA and our plain pass: `results/bench_variants.csv`. Tables of "
                   "both in [`results/README.md`](results/README.md).", ""]
+    fp32 = results_dir / FP32_CSV
+    if fp32.exists():
+        r32 = read_csv(fp32)
+        parts = []
+        for direction in ("fwd", "bwd"):
+            for ours in ("fp32", "fp32x3"):
+                got = _ratio_summary(r32, direction, "fp32", ours, "efficient", min_seq=0)
+                if got is not None:
+                    parts.append(f"{TITLES[direction]} `{ours}` / efficient min **{got[3]:.2f}**, median "
+                                 f"**{got[4]:.2f}**")
+        n = sorted({r["seq_len"] for r in r32})
+        lines += [f"Float32 on **{gpus(r32)}** (`results/{FP32_CSV}`, every N from {n[0]} to {n[-1]}): "
+                  + "; ".join(parts) + ". Table in [`results/README.md`](results/README.md).", ""]
     hopper = " ".join(x for x in (hopper_summary(results_dir), hopper_summary(results_dir, "bwd")) if x)
     if hopper:
         hopper += (" The versions step by step: [`stages/06_hopper/README.md`](stages/06_hopper/README.md).")
@@ -789,6 +803,15 @@ def results_readme(results_dir=None):
                   "dK_j and dV_j over 256 columns would be 256 registers a thread), so it computes S and dP twice: "
                   "1.4x the FLOPs the TFLOP/s column counts.", "",
                   markdown(read_csv(d256), min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), ""]
+    fp32 = results_dir / FP32_CSV
+    if fp32.exists():
+        lines += [f"## Float32 (`{FP32_CSV}`)", "",
+                  "Float32 beside PyTorch's memory-efficient backend (CUTLASS; with float32 inputs its matmuls are "
+                  "the 3xTF32 split too): stage 02's `fp32` (CUDA cores) and `fp32x3` (TF32 tensor cores) forward, "
+                  "stage 03's `fp32` and `fp32x3` backward, every N. Why the float32 backward costs what it costs: "
+                  "[`stages/03_flash_v2_backward/README.md`](../stages/03_flash_v2_backward/README.md) and "
+                  "`profile_backward_fp32_h200.csv` (Nsight Compute counters of both backward kernels).", "",
+                  markdown(read_csv(fp32), min_seq=0, summary_min_seq=0).rstrip(), ""]
     hopper = _rows_of(results_dir, HOPPER_CSV, read_csv)
     if hopper is not None:
         lines += [f"## Stage 06 on Hopper (`{HOPPER_CSV}`, `{HOPPER_STEPS_CSV}`)", "",
@@ -921,6 +944,13 @@ def _versions():
             raise device.UnsupportedDevice("shared memory")
         return "32x32"
 
+    def bw_x3(dev, D):
+        if D not in bw.HEAD_DIMS["fp32x3"]:
+            return "-"
+        need80(dev)
+        t = bw.fp32x3_tiles(D, dev)
+        return f"{t.br}x{t.bc}"
+
     def bw_tc(dev, D):
         if D not in bw.HEAD_DIMS["tc"]:
             return "-"
@@ -952,7 +982,7 @@ def _versions():
     return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),
             ("02", "`tc`", BOTH16, tc_tiles("tc")), ("02", "`pipelined`", BOTH16, tc_tiles("pipelined")),
             ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32),
-            ("03", "`tc`", BOTH16, bw_tc)] + [("06", f"`{v}` (fwd)", "fp16, bf16", hopper_tiles(v))
+            ("03", "`tc`", BOTH16, bw_tc), ("03", "`fp32x3`", "fp32", bw_x3)] + [("06", f"`{v}` (fwd)", "fp16, bf16", hopper_tiles(v))
                                                for v in v3.VERSIONS] + [
             ("06", f"`{v}` (bwd)", "fp16, bf16", hopper_bwd_tiles(v)) for v in v3b.VERSIONS]
 
