@@ -16,6 +16,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name):
+    """dev/<name>.py as a module, with dev/ on sys.path as when it runs as a script (bench.py imports bench_report),
+    whichever test of this file runs first."""
+    if str(ROOT / "dev") not in sys.path:
+        sys.path.insert(0, str(ROOT / "dev"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "dev" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
