@@ -321,6 +321,13 @@ def test_accumulate_into_the_ring_gradients_of_some_rows_and_keys(D, dtype, caus
     assert outside == {"dq": True, "dk, dv": True}
 
 
+def _spy(monkeypatch, module, name):
+    """Replace module.name by a wrapper that records each call in the returned list, then calls the original."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    return calls
+
+
 def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     """On an sm_90 GPU the ring's blocks at the default versions are stage 06's merge_into and accumulate_into (stage
     02 version tc when named; a ring of one rank: stage 06's backward), and the GPT's flash_v2 attention in bfloat16
@@ -333,25 +340,18 @@ def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     from stages.train_gpt import attention
 
     _hopper()
-    calls = []
-    real = flash_v3.merge_into
-    monkeypatch.setattr(flash_v3, "merge_into", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    calls = _spy(monkeypatch, flash_v3, "merge_into")
     q, k, v = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy)
     check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash")
     assert calls, "the ring's forward blocks did not go through stage 06"
     calls.clear()
     check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash", version="tc")
     assert not calls, "version 'tc' named: the ring must keep stage 02"
-    bwd_calls = []
-    real_bwd = flash_v3_backward.accumulate_into
-    monkeypatch.setattr(flash_v3_backward, "accumulate_into",
-                        lambda *a, **kw: (bwd_calls.append(1), real_bwd(*a, **kw))[1])
+    bwd_calls = _spy(monkeypatch, flash_v3_backward, "accumulate_into")
     q, k, v, do = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy, grad=True)
     check_backward(ring.backward, q, k, v, do, causal=True, layout="zigzag", ranks=4, block="flash")
     assert bwd_calls, "the ring's backward blocks did not go through stage 06"
-    whole = []  # a ring of one rank is one call over the whole sequence: stage 06's backward itself
-    real_whole = flash_v3_backward.backward
-    monkeypatch.setattr(flash_v3_backward, "backward", lambda *a, **kw: (whole.append(1), real_whole(*a, **kw))[1])
+    whole = _spy(monkeypatch, flash_v3_backward, "backward")  # a ring of one rank: stage 06's backward itself
     for causal in (False, True):
         whole.clear()
         check_backward(ring.backward, q, k, v, do, causal=causal, layout="contiguous", ranks=1, block="flash")

@@ -109,6 +109,17 @@ def _pre_function(kernel, ctype):
     return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
 
 
+def _preprocess(ctype, o, do, lse, delta, lse_pad, dq_acc, *, Nq, ldq, Nq_pad, D, BH):
+    """Stage 03's preprocess (Alg.2 L4) of rows 0..Nq-1 of every head, ldq rows a head apart from the pointers o, do,
+    lse: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for the padding up to
+    Nq_pad), and the float32 dQ accumulator dq_acc zeroed (None: there is none, as in a ring block)."""
+    i32, f32 = np.int32, np.float32
+    zero = dq_acc is not None
+    kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
+                   (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(0)))(
+        o, do, lse, delta, lse_pad, dq_acc if zero else np.uint64(0), np.uint64(0))
+
+
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     """(dq, dk, dv), shaped like q, k, v and in their dtype: the gradients of sum(O * dO) from the forward's o and lse.
     Raises device.UnsupportedDevice off sm_90 (naming the stage 03 version to use), TypeError / ValueError for what the
@@ -136,10 +147,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     delta = cupy.empty(BH * Nq_pad, cupy.float32)
     lse_pad = cupy.empty(BH * Nq_pad, cupy.float32)
     dq_acc = cupy.empty((B, H, Nq, D), cupy.float32)
-    i32, f32 = np.int32, np.float32
-    kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                   (i32(Nq), i32(Nq), i32(Nq_pad), i32(D), f32(1.0), i32(1), i32(0)))(
-        o, do, lse, delta, lse_pad, dq_acc, np.uint64(0))
+    _preprocess(ctype, o, do, lse, delta, lse_pad, dq_acc, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH)
     dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
     params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale, causal=int(causal), kv_rows=Nk, accumulate=0,
                              map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
@@ -151,7 +159,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
         dq_acc, dk, dv, lse_pad, delta)
     n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
     kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),), (256,), 0,
-                   (f32(1.0), np.int64(n)))(dq_acc, dq)
+                   (np.float32(1.0), np.int64(n)))(dq_acc, dq)
     return dq, dk, dv
 
 
@@ -177,11 +185,9 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
     ctype = blocks.CTYPE[np.dtype(q.dtype)]
     scratch = cupy.empty(2 * BH * Nq_pad, cupy.float32)  # D_i, then L_i, of rows a:b
     delta, lse_pad = scratch[:BH * Nq_pad], scratch[BH * Nq_pad:]
-    i32, f32 = np.int32, np.float32
     at = a * D * q.itemsize  # byte offset of row a in every head of o and do
-    kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                   (i32(Nq), i32(Lq), i32(Nq_pad), i32(D), f32(1.0), i32(0), i32(0)))(
-        o.data.ptr + at, do.data.ptr + at, lse.data.ptr + 4 * a, delta, lse_pad, np.uint64(0), np.uint64(0))
+    _preprocess(ctype, o.data.ptr + at, do.data.ptr + at, lse.data.ptr + 4 * a, delta, lse_pad, None, Nq=Nq, ldq=Lq,
+                Nq_pad=Nq_pad, D=D, BH=BH)
     params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale,
                              causal=int(bool(causal)), kv_rows=k.shape[2], accumulate=1,
                              map_q=blocks.tensor_map_heads(q, rows=rows), map_k=blocks.tensor_map_heads(k, rows=keys),
