@@ -9,14 +9,53 @@
 //     and V is split in three exact TF32 parts, so a one-hot row of P gives V's row exactly;
 //   * 32-bit fragments by plain loads (ldmatrix moves 16-bit elements); each mma's k index is permuted (column t
 //     <-> element 2t, t+4 <-> 2t+1): a thread's two elements are adjacent, and S_ij's C fragments are P_ij's A;
-//   * K_j, V_j double-buffered by cp.async (tile j+1 lands during tile j), one barrier per tile.
+//   * K_j, V_j are split once per block, not by every warp: the block converts each tile into its TF32 parts in
+//     shared memory (split_kv), laid out so that a B fragment's parts are one 16-byte (K) or three 8-byte (V) loads;
+//     the raw tile j+1 lands by cp.async while tile j is computed.
 // Work split (FA2 Sec. 3.3): grid (Tr, B*H), last Q tiles first; warp w owns rows 16 MT w .. 16 MT (w+1) - 1 of Q_i.
-// Shared (floats): Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4], padded so every fragment load is
-// conflict-free. The mma.sync m16n8k8 .tf32 fragment layouts: tf32x3.cuh.
+// Shared (floats): Q_i [Br][D+8]; raw K_j, V_j [Bc][D+4] each; K_j's parts [Bc][2D+16], V_j's [Bc/2][6D+24]; padded
+// so that every fragment load is conflict-free. The mma.sync m16n8k8 .tf32 fragment layouts: tf32x3.cuh.
 // Run: python stages/02_flash_v2/run.py --version fp32x3   (tests: pytest tests/test_02_flash_v2.py -k fp32x3)
 #include "attention_tiles.cuh"
 #include "params.cuh"
 #include "tf32x3.cuh"
+
+// The TF32 parts of a K/V tile, from its raw floats (rows of LDR floats), for the fragment loads of the tile loop.
+// K_j: key r, element pair e (elements 2e, 2e+1) -> Kp[r][4e..4e+3] = big(2e), big(2e+1), small(2e), small(2e+1): the
+// B fragment of S = Q K^T at one k step (permuted k index) with its parts in one 16-byte load.
+// V_j: key pair e (keys 2e, 2e+1), column c -> Vp[e][6c..6c+5] = hi, hi, mid, mid, lo, lo of the two keys: the B
+// fragment of O += P V at one k step, each of its three parts in one 8-byte load.
+template <int D, int BC, int NT, int LDR, int LDKP, int LDVP>
+__device__ __forceinline__ void split_kv(const float* Kraw, const float* Vraw, float* Kp, float* Vp, int tid) {
+    for (int c = tid; c < BC * D / 4; c += NT) {  // elements 4e..4e+3 of key r
+        const int r = c / (D / 4), e = c % (D / 4);
+        const float4 x = *reinterpret_cast<const float4*>(Kraw + r * LDR + 4 * e);
+        u32 b[4], sm[4];
+        split_tf32(x.x, b[0], sm[0]);
+        split_tf32(x.y, b[1], sm[1]);
+        split_tf32(x.z, b[2], sm[2]);
+        split_tf32(x.w, b[3], sm[3]);
+        uint4* dst = reinterpret_cast<uint4*>(Kp + r * LDKP + 8 * e);
+        dst[0] = make_uint4(b[0], b[1], sm[0], sm[1]);
+        dst[1] = make_uint4(b[2], b[3], sm[2], sm[3]);
+    }
+    for (int c = tid; c < BC / 2 * D / 4; c += NT) {  // columns 4e..4e+3 of key pair p
+        const int p = c / (D / 4), e = c % (D / 4);
+        const float4 x = *reinterpret_cast<const float4*>(Vraw + 2 * p * LDR + 4 * e);
+        const float4 y = *reinterpret_cast<const float4*>(Vraw + (2 * p + 1) * LDR + 4 * e);
+        const float xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            u32 h0, m0, l0, h1, m1, l1;
+            split3_tf32(xs[u], h0, m0, l0);
+            split3_tf32(ys[u], h1, m1, l1);
+            uint2* dst = reinterpret_cast<uint2*>(Vp + p * LDVP + 6 * (4 * e + u));
+            dst[0] = make_uint2(h0, h1);
+            dst[1] = make_uint2(m0, m1);
+            dst[2] = make_uint2(l0, l1);
+        }
+    }
+}
 
 // Algorithm 1 of FA2 for one (Q tile i, head bh), float32. D: head dim (multiple of 32); BC: keys per K/V tile;
 // NWARPS warps of MT m-tiles (16 rows each): Br = 16 * MT * NWARPS; MINB: blocks per SM the registers must allow;
@@ -33,14 +72,18 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
     const float scale_log2 = p.scale_log2;
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
-    constexpr int LDK = D + 8;            // padded row of Q_i and K_j (floats)
-    constexpr int LDV = D + 4;            // padded row of V_j (floats)
+    constexpr int LDQ = D + 8;            // padded row of Q_i (floats)
+    constexpr int LDR = D + 4;            // row of the raw K_j, V_j
+    constexpr int LDKP = 2 * D + 16;      // row of K_j's parts (= 16 mod 32 floats: 16-byte loads conflict-free)
+    constexpr int LDVP = 6 * D + 24;      // row (key pair) of V_j's parts (= 24 mod 32: 8-byte loads conflict-free)
     constexpr int CH = D / 4;             // 16-byte chunks per row
     static_assert(D % 32 == 0 && D <= 128 && BC % 8 == 0, "head dim 32, 64, 96 or 128; Bc a multiple of 8");
     extern __shared__ __align__(16) float smem[];
-    float* Qs = smem;                 // [BR][LDK]
-    float* Ks = Qs + BR * LDK;        // [2][BC][LDK]  double buffer
-    float* Vs = Ks + 2 * BC * LDK;    // [2][BC][LDV]  double buffer
+    float* Qs = smem;                 // [BR][LDQ]
+    float* Kraw = Qs + BR * LDQ;      // [BC][LDR]: K_{j+1} lands here while tile j is computed
+    float* Vraw = Kraw + BC * LDR;    // [BC][LDR]
+    float* Kp = Vraw + BC * LDR;      // [BC][LDKP]: K_j's TF32 parts
+    float* Vp = Kp + BC * LDKP;       // [BC / 2][LDVP]: V_j's TF32 parts
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment coordinates: row group g, thread-in-group t
@@ -63,10 +106,10 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
     };
 
     // Alg.1 L4: load Q_i; Alg.1 L7 (j = 0): load K_0, V_0. One cp.async group.
-    load_tile(Qs, q + bh * Nq * D, row0, BR, Nq, LDK);
+    load_tile(Qs, q + bh * Nq * D, row0, BR, Nq, LDQ);
     if (n_tiles > 0) {
-        load_tile(Ks, kh, 0, BC, Nk, LDK);
-        load_tile(Vs, vh, 0, BC, Nk, LDV);
+        load_tile(Kraw, kh, 0, BC, Nk, LDR);
+        load_tile(Vraw, vh, 0, BC, Nk, LDR);
     }
     cp_async_commit();
 
@@ -77,22 +120,22 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
 
     const int wrow = warp * 16 * MT;  // this warp's first row inside Q_i
     // Per-lane fragment bases (floats). Q (A of S): rows wrow + g (+8), elements 2t, 2t+1 of each 8-wide k step.
-    // K (B of S): key g of each n-tile, elements 2t, 2t+1. V (B of P V): keys 2t, 2t+1 of each k step, column g.
-    const float* q_frag = Qs + (wrow + g) * LDK + 2 * t;
-    const int k_off = g * LDK + 2 * t;
-    const int v_off = 2 * t * LDV + g;
+    // K's parts (B of S): key g of each n-tile, element pair t. V's parts (B of P V): key pair t (keys 2t, 2t+1) of
+    // each k step, column g.
+    const float* q_frag = Qs + (wrow + g) * LDQ + 2 * t;
+    const float* kj = Kp + g * LDKP + 4 * t;
+    const float* vj = Vp + t * LDVP + 6 * g;
 
     for (int j = 0; j < n_tiles; ++j) {  // Alg.1 L6: loop over K/V tiles
-        const int buf = j & 1;
         cp_async_wait<0>();  // this thread's copies of K_j, V_j (and Q_i) have landed ...
-        __syncthreads();     // ... everyone's too; and every warp has finished tile j-1, so buffer buf^1 is free
-        if (j + 1 < n_tiles) {  // prefetch K_{j+1}, V_{j+1} into the other buffer while tile j is computed
-            load_tile(Ks + (buf ^ 1) * BC * LDK, kh, (j + 1) * BC, BC, Nk, LDK);
-            load_tile(Vs + (buf ^ 1) * BC * LDV, vh, (j + 1) * BC, BC, Nk, LDV);
+        __syncthreads();     // ... everyone's too; and every warp has finished tile j-1, so the parts are free
+        split_kv<D, BC, NT, LDR, LDKP, LDVP>(Kraw, Vraw, Kp, Vp, tid);
+        __syncthreads();     // the parts of tile j are written; the raw buffers are free
+        if (j + 1 < n_tiles) {  // K_{j+1}, V_{j+1} land while tile j is computed
+            load_tile(Kraw, kh, (j + 1) * BC, BC, Nk, LDR);
+            load_tile(Vraw, vh, (j + 1) * BC, BC, Nk, LDR);
             cp_async_commit();
         }
-        const float* kj = Ks + buf * BC * LDK + k_off;
-        const float* vj = Vs + buf * BC * LDV + v_off;
         const int col0 = j * BC;  // first key of K_j
 
         auto tile = [&](const bool MASKED) {  // called with a constant: each call inlines its own copy
@@ -107,8 +150,8 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
                 u32 qb[MT][4], qs[MT][4];  // A fragments of Q_i, split (re-read per tile: registers go to O and S)
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
-                    const float2 x0 = *reinterpret_cast<const float2*>(q_frag + (16 * m) * LDK + 8 * kk);
-                    const float2 x1 = *reinterpret_cast<const float2*>(q_frag + (16 * m + 8) * LDK + 8 * kk);
+                    const float2 x0 = *reinterpret_cast<const float2*>(q_frag + (16 * m) * LDQ + 8 * kk);
+                    const float2 x1 = *reinterpret_cast<const float2*>(q_frag + (16 * m + 8) * LDQ + 8 * kk);
                     split_tf32(x0.x, qb[m][0], qs[m][0]);  // (row g,   col t)   = element 2t
                     split_tf32(x1.x, qb[m][1], qs[m][1]);  // (row g+8, col t)
                     split_tf32(x0.y, qb[m][2], qs[m][2]);  // (row g,   col t+4) = element 2t+1
@@ -116,10 +159,9 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
                 }
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n) {  // keys 8n..8n+7
-                    const float2 y = *reinterpret_cast<const float2*>(kj + (8 * n) * LDK + 8 * kk);
-                    u32 kb[2], ks[2];  // B fragment of K_j^T: (row t, col g) = K[key g][2t], (row t+4) = K[g][2t+1]
-                    split_tf32(y.x, kb[0], ks[0]);
-                    split_tf32(y.y, kb[1], ks[1]);
+                    // B fragment of K_j^T: (row t, col g) = K[key g][2t], (row t+4) = K[g][2t+1], big and small parts
+                    const uint4 y = *reinterpret_cast<const uint4*>(kj + (8 * n) * LDKP + 16 * kk);
+                    const u32 kb[2] = {y.x, y.y}, ks[2] = {y.z, y.w};
                     // A fresh accumulator per k step, then one rounded add into S (tensor-core adds truncate).
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
@@ -177,9 +219,9 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
                 }
 #pragma unroll
                 for (int d = 0; d < D / 8; ++d) {  // columns 8d..8d+7 of V_j: B = (row t) V[2t][g], (row t+4) V[2t+1][g]
-                    u32 vh[2], vm[2], vl[2];
-                    split3_tf32(vj[(8 * kk) * LDV + 8 * d], vh[0], vm[0], vl[0]);
-                    split3_tf32(vj[(8 * kk + 1) * LDV + 8 * d], vh[1], vm[1], vl[1]);
+                    const uint2* v3 = reinterpret_cast<const uint2*>(vj + 4 * kk * LDVP + 48 * d);
+                    const uint2 h = v3[0], md = v3[1], lo = v3[2];  // V's hi, mid, lo parts of keys 2t, 2t+1
+                    const u32 vh[2] = {h.x, h.y}, vm[2] = {md.x, md.y}, vl[2] = {lo.x, lo.y};
                     // P V = P_small V_hi + P_big (V_lo + V_mid + V_hi), smallest first (P_small V_mid dropped): with
                     // P = 1 the sum is V exactly. As for S: a fresh accumulator per k step, one rounded add into O_i.
 #pragma unroll

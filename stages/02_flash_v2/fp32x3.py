@@ -4,9 +4,9 @@
 
 Called by flash_v2.forward (which validates the inputs); kernel kernels/flash_v2_forward_fp32x3.cu: float32 in and
 out, S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k8 TF32) with the 3xTF32 split (each operand =
-big + small TF32 parts, three mma per product, V in three parts: close to fp32 accuracy), cp.async double
-buffering. Head dims 32, 64, 96, 128; any Nq, Nk; causal aligned bottom-right (query i sees key j iff
-j <= i + Nk - Nq).
+big + small TF32 parts, three mma per product, V in three parts: close to fp32 accuracy), each K/V tile split
+once per block into shared memory while the next lands by cp.async. Head dims 32, 64, 96, 128; any Nq, Nk; causal
+aligned bottom-right (query i sees key j iff j <= i + Nk - Nq).
 """
 import functools
 from typing import NamedTuple
@@ -39,17 +39,18 @@ class Config(NamedTuple):
 
 
 # Candidates per (head dim, causal), first choice first. At d <= 64 each warp takes two m-tiles (MT = 2), so every
-# K/V fragment it splits feeds two mma; from d = 96 on, O_i's accumulators (16 MT x d per warp) leave no registers
-# for a second m-tile, so 8 warps take one each. Bc = 32 keeps S_ij's accumulators small beside O_i's; d = 128
-# non-causal takes 64-key tiles (half the barriers per key) where the shared memory allows (202 KB: sm_90 only).
-# The later candidates are for GPUs with less shared memory: Br = 64 (4 warps), then Bc = 16.
+# K/V fragment it loads feeds two mma; from d = 96 on, O_i's accumulators (16 MT x d per warp) leave no registers
+# for a second m-tile, so 8 warps take one each. Bc = 32 keeps S_ij's accumulators small beside O_i's, and the
+# parts of K_j, V_j (four floats per raw one) in shared memory. The later candidates are for GPUs with less shared
+# memory: from d = 96 on, Bc = 16 with 8 warps (an A100), then Br = 64 (4 warps), then both.
 _SMALL = [Config(32, 4, 1, 2, 2), Config(16, 4, 1, 2, 2)]
 CANDIDATES = {
     (32, False): [Config(32, 4, 2, 2, 2)] + _SMALL, (32, True): [Config(32, 4, 2, 2, 2)] + _SMALL,
     (64, False): [Config(32, 4, 2, 2, 2)] + _SMALL, (64, True): [Config(32, 4, 2, 2, 2)] + _SMALL,
-    (96, False): [Config(32, 8, 1, 1, 2)] + _SMALL, (96, True): [Config(32, 8, 1, 1, 2)] + _SMALL,
-    (128, False): [Config(64, 8, 1, 1, 2), Config(32, 8, 1, 1, 2)] + _SMALL,
-    (128, True): [Config(32, 8, 1, 1, 2)] + _SMALL,
+    (96, False): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
+    (96, True): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
+    (128, False): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
+    (128, True): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
 }
 FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
 
@@ -61,9 +62,10 @@ def _check(D):
 
 
 def smem_bytes(D, causal=False, cfg=None):
-    """Dynamic shared memory per block: Q_i [Br][D+8], K_j [2][Bc][D+8], V_j [2][Bc][D+4] floats."""
+    """Dynamic shared memory per block: Q_i [Br][D+8], raw K_j and V_j [Bc][D+4] each, K_j's TF32 parts [Bc][2D+16],
+    V_j's [Bc/2][6D+24] floats."""
     cfg = cfg or config(D, causal)
-    return 4 * (cfg.br * (D + 8) + 2 * cfg.bc * (D + 8) + 2 * cfg.bc * (D + 4))
+    return 4 * (cfg.br * (D + 8) + 2 * cfg.bc * (D + 4) + cfg.bc * (2 * D + 16) + cfg.bc // 2 * (6 * D + 24))
 
 
 def config(D, causal=False, dev=None):
