@@ -795,23 +795,21 @@ def results_readme(results_dir=None):
                   "so a warm-up of a few calls would time the next implementation at the previous one's "
                   "clock).", "",
                   modes, ""]
-    d256 = results_dir / D256_CSV
-    if d256.exists():
-        lines += [f"## Head dim 256 (`{D256_CSV}`)", "",
-                  "The forward at d = 256 gives each of 8 warps one m-tile of 16 rows (O_i alone is 128 registers a "
-                  "thread); the backward splits the head dim between two blocks per K/V tile (a warp's 16 rows of "
-                  "dK_j and dV_j over 256 columns would be 256 registers a thread), so it computes S and dP twice: "
-                  "1.4x the FLOPs the TFLOP/s column counts.", "",
-                  markdown(read_csv(d256), min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), ""]
-    fp32 = results_dir / FP32_CSV
-    if fp32.exists():
-        lines += [f"## Float32 (`{FP32_CSV}`)", "",
-                  "Float32 beside PyTorch's memory-efficient backend (CUTLASS; with float32 inputs its matmuls are "
-                  "the 3xTF32 split too): stage 02's `fp32` (CUDA cores) and `fp32x3` (TF32 tensor cores) forward, "
-                  "stage 03's `fp32` and `fp32x3` backward, every N. Why the float32 backward costs what it costs: "
-                  "[`stages/03_flash_v2_backward/README.md`](../stages/03_flash_v2_backward/README.md) and "
-                  "`profile_backward_fp32_h200.csv` (Nsight Compute counters of both backward kernels).", "",
-                  markdown(read_csv(fp32), min_seq=0, summary_min_seq=0).rstrip(), ""]
+    for title, name, prose, summary_min_seq in (
+            ("Head dim 256", D256_CSV,
+             "The forward at d = 256 gives each of 8 warps one m-tile of 16 rows (O_i alone is 128 registers a "
+             "thread); the backward splits the head dim between two blocks per K/V tile (a warp's 16 rows of "
+             "dK_j and dV_j over 256 columns would be 256 registers a thread), so it computes S and dP twice: "
+             "1.4x the FLOPs the TFLOP/s column counts.", SUMMARY_MIN_SEQ),
+            ("Float32", FP32_CSV,
+             "Float32 beside PyTorch's memory-efficient backend (CUTLASS; with float32 inputs its matmuls are "
+             "the 3xTF32 split too): stage 02's `fp32` (CUDA cores) and `fp32x3` (TF32 tensor cores) forward, "
+             "stage 03's `fp32` and `fp32x3` backward, every N. Why the float32 backward costs what it costs: "
+             "[`stages/03_flash_v2_backward/README.md`](../stages/03_flash_v2_backward/README.md) and "
+             "`profile_backward_fp32_h200.csv` (Nsight Compute counters of both backward kernels).", 0)):
+        if (results_dir / name).exists():
+            lines += [f"## {title} (`{name}`)", "", prose, "",
+                      markdown(read_csv(results_dir / name), min_seq=0, summary_min_seq=summary_min_seq).rstrip(), ""]
     hopper = _rows_of(results_dir, HOPPER_CSV, read_csv)
     if hopper is not None:
         lines += [f"## Stage 06 on Hopper (`{HOPPER_CSV}`, `{HOPPER_STEPS_CSV}`)", "",
@@ -982,8 +980,8 @@ def _versions():
     return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),
             ("02", "`tc`", BOTH16, tc_tiles("tc")), ("02", "`pipelined`", BOTH16, tc_tiles("pipelined")),
             ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32),
-            ("03", "`tc`", BOTH16, bw_tc), ("03", "`fp32x3`", "fp32", bw_x3)] + [("06", f"`{v}` (fwd)", "fp16, bf16", hopper_tiles(v))
-                                               for v in v3.VERSIONS] + [
+            ("03", "`tc`", BOTH16, bw_tc), ("03", "`fp32x3`", "fp32", bw_x3)] + [
+            ("06", f"`{v}` (fwd)", "fp16, bf16", hopper_tiles(v)) for v in v3.VERSIONS] + [
             ("06", f"`{v}` (bwd)", "fp16, bf16", hopper_bwd_tiles(v)) for v in v3b.VERSIONS]
 
 
