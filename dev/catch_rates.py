@@ -14,7 +14,8 @@ check_backward (the checks every test and run.py use) on
     (fp32 for float32, tc for 16 bits);
   right answers (positive controls): correct stages that are not the tolerance rule's yardstick (stage 00 in the
     inputs' dtype): the CPU tile mirrors of stage 02 (versions fp32, fp32x3 for float32; tc, pipelined for 16
-    bits), of stage 03 (fp32 / tc, atomic and deterministic dQ) and of stage 01 (float32).
+    bits), of stage 03 (fp32 / tc, atomic and deterministic dQ; fp32x3, atomic, for float32) and of stage 01
+    (float32).
 
 It counts, per (scale, dtype, shape), the draws in which each mistake is caught (the check raises) and each correct
 stage passes (it does not). Beside each mistake, best_possible counts the draws in which the tightest check that
@@ -94,6 +95,8 @@ def controls(dtype):
         out[f"03 {version}{' deterministic' if det else ''}"] = (
             "backward", lambda *a, _v=version, _d=det, **kw: flash_v2_backward.backward(*a, version=_v,
                                                                                        deterministic=_d, **kw))
+    if not _low(dtype):  # the 3xTF32 backward (atomic dQ only)
+        out["03 fp32x3"] = ("backward", lambda *a, **kw: flash_v2_backward.backward(*a, version="fp32x3", **kw))
     if not _low(dtype):
         out["01 forward"] = ("forward", flash_v1.forward)
         out["01 backward"] = ("backward", flash_v1.backward)
