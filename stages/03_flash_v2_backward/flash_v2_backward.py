@@ -153,10 +153,10 @@ class Fp32x3Tiles(NamedTuple):
         return 32 * self.nw
 
 
-# Version fp32x3's configurations per head dim, first choice first, in the order of speed on the H200; the later ones
-# are for GPUs with less shared memory (fp32x3_smem gives each need). Four warps, registers for two blocks per SM, one
-# stage of Q_i, dO_i: the larger Br a second stage's shared memory would take (Br = 64 at d <= 64, 32 at d = 128)
-# does more for the k steps of dV_j, dK_j per split of P^T, dS^T than the overlap would.
+# Version fp32x3's configurations per head dim, first choice first; the later ones are for GPUs with less shared
+# memory (fp32x3_smem gives each need). Four warps with registers for two blocks per SM, and the largest Br two
+# blocks' shared memory holds with one stage of Q_i, dO_i (64 at d <= 64, 32 at d = 128): each split of P^T, dS^T
+# then serves Br / 8 k steps of dV_j, dK_j, where a second stage would halve Br to overlap the copies.
 FP32X3_CANDIDATES = {32: [Fp32x3Tiles(4, 64, 1, 2)],
                      64: [Fp32x3Tiles(4, 64, 1, 2), Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)],
                      128: [Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)]}
