@@ -11,9 +11,9 @@
 //     feeds an exponential); dV_j, dK_j, dQ_i: one tensor-core chain per Q tile, then one rounded add;
 //   * P_ij = exp(scale S_ij - L_i): one FMA and expf (log2 e folded into the scale would round once more);
 //   * dQ_i += dS_ij K_j: dS^T through shared memory, warp w adds D / NW columns of dQ_i to the fp32 accumulator;
-//   * Q_i, dO_i, L_i, D_i by cp.async: with STAGES = 2 tile i+1 lands during tile i, with STAGES = 1 during tile
-//     i's dQ step (which reads only dS^T and K_j).
-// Shared (floats): K_j, V_j [BC][D+4]; Q_i, dO_i [STAGES][BR][D+4]; dS^T [BC][BR+4]; L_i, D_i [STAGES][BR]. The
+//   * Q_i, dO_i, L_i, D_i by cp.async, one buffer: tile i+1 lands during tile i's dQ step (which reads only dS^T and
+//     K_j), so the shared memory of a second buffer goes to a larger BR instead.
+// Shared (floats): K_j, V_j [BC][D+4]; Q_i, dO_i [BR][D+4]; dS^T [BC][BR+4]; L_i, D_i [BR]. The
 // +4 makes every fragment load conflict-free: rows g, columns t / t+4 (4g + t) and rows 2t / 2t+1, column g (8t + g).
 // Run: python stages/03_flash_v2_backward/run.py --version fp32x3   (tests: pytest tests/test_03_flash_v2_backward.py)
 #include "tf32x3.cuh"
@@ -88,7 +88,7 @@ __device__ __forceinline__ void tile_t_times_rows(const float (&c)[NS][4], const
 // Q, dO: (BH, Nq, D); K, V, dK, dV: (BH, Nk, D); Lg, Dg: (BH, Nq_pad) from bwd_preprocess (natural log; +inf for
 // masked and padding rows, D = 0 there); dQacc: (BH, Nq, D) fp32, zeroed: it receives dS K (the conversion scales).
 // grid = (ceil(Nk / BC), BH), 32 NW threads; BC = 16 NW keys per block, BR queries per Q tile.
-template <int D, int NW, int BR, int STAGES, int MINB>
+template <int D, int NW, int BR, int MINB>
 __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
     const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
     const float* __restrict__ dO, const float* __restrict__ Lg, const float* __restrict__ Dg,
@@ -99,16 +99,16 @@ __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
     constexpr int NS = BR / 8;          // n-tiles of S^T (queries): the k steps of dV_j, dK_j
     constexpr int NQ = D / NW / 8;      // n-tiles of this warp's columns of dQ_i
     constexpr int MQ = BR / 16;         // m-tiles of dQ_i
-    static_assert(D % (8 * NW) == 0 && BR % 16 == 0 && 128 % BR == 0 && BR / 2 <= NT && (STAGES == 1 || STAGES == 2),
+    static_assert(D % (8 * NW) == 0 && BR % 16 == 0 && 128 % BR == 0 && BR / 2 <= NT,
                   "D: a multiple of 8 NW; BR: a multiple of 16 dividing the preprocess's 128-row padding");
     extern __shared__ __align__(16) float smem[];
     float* Ks = smem;                   // [BC][LD]
     float* Vs = Ks + BC * LD;           // [BC][LD]
-    float* Qs = Vs + BC * LD;           // [STAGES][BR][LD]
-    float* dOs = Qs + STAGES * BR * LD; // [STAGES][BR][LD]
-    float* dSs = dOs + STAGES * BR * LD;// [BC][LDS]: dS_ij^T
-    float* Ls = dSs + BC * LDS;         // [STAGES][BR]
-    float* Ds = Ls + STAGES * BR;       // [STAGES][BR]
+    float* Qs = Vs + BC * LD;           // [BR][LD]
+    float* dOs = Qs + BR * LD;          // [BR][LD]
+    float* dSs = dOs + BR * LD;         // [BC][LDS]: dS_ij^T
+    float* Ls = dSs + BC * LDS;         // [BR]
+    float* Ds = Ls + BR;                // [BR]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int j = blockIdx.x;
@@ -126,12 +126,12 @@ __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
             cp_async_16(dst + r * LD + ch * 4, ok ? src + (long)(r0 + r) * D + ch * 4 : src, ok);
         }
     };
-    // Q_i, dO_i, L_i, D_i into buffer b (L_i, D_i are padded: always in range)
-    auto load_q_tile = [&](int i, int b) {
-        load_rows(Qs + b * BR * LD, Q, i * BR, BR, Nq);
-        load_rows(dOs + b * BR * LD, dO, i * BR, BR, Nq);
-        if (tid < BR / 4) cp_async_16(Ls + b * BR + 4 * tid, Lg + i * BR + 4 * tid, true);
-        else if (tid < BR / 2) cp_async_16(Ds + b * BR + 4 * (tid - BR / 4), Dg + i * BR + 4 * (tid - BR / 4), true);
+    // Q_i, dO_i, L_i, D_i (L_i, D_i are padded: always in range)
+    auto load_q_tile = [&](int i) {
+        load_rows(Qs, Q, i * BR, BR, Nq);
+        load_rows(dOs, dO, i * BR, BR, Nq);
+        if (tid < BR / 4) cp_async_16(Ls + 4 * tid, Lg + i * BR + 4 * tid, true);
+        else if (tid < BR / 2) cp_async_16(Ds + 4 * (tid - BR / 4), Dg + i * BR + 4 * (tid - BR / 4), true);
     };
 
     const int Tr = (Nq + BR - 1) / BR;
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
     // Alg.2 L6: load K_j, V_j, with the first Q tile
     load_rows(Ks, K, j * BC, BC, Nk);
     load_rows(Vs, V, j * BC, BC, Nk);
-    if (i_begin < Tr) load_q_tile(i_begin, 0);
+    if (i_begin < Tr) load_q_tile(i_begin);
     cp_async_commit();
 
     // Alg.2 L7: dK_j = dV_j = 0: this warp's 16 rows, entries (g, 2t..2t+1) and (g+8, ..) of n-tile n
@@ -152,31 +152,22 @@ __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
     const int dc0 = warp * (D / NW);               // this warp's first column of dQ_i
 
     for (int i = i_begin; i < Tr; ++i) {  // Alg.2 L8
-        const int buf = STAGES == 2 ? (i - i_begin) & 1 : 0;
         cp_async_wait<0>();
         __syncthreads();  // tile i has landed; every warp is done with tile i-1 (its dQ step read dS^T)
-        if (STAGES == 2 && i + 1 < Tr) {  // tile i+1 lands while tile i is computed
-            load_q_tile(i + 1, buf ^ 1);
-            cp_async_commit();
-        }
-        const float* qs = Qs + buf * BR * LD;
-        const float* dos = dOs + buf * BR * LD;
-        const float* ls = Ls + buf * BR;
-        const float* ds = Ds + buf * BR;
         const int q0 = i * BR;
 
         // Alg.2 L10-L13: S^T = K_j Q_i^T, dP^T = V_j dO_i^T (unscaled), this warp's 16 keys x BR queries
         float s[NS][4], dp[NS][4];
-        rows_times_rows_t<D, NS, LD>(k_at, qs + g * LD + t, s);
-        rows_times_rows_t<D, NS, LD>(v_at, dos + g * LD + t, dp);
+        rows_times_rows_t<D, NS, LD>(k_at, Qs + g * LD + t, s);
+        rows_times_rows_t<D, NS, LD>(v_at, dOs + g * LD + t, dp);
         // P^T = exp(scale S^T - L), dS^T = P^T * (dP^T - D_i). Entry e of n-tile n: key key0 + g + 8 (e / 2),
         // query 8n + 2t + e % 2. Masked: keys past Nk (zero rows of K_j give S = 0, not P = 0) and, causal, keys
         // right of the diagonal; queries past Nq have L = +inf (P = 0) and D = 0.
         const bool masked = (j + 1) * BC > Nk || (causal && j * BC + BC - 1 > q0 + off);
 #pragma unroll
         for (int n = 0; n < NS; ++n) {
-            const float2 l = *reinterpret_cast<const float2*>(ls + 8 * n + 2 * t);
-            const float2 d = *reinterpret_cast<const float2*>(ds + 8 * n + 2 * t);
+            const float2 l = *reinterpret_cast<const float2*>(Ls + 8 * n + 2 * t);
+            const float2 d = *reinterpret_cast<const float2*>(Ds + 8 * n + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float p = expf(fmaf(s[n][e], scale, -(e % 2 ? l.y : l.x)));
@@ -192,11 +183,11 @@ __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
             *reinterpret_cast<float2*>(dSs + (key0 + g + 8) * LDS + 8 * n + 2 * t) = make_float2(dp[n][2], dp[n][3]);
         }
         // Alg.2 L11: dV_j += P^T dO_i;  L14: dK_j += dS^T Q_i (scaled at the end)
-        tile_t_times_rows<D, NS, LD>(s, dos + 2 * t * LD + g, dv);
-        tile_t_times_rows<D, NS, LD>(dp, qs + 2 * t * LD + g, dk);
+        tile_t_times_rows<D, NS, LD>(s, dOs + 2 * t * LD + g, dv);
+        tile_t_times_rows<D, NS, LD>(dp, Qs + 2 * t * LD + g, dk);
         __syncthreads();  // dS^T is complete; Q_i, dO_i are no longer read
-        if (STAGES == 1 && i + 1 < Tr) {  // tile i+1 lands during the dQ step
-            load_q_tile(i + 1, 0);
+        if (i + 1 < Tr) {  // tile i+1 lands during the dQ step
+            load_q_tile(i + 1);
             cp_async_commit();
         }
 

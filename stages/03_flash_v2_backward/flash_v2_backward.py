@@ -137,11 +137,10 @@ def reachable_tc(D, dev):
 
 class Fp32x3Tiles(NamedTuple):
     """Version fp32x3's configuration: nw warps of 16 key rows each (Bc = 16 nw keys per block), Br query rows per
-    Q tile, stages (2: Q_i, dO_i double-buffered; 1: tile i+1 loads during tile i's dQ step) and minb, the blocks
-    per SM the registers must allow."""
+    Q tile (one buffer of Q_i, dO_i: tile i+1 loads during tile i's dQ step) and minb, the blocks per SM the
+    registers must allow."""
     nw: int
     br: int
-    stages: int
     minb: int
 
     @property
@@ -155,19 +154,24 @@ class Fp32x3Tiles(NamedTuple):
 
 # Version fp32x3's configurations per head dim, first choice first; the later ones are for GPUs with less shared
 # memory (fp32x3_smem gives each need). Four warps with registers for two blocks per SM, and the largest Br two
-# blocks' shared memory holds with one stage of Q_i, dO_i (64 at d <= 64, 32 at d = 128): each split of P^T, dS^T
-# then serves Br / 8 k steps of dV_j, dK_j, where a second stage would halve Br to overlap the copies.
-FP32X3_CANDIDATES = {32: [Fp32x3Tiles(4, 64, 1, 2)],
-                     64: [Fp32x3Tiles(4, 64, 1, 2), Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)],
-                     128: [Fp32x3Tiles(4, 32, 1, 2), Fp32x3Tiles(4, 16, 1, 2)]}
+# blocks' shared memory holds with one buffer of Q_i, dO_i (64 at d <= 64, 32 at d = 128): each split of P^T, dS^T
+# then serves Br / 8 k steps of dV_j, dK_j, where a second buffer would halve Br to overlap the copies.
+FP32X3_CANDIDATES = {32: [Fp32x3Tiles(4, 64, 2)],
+                     64: [Fp32x3Tiles(4, 64, 2), Fp32x3Tiles(4, 32, 2), Fp32x3Tiles(4, 16, 2)],
+                     128: [Fp32x3Tiles(4, 32, 2), Fp32x3Tiles(4, 16, 2)]}
 FP32X3_FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
 
 
+def tf32_tensor_cores(dev):
+    """Whether dev runs version fp32x3 (FP32X3_FEATURES: sm_80 and newer)."""
+    return all(getattr(dev.arch, f) for f in FP32X3_FEATURES)
+
+
 def fp32x3_smem(D, cfg):
-    """Version fp32x3's dynamic shared memory (bytes): K_j, V_j [Bc][D+4], Q_i, dO_i [stages][Br][D+4], dS^T
-    [Bc][Br+4], L_i, D_i [stages][Br] floats, as in the kernel's layout comment."""
-    rows = 2 * cfg.bc * (D + 4) + 2 * cfg.stages * cfg.br * (D + 4)  # K_j, V_j; Q_i, dO_i
-    return 4 * (rows + cfg.bc * (cfg.br + 4) + 2 * cfg.stages * cfg.br)
+    """Version fp32x3's dynamic shared memory (bytes): K_j, V_j [Bc][D+4], Q_i, dO_i [Br][D+4], dS^T [Bc][Br+4],
+    L_i, D_i [Br] floats, as in the kernel's layout comment."""
+    rows = 2 * cfg.bc * (D + 4) + 2 * cfg.br * (D + 4)  # K_j, V_j; Q_i, dO_i
+    return 4 * (rows + cfg.bc * (cfg.br + 4) + 2 * cfg.br)
 
 
 def fp32x3_tiles(D, dev=None):
@@ -180,7 +184,7 @@ def fp32x3_tiles(D, dev=None):
 
 def fp32x3_name(D, cfg):
     """The template instantiation of version fp32x3 at head dim D."""
-    return f"flash_bwd_fp32x3<{D},{cfg.nw},{cfg.br},{cfg.stages},{cfg.minb}>"
+    return f"flash_bwd_fp32x3<{D},{cfg.nw},{cfg.br},{cfg.minb}>"
 
 
 def resolve_version(version, dtype):
@@ -205,7 +209,7 @@ def _fp32x3_runs(xp, deterministic, opts, D):
     """Whether version="auto" runs fp32x3 for float32 (resolve_version's fp32 otherwise): on a GPU with TF32 tensor
     cores (sm_80 on; not the CPU mirror), for plain attention at its head dims with the atomic dQ."""
     return (xp is not np and not deterministic and opts is None and D in HEAD_DIMS["fp32x3"]
-            and device.device().arch.cc >= 80)
+            and tf32_tensor_cores(device.device()))
 
 
 def forward(q, k, v, *, causal=False, scale=None, **kw):
@@ -663,7 +667,7 @@ def kernel_plans(dev):
         names = _names("fp32", "float", D)
         out += [device.KernelPlan("flash_v2_backward_fp32.cu", {}, n, sm, 0, 256)
                 for n, sm in zip(names, (main, main, dq)) if device.fits(dev, sm)]
-    if dev.arch.cc >= 80:  # version fp32x3: TF32 mma
+    if tf32_tensor_cores(dev):  # version fp32x3
         for D in HEAD_DIMS["fp32x3"]:
             cfg = fp32x3_tiles(D, dev)
             out.append(device.KernelPlan(FILES["fp32x3"][0], {}, fp32x3_name(D, cfg), fp32x3_smem(D, cfg), 0,
