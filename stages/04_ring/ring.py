@@ -152,18 +152,20 @@ def hopper_backward_takes(dtype, D, *, H, Hkv, B, version=None):
     """Whether the flash backward is stage 06's for plain attention of this shape: at the default backward version
     (naming stage 03's "fp32" keeps stage 03), where stage 06's forward is (hopper_takes) and its backward version ws
     takes the head dim (flash_v3_backward.takes_block)."""
-    if version not in DEFAULT_BACKWARD or not hopper_takes(dtype, D, H=H, Hkv=Hkv, B=B):
-        return False
-    from stages.hopper import flash_v3_backward
-
-    return flash_v3_backward.takes_block(dtype, D)
+    return version in DEFAULT_BACKWARD and hopper_takes(dtype, D, H=H, Hkv=Hkv, B=B) and _ws_takes(dtype, D)
 
 
 def hopper_backward_blocks(prob, dtype, version):
     """Whether the flash backward blocks of this problem are stage 06's (flash_v3_backward.accumulate_into: dQ, dK, dV
     added into the ring's float32 accumulators by the kernel): as hopper_blocks, with hopper_backward_takes."""
-    return (hopper_blocks(prob, dtype, None)
-            and hopper_backward_takes(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B, version=version))
+    return version in DEFAULT_BACKWARD and hopper_blocks(prob, dtype, None) and _ws_takes(dtype, prob.D)
+
+
+def _ws_takes(dtype, D):
+    """Whether stage 06's backward version ws takes this dtype and head dim."""
+    from stages.hopper import flash_v3_backward
+
+    return flash_v3_backward.takes_block(dtype, D)
 
 
 def one_device_forward(q, k, v, *, version=None, **kw):
@@ -635,6 +637,25 @@ class _Blocks:
                 self.fused = False
         self.qpos = prob.qpos()
 
+    def forward_whole(self, q, k, v, c, kpos):
+        """One rank's whole problem as one call c: the kernel writes (o, lse) in the inputs' dtype itself."""
+        prob = self.prob
+        if self.hopper and "window" not in c.mask():
+            from stages.hopper import flash_v3
+
+            return flash_v3.forward(q, k, v, scale=prob.scale, **c.mask())
+        return self.fwd(q, k, v, scale=prob.scale, version=self.version, **c.mask(), **prob.options(self.qpos, kpos, c))
+
+    def backward_whole(self, q, k, v, o, lse, do, c, kpos):
+        """One rank's whole problem as one call c: the kernel writes (dq, dk, dv) in the inputs' dtype itself."""
+        prob = self.prob
+        if self.hopper:
+            from stages.hopper import flash_v3_backward
+
+            return flash_v3_backward.backward(q, k, v, o, cast(lse, np.float32), do, scale=prob.scale, **c.mask())
+        return self.bwd(q, k, v, o, lse, do, scale=prob.scale, version=self.version, **c.mask(),
+                        **prob.options(self.qpos, kpos, c))
+
     def forward_all(self, q, k, v, o_run, lse_run, calls, kpos):
         """Every call of one step (forward), merged into O_r, L_r."""
         self._run(_lanes(calls, by_rows=True), lambda c: self.forward(q, k, v, o_run, lse_run, c, kpos))
@@ -778,13 +799,7 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))  # row-major: the kernels read rows in place
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernel writes the result in the inputs' dtype itself
-        c, kpos = whole
-        if blocks.hopper and "window" not in c.mask():
-            from stages.hopper import flash_v3
-
-            return _one_call(xp, timeline, lambda: flash_v3.forward(q, k, v, scale=prob.scale, **c.mask()))
-        return _one_call(xp, timeline, lambda: blocks.fwd(q, k, v, scale=prob.scale, version=version, **c.mask(),
-                                                          **prob.options(blocks.qpos, kpos, c)))
+        return _one_call(xp, timeline, lambda: blocks.forward_whole(q, k, v, *whole))
     marks = _Timeline(xp)
     if prob.scheme == "alltoall":
         o, lse = _alltoall_forward(ring, prob, blocks, version, q, k, v, marks)
@@ -888,14 +903,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernels write the gradients in the inputs' dtype themselves
-        c, kpos = whole
-        if blocks.hopper:
-            from stages.hopper import flash_v3_backward
-
-            return _one_call(xp, timeline, lambda: flash_v3_backward.backward(
-                q, k, v, o, cast(lse, np.float32), do, scale=prob.scale, **c.mask()))
-        return _one_call(xp, timeline, lambda: blocks.bwd(q, k, v, o, lse, do, scale=prob.scale, version=version,
-                                                          **c.mask(), **prob.options(blocks.qpos, kpos, c)))
+        return _one_call(xp, timeline, lambda: blocks.backward_whole(q, k, v, o, lse, do, *whole))
     marks = _Timeline(xp)
     if prob.scheme == "alltoall":
         grads = _alltoall_backward(ring, prob, blocks, version, q, k, v, o, lse, do, marks)
