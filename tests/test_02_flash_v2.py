@@ -242,6 +242,23 @@ def test_gpu_float32_lse_at_inputs_x10(version):
 
 
 @pytest.mark.gpu
+def test_gpu_auto_runs_fp32x3_for_float32_where_it_runs(monkeypatch):
+    """version="auto" in float32 runs fp32x3 on a GPU with TF32 tensor cores (sm_80 on) at its head dims, and fp32
+    otherwise: at head dim 80, with an fp32 config=, on older GPUs (as under ATTN_ARCH=sm_75). Each result is
+    right by the rule."""
+    from stages.common import device
+
+    cp = _cupy()
+    calls, real = [], flash_v2.fp32x3.plan_forward
+    monkeypatch.setattr(flash_v2.fp32x3, "plan_forward", lambda q, *a, **kw: (calls.append(q.shape[3]),
+                                                                               real(q, *a, **kw))[1])
+    for D, kw in ((64, {}), (80, {}), (128, {"config": flash_v2.fp32_config(128, device.device())})):
+        q, k, v = make_inputs(1, 1, 77, 91, D, xp=cp)  # a shape no other test plans (fast_path keeps plans)
+        check_forward(flash_v2.forward, q, k, v, causal=True, **kw)
+    assert calls == ([64] if flash_v2.fp32x3.runs_on(device.device()) else [])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dt", list(LOW))
 @pytest.mark.parametrize("D", _tc_dims())
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

@@ -9,7 +9,8 @@ Versions (all runnable, each checked against the one before it):
     pipelined  float16 / bfloat16, cp.async double buffering, tuned tiles: kernels/flash_v2_forward_pipelined.cu
     fp32x3     float32, mma.sync TF32 tensor cores with the 3xTF32 split (fp32-level accuracy):
                kernels/flash_v2_forward_fp32x3.cu (fp32x3.py launches it), head dims 32, 64, 96, 128
-    auto       fp32 for float32 inputs, pipelined for float16 / bfloat16
+    auto       pipelined for float16 / bfloat16; for float32 fp32x3 on a GPU with TF32 tensor cores (sm_80 on; plain
+               attention at its head dims), fp32 elsewhere (the CPU mirror, older GPUs, other head dims)
 numpy inputs run the tile mirror (mirror.py) with the chosen version's tiles and rounding (fp32x3: the TF32
 split emulated); CuPy inputs run the kernel. Any Nq and Nk, causal aligned bottom-right, lse float32 (B, H, Nq)
 in natural log.
@@ -143,6 +144,13 @@ def resolve_version(version, dtype):
     return version
 
 
+def _fp32x3_runs(xp, opts, config, D):
+    """Whether version="auto" runs fp32x3 for float32 (resolve_version's fp32 otherwise): on a GPU with TF32 tensor
+    cores (sm_80 on; not the CPU mirror), for plain attention at its head dims, with no fp32 config asked for."""
+    return (xp is not np and opts is None and config is None and D in fp32x3.HEAD_DIMS
+            and fp32x3.runs_on(device.device()))
+
+
 def _elsewhere(D):
     """'; version 'pipelined' takes head_dim D with float16/bfloat16' where a tensor-core version takes D, else ''."""
     takers = [v for v in ("tc", "pipelined") if D in tc.HEAD_DIMS[v]]
@@ -196,7 +204,9 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
                               dropout_p=dropout_p, seed=seed, origin=origin, where=where)
         opts = None if opts.plain else opts
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
-    version = resolve_version(version, q.dtype)
+    asked, version = version, resolve_version(version, q.dtype)
+    if asked == "auto" and version == "fp32" and _fp32x3_runs(xp, opts, config, D):  # fast float32 where it runs
+        version = "fp32x3"
     _check_head_dim(version, D)
     scale = resolve_scale(scale, D)
     if config is not None and (version != "fp32" or xp is np):

@@ -55,6 +55,11 @@ CANDIDATES = {
 FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
 
 
+def runs_on(dev):
+    """Whether dev runs this version (FEATURES: sm_80 and newer)."""
+    return all(getattr(dev.arch, f) for f in FEATURES)
+
+
 def _check(D):
     if D not in HEAD_DIMS:
         raise ValueError(f"flash_v2 version 'fp32x3': head_dim {D} is not supported; use one of {HEAD_DIMS}, or "
@@ -91,7 +96,7 @@ def name(D, cfg):
 
 def kernel_plans(dev):
     """[device.KernelPlan] of every instantiation forward may launch on dev."""
-    if dev.arch.cc < 80:
+    if not runs_on(dev):
         return []
     plans = {(D, config(D, causal, dev)) for D, causal in CANDIDATES}
     return [device.KernelPlan(FILE, {}, name(D, c), smem_bytes(D, False, c), 0, c.threads) for D, c in sorted(plans)]

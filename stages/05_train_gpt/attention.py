@@ -104,11 +104,18 @@ def _dims(dims):
     return f"{dims[0]}..{dims[-1]}" if len(dims) > 4 else ", ".join(map(str, dims))
 
 
-def _flash_versions(dtype):
-    """(stage 02 version, stage 03 version) the flash blocks run for dtype (each stage's "auto"); TypeError if none."""
+def _flash_versions(dtype, head_dim=None, tf32=False):
+    """(stage 02 version, stage 03 version) the flash blocks run for dtype (each stage's "auto"); TypeError if none.
+    tf32: on a GPU with TF32 tensor cores (sm_80 and newer), where "auto" runs float32 in version fp32x3 at the head
+    dims it takes."""
     dtype = np.dtype(dtype)
-    return (_stage("flash_v2").resolve_version("auto", dtype),
-            _stage("flash_v2_backward").resolve_version("auto", dtype))
+    fwd, bwd = _stage("flash_v2"), _stage("flash_v2_backward")
+    vf, vb = fwd.resolve_version("auto", dtype), bwd.resolve_version("auto", dtype)
+    if tf32 and vf == "fp32" and head_dim in fwd.head_dims("fp32x3"):
+        vf = "fp32x3"
+    if tf32 and vb == "fp32" and head_dim in bwd.HEAD_DIMS["fp32x3"]:
+        vb = "fp32x3"
+    return vf, vb
 
 
 def flash_blocks_missing(dtype, head_dim, *, gpu, sm80=True):
@@ -153,7 +160,7 @@ def ring_blocks(requested, *, dtype, head_dim, gpu, sm80=True):
         return "naive", "naive (stage 00, the CPU default: the stage 02/03 tile mirrors are exact but slow)"
     if why:
         return "naive", f"naive (stage 00): {why}"
-    vf, vb = _flash_versions(dtype)
+    vf, vb = _flash_versions(dtype, head_dim, tf32=sm80)
     return "flash", f"flash (stage 02 version {vf}, stage 03 version {vb})"
 
 
