@@ -1,10 +1,12 @@
 """Where the backward's time goes: Nsight Compute counters of stage 03's tensor-core kernel (version 'tc') and of
 PyTorch's FlashAttention-2 backward kernel on the same problem, one CSV row per kernel; with --dtype fp32, stage 03's
-version 'fp32x3' and PyTorch's memory-efficient backward kernel (CUTLASS, float32).
+version 'fp32x3' and PyTorch's memory-efficient backward kernel (CUTLASS, float32); with --dtype fp32 --forward, the
+forward kernels instead (stage 02's version 'fp32x3' and PyTorch's memory-efficient forward).
 
     python3 dev/profile_backward.py --out results/profile_backward_h100.csv
     python3 dev/profile_backward.py --dtype fp16 --head-dim 64 --seq 4096 --batch 4 --heads 16 --causal
     python3 dev/profile_backward.py --dtype fp32 --head-dim 64 --out fp32.csv
+    python3 dev/profile_backward.py --dtype fp32 --forward --head-dim 128 --out fp32_forward.csv
 
 Needs a CUDA GPU, CuPy, PyTorch and Nsight Compute's `ncu` (on PATH or in /usr/local/cuda/bin) with permission to
 read the GPU's performance counters. The script runs itself under ncu once per kernel: the child makes the inputs,
@@ -19,6 +21,7 @@ Columns, per kernel:
     smem_wavefronts       shared-memory wavefronts (one per 128 bytes a warp moves; an ldmatrix.x4 is four)
     smem_pct_of_peak      shared-memory pipe throughput, % of its peak over the kernel
     tensor_pct_of_peak    tensor (HMMA) pipe activity, % of its peak while the SM is active
+    mma_instructions      tensor-core (HMMA) instructions executed
     issue_pct             instructions issued, % of the SM's peak issue rate while it is active
     short_scoreboard      cycles per warp stalled waiting on shared-memory / ldmatrix results (short scoreboard)
     registers, smem_kb    registers per thread, dynamic shared memory per block (KB)
@@ -46,6 +49,7 @@ METRICS = {  # CSV column -> ncu metric
     "smem_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
     "smem_pct_of_peak": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed",
     "tensor_pct_of_peak": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "mma_instructions": "sm__inst_executed_pipe_tensor_op_hmma.sum",
     "issue_pct": "sm__inst_issued.avg.pct_of_peak_sustained_active",
     "short_scoreboard": "smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio",
     "registers": "launch__registers_per_thread",
@@ -54,6 +58,7 @@ METRICS = {  # CSV column -> ncu metric
 }
 KERNELS = {"ours": "flash_v2_backward_tc", "torch": "flash_bwd_dq_dk_dv"}  # kernel-name patterns (ncu -k regex:)
 KERNELS_FP32 = {"ours": "flash_bwd_fp32x3", "torch": "fmha_cutlassB"}  # --dtype fp32
+KERNELS_FP32_FORWARD = {"ours": "flash_v2_forward_fp32x3", "torch": "fmha_cutlassF"}  # --dtype fp32 --forward
 
 
 def child(args):
@@ -68,6 +73,16 @@ def child(args):
     rng = np.random.default_rng(0)
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     q, k, v, do = (cast(cupy.asarray(rng.standard_normal(shape, dtype=np.float32)), dtype) for _ in range(4))
+    if args.forward:  # our fp32x3 forward and PyTorch's memory-efficient forward, twice each
+        for _ in range(2):
+            flash_v2.forward(q, k, v, causal=args.causal, version="fp32x3")
+        tq, tk, tv = (torch.as_tensor(x, device="cuda") for x in (q, k, v))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):
+            for _ in range(2):
+                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.causal)
+        torch.cuda.synchronize()
+        return
     o, lse = flash_v2.forward(q, k, v, causal=args.causal)
     for _ in range(2):
         flash_v2_backward.backward(q, k, v, o, lse, do, causal=args.causal,
@@ -156,24 +171,28 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--forward", action="store_true", help="the forward kernels instead (with --dtype fp32 only)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.forward and args.dtype != "fp32":
+        ap.error("--forward profiles the float32 forward kernels: add --dtype fp32")
     if args.child:
         return child(args)
     cupy, torch = _environment()
     ncu = _ncu()
     import bench  # provenance columns
     problem = [f"--dtype={args.dtype}", f"--head-dim={args.head_dim}", f"--seq={args.seq}", f"--batch={args.batch}",
-               f"--heads={args.heads}"] + (["--causal"] if args.causal else [])
+               f"--heads={args.heads}"] + ["--causal"] * args.causal + ["--forward"] * args.forward
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"]
     gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
     prov = bench.provenance(cupy, torch, gpu)
     rows = []
-    kernels = KERNELS_FP32 if args.dtype == "fp32" else KERNELS
+    kernels = KERNELS_FP32_FORWARD if args.forward else KERNELS_FP32 if args.dtype == "fp32" else KERNELS
     for impl in kernels:
         row = profile(ncu, impl, problem, kernels)
-        row.update(dtype=args.dtype, head_dim=args.head_dim, seq_len=args.seq, batch=args.batch, heads=args.heads,
+        row.update(direction="fwd" if args.forward else "bwd", dtype=args.dtype, head_dim=args.head_dim,
+                   seq_len=args.seq, batch=args.batch, heads=args.heads,
                    causal=args.causal, ncu=version, **prov)
         rows.append(row)
     ours, torch_row = rows
