@@ -12,9 +12,9 @@ Implementations (CSV impl/version):
                    table only)
   ours  tc         version="tc": mma.sync tensor cores, bf16/fp16
   ours  pipelined  forward version="pipelined" (cp.async double buffering, padded shared memory)
-  ours  hopper     stage 06 on an sm_90 GPU: stages.hopper.flash_v3.forward(version="pingpong") (TMA, wgmma, warp
-                   specialisation, ping-pong) and stages.hopper.flash_v3_backward.backward(version="auto": "ws");
-                   "missing" on other GPUs
+  ours  hopper     stage 06 on an sm_90 GPU: stages.hopper.flash_v3.forward (version "pingpong": TMA, wgmma, warp
+                   specialisation, ping-pong; float32: version "fp32x3", 3xTF32 on wgmma) and
+                   stages.hopper.flash_v3_backward.backward(version="auto": "ws", 16-bit); "missing" on other GPUs
   ours  tc-det     backward version="tc", deterministic=True (no atomics: a separate dQ pass)
   torch flash      F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.FLASH_ATTENTION), bf16/fp16
   torch cudnn      ... SDPBackend.CUDNN_ATTENTION, bf16/fp16
@@ -84,8 +84,9 @@ QUICK = dict(seqs=[512, 4096], fp32_seqs=[1024], head_dims=[64, 128], fp32_head_
 REF_BYTES = 6e9  # memory the chunked reference (o, lse our backward starts from) may use for its N x N matrices
 CHECK_SHAPE = (1, 2, 256)  # B, H, N of the small problem every implementation is checked on before timing
 
-OURS_FWD = {"16": ["tc", "pipelined", "hopper"], "32": ["fp32", "fp32x3"]}  # stage 02's versions, and stage 06
-HOPPER = ("hopper", "flash_v3", "pingpong")  # (column, module of stages.hopper, its version)
+# stage 02's versions, and stage 06 ("hopper")
+OURS_FWD = {"16": ["tc", "pipelined", "hopper"], "32": ["fp32", "fp32x3", "hopper"]}
+HOPPER = ("hopper", "flash_v3", None)  # (column, module of stages.hopper, its version: pingpong, fp32x3 for float32)
 HOPPER_BWD = ("hopper", "flash_v3_backward", "auto")  # the same for the backward (ws at d = 64, 128)
 OURS_BWD = {"16": [("tc", False, "tc"), ("tc", True, "tc-det")], "32": [("fp32", False, "fp32"),
                                                                         ("fp32x3", False, "fp32x3")]}  # stage 03

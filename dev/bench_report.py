@@ -333,6 +333,7 @@ SUMMARY_ROWS = [("fwd", "16-bit", "pipelined", "flash"), ("fwd", "16-bit", "pipe
                 ("bwd", "16-bit", "tc", "flash"), ("bwd", "16-bit", "tc-det", "flash"),
                 ("bwd", "16-bit", "tc", "cudnn"),
                 ("fwd", "fp32", "fp32", "efficient"), ("fwd", "fp32", "fp32x3", "efficient"),
+                ("fwd", "fp32", "hopper", "efficient"),
                 ("bwd", "fp32", "fp32", "efficient"), ("bwd", "fp32", "fp32x3", "efficient")]
 _VERSION_NOTE = {"tc-det": "tc, deterministic dQ"}
 
@@ -739,7 +740,7 @@ def readme_results(results_dir=None):
         r32 = read_csv(fp32)
         parts = []
         for direction in ("fwd", "bwd"):
-            for ours in ("fp32", "fp32x3"):
+            for ours in ("fp32", "fp32x3", "hopper"):
                 got = _ratio_summary(r32, direction, "fp32", ours, "efficient", min_seq=0)
                 if got is not None:
                     parts.append(f"{TITLES[direction]} `{ours}` / efficient min **{got[3]:.2f}**, median "
@@ -804,6 +805,7 @@ def results_readme(results_dir=None):
             ("Float32", FP32_CSV,
              "Float32 beside PyTorch's memory-efficient backend (CUTLASS; with float32 inputs its matmuls are "
              "the 3xTF32 split too): stage 02's `fp32` (CUDA cores) and `fp32x3` (TF32 tensor cores) forward, "
+             "on an sm_90 GPU stage 06's float32 forward (`hopper`: version fp32x3 on wgmma), "
              "stage 03's `fp32` and `fp32x3` backward, every N. Why the float32 backward costs what it costs: "
              "[`stages/03_flash_v2_backward/README.md`](../stages/03_flash_v2_backward/README.md) and "
              "`profile_backward_fp32_h200.csv` (Nsight Compute counters of both backward kernels).", 0)):
@@ -962,6 +964,8 @@ def _versions():
         def f(dev, D):
             if dev.arch.cc != 90:
                 raise device.UnsupportedDevice("stage 06 needs sm_90")
+            if version == "fp32x3":  # float32: its own launcher and head dims
+                return f"{v3.fp32x3.CONFIGS[D].br}x{v3.fp32x3.CONFIGS[D].bc}" if D in v3.fp32x3.HEAD_DIMS else "-"
             if D not in v3.HEAD_DIMS:
                 return "-"
             c = v3.config(version, D)
@@ -982,6 +986,7 @@ def _versions():
             ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32),
             ("03", "`tc`", BOTH16, bw_tc), ("03", "`fp32x3`", "fp32", bw_x3)] + [
             ("06", f"`{v}` (fwd)", "fp16, bf16", hopper_tiles(v)) for v in v3.VERSIONS] + [
+            ("06", "`fp32x3` (fwd)", "fp32", hopper_tiles("fp32x3"))] + [
             ("06", f"`{v}` (bwd)", "fp16, bf16", hopper_bwd_tiles(v)) for v in v3b.VERSIONS]
 
 

@@ -157,13 +157,17 @@ def test_schedules_refuse_bad_input():
 
 
 # ---------------------------------------------------------------- the sm_90a kernels, compiled without a GPU
-@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "backward wgmma", "backward ws"])
+@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "fp32x3", "backward wgmma", "backward ws"])
 def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
     from stages.common import device, kernels
-    from stages.hopper import blocks, flash_v3, flash_v3_backward
+    from stages.hopper import blocks, flash_v3, flash_v3_backward, fp32x3
 
     if what == "blocks":
         file, names, threads = blocks.FILE, blocks.kernel_names(), 128
+    elif what == "fp32x3":  # the float32 forward: its tiles of TF32 parts fit the H100's shared memory
+        file, names, threads = fp32x3.FILE, fp32x3.kernel_names(), fp32x3.CONFIGS[64].threads
+        assert all(fp32x3.smem_bytes(D) <= device.emulate("sm_90").smem_optin for D in fp32x3.HEAD_DIMS)
+        assert {c.threads for c in fp32x3.CONFIGS.values()} == {threads}
     elif what.startswith("backward"):
         version = what.split()[1]
         file, names = flash_v3_backward.FILES[version], flash_v3_backward.kernel_names(version)

@@ -135,6 +135,37 @@ def test_forward_at_large_logits_and_a_row_that_sees_nothing(version):
     assert bool(cupy.isneginf(lse[:, :, :60]).all()) and not bool(o[:, :, :60].any())
 
 
+@pytest.mark.parametrize("scale", [1.0, 100.0])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES + [(3, 50, 200, 333), (3, 50, 333, 100)])
+def test_forward_fp32x3_within_the_tolerance_rule(shape, causal, D, scale):
+    """Float32 (version fp32x3, the default for float32) by the float32 rule, at inputs x1 and x100 (huge logits,
+    one-hot rows of P: V's rows exactly); 150 heads give more blocks than SMs, and Nq > Nk under the causal mask some
+    Q tiles that see no key."""
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(*shape, D, dtype=np.float32, xp=cupy, scale=scale)
+    check_forward(flash_v3.forward, q, k, v, causal=causal)
+
+
+def test_forward_fp32x3_rows_that_see_nothing():
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(1, 2, 130, 70, 128, dtype=np.float32, xp=cupy, scale=10.0)
+    check_forward(flash_v3.forward, q, k, v, causal=True, version="fp32x3")  # the first 60 rows see no key
+    o, lse = flash_v3.forward(q, k, v, causal=True)
+    assert bool(cupy.isneginf(lse[:, :, :60]).all()) and not bool(o[:, :, :60].any())
+
+
 def test_forward_refuses_what_it_does_not_take():
     import cupy
 
@@ -146,8 +177,12 @@ def test_forward_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="head dim 96"):
         flash_v3.forward(q, k, v)
     q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float32, xp=cupy)
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
-        flash_v3.forward(q, k, v)
+    with pytest.raises(TypeError, match="version 'ws' takes float16 or bfloat16, got float32.*'fp32x3'"):
+        flash_v3.forward(q, k, v, version="ws")
+    with pytest.raises(ValueError, match=r"head dim 256 is not supported in float32; use one of \(64, 128\)"):
+        flash_v3.forward(*make_inputs(1, 1, 64, 64, 256, dtype=np.float32, xp=cupy))
+    with pytest.raises(TypeError, match="version 'fp32x3' takes float32, got float16"):
+        flash_v3.forward(*make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy), version="fp32x3")
     q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy)
     with pytest.raises(TypeError, match="causal"):
         flash_v3.forward(q, k, v, causal="no")

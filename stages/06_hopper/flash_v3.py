@@ -1,7 +1,7 @@
 """Stage 06's forward on Hopper: o, lse of attention for CuPy q, k, v (B, H, N, D) in float16 or bfloat16,
-D = 64, 128 or 256, on an sm_90 GPU.
+D = 64, 128 or 256, or in float32 (version fp32x3, D = 64, 128), on an sm_90 GPU.
 
-    o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "pingpong"
+    o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "pingpong" (float32: "fp32x3")
     o, lse = flash_v3.forward(q, k, v, causal=True, version="wgmma")
 
 Versions, in the order the README teaches them:
@@ -14,6 +14,8 @@ Versions, in the order the README teaches them:
   pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
             take turns at the tensor cores (named barriers), and inside each, S_j = Q K_j^T and O += P_{j-1} V_{j-1}
             run while the softmax of S_j is computed.
+  fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
+            parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
 """
 import ctypes
 from typing import NamedTuple
@@ -23,12 +25,12 @@ import numpy as np
 from stages.common import LOG2E, kernels
 from stages.common.checks import check_causal, resolve_scale
 
-from . import blocks
+from . import blocks, fp32x3
 
 FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu",
          "pingpong": "flash_v3_forward_pingpong.cu"}
-VERSIONS = tuple(FILES)
-DEFAULT = "pingpong"
+VERSIONS = tuple(FILES)        # the 16-bit versions, in the order the README teaches them
+DEFAULT = "pingpong"            # for float16 / bfloat16; float32 runs version "fp32x3" (fp32x3.py)
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
 
@@ -75,31 +77,41 @@ def _function(version, ctype, D):
     return blocks.sm90a_function(FILES[version], _name(version, ctype, D), smem_bytes(version, D))
 
 
-def forward(q, k, v, *, causal=False, scale=None, version=DEFAULT):
-    """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. Raises device.UnsupportedDevice off sm_90
-    (naming the stage 02 version to use), TypeError / ValueError for what the kernel does not take."""
+def forward(q, k, v, *, causal=False, scale=None, version=None):
+    """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. version None: DEFAULT for float16 / bfloat16,
+    fp32x3 for float32. Raises device.UnsupportedDevice off sm_90 (naming the stage 02 version to use), TypeError /
+    ValueError for what the kernel does not take."""
     import cupy
 
-    if version not in VERSIONS:
-        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS}")
+    if version is not None and version not in VERSIONS + ("fp32x3",):
+        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS + ('fp32x3',)}")
     blocks.require_hopper()
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray) or x.ndim != 4:
             raise TypeError(f"flash_v3.forward: {name} must be a 4-D CuPy array (B, H, N, D)")
-    if np.dtype(q.dtype) not in blocks.CTYPE or not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"flash_v3.forward: q, k, v must share one dtype, float16 or bfloat16 (got {q.dtype}, "
-                        f"{k.dtype}, {v.dtype})")
+    fp32 = q.dtype == k.dtype == v.dtype == np.float32
+    if not (fp32 or np.dtype(q.dtype) in blocks.CTYPE and q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"flash_v3.forward: q, k, v must share one dtype, float16, bfloat16 or float32 (got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype})")
+    version = version or ("fp32x3" if fp32 else DEFAULT)
+    if fp32 != (version == "fp32x3"):
+        raise TypeError(f"flash_v3.forward: version {version!r} takes "
+                        f"{'float32' if version == 'fp32x3' else 'float16 or bfloat16'}, got {q.dtype}; float32 runs "
+                        f"in version 'fp32x3', float16 and bfloat16 in {', '.join(FILES)}")
     B, H, Nq, D = q.shape
     if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
         raise ValueError(f"flash_v3.forward: k and v must be (B, H, Nk, D) = ({B}, {H}, Nk, {D}); got {k.shape}, "
                          f"{v.shape}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"flash_v3.forward: head dim {D} is not supported; use one of {HEAD_DIMS} "
-                         "(stage 02 takes any)")
+    dims = fp32x3.HEAD_DIMS if fp32 else HEAD_DIMS
+    if D not in dims:
+        raise ValueError(f"flash_v3.forward: head dim {D} is not supported{' in float32' if fp32 else ''}; use one "
+                         f"of {dims} (stage 02 takes any)")
     if B * H > 65535:
         raise ValueError(f"flash_v3.forward: batch * heads = {B * H} is over the grid limit 65535")
     causal = check_causal(causal, "flash_v3.forward")
     scale = resolve_scale(scale, D)
+    if fp32:
+        return fp32x3.forward(q, k, v, causal=causal, scale=scale)
     Nk = k.shape[2]
     if Nq == 0 or Nk == 0:  # no rows, or no key for any row: O = 0, L = -inf (a tensor map has no empty dimension)
         return cupy.zeros_like(q), cupy.full((B, H, Nq), -np.inf, cupy.float32)
