@@ -8,8 +8,9 @@
 //   * a tensor core reads no fragment a warp loaded: the shared-memory traffic that bounds stage 02's kernel at
 //     d = 128 (one m-tile per warp) is gone; two fresh accumulators alternate, so one's adds run under the other's
 //     wgmmas.
-// NWG warpgroups (64 rows of Q_i each) share each K/V tile; every thread loads and splits its share of the next
-// tile into registers while this one is computed. Alg.1 of FlashAttention-2, grid (Tr, B*H), last Q tiles first.
+// NWG warpgroups (64 rows of Q_i each) share each K/V tile; every thread reads its share of the next tile into
+// registers while this one is computed and splits it into the parts after; a warpgroup skips a tile none of its rows
+// sees. Alg.1 of FlashAttention-2, grid (Tr, B*H), last Q tiles first. Launcher: stages/06_hopper/fp32x3.py.
 #include "attention_tiles.cuh"
 #include "hopper.cuh"
 #include "params.cuh"
