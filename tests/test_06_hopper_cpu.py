@@ -185,6 +185,21 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
         assert u["registers"] * threads <= 65536 and u["static_smem"] <= device.STATIC_SMEM_LIMIT, (name, u)
 
 
+def test_stage_06_names_what_to_use_on_other_gpus():
+    """Off sm_90 (here the emulated architectures' limits, no GPU needed) stage 06 refuses and names the stage 02/03
+    versions that run the same attention: the tensor-core ones for 16 bits, fp32x3 / fp32 for float32."""
+    from stages.common import device
+    from stages.hopper import blocks
+
+    for arch in ("sm_75", "sm_80", "sm_89"):
+        with pytest.raises(device.UnsupportedDevice, match="stage 02 version 'pipelined'"):
+            blocks.require_hopper(device.emulate(arch))
+        with pytest.raises(device.UnsupportedDevice, match="float32 use stage 02 version 'fp32x3'"):
+            blocks.require_hopper(device.emulate(arch), instead=blocks.ELSEWHERE_FP32)
+    with pytest.raises(device.UnsupportedDevice, match="sm_90"):  # an H100's plans under ATTN_ARCH=sm_90 emulation
+        blocks.require_hopper(device.emulate("sm_90"))
+
+
 def test_a_cubin_comes_back_whole():
     """CuPy's getCUBIN leaves off the cubin's last byte; kernels._whole_elf restores it from the ELF header."""
     from stages.common import kernels

@@ -29,14 +29,17 @@ class BlockParams(ctypes.Structure):
                 ("map_a", ctypes.c_uint64 * 16), ("map_b", ctypes.c_uint64 * 16)]
 
 
-def require_hopper(dev=None):
+ELSEWHERE = "Use stage 02 version 'pipelined' (forward) and stage 03 version 'tc' (backward) instead"
+ELSEWHERE_FP32 = "For float32 use stage 02 version 'fp32x3' (sm_80 and newer) or 'fp32' instead"
+
+
+def require_hopper(dev=None, instead=ELSEWHERE):
     """Raise device.UnsupportedDevice unless the GPU is an sm_90 (H100, H200): these kernels use sm_90a instructions.
-    Elsewhere stages 02 (forward) and 03 (backward) run the same attention."""
+    Elsewhere stages 02 (forward) and 03 (backward) run the same attention; instead says which versions."""
     dev = dev or device.device()
     if dev.arch.cc != 90 or dev.emulated:
-        raise device.UnsupportedDevice(
-            f"stage 06 needs an sm_90 GPU (H100, H200); {dev.name} is {dev.arch.name}. "
-            "Use stage 02 version 'pipelined' (forward) and stage 03 version 'tc' (backward) instead")
+        raise device.UnsupportedDevice(f"stage 06 needs an sm_90 GPU (H100, H200); {dev.name} is {dev.arch.name}. "
+                                       f"{instead}")
     return dev
 
 

@@ -85,7 +85,8 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
 
     if version is not None and version not in VERSIONS + ("fp32x3",):
         raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS + ('fp32x3',)}")
-    blocks.require_hopper()
+    blocks.require_hopper(instead=blocks.ELSEWHERE_FP32 if getattr(q, "dtype", None) == np.float32 else
+                          blocks.ELSEWHERE)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, cupy.ndarray) or x.ndim != 4:
             raise TypeError(f"flash_v3.forward: {name} must be a 4-D CuPy array (B, H, N, D)")
