@@ -122,6 +122,65 @@ __device__ __forceinline__ float row_lse(float m, float l) {
     return l != 0.f ? (float)((double)m * 0.6931471805599453 + (double)logf(l)) : -INF;
 }
 
+// Alg.1 L9-10 (first half) in float32, for the fp32x3 kernels: m_ij, P_ij = exp2(S scale log2 e - m_ij) in place of
+// S (the product rounded before m is subtracted, never one FMA, so a row's largest score gives exactly 1), l_i, and
+// O_i rescaled by alpha = exp2(m_i - m_ij); normalisation deferred. masked: the tile was masked (a row that has seen
+// no key yet keeps P = 0).
+template <int MT, int NC, int D>
+__device__ __forceinline__ void online_softmax_fp32(float (&s)[MT][NC / 8][4], float (&m_i)[MT][2],
+                                                    float (&l_i)[MT][2], float (&acc_o)[MT][D / 8][4],
+                                                    float scale_log2, bool masked) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
+            const float mx = row_max<NC>(s[m], h);  // m~_ij of row g + 8 h (raw scores)
+            const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
+            const float m_use = masked && m_new == -INF ? 0.f : m_new;  // nothing visible yet: P = 0
+            const float alpha = fast_exp2(m_i[m][h] - m_use);  // e^{m_i - m_ij}: 0 when m_i = -inf
+            m_i[m][h] = m_new;
+            float rs = 0.f;
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n) {
+                s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], scale_log2) - m_use);
+                s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
+                rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
+            }
+            // this lane's part of the row sum (the quad's parts add up at the end); not fused, as below
+            l_i[m][h] = __fadd_rn(__fmul_rn(l_i[m][h], alpha), rs);
+            // __fmul_rn: not fused with the "+= P V" that follows into an FFMA (that keeps later products live)
+#pragma unroll
+            for (int d = 0; d < D / 8; ++d) {
+                acc_o[m][d][2 * h] = __fmul_rn(acc_o[m][d][2 * h], alpha);
+                acc_o[m][d][2 * h + 1] = __fmul_rn(acc_o[m][d][2 * h + 1], alpha);
+            }
+        }
+    }
+}
+
+// Alg.1 L12-14 in float32, for the fp32x3 kernels: O_i = diag(l_i)^-1 O_i and L_i (row_lse) of the warp's rows
+// r0 + 16 m + g + 8 h, written from the fragments: a quad writes 32 consecutive bytes of a row per n-tile.
+template <int MT, int D>
+__device__ __forceinline__ void write_rows_fp32(float* o, float* lse, const float (&acc_o)[MT][D / 8][4],
+                                                const float (&m_i)[MT][2], const float (&l_i)[MT][2], long bh, int Nq,
+                                                int r0, int g, int t) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float l;
+            const float inv_l = inverse_row_sum(l_i[m][h], l);  // fully masked row: O = 0
+            const int r = r0 + m * 16 + g + 8 * h;
+            if (r >= Nq) continue;
+            if (t == 0) lse[bh * Nq + r] = row_lse(m_i[m][h], l);
+            float* orow = o + (bh * Nq + r) * D + 2 * t;
+#pragma unroll
+            for (int d = 0; d < D / 8; ++d)
+                *reinterpret_cast<float2*>(orow + 8 * d) =
+                    make_float2(acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
+        }
+}
+
 // The epilogue of a ring block (float O, stage 04) for row g + 8 h of one m-tile: (orow, *lse_row) hold the row's
 // running (O, L) over the blocks merged so far (L = -inf: none yet), and this block's O_i (acc times inv_l) and
 // L_i = row_lse(m, l) merge into them as the ring's merge does:

@@ -175,35 +175,8 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
             }
             // Masking: the tile holding Nk's tail and tiles crossing the causal diagonal.
             if (MASKED) mask_scores<MT, BC>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
-            // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij), l_ij = e^{m_i - m_ij} l_i + rowsum.
-            // Base 2; __fmul_rn rounds s * scale_log2 before m is subtracted, so the row max gives exactly 1.
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
-                    const float mx = row_max<BC>(s[m], h);  // m~_ij of row g + 8 h (raw scores)
-                    const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
-                    const float m_use = MASKED && m_new == -INF ? 0.f : m_new;  // nothing visible yet: P = 0
-                    const float alpha = fast_exp2(m_i[m][h] - m_use);  // e^{m_i - m_ij}: 0 when m_i = -inf
-                    m_i[m][h] = m_new;
-                    float rs = 0.f;
-#pragma unroll
-                    for (int n = 0; n < BC / 8; ++n) {
-                        s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], scale_log2) - m_use);
-                        s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
-                        rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
-                    }
-                    // this lane's part of the row sum (the quad's parts add up at the end); not fused, as below
-                    l_i[m][h] = __fadd_rn(__fmul_rn(l_i[m][h], alpha), rs);
-                    // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i, normalisation deferred. __fmul_rn:
-                    // not fused with the "+= P V" below into an FFMA (that keeps later products live in registers).
-#pragma unroll
-                    for (int d = 0; d < D / 8; ++d) {
-                        acc_o[m][d][2 * h] = __fmul_rn(acc_o[m][d][2 * h], alpha);
-                        acc_o[m][d][2 * h + 1] = __fmul_rn(acc_o[m][d][2 * h + 1], alpha);
-                    }
-                }
-            }
+            // Alg.1 L9-10 (first half): m_ij, P_ij, l_ij; O_i = diag(e^{m_i - m_ij}) O_i (attention_tiles.cuh)
+            online_softmax_fp32<MT, BC, D>(s, m_i, l_i, acc_o, scale_log2, MASKED);
             // Alg.1 L10 (second half): O_i += P_ij V_j, keys 8kk..8kk+7 per k step.
 #pragma unroll
             for (int kk = 0; kk < BC / 8; ++kk) {
@@ -244,23 +217,6 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
     }
     cp_async_wait<0>();  // with no K/V tile at all (causal, fully masked Q_i) the Q_i copy may still be in flight
 
-    // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i), written from the fragments: a quad writes 32
-    // consecutive bytes of a row per n-tile (whole 32-byte sectors).
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float l;
-            const float inv_l = inverse_row_sum(l_i[m][h], l);  // fully masked row: O = 0
-            const int r = row0 + wrow + m * 16 + g + 8 * h;
-            if (r >= Nq) continue;
-            // natural log: m_i is in base 2; the product in fp64, so it adds no rounding of its own at huge m_i
-            if (t == 0)
-                lse[bh * Nq + r] = l != 0.f ? (float)((double)m_i[m][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
-            float* orow = o + (bh * Nq + r) * D + 2 * t;
-#pragma unroll
-            for (int d = 0; d < D / 8; ++d)
-                *reinterpret_cast<float2*>(orow + 8 * d) =
-                    make_float2(acc_o[m][d][2 * h] * inv_l, acc_o[m][d][2 * h + 1] * inv_l);
-        }
+    // Alg.1 L12-14: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) (attention_tiles.cuh)
+    write_rows_fp32<MT, D>(o, lse, acc_o, m_i, l_i, bh, Nq, row0 + wrow, g, t);
 }

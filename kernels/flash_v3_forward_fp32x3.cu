@@ -208,28 +208,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
             add_into(sf, c[(D / 8 - 1) & 1]);
 
             if (masked) mask_scores<1, BC>(s, r0, col0, Nk, causal, shift, g, t);
-            // Alg.1 L9-10 as stage 02's fp32x3: s scale log2(e) rounded before m is subtracted (the row max gives 1)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float mx = row_max<BC>(s[0], h);
-                const float m_new = fmaxf(m_i[0][h], mx * scale_log2);
-                const float m_use = masked && m_new == -INF ? 0.f : m_new;
-                const float alpha = fast_exp2(m_i[0][h] - m_use);
-                m_i[0][h] = m_new;
-                float rs = 0.f;
-#pragma unroll
-                for (int n = 0; n < BC / 8; ++n) {
-                    s[0][n][2 * h] = fast_exp2(__fmul_rn(s[0][n][2 * h], scale_log2) - m_use);
-                    s[0][n][2 * h + 1] = fast_exp2(__fmul_rn(s[0][n][2 * h + 1], scale_log2) - m_use);
-                    rs += s[0][n][2 * h] + s[0][n][2 * h + 1];
-                }
-                l_i[0][h] = __fadd_rn(__fmul_rn(l_i[0][h], alpha), rs);
-#pragma unroll
-                for (int d = 0; d < D / 8; ++d) {
-                    acc_o[0][d][2 * h] = __fmul_rn(acc_o[0][d][2 * h], alpha);
-                    acc_o[0][d][2 * h + 1] = __fmul_rn(acc_o[0][d][2 * h + 1], alpha);
-                }
-            }
+            // Alg.1 L9-10 (first half) as stage 02's fp32x3 (attention_tiles.cuh)
+            online_softmax_fp32<1, BC, D>(s, m_i, l_i, acc_o, scale_log2, masked);
 
             // Alg.1 L10: O_i += P V_j, per k step kk (8 keys) and 64-column half hh: four wgmmas, a fresh accumulator.
             float cv[2][32];
@@ -274,19 +254,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
         __syncthreads();
     }
 
-    // Alg.1 L12-14, as stage 02's fp32x3.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l;
-        const float inv_l = inverse_row_sum(l_i[0][h], l);
-        const int r = r0 + g + 8 * h;
-        if (r >= Nq) continue;
-        if (t == 0)
-            p.lse[bh * Nq + r] = l != 0.f ? (float)((double)m_i[0][h] * 0.6931471805599453 + (double)logf(l)) : -INF;
-        float* orow = o + (bh * Nq + r) * D + 2 * t;
-#pragma unroll
-        for (int d = 0; d < D / 8; ++d)
-            *reinterpret_cast<float2*>(orow + 8 * d) =
-                make_float2(acc_o[0][d][2 * h] * inv_l, acc_o[0][d][2 * h + 1] * inv_l);
-    }
+    // Alg.1 L12-14, as stage 02's fp32x3 (attention_tiles.cuh)
+    write_rows_fp32<1, D>(o, p.lse, acc_o, m_i, l_i, bh, Nq, r0, g, t);
 }

@@ -255,7 +255,7 @@ def test_gpu_auto_runs_fp32x3_for_float32_where_it_runs(monkeypatch):
     for D, kw in ((64, {}), (80, {}), (128, {"config": flash_v2.fp32_config(128, device.device())})):
         q, k, v = make_inputs(1, 1, 77, 91, D, xp=cp)  # a shape no other test plans (fast_path keeps plans)
         check_forward(flash_v2.forward, q, k, v, causal=True, **kw)
-    assert calls == ([64] if flash_v2.fp32x3.runs_on(device.device()) else [])
+    assert calls == ([64] if device.tf32_tensor_cores(device.device()) else [])
 
 
 @pytest.mark.gpu

@@ -148,7 +148,7 @@ def _fp32x3_runs(xp, opts, config, D):
     """Whether version="auto" runs fp32x3 for float32 (resolve_version's fp32 otherwise): on a GPU with TF32 tensor
     cores (sm_80 on; not the CPU mirror), for plain attention at its head dims, with no fp32 config asked for."""
     return (xp is not np and opts is None and config is None and D in fp32x3.HEAD_DIMS
-            and fp32x3.runs_on(device.device()))
+            and device.tf32_tensor_cores(device.device()))
 
 
 def _elsewhere(D):

@@ -52,14 +52,6 @@ CANDIDATES = {
     (128, False): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
     (128, True): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
 }
-FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
-
-
-def runs_on(dev):
-    """Whether dev runs this version (FEATURES: sm_80 and newer)."""
-    return all(getattr(dev.arch, f) for f in FEATURES)
-
-
 def _check(D):
     if D not in HEAD_DIMS:
         raise ValueError(f"flash_v2 version 'fp32x3': head_dim {D} is not supported; use one of {HEAD_DIMS}, or "
@@ -96,7 +88,7 @@ def name(D, cfg):
 
 def kernel_plans(dev):
     """[device.KernelPlan] of every instantiation forward may launch on dev."""
-    if not runs_on(dev):
+    if not device.tf32_tensor_cores(dev):
         return []
     plans = {(D, config(D, causal, dev)) for D, causal in CANDIDATES}
     return [device.KernelPlan(FILE, {}, name(D, c), smem_bytes(D, False, c), 0, c.threads) for D, c in sorted(plans)]
@@ -119,7 +111,7 @@ def plan_forward(q, k, v, *, causal=False, scale, cfg=None):
 @functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
 def _launch(B, H, Nq, Nk, D, causal, scale, cfg, dev):
     """The launch of one problem on dev: device check, configuration, compiled kernel, grid, parameters."""
-    device.require(dev, FEATURES, what="flash_v2 version 'fp32x3' (TF32 tensor cores)",
+    device.require(dev, device.TF32_FEATURES, what="flash_v2 version 'fp32x3' (TF32 tensor cores)",
                    instead="On this GPU use version 'fp32' (CUDA cores, float32 accuracy)")
     cfg = Config(*cfg) if cfg is not None else config(D, causal, dev)
     if B * H > 65535:

@@ -2,10 +2,10 @@
 from .flash_v2_backward import (
     DTYPES, HEAD_DIMS, VERSIONS, accumulate_into, backward, backward_flops, backward_varlen, forward, forward_varlen,
     kernel_plans, kernel_sources, resolve_version, smem_bytes, tc_tiles, tiles_error, TcTiles, Fp32x3Tiles,
-    fp32x3_tiles, tf32_tensor_cores,
+    fp32x3_tiles,
 )
 
 __all__ = ["forward", "backward", "forward_varlen", "backward_varlen",
            "VERSIONS", "HEAD_DIMS", "DTYPES", "backward_flops", "kernel_sources", "resolve_version",
            "kernel_plans", "smem_bytes", "tc_tiles", "tiles_error", "TcTiles", "accumulate_into",
-           "Fp32x3Tiles", "fp32x3_tiles", "tf32_tensor_cores"]
+           "Fp32x3Tiles", "fp32x3_tiles"]

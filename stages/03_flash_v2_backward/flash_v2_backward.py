@@ -159,14 +159,6 @@ class Fp32x3Tiles(NamedTuple):
 FP32X3_CANDIDATES = {32: [Fp32x3Tiles(4, 64, 2)],
                      64: [Fp32x3Tiles(4, 64, 2), Fp32x3Tiles(4, 32, 2), Fp32x3Tiles(4, 16, 2)],
                      128: [Fp32x3Tiles(4, 32, 2), Fp32x3Tiles(4, 16, 2)]}
-FP32X3_FEATURES = ("mma_k16", "cp_async")  # TF32 mma.sync m16n8k8 and cp.async: sm_80
-
-
-def tf32_tensor_cores(dev):
-    """Whether dev runs version fp32x3 (FP32X3_FEATURES: sm_80 and newer)."""
-    return all(getattr(dev.arch, f) for f in FP32X3_FEATURES)
-
-
 def fp32x3_smem(D, cfg):
     """Version fp32x3's dynamic shared memory (bytes): K_j, V_j [Bc][D+4], Q_i, dO_i [Br][D+4], dS^T [Bc][Br+4],
     L_i, D_i [Br] floats, as in the kernel's layout comment."""
@@ -209,7 +201,7 @@ def _fp32x3_runs(xp, deterministic, opts, D):
     """Whether version="auto" runs fp32x3 for float32 (resolve_version's fp32 otherwise): on a GPU with TF32 tensor
     cores (sm_80 on; not the CPU mirror), for plain attention at its head dims with the atomic dQ."""
     return (xp is not np and not deterministic and opts is None and D in HEAD_DIMS["fp32x3"]
-            and tf32_tensor_cores(device.device()))
+            and device.tf32_tensor_cores(device.device()))
 
 
 def forward(q, k, v, *, causal=False, scale=None, **kw):
@@ -459,7 +451,7 @@ def _plan(version, dtype, odtype, B, H, Nq, Nk, D, causal, scale, deterministic,
     var = opts is not None
     x3 = None  # version fp32x3's Fp32x3Tiles
     if version == "fp32x3":
-        device.require(dev, FP32X3_FEATURES, what="flash_v2_backward version 'fp32x3' (TF32 tensor cores)",
+        device.require(dev, device.TF32_FEATURES, what="flash_v2_backward version 'fp32x3' (TF32 tensor cores)",
                        instead="On this GPU use version 'fp32' (CUDA cores)")
         x3 = fp32x3_tiles(D, dev)
         names = [fp32x3_name(D, x3)]
@@ -667,7 +659,7 @@ def kernel_plans(dev):
         names = _names("fp32", "float", D)
         out += [device.KernelPlan("flash_v2_backward_fp32.cu", {}, n, sm, 0, 256)
                 for n, sm in zip(names, (main, main, dq)) if device.fits(dev, sm)]
-    if tf32_tensor_cores(dev):  # version fp32x3
+    if device.tf32_tensor_cores(dev):  # version fp32x3
         for D in HEAD_DIMS["fp32x3"]:
             cfg = fp32x3_tiles(D, dev)
             out.append(device.KernelPlan(FILES["fp32x3"][0], {}, fp32x3_name(D, cfg), fp32x3_smem(D, cfg), 0,

@@ -87,7 +87,7 @@ def main(argv=None):
         where = f"GPU {gpu_name()}" if gpu else "CPU (numpy tile mirror)"
         print(f"\n== stage 03 FlashAttention-2 backward on the {where}: B={B} H={H} N={n} D={D} causal={causal}")
         versions = args.versions
-        if gpu and "fp32x3" in versions and not fb.tf32_tensor_cores(device.device()):
+        if gpu and "fp32x3" in versions and not device.tf32_tensor_cores(device.device()):
             print("  version fp32x3 needs TF32 tensor cores (sm_80 or newer): skipped on this GPU")
             versions = tuple(v for v in versions if v != "fp32x3")
         runs = [(version, np.float32 if version != "tc" else DTYPES[args.dtype], det)

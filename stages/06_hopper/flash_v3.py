@@ -30,7 +30,8 @@ from . import blocks, fp32x3
 FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu",
          "pingpong": "flash_v3_forward_pingpong.cu"}
 VERSIONS = tuple(FILES)        # the 16-bit versions, in the order the README teaches them
-DEFAULT = "pingpong"            # for float16 / bfloat16; float32 runs version "fp32x3" (fp32x3.py)
+DEFAULT = "pingpong"            # for float16 / bfloat16
+FP32 = "fp32x3"                 # the float32 version (fp32x3.py)
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
 
@@ -83,8 +84,8 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
     ValueError for what the kernel does not take."""
     import cupy
 
-    if version is not None and version not in VERSIONS + ("fp32x3",):
-        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS + ('fp32x3',)}")
+    if version is not None and version not in VERSIONS + (FP32,):
+        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS + (FP32,)}")
     blocks.require_hopper(instead=blocks.ELSEWHERE_FP32 if getattr(q, "dtype", None) == np.float32 else
                           blocks.ELSEWHERE)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -94,11 +95,11 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
     if not (fp32 or np.dtype(q.dtype) in blocks.CTYPE and q.dtype == k.dtype == v.dtype):
         raise TypeError(f"flash_v3.forward: q, k, v must share one dtype, float16, bfloat16 or float32 (got "
                         f"{q.dtype}, {k.dtype}, {v.dtype})")
-    version = version or ("fp32x3" if fp32 else DEFAULT)
-    if fp32 != (version == "fp32x3"):
+    version = version or (FP32 if fp32 else DEFAULT)
+    if fp32 != (version == FP32):
         raise TypeError(f"flash_v3.forward: version {version!r} takes "
-                        f"{'float32' if version == 'fp32x3' else 'float16 or bfloat16'}, got {q.dtype}; float32 runs "
-                        f"in version 'fp32x3', float16 and bfloat16 in {', '.join(FILES)}")
+                        f"{'float32' if version == FP32 else 'float16 or bfloat16'}, got {q.dtype}; float32 runs "
+                        f"in version {FP32!r}, float16 and bfloat16 in {', '.join(FILES)}")
     B, H, Nq, D = q.shape
     if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
         raise ValueError(f"flash_v3.forward: k and v must be (B, H, Nk, D) = ({B}, {H}, Nk, {D}); got {k.shape}, "

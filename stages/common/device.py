@@ -169,6 +169,14 @@ def require(dev, features, *, what, instead=""):
                                 f"({dev.arch.name}){'. ' + instead if instead else ''}")
 
 
+TF32_FEATURES = ("mma_k16", "cp_async")  # the fp32x3 versions: TF32 mma.sync m16n8k8 and cp.async, sm_80 on
+
+
+def tf32_tensor_cores(dev):
+    """Whether dev runs the fp32x3 versions of stages 02 and 03 (TF32_FEATURES: sm_80 and newer)."""
+    return all(getattr(dev.arch, f) for f in TF32_FEATURES)
+
+
 def fits(dev, smem_bytes):
     """True when a block using smem_bytes of shared memory may launch on dev."""
     return smem_bytes <= dev.smem_optin
