@@ -8,9 +8,10 @@
 //   * a tensor core reads no fragment a warp loaded: the shared-memory traffic that bounds stage 02's kernel at
 //     d = 128 (one m-tile per warp) is gone; two fresh accumulators alternate, so one's adds run under the other's
 //     wgmmas.
-// NWG warpgroups (64 rows of Q_i each) share each K/V tile; every thread reads its share of the next tile into
-// registers while this one is computed and splits it into the parts after; a warpgroup skips a tile none of its rows
-// sees. Alg.1 of FlashAttention-2, grid (Tr, B*H), last Q tiles first. Launcher: stages/06_hopper/fp32x3.py.
+// NWG warpgroups (64 rows of Q_i each) share one K/V buffer. The threads read tiles ahead into registers and split
+// them into the parts under the wgmmas: V_j's parts while S = Q_i K_j^T runs, K_{j+1}'s while O_i += P V_j runs, so
+// the tensor cores do not wait for the splits; a warpgroup skips a tile none of its rows sees. Alg.1 of
+// FlashAttention-2, grid (Tr, B*H), last Q tiles first. Launcher: stages/06_hopper/fp32x3.py.
 #include "attention_tiles.cuh"
 #include "hopper.cuh"
 #include "params.cuh"
@@ -106,61 +107,58 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
     };
     // K_j: chunk c = tid + NT u (key c / CH, elements 4 (c % CH)..); V_j: item c = tid + NT u (k step c / D: keys
     // 8 (c / D) .. + 7, column c % D), its 8 values in key order.
+    static_assert(BC * CH % NT == 0 && BC / 8 * D % NT == 0 && BR * CH % NT == 0, "whole chunks per thread");
     float4 kr[KCH];
     float vr[VIT][8];
-    auto load_kv = [&](int j) {
+    auto load_k = [&](int j, int u) { const int c = tid + NT * u; kr[u] = row4(kh, j * BC + c / CH, Nk, c % CH); };
+    auto load_v = [&](int j, int u) {
+        const int c = tid + NT * u, key0 = j * BC + 8 * (c / D), col = c % D;
 #pragma unroll
-        for (int u = 0; u < KCH; ++u) {
-            const int c = tid + NT * u;
-            if (c < BC * CH) kr[u] = row4(kh, j * BC + c / CH, Nk, c % CH);
-        }
-#pragma unroll
-        for (int u = 0; u < VIT; ++u) {
-            const int c = tid + NT * u;
-            if (c < BC / 8 * D) {
-                const int key0 = j * BC + 8 * (c / D), col = c % D;
-#pragma unroll
-                for (int x = 0; x < 8; ++x) vr[u][x] = key0 + x < Nk ? __ldg(vh + (long)(key0 + x) * D + col) : 0.f;
-            }
-        }
+        for (int x = 0; x < 8; ++x) vr[u][x] = key0 + x < Nk ? __ldg(vh + (long)(key0 + x) * D + col) : 0.f;
     };
-    auto store_kv = [&]() {
+    auto store_k = [&](int u) { const int c = tid + NT * u; store_pairs(kb_s, ks_s, KP, c / CH, c % CH, kr[u]); };
+    // Half h of V item u: its even (h = 0) or odd keys, which go to positions 0-3 or 4-7 of the step's k index
+    // (keys 0, 2, 4, 6, 1, 3, 5, 7): one 16-byte chunk of V_j^T row `col` in each of the three parts.
+    auto store_v = [&](int u, int h) {
+        const int c = tid + NT * u, kk = c / D, col = c % D;
+        u32 hi[4], mid[4], lo[4];
 #pragma unroll
-        for (int u = 0; u < KCH; ++u) {
-            const int c = tid + NT * u;
-            if (c < BC * CH) store_pairs(kb_s, ks_s, KP, c / CH, c % CH, kr[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < VIT; ++u) {
-            const int c = tid + NT * u;
-            if (c < BC / 8 * D) {
-                const int kk = c / D, col = c % D;
-                // V_j^T row col, positions 8 kk .. 8 kk + 7 of the k index: keys 0, 2, 4, 6, 1, 3, 5, 7 of the step
-                u32 hi[8], mid[8], lo[8];
-#pragma unroll
-                for (int x = 0; x < 8; ++x) {
-                    const int pos = x / 2 + 4 * (x % 2);
-                    split3_tf32(vr[u][x], hi[pos], mid[pos], lo[pos]);
-                }
-                const u32 off = (kk / 4) * VPANEL + swz(col, 2 * (kk % 4));  // 32 bytes: chunks 2 (kk % 4), + 1
-                const u32 off2 = (kk / 4) * VPANEL + swz(col, 2 * (kk % 4) + 1);
-                st16(vh_s + off, make_uint4(hi[0], hi[1], hi[2], hi[3]));
-                st16(vh_s + off2, make_uint4(hi[4], hi[5], hi[6], hi[7]));
-                st16(vm_s + off, make_uint4(mid[0], mid[1], mid[2], mid[3]));
-                st16(vm_s + off2, make_uint4(mid[4], mid[5], mid[6], mid[7]));
-                st16(vl_s + off, make_uint4(lo[0], lo[1], lo[2], lo[3]));
-                st16(vl_s + off2, make_uint4(lo[4], lo[5], lo[6], lo[7]));
-            }
-        }
+        for (int x = 0; x < 4; ++x) split3_tf32(vr[u][2 * x + h], hi[x], mid[x], lo[x]);
+        const u32 off = (kk / 4) * VPANEL + swz(col, 2 * (kk % 4) + h);
+        st16(vh_s + off, make_uint4(hi[0], hi[1], hi[2], hi[3]));
+        st16(vm_s + off, make_uint4(mid[0], mid[1], mid[2], mid[3]));
+        st16(vl_s + off, make_uint4(lo[0], lo[1], lo[2], lo[3]));
     };
 
-    // Alg.1 L4: Q_i split into its parts; L6 (j = 0): K_0, V_0.
+    // Alg.1 L4: Q_i split into its parts; L6 (j = 0): K_0 split into its parts, V_0 read (it is split under the first
+    // S), K_1 read. Every load is issued before the first store.
     const float* qh = q + bh * Nq * D;
-    for (int c = tid; c < BR * CH; c += NT)
-        store_pairs(qb_s, qs_s, QP, c / CH, c % CH, row4(qh, row0 + c / CH, Nq, c % CH));
+    {
+        constexpr int QCH = BR * CH / NT;  // chunks of Q_i a thread loads
+        float4 xq[QCH];
+#pragma unroll
+        for (int u = 0; u < QCH; ++u) {
+            const int c = tid + NT * u;
+            xq[u] = row4(qh, row0 + c / CH, Nq, c % CH);
+        }
+        if (n_tiles > 0) {
+#pragma unroll
+            for (int u = 0; u < KCH; ++u) load_k(0, u);
+#pragma unroll
+            for (int u = 0; u < VIT; ++u) load_v(0, u);
+        }
+#pragma unroll
+        for (int u = 0; u < QCH; ++u) {
+            const int c = tid + NT * u;
+            store_pairs(qb_s, qs_s, QP, c / CH, c % CH, xq[u]);
+        }
+    }
     if (n_tiles > 0) {
-        load_kv(0);
-        store_kv();
+#pragma unroll
+        for (int u = 0; u < KCH; ++u) {
+            store_k(u);
+            if (n_tiles > 1) load_k(1, u);
+        }
     }
     fence_proxy_async();  // the generic-proxy stores above, before the wgmmas (async proxy) read them
     __syncthreads();
@@ -170,33 +168,51 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
     init_row_state<1, D>(acc_o, m_i, l_i);
     const int r0 = row0 + 16 * warp;                 // this warp's first row
     const u32 q_row = (u32)(64 * wg) * 128u;         // this warpgroup's 64 rows inside each panel of Q_i
+    constexpr int S_STEPS = D / 8, PV_STEPS = BC / 8 * (D / 64);
+    static_assert(S_STEPS % (2 * VIT) == 0 && PV_STEPS % KCH == 0, "the stores spread evenly over the steps");
 
+    // One K/V buffer, two barriers a tile. At the top of iteration j, K_j's parts are in shared memory and V_j is in
+    // registers: V_j's parts are stored while S = Q_i K_j^T runs (every warpgroup finished reading V_{j-1}), and
+    // K_{j+1}'s while O_i += P V_j runs (every warpgroup finished reading K_j). Each store is followed by the read of
+    // the tile after it into the registers it freed.
     for (int j = 0; j < n_tiles; ++j) {
-        const bool next = j + 1 < n_tiles;
-        if (next) load_kv(j + 1);
+        const bool next = j + 1 < n_tiles, next2 = j + 2 < n_tiles;
+        auto put_v = [&](int unit) {  // half unit % 2 of V item unit / 2 of V_j; after the second half, V_{j+1}'s
+            store_v(unit / 2, unit % 2);
+            if (unit % 2 == 1 && next) load_v(j + 1, unit / 2);
+        };
+        auto put_k = [&](int u) {
+            if (next) {
+                store_k(u);
+                if (next2) load_k(j + 2, u);
+            }
+        };
         const int col0 = j * BC;
         const bool masked = (j + 1) * BC > Nk || (causal && (j + 1) * BC - 1 > row0 + shift);
         // The tiles' addresses, opaque to the compiler in each iteration: it makes each step's descriptors from them
         // where they are used instead of keeping dozens of 64-bit descriptors live across the loop.
         u32 qb = qb_s, qs = qs_s, kb = kb_s, ks = ks_s, vhi = vh_s, vmid = vm_s, vlo = vl_s;
         asm volatile("" : "+r"(qb), "+r"(qs), "+r"(kb), "+r"(ks), "+r"(vhi), "+r"(vmid), "+r"(vlo));
-        // A warpgroup none of whose rows sees a key of this tile (causal, or rows past Nq) skips it: all its scores
-        // would be masked, P = 0, and O_i, m_i, l_i would not change. The same for all 128 threads of the warpgroup.
-        if (row0 + 64 * wg < Nq && (!causal || col0 <= min(row0 + 64 * wg + 63, Nq - 1) + shift)) {
+        // A warpgroup none of whose rows sees a key of this tile (causal, or rows past Nq) skips its matmuls: all its
+        // scores would be masked, P = 0, and O_i, m_i, l_i would not change. The same for all 128 threads of the
+        // warpgroup; it still stores its share of the tiles.
+        const bool active = row0 + 64 * wg < Nq && (!causal || col0 <= min(row0 + 64 * wg + 63, Nq - 1) + shift);
+        float s[1][BC / 8][4];
+        if (active) {
             // Alg.1 L8: S = Q_i K_j^T, k step kk into accumulator c[kk & 1]; its add waits one step.
-            float s[1][BC / 8][4];
             float c[2][BC / 2];
 #pragma unroll
             for (int n = 0; n < BC / 8; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.f;
             float(&sf)[BC / 2] = reinterpret_cast<float(&)[BC / 2]>(s);
 #pragma unroll
-            for (int kk = 0; kk < D / 8; ++kk) {
+            for (int kk = 0; kk < S_STEPS; ++kk) {
                 const u32 qo = (kk / 4) * QP + q_row + (kk % 4) * 32u, ko = (kk / 4) * KP + (kk % 4) * 32u;
                 wgmma_fence();
                 wgmma_tf32_ss<BC>(c[kk & 1], desc_kmajor_128b(qs + qo), desc_kmajor_128b(kb + ko), 0);
                 wgmma_tf32_ss<BC>(c[kk & 1], desc_kmajor_128b(qb + qo), desc_kmajor_128b(ks + ko), 1);
                 wgmma_tf32_ss<BC>(c[kk & 1], desc_kmajor_128b(qb + qo), desc_kmajor_128b(kb + ko), 1);
                 wgmma_commit();
+                if (kk % (S_STEPS / (2 * VIT)) == 0) put_v(kk / (S_STEPS / (2 * VIT)));
                 if (kk > 0) {
                     wgmma_wait<1>();
                     fence_operands(c[(kk - 1) & 1]);
@@ -204,9 +220,16 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
                 }
             }
             wgmma_wait<0>();
-            fence_operands(c[(D / 8 - 1) & 1]);
-            add_into(sf, c[(D / 8 - 1) & 1]);
+            fence_operands(c[(S_STEPS - 1) & 1]);
+            add_into(sf, c[(S_STEPS - 1) & 1]);
+        } else {
+#pragma unroll
+            for (int unit = 0; unit < 2 * VIT; ++unit) put_v(unit);
+        }
+        fence_proxy_async();
+        __syncthreads();  // every warpgroup is done with K_j; V_j's parts are stored
 
+        if (active) {
             if (masked) mask_scores<1, BC>(s, r0, col0, Nk, causal, shift, g, t);
             // Alg.1 L9-10 (first half) as stage 02's fp32x3 (attention_tiles.cuh)
             online_softmax_fp32<1, BC, D>(s, m_i, l_i, acc_o, scale_log2, masked);
@@ -230,6 +253,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
                     wgmma_tf32_rs64(cv[step & 1], pb, desc_kmajor_128b(vmid + vo), 1);
                     wgmma_tf32_rs64(cv[step & 1], pb, desc_kmajor_128b(vhi + vo), 1);
                     wgmma_commit();
+                    if (step % (PV_STEPS / KCH) == 0) put_k(step / (PV_STEPS / KCH));
                     if (step > 0) {
                         wgmma_wait<1>();
                         const int prev = step - 1, ph = prev % (D / 64);
@@ -240,18 +264,16 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
             }
             wgmma_wait<0>();
             {
-                constexpr int last = BC / 8 * (D / 64) - 1;
+                constexpr int last = PV_STEPS - 1;
                 fence_operands(cv[last & 1]);
                 add_into(reinterpret_cast<float(&)[32]>(acc_o[0][8 * (last % (D / 64))]), cv[last & 1]);
             }
-        }  // this warpgroup's tile
-
-        __syncthreads();  // every warpgroup is done with K_j's and V_j's parts
-        if (next) {
-            store_kv();
-            fence_proxy_async();
+        } else {
+#pragma unroll
+            for (int u = 0; u < KCH; ++u) put_k(u);
         }
-        __syncthreads();
+        fence_proxy_async();
+        __syncthreads();  // every warpgroup is done with V_j; K_{j+1}'s parts are stored
     }
 
     // Alg.1 L12-14, as stage 02's fp32x3 (attention_tiles.cuh)

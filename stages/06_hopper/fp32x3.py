@@ -4,9 +4,9 @@
 
 Stage 02's fp32x3 (3xTF32: each operand = big + small TF32 parts, V in three; each k step into a fresh accumulator)
 with the matmuls on wgmma: the parts of Q_i, K_j and V_j^T lie in shared memory in the 128-byte swizzle, S = Q K^T
-reads both from there, O += P V reads P's parts from registers. Two warpgroups (128 rows of Q_i) share each K/V
-tile; every thread reads its share of the next tile while this one is computed, and splits it after. Head dims 64
-and 128; any Nq, Nk; causal aligned bottom-right. On another GPU it says so and names stage 02's version fp32x3.
+reads both from there, O += P V reads P's parts from registers. Two warpgroups (128 rows of Q_i) share one K/V
+buffer; the threads split V_j into its parts while S is computed and K_{j+1} while P V_j is. Head dims 64 and 128;
+any Nq, Nk; causal aligned bottom-right. On another GPU it says so and names stage 02's version fp32x3.
 """
 from typing import NamedTuple
 
