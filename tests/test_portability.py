@@ -79,6 +79,15 @@ def test_the_limit_check_fails_on_a_plan_over_the_limit():
     assert problems and "shared memory" in problems[0][1]
 
 
+def test_resource_usage_reports_a_repeated_compile():
+    """The limit checks read ptxas's report. NVRTC 12.9 and later may answer a compile it has already done from its
+    cache, and a cached answer carries no report: the same check run twice in one process (or a second test run on
+    the same machine) would find no kernel. resource_usage asks NVRTC for a fresh compile, so both calls report."""
+    first = kernels.resource_usage("hopper_blocks.cu", arch="sm_90a")
+    assert first and all(u["registers"] > 0 for u in first.values())
+    assert kernels.resource_usage("hopper_blocks.cu", arch="sm_90a") == first
+
+
 @pytest.mark.parametrize("arch", list(device.ARCHS))
 def test_each_architecture_gets_plans_that_fit_it(arch):
     """The launchers' choices (no compile): every version that exists on arch has a plan there at every head dim;

@@ -327,7 +327,8 @@ def _compile(filename, arch, define_options, name_expressions, verbose):
 
     opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{KERNELS_DIR}"]
     opts += [f"-I{d}" for d in _cuda_include_dirs()[:1]] + list(define_options)
-    opts += ["--ptxas-options=-v"] if verbose else []
+    if verbose:  # ptxas's report; NVRTC 12.9+ may answer a repeated compile from its cache, which reports nothing
+        opts += ["--ptxas-options=-v"] + (["--no-cache"] if nvrtc.getVersion() >= (12, 9) else [])
     prog = nvrtc.createProgram(_source(filename), filename, [], [])
     try:
         for expr in name_expressions:
