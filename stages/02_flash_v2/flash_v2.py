@@ -259,7 +259,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, ma
         raise ValueError(f"{where}: on the GPU packed batches run in version {' / '.join(VARIANT_VERSIONS)} "
                          f"(float16 / bfloat16); got version {version!r} ({q.dtype}). The CPU mirror (numpy inputs) "
                          "takes every version")
-    qb, kb, vb = (cupy.ascontiguousarray(varlen.as_batch(x)) for x in (q, k, v))  # (1, H, total, D)
+    qb, kb, vb = (kernels.row_major(varlen.as_batch(x)) for x in (q, k, v))  # (1, H, total, D)
     D = q.shape[2]
     _check_head_dim(version, D)
     causal = check_causal(causal, where)

@@ -319,7 +319,7 @@ def backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seql
     D = q.shape[2]
     if D not in HEAD_DIMS[version]:
         raise ValueError(f"{where}: head_dim {D} is not supported by version 'tc'; use one of {HEAD_DIMS['tc']}")
-    qb, kb, vb, ob, dob = (cupy.ascontiguousarray(varlen.as_batch(x)) for x in packed)  # (1, H, total, D)
+    qb, kb, vb, ob, dob = (kernels.row_major(varlen.as_batch(x)) for x in packed)  # (1, H, total, D)
     causal = check_causal(causal, where)
     opts = variants.check(qb, kb, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, seed=seed, where=where)
@@ -561,7 +561,7 @@ def _launch(plan, q, k, v, o, lse, do, odtype, deterministic, tail, opts=None, p
     converted to dQ by each head's last block), then the deterministic dQ pass or the dQ conversion."""
     import cupy
 
-    asc = cupy.ascontiguousarray  # (B, H, N, D) row-major: a copy only for another layout
+    asc = kernels.row_major  # (B, H, N, D) row-major: a copy only for another layout
     q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=_F32)
     # The scratch, one float32 buffer from CuPy's memory pool: D_i = rowsum(dO_i * O_i) and L_i, (B H, Nq_pad)
     # each, the fp32 dQ accumulator (1 element in deterministic mode), then the tc kernel's block counters; the

@@ -57,7 +57,7 @@ import numpy as np
 
 from stages import naive
 from stages.common import (
-    cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale, variants,
+    cast, check_attention_inputs, check_backward_inputs, check_causal, kernels, resolve_scale, variants,
 )
 
 from . import gather
@@ -796,7 +796,7 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     prob = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (), window, softcap,
                      alibi_slopes, dropout_p, seed, scheme)
     xp, blocks = prob.xp, _Blocks(prob, block, version, q.dtype, backward=False)
-    q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))  # row-major: the kernels read rows in place
+    q, k, v = (kernels.row_major(x) for x in (q, k, v))  # row-major: the kernels read rows in place
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernel writes the result in the inputs' dtype itself
         return _one_call(xp, timeline, lambda: blocks.forward_whole(q, k, v, *whole))
@@ -900,7 +900,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     prob = _prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do), window, softcap,
                      alibi_slopes, dropout_p, seed, scheme)
     xp, blocks = prob.xp, _Blocks(prob, block, version, q.dtype, backward=True)
-    q, k, v = (xp.ascontiguousarray(x) for x in (q, k, v))
+    q, k, v = (kernels.row_major(x) for x in (q, k, v))
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernels write the gradients in the inputs' dtype themselves
         return _one_call(xp, timeline, lambda: blocks.backward_whole(q, k, v, o, lse, do, *whole))
@@ -913,7 +913,7 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
         if valid < prob.Lq:  # padded query rows must send no gradient anywhere: dO = 0 there gives dS = 0
             do = do.copy()
             do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
-        o, lse, do = xp.ascontiguousarray(o), xp.ascontiguousarray(lse, dtype=acc), xp.ascontiguousarray(do)
+        o, lse, do = kernels.row_major(o), kernels.row_major(lse, dtype=acc), kernels.row_major(do)
         dq_run = xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)  # dQ_r stays home
         turn = _turn_backward if prob.scheme == "ring" else _gathered_backward
         dkv = turn(ring, prob, blocks, q, k, v, o, lse, do, dq_run, marks)  # () -> dK_r, dV_r in k's dtype

@@ -119,7 +119,7 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
         return cupy.zeros_like(q), cupy.full((B, H, Nq), -np.inf, cupy.float32)
     o = cupy.empty_like(q)
     lse = cupy.empty((B, H, Nq), cupy.float32)
-    q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+    q, k, v = (kernels.row_major(x) for x in (q, k, v))
     _launch(version, q, k, v, o, lse, (0, Nq), (0, Nk), causal, scale, merge=False)
     return o, lse
 

@@ -140,7 +140,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     causal = check_causal(causal, where)
     scale = resolve_scale(scale, D)
     version = resolve_version(version, D)
-    asc = cupy.ascontiguousarray
+    asc = kernels.row_major
     q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=cupy.float32)
     BH, Nq_pad = B * H, -(-Nq // PAD) * PAD
     ctype = blocks.CTYPE[np.dtype(q.dtype)]

@@ -234,15 +234,28 @@ class ForwardLaunch(NamedTuple):
         return self._replace(outs=out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nq), np.float32)]))
 
 
+def row_major(x, dtype=None):
+    """x as the kernels read it: C-contiguous, and (CuPy) starting on a 16-byte boundary, since their vector loads,
+    cp.async copies and tensor maps move 16 bytes at a time from the start of a row; a view that starts inside an
+    allocation (flat[1:].reshape(...)) may not. x itself when it already is so, otherwise a copy. numpy arrays (the CPU
+    mirrors): C-contiguous only."""
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    if cupy is None or not isinstance(x, cupy.ndarray):
+        return np.ascontiguousarray(x, dtype=dtype)
+    y = cupy.ascontiguousarray(x, dtype=dtype)
+    return y if y.data.ptr % 16 == 0 else y.copy()  # a fresh allocation starts on a 256-byte boundary
+
+
 def run_forward(launch, q, k, v, odtype, *extra, outs=None, merges=False):
-    """o, lse of a forward launch: q, k, v made row-major (B, H, N, D) (a copy only for other layouts), o (B, H, Nq, D)
-    in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the kernel does not
-    write fails the check), from one allocation when outs is given, and the launch on the current stream with
-    arguments (q, k, v, o, lse, *extra)."""
+    """o, lse of a forward launch: q, k, v made row-major (B, H, N, D) (row_major: a copy only for other layouts),
+    o (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
+    kernel does not write fails the check), from one allocation when outs is given, and the launch on the current
+    stream with arguments (q, k, v, o, lse, *extra)."""
     import cupy
 
-    asc = cupy.ascontiguousarray  # x itself when it is already row-major
-    q, k, v = asc(q), asc(k), asc(v)
+    q, k, v = row_major(q), row_major(k), row_major(v)  # each x itself when it is already row-major
     if outs is not None:
         o, lse = empties(*outs)
     else:
