@@ -239,11 +239,10 @@ def row_major(x, dtype=None):
     cp.async copies and tensor maps move 16 bytes at a time from the start of a row; a view that starts inside an
     allocation (flat[1:].reshape(...)) may not. x itself when it already is so, otherwise a copy. numpy arrays (the CPU
     mirrors): C-contiguous only."""
-    import sys
-
-    cupy = sys.modules.get("cupy")
-    if cupy is None or not isinstance(x, cupy.ndarray):
+    if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x, dtype=dtype)
+    import cupy
+
     y = cupy.ascontiguousarray(x, dtype=dtype)
     return y if y.data.ptr % 16 == 0 else y.copy()  # a fresh allocation starts on a 256-byte boundary
 
