@@ -9,6 +9,7 @@ import functools
 import hashlib
 import os
 import struct
+import sys
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -241,9 +242,7 @@ def row_major(x, dtype=None):
     mirrors): C-contiguous only."""
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x, dtype=dtype)
-    import cupy
-
-    y = cupy.ascontiguousarray(x, dtype=dtype)
+    y = sys.modules["cupy"].ascontiguousarray(x, dtype=dtype)  # x is a CuPy array: cupy is imported
     return y if y.data.ptr % 16 == 0 else y.copy()  # a fresh allocation starts on a 256-byte boundary
 
 
