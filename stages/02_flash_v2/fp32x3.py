@@ -52,6 +52,8 @@ CANDIDATES = {
     (128, False): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
     (128, True): [Config(32, 8, 1, 1, 2), Config(16, 8, 1, 1, 2)] + _SMALL,
 }
+
+
 def _check(D):
     if D not in HEAD_DIMS:
         raise ValueError(f"flash_v2 version 'fp32x3': head_dim {D} is not supported; use one of {HEAD_DIMS}, or "
