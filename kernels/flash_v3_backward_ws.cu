@@ -14,6 +14,8 @@
 //     then hands all of it to the copy engine). At D = 64 each consumer computes all columns over its own 64 keys and
 //     reduces that part of dQ_i itself, from a buffer of its own: the barriers are each consumer's alone, the two never
 //     wait for each other, and while one runs its softmax or its epilogue the other keeps the tensor cores busy.
+//   * at D = 64 each consumer holds its keys of K_j and V_j as A fragments in registers, so S^T and dP^T read only
+//     Q_i and dO_i from shared memory (hopper_bwd_tiles.cuh: load_a_fragments, issue_s_dp_rs).
 // Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
 // A block of ring attention (stage 04; p.accumulate) adds scale dQ_i through map_dq, a map of the ring's float32 dQ
 // at the block's rows, and dK_j, dV_j into its float32 accumulators (hopper_bwd_tiles.cuh: store_dk_dv).
@@ -95,13 +97,19 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
 #pragma unroll
     for (int c = 0; c < PANELS; ++c) zero(dk[c]), zero(dv[c]);
     if (n_tiles > 0) mbar_wait(smem_addr(&bars[0]), 0);
+    u32 ka[4][4], va[4][4];  // D = 64: this warpgroup's K_j, V_j as A fragments (issue_s_dp_rs)
+    if constexpr (D == 64)
+        if (n_tiles > 0) load_a_fragments(ka, k_mine, warp, lane), load_a_fragments(va, v_mine, warp, lane);
 
     for (int n = 0; n < n_tiles; ++n) {  // Alg.2 L6
         const int s = n % STAGES, row0 = 64 * (i0 + n);
         const u32 qn_s = q_s + 2 * s * TILE, do_s = qn_s + TILE;
         mbar_wait(full(s), (n / STAGES) & 1);
         float st[8][4], dp[8][4];  // S^T, dP^T of this warpgroup's keys
-        issue_s_dp<T, D>(st, dp, k_mine, v_mine, qn_s, do_s);
+        if constexpr (D == 64)
+            issue_s_dp_rs<T>(st, dp, ka, va, qn_s, do_s);
+        else
+            issue_s_dp<T, D>(st, dp, k_mine, v_mine, qn_s, do_s);
         wgmma_wait<1>();
         fence_operands(reinterpret_cast<float(&)[32]>(st));
         const bool masked = kfirst + 63 >= Nk || (p.causal && kfirst + 63 > row0 + shift);

@@ -194,10 +194,11 @@ __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 
 // (four registers of two 16-bit values) is mma.m16n8k16's A fragment of the warp's 16 rows: a[0] row g, columns
 // 2 t, 2 t + 1; a[1] row g + 8; a[2] row g, columns 8 + 2 t, 9 + 2 t; a[3] row g + 8, those columns. It is exactly
 // what the accumulator of S holds for n-blocks 2 kk and 2 kk + 1 once rounded to 16 bits (P from S in registers).
-template <typename T>
+// TB = 0: B is K-major instead (16 x 64 as B^T, 64 rows of 16 K values, as wgmma_64x64x16 reads it).
+template <typename T, int TB = 1>
 __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int scale_d) {
-    WGMMA_ASM(T, "m64n64k16", "%37", WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n", WGMMA_OUTS, "r"(a[0]),
-              "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    WGMMA_ASM(T, "m64n64k16", "%37", WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n", WGMMA_OUTS, "r"(a[0]),
+              "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TB));
 }
 
 // D (64 x 128, fp32) += A (64 x 16, registers) B (16 x 128, MN-major in shared memory): O += P V for D = 128 in one

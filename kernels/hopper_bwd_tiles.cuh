@@ -36,6 +36,34 @@ __device__ __forceinline__ void issue_s_dp(float (&s)[8][4], float (&dp)[8][4], 
     wgmma_commit();
 }
 
+// At D = 64 K_j and V_j stay the same for the whole block, so each warpgroup holds its 64 keys of them as A fragments
+// in registers (16 each) and S^T = K Q^T, dP^T = V dO^T read only B (Q_i, dO_i) from shared memory: an m64n64
+// wgmma with both operands there needs as many shared-memory cycles (4 KB at 128 bytes a cycle) as the tensor cores
+// need to multiply them, with A in registers half as many.
+// a[kk]: this warp's 16 rows of a 64 x 64 tile (K-major, 128-byte swizzle as the TMA wrote it: 16-byte chunk c of
+// row r at chunk c ^ (r % 8)), columns 16 kk .. + 15, in the fragment layout wgmma_64x64x16_rs takes. ldmatrix x4:
+// lane l gives the row address of row l % 8 of 8 x 8 matrix l / 8 (matrices: rows +0 / +8, columns +0 / +8).
+__device__ __forceinline__ void load_a_fragments(u32 (&a)[4][4], u32 tile_s, int warp, int lane) {
+    const int r = 16 * warp + 8 * ((lane / 8) % 2) + lane % 8, half = lane / 16;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) ldsm_x4(a[kk], tile_s + r * 128u + (((2 * kk + half) ^ (r % 8)) << 4));
+}
+
+// issue_s_dp with K_j's and V_j's A fragments in registers (load_a_fragments; D = 64).
+template <typename T>
+__device__ __forceinline__ void issue_s_dp_rs(float (&s)[8][4], float (&dp)[8][4], const u32 (&ka)[4][4],
+                                              const u32 (&va)[4][4], u32 q_s, u32 do_s) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)  // Alg.2 L8
+        wgmma_64x64x16_rs<T, 0>(reinterpret_cast<float(&)[32]>(s), ka[kk], desc_kmajor_128b(q_s + kk * 32u), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)  // Alg.2 L10
+        wgmma_64x64x16_rs<T, 0>(reinterpret_cast<float(&)[32]>(dp), va[kk], desc_kmajor_128b(do_s + kk * 32u), kk > 0);
+    wgmma_commit();
+}
+
 // Alg.2 L9 in place: P^T = exp(scale S^T - L_i), as exp2((scale S^T - L_i) log2 e): scale S - L is one FMA, one
 // rounding of a number near 0 (folding log2 e into the scale and L instead would round each of two large numbers,
 // an error that grows with the logits). Entries whose key is past Nk or right of the query's diagonal are 0
