@@ -4,16 +4,14 @@
 //   * dQ_i += dS K_j was 64 x D single reductions per lane and tile into the fp32 accumulator: the largest cost of
 //     version 1. Here dQ_i leaves by bulk reductions: the consumers write it to shared memory (panels of 32 floats,
 //     128-byte swizzle: conflict-free), one thread hands it to the copy engine (cp.reduce.async.bulk.tensor .add),
-//     which adds it to the accumulator while the next tile is computed. The block's K/V tile has 128 keys, and at
-//     D = 128 each dQ_i is summed over all of them before it leaves: half as many reductions;
+//     which adds it to the accumulator while the next tile is computed. The block's K/V tile has 128 keys, and each
+//     dQ_i is summed over all of them before it leaves: half as many reductions, and half the bytes to write;
 //   * two consumer warpgroups, each on its 64 keys of the tile, share every Q_i and dO_i a producer warpgroup loads
 //     (setmaxnreg: 24 registers for it, 240 for each consumer) STAGES tiles ahead on full / empty mbarriers;
-//   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j. At D = 128 each consumer computes half of its columns over all 128
-//     keys (32 accumulator registers), so it needs the other's dS^T: two named barriers of both consumers order each
-//     tile: both halves of dS^T are written (BAR_DS), both halves of dQ_i are in shared memory (BAR_DQ; one thread
-//     then hands all of it to the copy engine). At D = 64 each consumer computes all columns over its own 64 keys and
-//     reduces that part of dQ_i itself, from a buffer of its own: the barriers are each consumer's alone, the two never
-//     wait for each other, and while one runs its softmax or its epilogue the other keeps the tensor cores busy.
+//   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j: each consumer computes half of its columns over all 128 keys (D / 4
+//     accumulator registers), so it needs the other's dS^T: two named barriers of both consumers order each tile:
+//     both halves of dS^T are written (BAR_DS), both halves of dQ_i are in shared memory (BAR_DQ; one thread then
+//     hands all of it to the copy engine);
 //   * at D = 64 each consumer holds its keys of K_j and V_j as A fragments in registers, so S^T and dP^T read only
 //     Q_i and dO_i from shared memory (hopper_bwd_tiles.cuh: load_a_fragments, issue_s_dp_rs).
 // Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
@@ -27,17 +25,15 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     static_assert(D == 64 || D == 128, "version ws: head dims 64 and 128");
     constexpr int PANELS = D / 64;
     constexpr u32 TILE = PANELS * 8192u;  // bytes of one 64-row tile
-    constexpr bool OWN = D == 64;  // each consumer reduces its own keys' part of dQ_i (see above)
-    // named barriers of both consumers (256 threads); at D = 64 each consumer has its own, BAR_DS + me, BAR_DQ + me
-    enum { BAR_DS = 1, BAR_DQ = 3 };
+    constexpr int DQ_COLS = D / 2;  // each consumer's columns of dQ_i, summed over all 128 keys of the tile
+    enum { BAR_DS = 1, BAR_DQ = 3 };  // named barriers of both consumers (256 threads)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // K and V; full[s]; empty[s]
-    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (a buffer per consumer: 64 rows x 64
-    // fp32 columns in two panels of 64 rows x 128 bytes, swizzled as the map_dq box; at D = 128 consumer me's columns
-    // 64 me.., so the two buffers are dQ_i's four panels in order), then stage s: Q_i, dO_i; after the stages, stage
-    // s's L_i and D_i (64 floats each)
+    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (64 rows x D fp32 columns in panels
+    // of 64 rows x 128 bytes, swizzled as the map_dq box; consumer me's columns D / 2 me.. are its D / 64 panels),
+    // then stage s: Q_i, dO_i; after the stages, stage s's L_i and D_i (64 floats each)
     const u32 k_s = aligned_1024(smem_raw), v_s = k_s + 2 * TILE, ds_s = v_s + 2 * TILE, dq_s = ds_s + 16384u;
-    const u32 q_s = dq_s + 32768u, ld_s = q_s + STAGES * 2 * TILE;
+    const u32 q_s = dq_s + 64 * D * 4u, ld_s = q_s + STAGES * 2 * TILE;
     auto shared_floats = [&](u32 addr) { return reinterpret_cast<float*>(smem_raw + (addr - smem_addr(smem_raw))); };
     auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
     auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
@@ -89,10 +85,9 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     const int me = wg - 1;  // consumer index
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kfirst = key0 + 64 * me, kr = kfirst + 16 * warp + g;  // this warpgroup's keys; this lane's
-    const u32 k_mine = k_s + me * TILE, v_mine = v_s + me * TILE, dq_mine = dq_s + me * 16384u;
+    const u32 k_mine = k_s + me * TILE, v_mine = v_s + me * TILE, dq_mine = dq_s + me * (DQ_COLS / 32) * 8192u;
     const u32 ds_mine = ds_s + me * 8192u;
-    const int bar_threads = OWN ? 128 : 256, bar_ds = BAR_DS + (OWN ? me : 0), bar_dq = BAR_DQ + (OWN ? me : 0);
-    const bool issuer = OWN ? threadIdx.x % 128 == 0 : threadIdx.x == 128;  // who talks to the copy engine
+    const bool issuer = threadIdx.x == 128;  // who talks to the copy engine
     float dk[PANELS][8][4], dv[PANELS][8][4];  // Alg.2 L5
 #pragma unroll
     for (int c = 0; c < PANELS; ++c) zero(dk[c]), zero(dv[c]);
@@ -127,10 +122,10 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         // dS^T's last readers, the dQ GEMMs of the last tile, are done: at D = 128 both consumers passed its BAR_DQ
         store_ds_t(ds_mine, da, warp, g, t);
         if (issuer) bulk_wait_read<0>();      // the last tile's dQ_i has left shared memory
-        named_bar_sync(bar_ds, bar_threads);  // dS^T is written (both halves at D = 128); the dQ buffers are free
+        named_bar_sync(BAR_DS, 256);  // both halves of dS^T are written; the dQ buffer is free
         // Alg.2 L13: dQ_i += dS_i K_j. A = dS (queries x keys) as dS^T lies (MN-major), B = K_j (MN-major); 16 keys
         // further is 2048 bytes, 64 keys further the next tile
-        float dq[8][4];
+        float dq[DQ_COLS / 8][4];
         const int qr = 16 * warp + g;  // this lane's rows of dQ_i: qr, qr + 8 (the same row % 8)
         // columns 8 nb + 2 t, + 1 of this consumer's buffer: panel nb / 4, 16-byte chunk (2 (nb % 4) + t / 2) ^
         // (row % 8), byte 8 (t % 2); 8 rows further is 1024 bytes
@@ -139,40 +134,35 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
                                  (((2 * (nb % 4) + t / 2) ^ (qr % 8)) << 4) + 8 * (t % 2));
         };
         wgmma_fence();
-        if constexpr (D == 128) {  // columns 64 me .. + 63, all 128 keys
 #pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
-                const u32 a = ds_s + (kk / 4) * 8192u + (kk % 4) * 2048u;
-                const u32 b = k_s + (kk / 4) * TILE + me * 8192u + (kk % 4) * 2048u;
+        for (int kk = 0; kk < 8; ++kk) {  // columns DQ_COLS me .. of K_j: the next panel at D = 128, 64 bytes into
+            // each row of the one panel at D = 64 (the swizzle is a function of the address: the same chunks)
+            const u32 a = ds_s + (kk / 4) * 8192u + (kk % 4) * 2048u;
+            const u32 b = k_s + (kk / 4) * TILE + me * (D == 128 ? 8192u : 64u) + (kk % 4) * 2048u;
+            if constexpr (D == 128)
                 wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq), desc_mnmajor_128b(a, 8192u),
                                         desc_mnmajor_128b(b, 8192u), kk > 0);
-            }
-        } else {  // all 64 columns, this warpgroup's 64 keys
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq),
-                                        desc_mnmajor_128b(ds_mine + kk * 2048u, 8192u),
-                                        desc_mnmajor_128b(k_mine + kk * 2048u, 8192u), kk > 0);
+            else
+                wgmma_64x32x16<T, 1, 1>(reinterpret_cast<float(&)[16]>(dq), desc_mnmajor_128b(a, 8192u),
+                                        desc_mnmajor_128b(b, 8192u), kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
         fence_rs<D>(dv, dk, pa, da);
-        fence_operands(reinterpret_cast<float(&)[32]>(dq));
+        fence_operands(reinterpret_cast<float(&)[DQ_COLS / 2]>(dq));
         if (lane == 0) mbar_arrive(empty(s));  // this warp is done with Q_i and dO_i
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb)  // scale dS K: what the accumulator (or the ring's dQ) gets
+        for (int nb = 0; nb < DQ_COLS / 8; ++nb)  // scale dS K: what the accumulator (or the ring's dQ) gets
             dq[nb][0] *= p.scale, dq[nb][1] *= p.scale, dq[nb][2] *= p.scale, dq[nb][3] *= p.scale;
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb) {  // this consumer's dQ_i (D = 128: its 64 columns; 64: its keys' part)
+        for (int nb = 0; nb < DQ_COLS / 8; ++nb) {  // this consumer's columns of dQ_i
             *reinterpret_cast<float2*>(dq_at(nb)) = make_float2(dq[nb][0], dq[nb][1]);
             *reinterpret_cast<float2*>(dq_at(nb) + 256) = make_float2(dq[nb][2], dq[nb][3]);
         }
         fence_proxy_async();  // the copy engine reads what these stores wrote
-        named_bar_sync(bar_dq, bar_threads);
+        named_bar_sync(BAR_DQ, 256);
         if (issuer) {  // one box of 64 rows x 32 columns per panel; rows past Nq are skipped
-            const u32 from = OWN ? dq_mine : dq_s;  // this consumer's part of dQ_i, or (D = 128) all of it
-            for (int c = 0; c < (OWN ? 2 : D / 32); ++c)
-                tma_reduce_add_3d(&p.map_dq, from + c * 8192u, 32 * c, row0, bh);
+            for (int c = 0; c < D / 32; ++c) tma_reduce_add_3d(&p.map_dq, dq_s + c * 8192u, 32 * c, row0, bh);
             bulk_commit();
         }
     }

@@ -184,6 +184,16 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
 // instruction. Against two m64n64 halves it reads A from shared memory once instead of twice: at N = 64 the two
 // operands' 4 KB per instruction take as many shared-memory cycles (128 bytes a cycle) as the tensor cores take to
 // multiply them, at N = 128 the 6 KB take three quarters. Accumulator layout: as above, n-blocks i = 0 .. 15.
+// D (64 x 32, fp32) += A B^T as wgmma_64x64x16, with 32 columns (n-blocks i = 0 .. 3): the backward's dQ_i at
+// D = 64, of which each of two warpgroups computes half of the columns.
+#define WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define WGMMA_OUTS16 WGMMA_F8(0), WGMMA_F8(8)
+template <typename T, int TA = 0, int TB = 0>
+__device__ __forceinline__ void wgmma_64x32x16(float (&d)[16], u64 desc_a, u64 desc_b, int scale_d) {
+    WGMMA_ASM(T, "m64n32k16", "%18", WGMMA_D16 ", %16, %17, p, 1, 1, %19, %20;\n", WGMMA_OUTS16,
+              "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
 template <typename T, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
     WGMMA_ASM(T, "m64n128k16", "%66", WGMMA_D64 ", %64, %65, p, 1, 1, %67, %68;\n", WGMMA_OUTS64, "l"(desc_a),

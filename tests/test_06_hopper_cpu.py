@@ -221,13 +221,12 @@ def test_stage_06_is_taken_only_where_it_computes_the_problem():
 
 
 # ---------------------------------------------------------------- the backward's tile order, mirrored in numpy
-@pytest.mark.parametrize("bc, shared", [(64, True), (128, True), (128, False)])
+@pytest.mark.parametrize("bc", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 2, 130, 200), (2, 1, 200, 77), (1, 1, 1, 65), (1, 2, 150, 150)])
-def test_backward_mirror_gives_stage_00s_gradients(shape, causal, bc, shared):
-    """The kernel's tile order (transposed GEMMs per consumer; one dQ reduction per block and Q tile, or per
-    consumer and Q tile) sums to the same gradients as stage 00's backward, in float64; with Nq > Nk under the causal
-    mask some rows see no key."""
+def test_backward_mirror_gives_stage_00s_gradients(shape, causal, bc):
+    """The kernel's tile order (transposed GEMMs per consumer; one dQ reduction per block and Q tile) sums to the
+    same gradients as stage 00's backward, in float64; with Nq > Nk under the causal mask some rows see no key."""
     from stages import naive
     from stages.common import make_inputs
     from stages.hopper import backward_mirror
@@ -235,7 +234,7 @@ def test_backward_mirror_gives_stage_00s_gradients(shape, causal, bc, shared):
     q, k, v, do = make_inputs(*shape, 64, dtype=np.float64, grad=True)
     o, lse = naive.forward(q, k, v, causal=causal)
     want = naive.backward(q, k, v, o, lse, do, causal=causal)
-    got = backward_mirror.backward(q, k, v, o, lse, do, causal=causal, bc=bc, shared=shared)
+    got = backward_mirror.backward(q, k, v, o, lse, do, causal=causal, bc=bc)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert np.allclose(a, b, rtol=1e-10, atol=1e-12), name
 
@@ -255,24 +254,6 @@ def test_backward_mirror_reduces_into_dq_once_per_block_and_q_tile():
     assert len(trace) == M.dq_reductions(256, 256, True, 128)
 
 
-def test_backward_mirror_reduces_each_consumers_share_unshared():
-    """With shared=False (version ws at D = 64) each consumer of a block reduces its own keys' share for every Q tile
-    the block visits: as many reductions as blocks of 64 keys make unmasked, more under the causal mask (the second
-    consumer visits the Q tiles its block does)."""
-    from stages.common import make_inputs
-    from stages.hopper import backward_mirror as M
-
-    assert M.dq_reductions(4096, 4096, False, 128, shared=False) == M.dq_reductions(4096, 4096, False, 64)
-    assert M.dq_reductions(4096, 4096, True, 128, shared=False) == 2 * M.dq_reductions(4096, 4096, True, 128)
-    assert M.dq_reductions(200, 130, False, 128, shared=False) == 4 * (2 + 1)  # keys 128, 129: one consumer
-    q, k, v, do = make_inputs(1, 1, 256, 256, 64, dtype=np.float64, grad=True)
-    trace = []
-    M.backward(q, k, v, q, np.zeros((1, 1, 256)), do, causal=True, shared=False, trace=trace)
-    assert trace == [(0, 0), (64, 0), (0, 64), (64, 64), (0, 128), (64, 128), (0, 192), (64, 192),
-                     (128, 128), (192, 128), (128, 192), (192, 192)]
-    assert len(trace) == M.dq_reductions(256, 256, True, 128, shared=False)
-
-
 def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch):
     """The forward and backward launchers get their kernels from blocks.sm90a_function (file, instantiation, shared
     memory), and the backward's preprocess from the module stage 03 compiles (the same name expressions: one
@@ -284,10 +265,10 @@ def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch
     monkeypatch.setattr(blocks.kernels, "function", lambda m, name, smem: functions.append((m, name, smem)) or name)
     blocks.sm90a_function.cache_clear()
     assert flash_v3._function("pingpong", "__half", 128) == "flash_v3_forward_pingpong<__half,128,128,2>"
-    assert flash_v3_backward._function("ws", "__half", 64) == "flash_v3_backward_ws<__half,64,3>"
+    assert flash_v3_backward._function("ws", "__half", 64) == "flash_v3_backward_ws<__half,64,2>"
     assert functions == [("flash_v3_forward_pingpong.cu", "flash_v3_forward_pingpong<__half,128,128,2>",
                           flash_v3.smem_bytes("pingpong", 128)),
-                         ("flash_v3_backward_ws.cu", "flash_v3_backward_ws<__half,64,3>",
+                         ("flash_v3_backward_ws.cu", "flash_v3_backward_ws<__half,64,2>",
                           flash_v3_backward.smem_bytes("ws", 64))]
     assert all(kw["target"] == "sm_90a" for _, kw in loads)
     blocks.sm90a_function.cache_clear()

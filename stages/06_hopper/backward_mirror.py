@@ -1,8 +1,8 @@
 """The tile order of stage 06's backward (kernels/flash_v3_backward_ws.cu) in numpy: what each consumer warpgroup
 computes and where each partial sum goes. Runs anywhere; tests/test_06_hopper_cpu.py checks it against stage 00.
 
-    dq, dk, dv = backward_mirror.backward(q, k, v, o, lse, do, causal=True)               # version ws, D = 128
-    dq, dk, dv = backward_mirror.backward(q, k, v, o, lse, do, causal=True, shared=False) # version ws, D = 64
+    dq, dk, dv = backward_mirror.backward(q, k, v, o, lse, do, causal=True)          # version ws
+    dq, dk, dv = backward_mirror.backward(q, k, v, o, lse, do, causal=True, bc=64)   # version wgmma
 
 A block owns a K/V tile j of `bc` keys; each consumer warpgroup owns 64 of them (keys K_c, V_c). For each Q tile i of
 64 rows that sees the tile (Algorithm 2 of FlashAttention-2, transposed so that the keys are the rows):
@@ -10,14 +10,11 @@ A block owns a K/V tile j of `bc` keys; each consumer warpgroup owns 64 of them 
     S^T  = K_c Q_i^T,   P^T = exp(scale S^T - L_i)  (0 where masked),   dP^T = V_c dO_i^T,   dS^T = P^T o (dP^T - D_i)
     dV_c += P^T dO_i,   dK_c += dS^T Q_i                             the consumer's accumulators
     dQ_i += dS_c K_c   (dS_c: dS_i at the consumer's keys)          summed over the block's consumers, then one
-                                                                     reduction into dQ per (block, Q tile) (shared);
-                                                                     or one reduction per consumer and Q tile
+                                                                     reduction into dQ per (block, Q tile)
 
 and dK = scale dK, dQ = scale dQ (the kernels scale each sum before it leaves). Version wgmma is the same with
-bc = 64 (one warpgroup); version ws takes bc = 128. At D = 128 its two consumers add their shares of dQ_i in the
-block before it leaves (shared), which halves the reductions into dQ (dq_reductions); at D = 64 each consumer hands
-its own 64 keys' share to the copy engine (shared=False: as many reductions as bc = 64), so that the two never wait
-for each other.
+bc = 64 (one warpgroup); version ws takes bc = 128: its two consumers add their shares of dQ_i in the block before
+it leaves, which halves the reductions into dQ (dq_reductions).
 """
 import numpy as np
 
@@ -34,11 +31,10 @@ def _tiles(causal, Nq, Nk, key0):
     return range(first_row // BR * BR, Nq, BR)
 
 
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None, bc=128, shared=True, trace=None):
-    """(dq, dk, dv) in float64 by the kernel's tile order; bc: keys per block (64: version wgmma, 128: ws); shared:
-    the block's consumers add their shares of dQ_i before it leaves (version ws at D = 128), else each reduces its
-    own (D = 64). trace, a list: receives (first key of the keys summed, first row of the Q tile) for every
-    reduction into dQ, in order."""
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, bc=128, trace=None):
+    """(dq, dk, dv) in float64 by the kernel's tile order; bc: keys per block (64: version wgmma, 128: ws), whose
+    consumers add their shares of dQ_i before it leaves. trace, a list: receives (first key of the block, first row
+    of the Q tile) for every reduction into dQ, in order."""
     q, k, v, o, do = (np.asarray(x, np.float64) for x in (q, k, v, o, do))
     lse = np.asarray(lse, np.float64)
     Nq, D = q.shape[-2:]
@@ -65,13 +61,8 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, bc=128, shared=Tr
                 dst = pt * (dpt - Dvec[..., None, rows])                   # dS^T
                 dv[..., keys, :] += pt @ do[..., rows, :]
                 dk[..., keys, :] += dst @ q[..., rows, :]
-                share = T(dst, -1, -2) @ k[..., keys, :]                   # dS K over this consumer's keys
-                if shared:
-                    dq_tile = dq_tile + share
-                else:
-                    _reduce(dq, rows, share, trace, (k0, row0))            # this consumer's reduction
-            if shared:
-                _reduce(dq, rows, dq_tile, trace, (key0, row0))            # one reduction per (block, Q tile)
+                dq_tile = dq_tile + T(dst, -1, -2) @ k[..., keys, :]       # dS K over this consumer's keys
+            _reduce(dq, rows, dq_tile, trace, (key0, row0))                # one reduction per (block, Q tile)
     return scale * dq, scale * dk, dv
 
 
@@ -82,8 +73,7 @@ def _reduce(dq, rows, part, trace, where):
         trace.append(where)
 
 
-def dq_reductions(Nq, Nk, causal, bc, shared=True):
+def dq_reductions(Nq, Nk, causal, bc):
     """How many reductions into dQ one head takes with blocks of bc keys, each adding 64 x D values: one per (block,
-    Q tile), or (shared=False) one per consumer of the block and Q tile."""
-    return sum(len(_tiles(causal, Nq, Nk, key0)) * (1 if shared else len(range(key0, min(key0 + bc, Nk), WG)))
-               for key0 in range(0, Nk, bc))
+    Q tile)."""
+    return sum(len(_tiles(causal, Nq, Nk, key0)) for key0 in range(0, Nk, bc))

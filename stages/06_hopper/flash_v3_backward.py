@@ -15,8 +15,7 @@ Versions, in the order the README teaches them:
   wgmma  (kernels/flash_v3_backward_wgmma.cu) one warpgroup per K/V tile of 64 keys, Q_i and dO_i by TMA into two
          stages (thread 0 issues the copies), dQ_i added by each lane's vector reductions. D = 64, 128, 256.
   ws     (kernels/flash_v3_backward_ws.cu) a producer warpgroup and two consumers on a K/V tile of 128 keys; dQ_i
-         added by bulk reductions of the copy engine: summed over the block's 128 keys first at D = 128, each
-         consumer's 64 keys on their own at D = 64 (the consumers never wait for each other). D = 64, 128.
+         summed over the block's 128 keys, then added by bulk reductions of the copy engine. D = 64, 128.
 version "auto" (the default): ws where it takes the head dim, else wgmma.
 """
 import ctypes
@@ -36,9 +35,9 @@ VERSIONS = tuple(FILES)
 DEFAULT = "auto"
 HEAD_DIMS = (64, 128, 256)
 VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": (64, 128)}
-# Q/dO stages of version ws, by head dim: a third stage at D = 64 lets a consumer run further ahead of the other
-# (they never wait for each other there); at D = 128 the two meet every tile and a third stage does not pay
-STAGES = {64: 3, 128: 2}
+# Q/dO stages of version ws: the producer loads Q_{i+1}, dO_{i+1} while the consumers work on Q_i; they meet at
+# every tile's barriers, so neither runs more than a tile ahead of the other
+STAGES = 2
 PRE_FILE = "flash_v2_backward_pre.cu"  # stage 03's preprocess and dQ conversion
 PAD = stage03.PAD                      # D_i and L_i are padded to a multiple of PAD rows (>= the 64-row Q tiles)
 BR = 64                                # Q tiles of 64 rows
@@ -86,17 +85,17 @@ def parts(D):
 
 def smem_bytes(version, D):
     """2 bytes a value; 1024 bytes to align the first tile to the swizzle's period. wgmma: K_j and V_j (64 keys),
-    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x 64), a dQ_i buffer per
-    consumer in float32 (64 x 64), STAGES[D] stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
+    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x 64), dQ_i in float32
+    (64 x D), STAGES stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
     if version == "wgmma":
         return 6 * 64 * D * 2 + 64 * BR * 2 + 1024
-    return 2 * 128 * D * 2 + 128 * BR * 2 + 2 * BR * 64 * 4 + STAGES[D] * (2 * BR * D * 2 + 2 * BR * 4) + 1024
+    return 2 * 128 * D * 2 + 128 * BR * 2 + BR * D * 4 + STAGES * (2 * BR * D * 2 + 2 * BR * 4) + 1024
 
 
 def _name(version, ctype, D):
     if version == "wgmma":
         return f"flash_v3_backward_wgmma<{ctype},{D},{D // parts(D)}>"
-    return f"flash_v3_backward_ws<{ctype},{D},{STAGES[D]}>"
+    return f"flash_v3_backward_ws<{ctype},{D},{STAGES}>"
 
 
 def _function(version, ctype, D):
