@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         issue_rs<T, D>(dv, pa, do_s, 0);  // Alg.2 L9: dV_j += P^T dO_i
         issue_rs<T, D>(dk, da, qn_s, 0);  // Alg.2 L12: dK_j += dS^T Q_i
         wgmma_commit();                    // waited for with dQ's: pa, da stay the wgmma's until then
-        // dS^T's last readers, the dQ GEMMs of the last tile, are done: at D = 128 both consumers passed its BAR_DQ
+        // dS^T's last readers, the dQ GEMMs of the last tile, are done: both consumers passed its BAR_DQ
         store_ds_t(ds_mine, da, warp, g, t);
         if (issuer) bulk_wait_read<0>();      // the last tile's dQ_i has left shared memory
         named_bar_sync(BAR_DS, 256);  // both halves of dS^T are written; the dQ buffer is free
