@@ -612,3 +612,18 @@ def test_gpu_torch_autograd_function_matches_sdpa(dtype):
 
     err = TA.check_against_sdpa(dtype, seed=SEED)
     assert err["ok"], f"autograd.Function vs SDPA ({dtype}): {err}"
+
+
+@pytest.mark.gpu
+def test_gpu_run_header_names_the_kernels_that_run():
+    """On an sm_90 GPU, stage 06 runs in place of flash_v2 (single device) and of the ring's flash blocks in 16 bits:
+    the run's header says so there, and only there (float32 keeps stages 02/03)."""
+    from stages.common import bfloat16
+    from stages.hopper import flash_v3
+
+    sm90 = flash_v3.takes(bfloat16, 64)
+    assert (T.StageAttention("flash_v2", 64, bfloat16).kernels is not None) == sm90
+    assert T.StageAttention("flash_v2", 64, np.float32).kernels is None
+    text = T.hopper_ring_text(bfloat16, 64, heads=1, batch=32)
+    assert ("stage 06's forward and backward blocks" in text) == sm90, text
+    assert T.hopper_ring_text(np.float32, 64, heads=1, batch=32) == ""

@@ -5,7 +5,7 @@ attention kernel), data.py (associative recall, or a text file), train.py (AdamW
 torch_attention.py and torch_gpt.py (PyTorch, optional); the GPU measurements: dev/train_gpt_gpu_runs.py.
 """
 from . import layers
-from .attention import ATTENTIONS, RingAttention, StageAttention, make_attention, ring_blocks
+from .attention import ATTENTIONS, RingAttention, StageAttention, hopper_ring_text, make_attention, ring_blocks
 from .data import RecallTask, TextData
 from .layers import AdamW, grad_norm
 from .model import GPTConfig, backward, forward, init_params, loss_and_grads, n_params, param_shapes
@@ -13,7 +13,8 @@ from .train import learned, lr_at, shard_positions, single_thread_blas, train
 from .train import main as train_main, parse as train_parse  # the command line (the name `train` is the function)
 
 __all__ = [
-    "layers", "ATTENTIONS", "RingAttention", "StageAttention", "make_attention", "ring_blocks", "RecallTask",
-    "TextData", "AdamW", "grad_norm", "GPTConfig", "forward", "backward", "init_params", "loss_and_grads", "n_params",
-    "param_shapes", "train", "learned", "lr_at", "shard_positions", "single_thread_blas", "train_main", "train_parse",
+    "layers", "ATTENTIONS", "RingAttention", "StageAttention", "make_attention", "ring_blocks", "hopper_ring_text",
+    "RecallTask", "TextData", "AdamW", "grad_norm", "GPTConfig", "forward", "backward", "init_params",
+    "loss_and_grads", "n_params", "param_shapes", "train", "learned", "lr_at", "shard_positions",
+    "single_thread_blas", "train_main", "train_parse",
 ]

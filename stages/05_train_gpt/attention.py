@@ -6,10 +6,10 @@ Each kernel object has the stage API restricted to what a decoder needs (causal,
 A stage that does not take the model's compute dtype gets its inputs cast to one it takes (flash_v1 only
 takes float32: bfloat16 activations are widened for it, and its results rounded back).
 
-flash_v2 on an sm_90 GPU (H100, H200) in 16 bits runs stage 06's forward (FlashAttention-3) and stage 03's
-backward. The ring computes each (query shard, key block) pair with stage 00 ("naive" blocks) or stages 02/03
-("flash" blocks; on an sm_90 GPU the forward blocks are stage 06's); ring_blocks() decides which, from the head dim,
-the dtype and the device (passed in as arguments, so the decision is tested without a GPU).
+flash_v2 on an sm_90 GPU (H100, H200) in 16 bits runs stage 06's forward and backward (FlashAttention-3). The ring
+computes each (query shard, key block) pair with stage 00 ("naive" blocks) or stages 02/03 ("flash" blocks; on an
+sm_90 GPU stage 04 runs stage 06's blocks where they take the problem, hopper_ring_text); ring_blocks() decides which,
+from the head dim, the dtype and the device (passed in as arguments, so the decision is tested without a GPU).
 """
 import numpy as np
 
@@ -56,10 +56,12 @@ class StageAttention:
         self.mod = _stage(name)
         # flash_v2 on an sm_90 GPU in 16 bits: the forward and the backward are stage 06's (FlashAttention-3)
         self.fwd, self.bwd = self.mod.forward, self.mod.backward
+        self.kernels = None  # what runs instead of the stage named, for the run's header
         if name == "flash_v2":
             v3 = _stage("hopper.flash_v3")
             if v3.takes(dtype, head_dim):  # never in float32
                 self.fwd, self.bwd = v3.forward, _stage("hopper.flash_v3_backward").backward
+                self.kernels = "stage 06's forward and backward (FlashAttention-3, on this sm_90 GPU)"
 
     def forward(self, q, k, v):
         kd = self.kernel_dtype
@@ -164,6 +166,17 @@ def ring_blocks(requested, *, dtype, head_dim, gpu, sm80=True):
     return "flash", f"flash (stage 02 version {vf}, stage 03 version {vb})"
 
 
+def hopper_ring_text(dtype, head_dim, *, heads, batch):
+    """The phrase the run's header adds to the flash blocks' description when stage 04 runs stage 06's blocks for
+    this problem on this GPU (stage 04: hopper_takes, hopper_backward_takes), else ""."""
+    R = _stage("ring")
+    shape = dict(H=heads, Hkv=heads, B=batch)
+    if not R.hopper_takes(dtype, head_dim, **shape):
+        return ""
+    which = "forward and backward" if R.hopper_backward_takes(dtype, head_dim, **shape) else "forward"
+    return f"; on this sm_90 GPU stage 04 runs stage 06's {which} blocks (FlashAttention-3) in their place"
+
+
 def make_attention(name, head_dim, dtype):
     """The single-device kernel object for --attention `name` (ring: build RingAttention with a communicator)."""
     if name not in ATTENTIONS:
@@ -171,5 +184,5 @@ def make_attention(name, head_dim, dtype):
     return StageAttention(name, head_dim, dtype)
 
 
-__all__ = ["ATTENTIONS", "StageAttention", "RingAttention", "make_attention", "ring_blocks",
+__all__ = ["ATTENTIONS", "StageAttention", "RingAttention", "make_attention", "ring_blocks", "hopper_ring_text",
            "flash_blocks_missing"]

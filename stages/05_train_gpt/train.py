@@ -285,7 +285,8 @@ def _device_xp(choice):
 def prepare(args, ring=None, xp=np):
     """Everything a run needs that can be wrong, checked before the first step and without talking to other ranks
     (so every rank of a bad configuration stops with the same message): config, data, dtype, the ring's blocks.
-    Returns a dict with cfg, data, dtype, block and block_text (None for single-device attention)."""
+    Returns a dict with cfg, data, dtype, block and block_text (None for single-device attention), and kernels (what
+    runs in a single-device stage's place on this device, StageAttention.kernels; None when the stage itself runs)."""
     if args.data:
         data = T.TextData(args.data, args.context, seed=args.seed)
     else:
@@ -293,15 +294,17 @@ def prepare(args, ring=None, xp=np):
     cfg = T.GPTConfig(vocab_size=data.vocab_size, context=args.context, n_layer=args.layers, d_model=args.d_model,
                       n_head=args.heads)
     dtype = args.dtype or ("bfloat16" if xp is not np and device_facts(xp)["sm80"] else "float32")
-    out = {"cfg": cfg, "data": data, "dtype": dtype, "block": None, "block_text": None}
+    out = {"cfg": cfg, "data": data, "dtype": dtype, "block": None, "block_text": None, "kernels": None}
     if args.attention == "ring":
         if ring is None:
             raise ValueError("--attention ring needs a communicator: run under mpirun, or --simulate-ranks P")
         shard_positions(cfg.context, ring, args.layout)  # the context splits over the ranks
         out["block"], out["block_text"] = T.ring_blocks(args.ring_block, dtype=DTYPES[dtype], head_dim=cfg.head_dim,
                                                         **device_facts(xp))
-    else:
-        T.make_attention(args.attention, cfg.head_dim, DTYPES[dtype])  # the head dim and dtype are taken
+        if out["block"] == "flash" and xp is not np:
+            out["block_text"] += T.hopper_ring_text(DTYPES[dtype], cfg.head_dim, heads=cfg.n_head, batch=args.batch)
+    else:  # the head dim and dtype are taken; kernels: what runs in the stage's place on this device, if anything
+        out["kernels"] = T.make_attention(args.attention, cfg.head_dim, DTYPES[dtype]).kernels
     return out
 
 
@@ -322,6 +325,8 @@ def run(args, ring=None, xp=None, prepared=None):
         f"seed {args.seed}")
     if prep["block"]:
         say(f"ring blocks {prep['block_text']}")
+    if prep.get("kernels"):
+        say(f"kernels {prep['kernels']}")
     hist = train(cfg, data, attention=args.attention, steps=args.steps, batch=args.batch, lr=args.lr,
                  seed=args.seed, dtype=dtype, xp=xp, ring=ring, layout=args.layout, ring_block=prep["block"],
                  log=say, log_every=args.log_every or max(1, args.steps // 15))
