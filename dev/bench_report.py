@@ -972,13 +972,13 @@ def _versions():
             return f"{c.br}x{c.bc}"
         return f
 
-    def hopper_bwd_tiles(version):  # Q tiles of 64 rows x K/V tiles of bc keys
+    def hopper_bwd_tiles(version):  # Q tiles of q_tile_rows x K/V tiles of bc keys
         def f(dev, D):
             if dev.arch.cc != 90:
                 raise device.UnsupportedDevice("stage 06 needs sm_90")
             if D not in v3b.VERSION_HEAD_DIMS[version]:
                 return "-"
-            return f"{v3b.BR}x{v3b.CONFIGS[version].bc}"
+            return f"{v3b.q_tile_rows(version, D)}x{v3b.CONFIGS[version].bc}"
         return f
 
     return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),

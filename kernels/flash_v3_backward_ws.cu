@@ -8,12 +8,13 @@
 //     dQ_i is summed over all of them before it leaves: half as many reductions, and half the bytes to write;
 //   * two consumer warpgroups, each on its 64 keys of the tile, share every Q_i and dO_i a producer warpgroup loads
 //     (setmaxnreg: 24 registers for it, 240 for each consumer) STAGES tiles ahead on full / empty mbarriers;
-//   * dQ_i (64 x D) = dS_i (64 x 128 keys) K_j: each consumer computes half of its columns over all 128 keys (D / 4
-//     accumulator registers), so it needs the other's dS^T: two named barriers of both consumers order each tile:
-//     both halves of dS^T are written (BAR_DS), both halves of dQ_i are in shared memory (BAR_DQ; one thread then
-//     hands all of it to the copy engine);
-//   * at D = 64 each consumer holds its keys of K_j and V_j as A fragments in registers, so S^T and dP^T read only
-//     Q_i and dO_i from shared memory (hopper_bwd_tiles.cuh: load_a_fragments, issue_s_dp_rs).
+//   * Q tiles of BR rows: 64 at D = 128, 128 at D = 64, where the registers allow it (S^T and dP^T of 64 keys x 128
+//     queries, 64 registers each, beside dK_j and dV_j of 32 each). Each tile's barriers, softmax bookkeeping and
+//     dQ epilogue then serve twice the work, and S^T, dP^T are m64n128 wgmmas;
+//   * dQ_i (BR x D) = dS_i (BR x 128 keys) K_j needs both consumers' dS^T: each consumer computes a 64 x 64 part of
+//     it over all 128 keys (32 accumulator registers): at D = 128 all 64 rows and columns 64 me..; at D = 64 rows
+//     64 me.. and all 64 columns. Two named barriers of both consumers order each tile: both halves of dS^T are
+//     written (BAR_DS), all of dQ_i is in shared memory (BAR_DQ; one thread then hands it to the copy engine).
 // Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
 // A block of ring attention (stage 04; p.accumulate) adds scale dQ_i through map_dq, a map of the ring's float32 dQ
 // at the block's rows, and dK_j, dV_j into its float32 accumulators (hopper_bwd_tiles.cuh: store_dk_dv).
@@ -23,25 +24,26 @@
 template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_constant__ HopperBwdParams p) {
     static_assert(D == 64 || D == 128, "version ws: head dims 64 and 128");
+    constexpr int BR = D == 64 ? 128 : 64;  // rows of a Q tile (stages/06_hopper/flash_v3_backward.py: q_tile_rows)
     constexpr int PANELS = D / 64;
-    constexpr u32 TILE = PANELS * 8192u;  // bytes of one 64-row tile
-    constexpr int DQ_COLS = D / 2;  // each consumer's columns of dQ_i, summed over all 128 keys of the tile
+    constexpr u32 TILE = PANELS * 8192u;    // bytes of 64 rows of K_j or V_j
+    constexpr u32 QT = BR * D * 2u;         // bytes of a Q_i or dO_i tile: PANELS panels of BR rows x 128 bytes
     enum { BAR_DS = 1, BAR_DQ = 3 };  // named barriers of both consumers (256 threads)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // K and V; full[s]; empty[s]
-    // K_j (two 64-key tiles), V_j (two), dS^T (two 64 x 64 tiles: 16 KB), dQ_i (64 rows x D fp32 columns in panels
-    // of 64 rows x 128 bytes, swizzled as the map_dq box; consumer me's columns D / 2 me.. are its D / 64 panels),
-    // then stage s: Q_i, dO_i; after the stages, stage s's L_i and D_i (64 floats each)
-    const u32 k_s = aligned_1024(smem_raw), v_s = k_s + 2 * TILE, ds_s = v_s + 2 * TILE, dq_s = ds_s + 16384u;
-    const u32 q_s = dq_s + 64 * D * 4u, ld_s = q_s + STAGES * 2 * TILE;
+    // K_j (two 64-key tiles), V_j (two), dS^T (BR / 64 panels of 128 keys x 64 queries, 16 KB each), dQ_i (BR x D
+    // fp32 in four boxes of 64 rows x 32 columns, swizzled as the map_dq box; boxes 2 me, 2 me + 1 are consumer
+    // me's part), then stage s: Q_i, dO_i; after the stages, stage s's L_i and D_i (BR floats each)
+    const u32 k_s = aligned_1024(smem_raw), v_s = k_s + 2 * TILE, ds_s = v_s + 2 * TILE, dq_s = ds_s + 256u * BR;
+    const u32 q_s = dq_s + BR * D * 4u, ld_s = q_s + STAGES * 2 * QT;
     auto shared_floats = [&](u32 addr) { return reinterpret_cast<float*>(smem_raw + (addr - smem_addr(smem_raw))); };
     auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
     auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
     const int wg = threadIdx.x / 128, bh = blockIdx.y, key0 = 128 * blockIdx.x;
     const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
     const int first_row = p.causal ? max(0, key0 - shift) : 0;  // the first query row that sees a key of K_j
-    const int i0 = first_row / 64;
-    const int n_tiles = first_row >= Nq ? 0 : (Nq + 63) / 64 - i0;  // Q tiles i0 .. i0 + n_tiles - 1
+    const int i0 = first_row / BR;
+    const int n_tiles = first_row >= Nq ? 0 : (Nq + BR - 1) / BR - i0;  // Q tiles i0 .. i0 + n_tiles - 1
 
     if (threadIdx.x == 0) {
         mbar_init(smem_addr(&bars[0]), 1);
@@ -65,17 +67,19 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
                                 key0 + 64 * half, bh);
                 }
             for (int n = 0; n < n_tiles; ++n) {
-                const int s = n % STAGES;
-                const u32 dst = q_s + 2 * s * TILE;
-                const long tile_rows = (long)bh * p.Nq_pad + 64 * (i0 + n);  // within Nq_pad: a multiple of 64
+                const int s = n % STAGES, row0 = BR * (i0 + n);
+                const u32 dst = q_s + 2 * s * QT;
+                const long tile_rows = (long)bh * p.Nq_pad + row0;  // within Nq_pad: a multiple of 128
                 mbar_wait(empty(s), ((n / STAGES) & 1) ^ 1);  // round 0 passes at once: the stages start empty
-                mbar_arrive_expect_tx(full(s), 2 * TILE + 512);
-                bulk_load(ld_s + 512 * s, p.lse + tile_rows, 256, full(s));
-                bulk_load(ld_s + 512 * s + 256, p.delta + tile_rows, 256, full(s));
-                for (int c = 0; c < PANELS; ++c) {
-                    tma_load_3d(dst + c * 8192u, &p.map_q, full(s), 64 * c, 64 * (i0 + n), bh);
-                    tma_load_3d(dst + TILE + c * 8192u, &p.map_do, full(s), 64 * c, 64 * (i0 + n), bh);
-                }
+                mbar_arrive_expect_tx(full(s), 2 * QT + 8 * BR);
+                bulk_load(ld_s + 8 * BR * s, p.lse + tile_rows, 4 * BR, full(s));
+                bulk_load(ld_s + 8 * BR * s + 4 * BR, p.delta + tile_rows, 4 * BR, full(s));
+                for (int r = 0; r < BR / 64; ++r)  // boxes of 64 rows x 64 columns: row block r of panel c
+                    for (int c = 0; c < PANELS; ++c) {
+                        tma_load_3d(dst + c * (BR * 128u) + r * 8192u, &p.map_q, full(s), 64 * c, row0 + 64 * r, bh);
+                        tma_load_3d(dst + QT + c * (BR * 128u) + r * 8192u, &p.map_do, full(s), 64 * c,
+                                    row0 + 64 * r, bh);
+                    }
             }
         }
         return;
@@ -85,47 +89,43 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     const int me = wg - 1;  // consumer index
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kfirst = key0 + 64 * me, kr = kfirst + 16 * warp + g;  // this warpgroup's keys; this lane's
-    const u32 k_mine = k_s + me * TILE, v_mine = v_s + me * TILE, dq_mine = dq_s + me * (DQ_COLS / 32) * 8192u;
-    const u32 ds_mine = ds_s + me * 8192u;
+    const u32 k_mine = k_s + me * TILE, v_mine = v_s + me * TILE, dq_mine = dq_s + me * 2 * 8192u;
     const bool issuer = threadIdx.x == 128;  // who talks to the copy engine
     float dk[PANELS][8][4], dv[PANELS][8][4];  // Alg.2 L5
 #pragma unroll
     for (int c = 0; c < PANELS; ++c) zero(dk[c]), zero(dv[c]);
     if (n_tiles > 0) mbar_wait(smem_addr(&bars[0]), 0);
-    u32 ka[4][4], va[4][4];  // D = 64: this warpgroup's K_j, V_j as A fragments (issue_s_dp_rs)
-    if constexpr (D == 64)
-        if (n_tiles > 0) load_a_fragments(ka, k_mine, warp, lane), load_a_fragments(va, v_mine, warp, lane);
 
     for (int n = 0; n < n_tiles; ++n) {  // Alg.2 L6
-        const int s = n % STAGES, row0 = 64 * (i0 + n);
-        const u32 qn_s = q_s + 2 * s * TILE, do_s = qn_s + TILE;
+        const int s = n % STAGES, row0 = BR * (i0 + n);
+        const u32 qn_s = q_s + 2 * s * QT, do_s = qn_s + QT;
         mbar_wait(full(s), (n / STAGES) & 1);
-        float st[8][4], dp[8][4];  // S^T, dP^T of this warpgroup's keys
-        if constexpr (D == 64)
-            issue_s_dp_rs<T>(st, dp, ka, va, qn_s, do_s);
-        else
-            issue_s_dp<T, D>(st, dp, k_mine, v_mine, qn_s, do_s);
+        float st[BR / 8][4], dp[BR / 8][4];  // S^T, dP^T of this warpgroup's keys
+        issue_s_dp<T, D, BR>(st, dp, k_mine, v_mine, qn_s, do_s);
         wgmma_wait<1>();
-        fence_operands(reinterpret_cast<float(&)[32]>(st));
+        fence_operands(reinterpret_cast<float(&)[BR / 2]>(st));
         const bool masked = kfirst + 63 >= Nk || (p.causal && kfirst + 63 > row0 + shift);
-        probabilities_t(st, p, shared_floats(ld_s + 512 * s), kr, row0, masked, t);
+        probabilities_t(st, p, shared_floats(ld_s + 8 * BR * s), kr, row0, masked, t);
         wgmma_wait<0>();
-        fence_operands(reinterpret_cast<float(&)[32]>(dp));
-        ds_t(dp, st, shared_floats(ld_s + 512 * s + 256), t);
-        u32 pa[4][4], da[4][4];
-        p_fragments<T, 64>(pa, st);
-        p_fragments<T, 64>(da, dp);
+        fence_operands(reinterpret_cast<float(&)[BR / 2]>(dp));
+        ds_t(dp, st, shared_floats(ld_s + 8 * BR * s + 4 * BR), t);
+        u32 pa[BR / 16][4], da[BR / 16][4];
+        p_fragments<T, BR>(pa, st);
+        p_fragments<T, BR>(da, dp);
         wgmma_fence();
         issue_rs<T, D>(dv, pa, do_s, 0);  // Alg.2 L9: dV_j += P^T dO_i
         issue_rs<T, D>(dk, da, qn_s, 0);  // Alg.2 L12: dK_j += dS^T Q_i
         wgmma_commit();                    // waited for with dQ's: pa, da stay the wgmma's until then
         // dS^T's last readers, the dQ GEMMs of the last tile, are done: both consumers passed its BAR_DQ
-        store_ds_t(ds_mine, da, warp, g, t);
+#pragma unroll
+        for (int c = 0; c < BR / 64; ++c)  // dS^T's panel c (queries 64 c ..): this warpgroup's 64 key rows
+            store_ds_t(ds_s + c * 16384u + me * 8192u, reinterpret_cast<const u32(&)[4][4]>(da[4 * c]), warp, g, t);
         if (issuer) bulk_wait_read<0>();      // the last tile's dQ_i has left shared memory
         named_bar_sync(BAR_DS, 256);  // both halves of dS^T are written; the dQ buffer is free
-        // Alg.2 L13: dQ_i += dS_i K_j. A = dS (queries x keys) as dS^T lies (MN-major), B = K_j (MN-major); 16 keys
-        // further is 2048 bytes, 64 keys further the next tile
-        float dq[DQ_COLS / 8][4];
+        // Alg.2 L13: dQ_i += dS_i K_j. A = dS (queries x keys) as dS^T lies (MN-major: panel me at D = 64, where
+        // this consumer's rows are queries 64 me..), B = K_j (MN-major: columns 64 me.. at D = 128); 16 keys further
+        // is 2048 bytes, 64 keys further the next tile
+        float dq[8][4];
         const int qr = 16 * warp + g;  // this lane's rows of dQ_i: qr, qr + 8 (the same row % 8)
         // columns 8 nb + 2 t, + 1 of this consumer's buffer: panel nb / 4, 16-byte chunk (2 (nb % 4) + t / 2) ^
         // (row % 8), byte 8 (t % 2); 8 rows further is 1024 bytes
@@ -135,34 +135,32 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         };
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {  // columns DQ_COLS me .. of K_j: the next panel at D = 128, 64 bytes into
-            // each row of the one panel at D = 64 (the swizzle is a function of the address: the same chunks)
-            const u32 a = ds_s + (kk / 4) * 8192u + (kk % 4) * 2048u;
-            const u32 b = k_s + (kk / 4) * TILE + me * (D == 128 ? 8192u : 64u) + (kk % 4) * 2048u;
-            if constexpr (D == 128)
-                wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq), desc_mnmajor_128b(a, 8192u),
-                                        desc_mnmajor_128b(b, 8192u), kk > 0);
-            else
-                wgmma_64x32x16<T, 1, 1>(reinterpret_cast<float(&)[16]>(dq), desc_mnmajor_128b(a, 8192u),
-                                        desc_mnmajor_128b(b, 8192u), kk > 0);
+        for (int kk = 0; kk < 8; ++kk) {
+            const u32 a = ds_s + (BR == 128 ? me * 16384u : 0u) + (kk / 4) * 8192u + (kk % 4) * 2048u;
+            const u32 b = k_s + (kk / 4) * TILE + (D == 128 ? me * 8192u : 0u) + (kk % 4) * 2048u;
+            wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq), desc_mnmajor_128b(a, 8192u),
+                                    desc_mnmajor_128b(b, 8192u), kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
         fence_rs<D>(dv, dk, pa, da);
-        fence_operands(reinterpret_cast<float(&)[DQ_COLS / 2]>(dq));
+        fence_operands(reinterpret_cast<float(&)[32]>(dq));
         if (lane == 0) mbar_arrive(empty(s));  // this warp is done with Q_i and dO_i
 #pragma unroll
-        for (int nb = 0; nb < DQ_COLS / 8; ++nb)  // scale dS K: what the accumulator (or the ring's dQ) gets
+        for (int nb = 0; nb < 8; ++nb)  // scale dS K: what the accumulator (or the ring's dQ) gets
             dq[nb][0] *= p.scale, dq[nb][1] *= p.scale, dq[nb][2] *= p.scale, dq[nb][3] *= p.scale;
 #pragma unroll
-        for (int nb = 0; nb < DQ_COLS / 8; ++nb) {  // this consumer's columns of dQ_i
+        for (int nb = 0; nb < 8; ++nb) {  // this consumer's part of dQ_i
             *reinterpret_cast<float2*>(dq_at(nb)) = make_float2(dq[nb][0], dq[nb][1]);
             *reinterpret_cast<float2*>(dq_at(nb) + 256) = make_float2(dq[nb][2], dq[nb][3]);
         }
         fence_proxy_async();  // the copy engine reads what these stores wrote
         named_bar_sync(BAR_DQ, 256);
-        if (issuer) {  // one box of 64 rows x 32 columns per panel; rows past Nq are skipped
-            for (int c = 0; c < D / 32; ++c) tma_reduce_add_3d(&p.map_dq, dq_s + c * 8192u, 32 * c, row0, bh);
+        if (issuer) {  // box b: 64 rows x 32 columns (D = 128: columns 32 b; D = 64: rows 64 (b / 2) .., columns
+            // 32 (b % 2)); rows past Nq are skipped
+            for (int b = 0; b < 4; ++b)
+                tma_reduce_add_3d(&p.map_dq, dq_s + b * 8192u, D == 128 ? 32 * b : 32 * (b % 2),
+                                  row0 + (D == 128 ? 0 : 64 * (b / 2)), bh);
             bulk_commit();
         }
     }

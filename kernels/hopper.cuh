@@ -135,9 +135,8 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
-// The accumulator registers of an m64n32 wgmma (16), an m64n64 one (32) and an m64n128 one (64) as inline-asm
-// operands %0 .. %15 (%0 .. %31, %0 .. %63), and their lists in PTX.
-#define WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+// The accumulator registers of an m64n64 wgmma (32) and of an m64n128 one (64) as inline-asm operands %0 .. %31
+// (%0 .. %63), and their lists in PTX.
 #define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
                   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define WGMMA_D64                                                                                                     \
@@ -147,8 +146,7 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 #define WGMMA_F8(i)                                                                                                   \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),      \
         "+f"(d[i + 7])
-#define WGMMA_OUTS16 WGMMA_F8(0), WGMMA_F8(8)
-#define WGMMA_OUTS WGMMA_OUTS16, WGMMA_F8(16), WGMMA_F8(24)
+#define WGMMA_OUTS WGMMA_F8(0), WGMMA_F8(8), WGMMA_F8(16), WGMMA_F8(24)
 #define WGMMA_OUTS64 WGMMA_OUTS, WGMMA_F8(32), WGMMA_F8(40), WGMMA_F8(48), WGMMA_F8(56)
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
@@ -182,14 +180,6 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 desc_a, u64 d
               "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
 }
 
-// D (64 x 32, fp32) += A B^T as wgmma_64x64x16, with 32 columns (n-blocks i = 0 .. 3): the backward's dQ_i at
-// D = 64, of which each of two warpgroups computes half of the columns.
-template <typename T, int TA = 0, int TB = 0>
-__device__ __forceinline__ void wgmma_64x32x16(float (&d)[16], u64 desc_a, u64 desc_b, int scale_d) {
-    WGMMA_ASM(T, "m64n32k16", "%18", WGMMA_D16 ", %16, %17, p, 1, 1, %19, %20;\n", WGMMA_OUTS16,
-              "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
-}
-
 // D (64 x 128, fp32) += A (64 x 16) B^T (128 x 16), both K-major in shared memory: S for a tile of 128 keys in one
 // instruction. Against two m64n64 halves it reads A from shared memory once instead of twice: at N = 64 the two
 // operands' 4 KB per instruction take as many shared-memory cycles (128 bytes a cycle) as the tensor cores take to
@@ -204,11 +194,10 @@ __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 
 // (four registers of two 16-bit values) is mma.m16n8k16's A fragment of the warp's 16 rows: a[0] row g, columns
 // 2 t, 2 t + 1; a[1] row g + 8; a[2] row g, columns 8 + 2 t, 9 + 2 t; a[3] row g + 8, those columns. It is exactly
 // what the accumulator of S holds for n-blocks 2 kk and 2 kk + 1 once rounded to 16 bits (P from S in registers).
-// TB = 0: B is K-major instead (16 x 64 as B^T, 64 rows of 16 K values, as wgmma_64x64x16 reads it).
-template <typename T, int TB = 1>
+template <typename T>
 __device__ __forceinline__ void wgmma_64x64x16_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int scale_d) {
-    WGMMA_ASM(T, "m64n64k16", "%37", WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n", WGMMA_OUTS, "r"(a[0]),
-              "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TB));
+    WGMMA_ASM(T, "m64n64k16", "%37", WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n", WGMMA_OUTS, "r"(a[0]),
+              "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
 // D (64 x 128, fp32) += A (64 x 16, registers) B (16 x 128, MN-major in shared memory): O += P V for D = 128 in one

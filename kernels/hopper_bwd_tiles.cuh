@@ -1,7 +1,8 @@
 // hopper_bwd_tiles.cuh: what one consumer warpgroup of stage 06's backward does with its 64 keys and one Q tile of
-// 64 rows (FlashAttention-2's Algorithm 2, lines 8-12, transposed), and its epilogue. Warp w owns keys 16 w .. 16 w
-// + 15 of the warpgroup's 64; the accumulators of S^T and dP^T have the mma.m16n8 C layout (rows = keys g, g + 8;
-// columns = queries 8 n + 2 t, + 1 of each 8-column block n), so L_i and D_i are needed per column.
+// NQ rows, 64 or 128 (FlashAttention-2's Algorithm 2, lines 8-12, transposed), and its epilogue. Warp w owns keys
+// 16 w .. 16 w + 15 of the warpgroup's 64; the accumulators of S^T and dP^T have the mma.m16n8 C layout (rows = keys
+// g, g + 8; columns = queries 8 n + 2 t, + 1 of each 8-column block n, n < NQ / 8), so L_i and D_i are needed per
+// column. A Q tile of NQ rows lies in shared memory as D / 64 panels of NQ rows x 128 bytes.
 #pragma once
 #include "backward_dq.cuh"
 #include "hopper_tiles.cuh"
@@ -24,56 +25,30 @@ struct HopperBwdParams {
     TensorMap map_dq;    // dq_acc seen as D x Nq x (B H), boxes of 32 x 64 floats (version ws's bulk reductions)
 };
 
-// S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (k_s, v_s: 64-row tiles) against Q_i, dO_i: issued as
-// two commit groups, S^T's first, so that the caller can wait for S^T alone (wgmma_wait<1>) and compute P^T while
-// dP^T is still on the tensor cores.
-template <typename T, int D>
-__device__ __forceinline__ void issue_s_dp(float (&s)[8][4], float (&dp)[8][4], u32 k_s, u32 v_s, u32 q_s, u32 do_s) {
+// S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (k_s, v_s: 64-row tiles) against Q_i, dO_i (NQ rows:
+// one m64nNQ wgmma per K step): issued as two commit groups, S^T's first, so that the caller can wait for S^T alone
+// (wgmma_wait<1>) and compute P^T while dP^T is still on the tensor cores.
+template <typename T, int D, int NQ = 64>
+__device__ __forceinline__ void issue_s_dp(float (&s)[NQ / 8][4], float (&dp)[NQ / 8][4], u32 k_s, u32 v_s, u32 q_s,
+                                           u32 do_s) {
     wgmma_fence();
-    issue_qk<T, D, 64>(s, k_s, q_s);  // Alg.2 L8
+    issue_qk<T, D, NQ>(s, k_s, q_s);  // Alg.2 L8
     wgmma_commit();
-    issue_qk<T, D, 64>(dp, v_s, do_s);  // Alg.2 L10
-    wgmma_commit();
-}
-
-// At D = 64 K_j and V_j stay the same for the whole block, so each warpgroup holds its 64 keys of them as A fragments
-// in registers (16 each) and S^T = K Q^T, dP^T = V dO^T read only B (Q_i, dO_i) from shared memory: an m64n64
-// wgmma with both operands there needs as many shared-memory cycles (4 KB at 128 bytes a cycle) as the tensor cores
-// need to multiply them, with A in registers half as many.
-// a[kk]: this warp's 16 rows of a 64 x 64 tile (K-major, 128-byte swizzle as the TMA wrote it: 16-byte chunk c of
-// row r at chunk c ^ (r % 8)), columns 16 kk .. + 15, in the fragment layout wgmma_64x64x16_rs takes. ldmatrix x4:
-// lane l gives the row address of row l % 8 of 8 x 8 matrix l / 8 (matrices: rows +0 / +8, columns +0 / +8).
-__device__ __forceinline__ void load_a_fragments(u32 (&a)[4][4], u32 tile_s, int warp, int lane) {
-    const int r = 16 * warp + 8 * ((lane / 8) % 2) + lane % 8, half = lane / 16;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) ldsm_x4(a[kk], tile_s + r * 128u + (((2 * kk + half) ^ (r % 8)) << 4));
-}
-
-// issue_s_dp with K_j's and V_j's A fragments in registers (load_a_fragments; D = 64).
-template <typename T>
-__device__ __forceinline__ void issue_s_dp_rs(float (&s)[8][4], float (&dp)[8][4], const u32 (&ka)[4][4],
-                                              const u32 (&va)[4][4], u32 q_s, u32 do_s) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)  // Alg.2 L8
-        wgmma_64x64x16_rs<T, 0>(reinterpret_cast<float(&)[32]>(s), ka[kk], desc_kmajor_128b(q_s + kk * 32u), kk > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)  // Alg.2 L10
-        wgmma_64x64x16_rs<T, 0>(reinterpret_cast<float(&)[32]>(dp), va[kk], desc_kmajor_128b(do_s + kk * 32u), kk > 0);
+    issue_qk<T, D, NQ>(dp, v_s, do_s);  // Alg.2 L10
     wgmma_commit();
 }
 
 // Alg.2 L9 in place: P^T = exp(scale S^T - L_i), as exp2((scale S^T - L_i) log2 e): scale S - L is one FMA, one
 // rounding of a number near 0 (folding log2 e into the scale and L instead would round each of two large numbers,
 // an error that grows with the logits). Entries whose key is past Nk or right of the query's diagonal are 0
-// (masked: this tile has such entries). lse: L_i of the Q tile's 64 rows (global or shared memory); kr: this lane's
-// first key; row0: the Q tile's first row.
-__device__ __forceinline__ void probabilities_t(float (&s)[8][4], const HopperBwdParams& p, const float* lse, int kr,
+// (masked: this tile has such entries). lse: L_i of the Q tile's NB x 8 rows (global or shared memory); kr: this
+// lane's first key; row0: the Q tile's first row.
+template <int NB>
+__device__ __forceinline__ void probabilities_t(float (&s)[NB][4], const HopperBwdParams& p, const float* lse, int kr,
                                                 int row0, bool masked, int t) {
     const int shift = p.Nk - p.Nq;
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb) {  // column 8 nb + 2 t + e % 2 is query row0 + 8 nb + 2 t + e % 2
+    for (int nb = 0; nb < NB; ++nb) {  // column 8 nb + 2 t + e % 2 is query row0 + 8 nb + 2 t + e % 2
         const float2 L = *reinterpret_cast<const float2*>(lse + 8 * nb + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -84,18 +59,19 @@ __device__ __forceinline__ void probabilities_t(float (&s)[8][4], const HopperBw
     }
 }
 
-// Alg.2 L11 in place of dP^T: dS^T = P^T o (dP^T - D_i); delta: D_i of the Q tile's 64 rows.
-__device__ __forceinline__ void ds_t(float (&dp)[8][4], const float (&pt)[8][4], const float* delta, int t) {
+// Alg.2 L11 in place of dP^T: dS^T = P^T o (dP^T - D_i); delta: D_i of the Q tile's NB x 8 rows.
+template <int NB>
+__device__ __forceinline__ void ds_t(float (&dp)[NB][4], const float (&pt)[NB][4], const float* delta, int t) {
 #pragma unroll
-    for (int nb = 0; nb < 8; ++nb) {
+    for (int nb = 0; nb < NB; ++nb) {
         const float2 Di = *reinterpret_cast<const float2*>(delta + 8 * nb + 2 * t);
         dp[nb][0] = pt[nb][0] * (dp[nb][0] - Di.x), dp[nb][1] = pt[nb][1] * (dp[nb][1] - Di.y);
         dp[nb][2] = pt[nb][2] * (dp[nb][2] - Di.x), dp[nb][3] = pt[nb][3] * (dp[nb][3] - Di.y);
     }
 }
 
-// dS^T's A fragments into a 64 x 64 tile of shared memory at ds_s (rows = this warpgroup's keys, 128 bytes of 64
-// queries) in the 128-byte swizzle a TMA tile has: the pair of columns 8 nb + 2 t, + 1 of row r sits in 16-byte
+// dS^T's A fragments of 64 queries (four K steps) into a 64 x 64 tile of shared memory at ds_s (rows = this
+// warpgroup's keys, 128 bytes of 64 queries) in the 128-byte swizzle a TMA tile has: the pair of columns 8 nb + 2 t, + 1 of row r sits in 16-byte
 // chunk nb ^ (r % 8) at byte 4 t (conflict-free: the 8 rows g of a warp hit 8 different chunks). Then the fence that
 // lets wgmma (the async proxy) read what ordinary stores wrote.
 __device__ __forceinline__ void store_ds_t(u32 ds_s, const u32 (&da)[4][4], int warp, int g, int t) {
@@ -111,30 +87,32 @@ __device__ __forceinline__ void store_ds_t(u32 ds_s, const u32 (&da)[4][4], int 
     fence_proxy_async();
 }
 
-// acc (64 rows x DP columns, DP / 64 panels of 8 n-blocks) += A (64 x 64 from registers: four K steps of 16) times B
-// (64 rows x DP columns of a tile in shared memory, MN-major: rows 16 kk.. are 2048 bytes further, panels 8 KB
-// apart). col_panel: B's first 64-column panel. Alg.2 L9 dV += P^T dO and L12 dK += dS^T Q.
-template <typename T, int DP>
-__device__ __forceinline__ void issue_rs(float (&acc)[DP / 64][8][4], const u32 (&a)[4][4], u32 b_s, int col_panel) {
+// acc (64 rows x DP columns, DP / 64 panels of 8 n-blocks) += A (64 x 16 KS from registers: KS K steps of 16) times
+// B (16 KS rows x DP columns of a tile in shared memory, MN-major: rows 16 kk.. are 2048 bytes further, panels of
+// 16 KS rows 2048 KS bytes apart). col_panel: B's first 64-column panel. Alg.2 L9 dV += P^T dO and L12 dK += dS^T Q,
+// over the Q tile's 16 KS rows.
+template <typename T, int DP, int KS>
+__device__ __forceinline__ void issue_rs(float (&acc)[DP / 64][8][4], const u32 (&a)[KS][4], u32 b_s, int col_panel) {
+    constexpr u32 PANEL = KS * 2048u;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        const u32 b = b_s + col_panel * 8192u + kk * 2048u;
+    for (int kk = 0; kk < KS; ++kk) {
+        const u32 b = b_s + col_panel * PANEL + kk * 2048u;
         if constexpr (DP == 128)
-            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(acc), a[kk], desc_mnmajor_128b(b, 8192u), 1);
+            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(acc), a[kk], desc_mnmajor_128b(b, PANEL), 1);
         else
-            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(acc[0]), a[kk], desc_mnmajor_128b(b, 8192u), 1);
+            wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(acc[0]), a[kk], desc_mnmajor_128b(b, PANEL), 1);
     }
 }
 
 // After the wait for dV_j += P^T dO_i and dK_j += dS^T Q_i (issue_rs): their accumulators and A fragments are
 // ordinary registers again, and nothing that uses them may move across the wait (hopper.cuh: fence_operands).
-template <int DP>
-__device__ __forceinline__ void fence_rs(float (&dv)[DP / 64][8][4], float (&dk)[DP / 64][8][4], u32 (&pa)[4][4],
-                                         u32 (&da)[4][4]) {
+template <int DP, int KS>
+__device__ __forceinline__ void fence_rs(float (&dv)[DP / 64][8][4], float (&dk)[DP / 64][8][4], u32 (&pa)[KS][4],
+                                         u32 (&da)[KS][4]) {
     fence_operands(reinterpret_cast<float(&)[DP / 2]>(dv));
     fence_operands(reinterpret_cast<float(&)[DP / 2]>(dk));
-    fence_operands(reinterpret_cast<u32(&)[16]>(pa));
-    fence_operands(reinterpret_cast<u32(&)[16]>(da));
+    fence_operands(reinterpret_cast<u32(&)[4 * KS]>(pa));
+    fence_operands(reinterpret_cast<u32(&)[4 * KS]>(da));
 }
 
 // Alg.2 L16 for this lane's keys kr, kr + 8: dK_j = scale sum dS^T Q and dV_j, columns 64 col_panel.. (DP of them),

@@ -221,10 +221,10 @@ def test_stage_06_is_taken_only_where_it_computes_the_problem():
 
 
 # ---------------------------------------------------------------- the backward's tile order, mirrored in numpy
-@pytest.mark.parametrize("bc", [64, 128])
+@pytest.mark.parametrize("bc,br", [(64, 64), (128, 64), (128, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 2, 130, 200), (2, 1, 200, 77), (1, 1, 1, 65), (1, 2, 150, 150)])
-def test_backward_mirror_gives_stage_00s_gradients(shape, causal, bc):
+def test_backward_mirror_gives_stage_00s_gradients(shape, causal, bc, br):
     """The kernel's tile order (transposed GEMMs per consumer; one dQ reduction per block and Q tile) sums to the
     same gradients as stage 00's backward, in float64; with Nq > Nk under the causal mask some rows see no key."""
     from stages import naive
@@ -234,24 +234,32 @@ def test_backward_mirror_gives_stage_00s_gradients(shape, causal, bc):
     q, k, v, do = make_inputs(*shape, 64, dtype=np.float64, grad=True)
     o, lse = naive.forward(q, k, v, causal=causal)
     want = naive.backward(q, k, v, o, lse, do, causal=causal)
-    got = backward_mirror.backward(q, k, v, o, lse, do, causal=causal, bc=bc)
+    got = backward_mirror.backward(q, k, v, o, lse, do, causal=causal, bc=bc, br=br)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert np.allclose(a, b, rtol=1e-10, atol=1e-12), name
 
 
 def test_backward_mirror_reduces_into_dq_once_per_block_and_q_tile():
     """Blocks of 128 keys (version ws) make half the reductions of blocks of 64 (version wgmma) when nothing is
-    masked, and a causal block skips the Q tiles above its first key's diagonal."""
+    masked, Q tiles of 128 rows (version ws at D = 64) half again, and a causal block skips the Q tiles above its
+    first key's diagonal."""
     from stages.common import make_inputs
     from stages.hopper import backward_mirror as M
 
     assert M.dq_reductions(4096, 4096, False, 64) == 2 * M.dq_reductions(4096, 4096, False, 128) == 64 * 64
     assert M.dq_reductions(4096, 4096, True, 128) == sum(64 - 2 * j for j in range(32))
+    # Q tiles of 128 rows (version ws at D = 64): half the reductions again, and a causal block's first tile may
+    # start above its first key's diagonal
+    assert M.dq_reductions(4096, 4096, False, 128, 128) == 32 * 32
+    assert M.dq_reductions(4096, 4096, True, 128, 128) == sum(32 - j for j in range(32))
     q, k, v, do = make_inputs(1, 1, 256, 256, 64, dtype=np.float64, grad=True)
     trace = []
     M.backward(q, k, v, q, np.zeros((1, 1, 256)), do, causal=True, trace=trace)
     assert trace == [(0, 0), (0, 64), (0, 128), (0, 192), (128, 128), (128, 192)]
     assert len(trace) == M.dq_reductions(256, 256, True, 128)
+    trace = []
+    M.backward(q, k, v, q, np.zeros((1, 1, 256)), do, causal=True, br=128, trace=trace)
+    assert trace == [(0, 0), (0, 128), (128, 128)] and len(trace) == M.dq_reductions(256, 256, True, 128, 128)
 
 
 def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch):

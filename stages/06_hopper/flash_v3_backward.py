@@ -14,8 +14,9 @@ Three launches, the first and last stage 03's (kernels/flash_v2_backward_pre.cu)
 Versions, in the order the README teaches them:
   wgmma  (kernels/flash_v3_backward_wgmma.cu) one warpgroup per K/V tile of 64 keys, Q_i and dO_i by TMA into two
          stages (thread 0 issues the copies), dQ_i added by each lane's vector reductions. D = 64, 128, 256.
-  ws     (kernels/flash_v3_backward_ws.cu) a producer warpgroup and two consumers on a K/V tile of 128 keys; dQ_i
-         summed over the block's 128 keys, then added by bulk reductions of the copy engine. D = 64, 128.
+  ws     (kernels/flash_v3_backward_ws.cu) a producer warpgroup and two consumers on a K/V tile of 128 keys, Q tiles
+         of 128 rows at D = 64 (64 at D = 128); dQ_i summed over the block's 128 keys, then added by bulk reductions
+         of the copy engine. D = 64, 128.
 version "auto" (the default): ws where it takes the head dim, else wgmma.
 """
 import ctypes
@@ -39,8 +40,7 @@ VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": (64, 128)}
 # every tile's barriers, so neither runs more than a tile ahead of the other
 STAGES = 2
 PRE_FILE = "flash_v2_backward_pre.cu"  # stage 03's preprocess and dQ conversion
-PAD = stage03.PAD                      # D_i and L_i are padded to a multiple of PAD rows (>= the 64-row Q tiles)
-BR = 64                                # Q tiles of 64 rows
+PAD = stage03.PAD                      # D_i and L_i are padded to a multiple of PAD rows (>= every Q tile's rows)
 
 
 class Config(NamedTuple):
@@ -51,6 +51,12 @@ class Config(NamedTuple):
 
 
 CONFIGS = {"wgmma": Config(64, 128), "ws": Config(128, 384)}  # ws: a producer and two consumer warpgroups
+
+
+def q_tile_rows(version, D):
+    """Rows of a Q tile: 64, and 128 for version ws at D = 64, where a consumer's registers hold S^T and dP^T of its
+    64 keys x 128 queries beside dK_j and dV_j (the kernel's BR)."""
+    return 128 if version == "ws" and D == 64 else 64
 
 
 class HopperBwdParams(ctypes.Structure):
@@ -85,11 +91,12 @@ def parts(D):
 
 def smem_bytes(version, D):
     """2 bytes a value; 1024 bytes to align the first tile to the swizzle's period. wgmma: K_j and V_j (64 keys),
-    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x 64), dQ_i in float32
-    (64 x D), STAGES stages of Q_i and dO_i with their L_i and D_i (64 floats each)."""
+    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x br), dQ_i in float32
+    (br x D), STAGES stages of Q_i and dO_i with their L_i and D_i (br floats each); br = q_tile_rows."""
+    br = q_tile_rows(version, D)
     if version == "wgmma":
-        return 6 * 64 * D * 2 + 64 * BR * 2 + 1024
-    return 2 * 128 * D * 2 + 128 * BR * 2 + BR * D * 4 + STAGES * (2 * BR * D * 2 + 2 * BR * 4) + 1024
+        return 6 * 64 * D * 2 + 64 * br * 2 + 1024
+    return 2 * 128 * D * 2 + 128 * br * 2 + br * D * 4 + STAGES * (2 * br * D * 2 + 2 * br * 4) + 1024
 
 
 def _name(version, ctype, D):

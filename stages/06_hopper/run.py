@@ -9,7 +9,7 @@
 4. The consumer warpgroups: the tensor cores' busy fraction for one warpgroup, one with GEMM0 issued early, two that
    share the tensor cores, and two in ping-pong (times of one tile from the FlashAttention-3 paper's H100 rates).
 5. The backward's tile order (backward_mirror): its gradients against stage 00's, and how many reductions into dQ
-   blocks of 64 keys (version wgmma) and of 128 (version ws: one per block at D = 128, one per consumer at 64) make.
+   each version's tiles make (wgmma: 64 keys x 64 rows; ws: 128 keys x 128 rows at D = 64, x 64 rows at D = 128).
 
     python stages/06_hopper/run.py
     python stages/06_hopper/run.py --quick      # the same (it takes a second); for the tutorial-wide runner
@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 from stages.hopper import backward_mirror as M
+from stages.hopper import flash_v3_backward
 from stages.hopper import layouts as L
 from stages.hopper import schedules as S
 
@@ -91,12 +92,16 @@ def show_backward(B=1, H=2, Nq=200, Nk=333, D=64):
         q, k, v, do = make_inputs(B, H, Nq, Nk, D, dtype=np.float64, grad=True, seed=5)
         o, lse = naive.forward(q, k, v, causal=causal)
         want = naive.backward(q, k, v, o, lse, do, causal=causal)
-        for bc, what in ((64, "blocks of 64 keys (wgmma)"), (128, "blocks of 128 keys (ws)")):
-            got = M.backward(q, k, v, o, lse, do, causal=causal, bc=bc)
+        for version in flash_v3_backward.VERSIONS:
+            if D not in flash_v3_backward.VERSION_HEAD_DIMS[version]:
+                continue
+            bc, br = flash_v3_backward.CONFIGS[version].bc, flash_v3_backward.q_tile_rows(version, D)
+            what = f"{version}, {bc} keys x {br} rows:"
+            got = M.backward(q, k, v, o, lse, do, causal=causal, bc=bc, br=br)
             err = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
             ok &= err < 1e-10
-            print(f"   causal={causal!s:5s} {what + ':':26s} max |difference| {err:.1e}, "
-                  f"{M.dq_reductions(Nq, Nk, causal, bc)} reductions into dQ per head")
+            print(f"   causal={causal!s:5s} {what:26s} max |difference| {err:.1e}, "
+                  f"{M.dq_reductions(Nq, Nk, causal, bc, br)} reductions into dQ per head")
     return ok
 
 
