@@ -305,7 +305,8 @@ def main(argv=None):
         rate = f"{flops / P / t_f / 1e9:.1f} TFLOP/s per GPU" if gpu else f"{flops / P / t_f / 1e6:.2f} GFLOP/s a rank"
         print(f"one device, whole sequence: fwd {single['fwd']:.2f} ms, bwd {single['bwd']:.2f} ms, "
               f"peak {single['peak'] / 2**20:.1f} MB; ring fwd {rate}")
-        print(report(P, single, t_f, t_b, peak, shared=shared, gpu=gpu, scheme=args.scheme))
+        gpus = min(P, xp.cuda.runtime.getDeviceCount()) if gpu else 0  # comm.py: rank r on GPU (local rank % GPUs)
+        print(report(P, single, t_f, t_b, peak, shared=shared, gpu=gpu, scheme=args.scheme, gpus=gpus))
         print(f"SUMMARY 04_ring PASS {P} ranks {backend}, {layout}, fwd+bwd within tolerance on the full sequence")
     return True
 
@@ -317,8 +318,9 @@ HOLDS = {  # what a rank holds besides its shards, by scheme (README.md and gath
 }
 
 
-def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring"):
-    """What the timing says, in words: per-GPU efficiency and memory per GPU against one device (and 1/P)."""
+def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring", gpus=1):
+    """What the timing says, in words: per-GPU efficiency and memory per GPU against one device (and 1/P). gpus: how
+    many GPUs the P ranks run on (shared: fewer than P)."""
     eff = (single["fwd"] + single["bwd"]) / (P * (t_f + t_b))
     mem = peak / max(single["peak"], 1)
     e_f, e_b = single["fwd"] / (P * t_f), single["bwd"] / (P * t_b)
@@ -328,9 +330,9 @@ def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring"):
              f"memory per rank {peak / 2**20:.0f} MB = {mem:.2f} of one device's {single['peak'] / 2**20:.0f} MB "
              f"(1/P = {1 / P:.2f}: {HOLDS[scheme]})"]
     if shared:
-        where = "one GPU" if gpu else "the CPU cores"
+        where = ("one GPU" if gpus <= 1 else f"{gpus} GPUs") if gpu else "the CPU cores"
         lines.append(f"(the {P} ranks share {where} here: this run checks the ring and shows its steps, not its speed "
-                     "or its memory per GPU, since every rank computes on the same device; run one rank per GPU, "
+                     "or its memory per GPU, since ranks compute on a shared device; run one rank per GPU, "
                      "--backend nccl, to see those)")
     return "\n".join(lines)
 
