@@ -71,9 +71,9 @@ __device__ __forceinline__ void ds_t(float (&dp)[NB][4], const float (&pt)[NB][4
 }
 
 // dS^T's A fragments of 64 queries (four K steps) into a 64 x 64 tile of shared memory at ds_s (rows = this
-// warpgroup's keys, 128 bytes of 64 queries) in the 128-byte swizzle a TMA tile has: the pair of columns 8 nb + 2 t, + 1 of row r sits in 16-byte
-// chunk nb ^ (r % 8) at byte 4 t (conflict-free: the 8 rows g of a warp hit 8 different chunks). Then the fence that
-// lets wgmma (the async proxy) read what ordinary stores wrote.
+// warpgroup's keys, 128 bytes of 64 queries) in the 128-byte swizzle a TMA tile has: the pair of columns 8 nb + 2 t,
+// + 1 of row r sits in 16-byte chunk nb ^ (r % 8) at byte 4 t (conflict-free: the 8 rows g of a warp hit 8 different
+// chunks). Then the fence that lets wgmma (the async proxy) read what ordinary stores wrote.
 __device__ __forceinline__ void store_ds_t(u32 ds_s, const u32 (&da)[4][4], int warp, int g, int t) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
