@@ -271,6 +271,8 @@ def check(args, sizes, size, dtype, xp):
         T.GPTConfig(vocab_size=8, d_model=args.d_model, n_head=args.heads)  # d_model splits into the heads
         block, text = T.ring_blocks(None, dtype=DTYPES[dtype], head_dim=args.d_model // args.heads,
                                     **device_facts(xp))
+        text += T.hopper_ring_text(block, DTYPES[dtype], args.d_model // args.heads, heads=args.heads,
+                                   batch=args.batch, gpu=xp is not np)
     except ValueError as e:
         return None, None, str(e)
     return block, text, ""

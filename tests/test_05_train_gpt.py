@@ -624,6 +624,6 @@ def test_gpu_run_header_names_the_kernels_that_run():
     sm90 = flash_v3.takes(bfloat16, 64)
     assert (T.StageAttention("flash_v2", 64, bfloat16).kernels is not None) == sm90
     assert T.StageAttention("flash_v2", 64, np.float32).kernels is None
-    text = T.hopper_ring_text(bfloat16, 64, heads=1, batch=32)
+    text = T.hopper_ring_text("flash", bfloat16, 64, heads=1, batch=32, gpu=True)
     assert ("stage 06's forward and backward blocks" in text) == sm90, text
-    assert T.hopper_ring_text(np.float32, 64, heads=1, batch=32) == ""
+    assert T.hopper_ring_text("flash", np.float32, 64, heads=1, batch=32, gpu=True) == ""

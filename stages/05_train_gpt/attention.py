@@ -166,9 +166,12 @@ def ring_blocks(requested, *, dtype, head_dim, gpu, sm80=True):
     return "flash", f"flash (stage 02 version {vf}, stage 03 version {vb})"
 
 
-def hopper_ring_text(dtype, head_dim, *, heads, batch):
-    """The phrase the run's header adds to the flash blocks' description when stage 04 runs stage 06's blocks for
-    this problem on this GPU (stage 04: hopper_takes, hopper_backward_takes), else ""."""
+def hopper_ring_text(block, dtype, head_dim, *, heads, batch, gpu):
+    """The phrase a run's header adds to ring_blocks' description when stage 04 runs stage 06's blocks in place of
+    the flash blocks: block "flash", on the GPU (gpu: the arrays are CuPy arrays), for a problem stage 06 takes there
+    (stage 04: hopper_takes, hopper_backward_takes); else ""."""
+    if block != "flash" or not gpu:
+        return ""
     R = _stage("ring")
     shape = dict(H=heads, Hkv=heads, B=batch)
     if not R.hopper_takes(dtype, head_dim, **shape):

@@ -301,8 +301,8 @@ def prepare(args, ring=None, xp=np):
         shard_positions(cfg.context, ring, args.layout)  # the context splits over the ranks
         out["block"], out["block_text"] = T.ring_blocks(args.ring_block, dtype=DTYPES[dtype], head_dim=cfg.head_dim,
                                                         **device_facts(xp))
-        if out["block"] == "flash" and xp is not np:
-            out["block_text"] += T.hopper_ring_text(DTYPES[dtype], cfg.head_dim, heads=cfg.n_head, batch=args.batch)
+        out["block_text"] += T.hopper_ring_text(out["block"], DTYPES[dtype], cfg.head_dim, heads=cfg.n_head,
+                                                batch=args.batch, gpu=xp is not np)
     else:  # the head dim and dtype are taken; kernels: what runs in the stage's place on this device, if anything
         out["kernels"] = T.make_attention(args.attention, cfg.head_dim, DTYPES[dtype]).kernels
     return out
