@@ -21,10 +21,12 @@
 // Tile steps and epilogue: hopper_bwd_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_bwd_tiles.cuh"
 
-template <typename T, int D, int STAGES>
+// BR: rows of a Q tile, chosen by the launcher (stages/06_hopper/flash_v3_backward.py: q_tile_rows).
+template <typename T, int D, int STAGES, int BR>
 __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_constant__ HopperBwdParams p) {
     static_assert(D == 64 || D == 128, "version ws: head dims 64 and 128");
-    constexpr int BR = D == 64 ? 128 : 64;  // rows of a Q tile (stages/06_hopper/flash_v3_backward.py: q_tile_rows)
+    static_assert(BR * D == 8192, "version ws: each consumer's part of dQ_i is 64 x 64 (BR = 128 at D = 64, 64 at "
+                                  "D = 128)");
     constexpr int PANELS = D / 64;
     constexpr u32 TILE = PANELS * 8192u;    // bytes of 64 rows of K_j or V_j
     constexpr u32 QT = BR * D * 2u;         // bytes of a Q_i or dO_i tile: PANELS panels of BR rows x 128 bytes

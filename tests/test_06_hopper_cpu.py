@@ -273,10 +273,10 @@ def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch
     monkeypatch.setattr(blocks.kernels, "function", lambda m, name, smem: functions.append((m, name, smem)) or name)
     blocks.sm90a_function.cache_clear()
     assert flash_v3._function("pingpong", "__half", 128) == "flash_v3_forward_pingpong<__half,128,128,2>"
-    assert flash_v3_backward._function("ws", "__half", 64) == "flash_v3_backward_ws<__half,64,2>"
+    assert flash_v3_backward._function("ws", "__half", 64) == "flash_v3_backward_ws<__half,64,2,128>"
     assert functions == [("flash_v3_forward_pingpong.cu", "flash_v3_forward_pingpong<__half,128,128,2>",
                           flash_v3.smem_bytes("pingpong", 128)),
-                         ("flash_v3_backward_ws.cu", "flash_v3_backward_ws<__half,64,2>",
+                         ("flash_v3_backward_ws.cu", "flash_v3_backward_ws<__half,64,2,128>",
                           flash_v3_backward.smem_bytes("ws", 64))]
     assert all(kw["target"] == "sm_90a" for _, kw in loads)
     blocks.sm90a_function.cache_clear()

@@ -55,7 +55,7 @@ CONFIGS = {"wgmma": Config(64, 128), "ws": Config(128, 384)}  # ws: a producer a
 
 def q_tile_rows(version, D):
     """Rows of a Q tile: 64, and 128 for version ws at D = 64, where a consumer's registers hold S^T and dP^T of its
-    64 keys x 128 queries beside dK_j and dV_j (the kernel's BR)."""
+    64 keys x 128 queries beside dK_j and dV_j. The kernel takes it as its template argument BR."""
     return 128 if version == "ws" and D == 64 else 64
 
 
@@ -102,7 +102,7 @@ def smem_bytes(version, D):
 def _name(version, ctype, D):
     if version == "wgmma":
         return f"flash_v3_backward_wgmma<{ctype},{D},{D // parts(D)}>"
-    return f"flash_v3_backward_ws<{ctype},{D},{STAGES}>"
+    return f"flash_v3_backward_ws<{ctype},{D},{STAGES},{q_tile_rows(version, D)}>"
 
 
 def _function(version, ctype, D):
