@@ -3,9 +3,10 @@
 // why:
 //   * dQ_i += dS K_j was 64 x D single reductions per lane and tile into the fp32 accumulator: the largest cost of
 //     version 1. Here dQ_i leaves by bulk reductions: the consumers write it to shared memory (panels of 32 floats,
-//     128-byte swizzle: conflict-free), one thread hands it to the copy engine (cp.reduce.async.bulk.tensor .add),
-//     which adds it to the accumulator while the next tile is computed. The block's K/V tile has 128 keys, and each
-//     dQ_i is summed over all of them before it leaves: half as many reductions, and half the bytes to write;
+//     128-byte swizzle, in a lane order free of bank conflicts), one thread hands it to the copy engine
+//     (cp.reduce.async.bulk.tensor .add), which adds it to the accumulator while the next tile is computed. The
+//     block's K/V tile has 128 keys, and each dQ_i is summed over all of them before it leaves: half as many
+//     reductions, and half the bytes to write;
 //   * two consumer warpgroups, each on its 64 keys of the tile, share every Q_i and dO_i a producer warpgroup loads
 //     (setmaxnreg: 24 registers for it, 240 for each consumer) STAGES tiles ahead on full / empty mbarriers;
 //   * Q tiles of BR rows: 64 at D = 128, 128 at D = 64, where the registers allow it (S^T and dP^T of 64 keys x 128
@@ -151,10 +152,19 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb)  // scale dS K: what the accumulator (or the ring's dQ) gets
             dq[nb][0] *= p.scale, dq[nb][1] *= p.scale, dq[nb][2] *= p.scale, dq[nb][3] *= p.scale;
+        // this consumer's part of dQ_i. Shared memory serves 8-byte stores half a warp (16 lanes, 128 bytes) at a
+        // time. Were every lane on n-block nb, the half of rows g = 0..3 would write chunks (2 (nb % 4) + t / 2) ^ g:
+        // 4 of the 8, each twice (a two-way bank conflict). Lanes of odd g store n-block nb ^ 2 in step nb instead:
+        // their chunks move by 4, and each half covers all 8 (stages/06_hopper/layouts.py: dq_store_offsets)
+        const bool odd = g & 1;
 #pragma unroll
-        for (int nb = 0; nb < 8; ++nb) {  // this consumer's part of dQ_i
-            *reinterpret_cast<float2*>(dq_at(nb)) = make_float2(dq[nb][0], dq[nb][1]);
-            *reinterpret_cast<float2*>(dq_at(nb) + 256) = make_float2(dq[nb][2], dq[nb][3]);
+        for (int nb = 0; nb < 8; ++nb) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = odd ? dq[nb ^ 2][e] : dq[nb][e];
+            float* at = dq_at(odd ? nb ^ 2 : nb);
+            *reinterpret_cast<float2*>(at) = make_float2(v[0], v[1]);
+            *reinterpret_cast<float2*>(at + 256) = make_float2(v[2], v[3]);
         }
         fence_proxy_async();  // the copy engine reads what these stores wrote
         named_bar_sync(BAR_DQ, 256);
