@@ -692,6 +692,7 @@ def hopper_profile_table(results_dir, csv_name=HOPPER_PROFILE_CSV):
     if rows is None:
         return ""
     cols = [("duration_ms", "ms under ncu"), ("warp_instructions", "warp instructions"), ("sm_busy_pct", "SM busy, %"),
+            ("tensor_pct", "tensor pipe active, %"), ("smem_bank_conflicts", "shared-memory bank conflicts"),
             ("stall_barrier", "stalled at bar.sync"), ("stall_wait", "stalled at fixed waits (wgmma.wait)"),
             ("stall_long_scoreboard", "stalled on loads"), ("stall_mio_throttle", "stalled on the MIO queue")]
     cols = [(c, h) for c, h in cols if all(r.get(c) for r in rows)]

@@ -12,7 +12,9 @@ backward) twice; ncu measures the second launch of the version's kernel. ncu run
 clocks: its durations compare the versions with each other; dev/bench_hopper.py and dev/bench.py give the speeds.
 
 Columns, per version: duration_ms, warp_instructions, sm_busy_pct (sm__throughput, % of peak), tensor_pct (the
-tensor pipe's active cycles, % of peak while the SM is active; "" where this ncu does not report it), and, per warp,
+tensor pipe's active cycles, % of peak while the SM is active; "" where this ncu does not report it), smem_wavefronts
+(the passes shared memory made for every kind of request: loads, stores, wgmma's operand reads, the copy engine's
+writes), smem_bank_conflicts (the extra passes bank conflicts cost among them), and, per warp,
 the average cycles stalled for each reason (stall_<reason>: barrier = bar.sync, the named barriers and
 __syncthreads; long_scoreboard = waits on global or shared-memory loads; wait = fixed-latency waits, which include
 wgmma.wait_group; math_pipe_throttle = a math pipe busy; sleeping = mbarrier try_wait suspended), then the run's
@@ -35,7 +37,10 @@ METRICS = {  # CSV column -> ncu metric
     "duration_ms": "gpu__time_duration.sum",
     "warp_instructions": "smsp__inst_executed.sum",
     "sm_busy_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "tensor_pct": "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    # wgmma's HGMMA instructions run on the tensor pipe's hmma unit: its share of the active cycles
+    "tensor_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "smem_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",  # passes of shared memory, all requests
+    "smem_bank_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",  # the extra passes conflicts cost
     **{f"stall_{s}": f"smsp__average_warp_latency_issue_stalled_{s}.ratio" for s in STALLS},
 }
 
