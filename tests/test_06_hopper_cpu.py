@@ -42,6 +42,20 @@ def test_a_wrong_swizzle_conflicts():
     assert L.wavefronts(wrong) == 2
 
 
+def test_dq_stores_cover_the_buffer_once_and_take_one_pass_per_half_warp_only_in_the_kernels_order():
+    for spread in (True, False):
+        offsets = [o for nb in range(8) for upper in (False, True)
+                   for o in L.dq_store_offsets(nb, upper=upper, spread=spread)]
+        assert len(set(offsets)) == 512 and all(o % 8 == 0 for o in offsets)  # 16 rows x 32 pairs, each once
+        logical = sorted(set(r * 128 + c * 8 + p * 8192 for r in range(16) for c in range(16) for p in (0, 1)))
+        assert sorted(offsets) == sorted(L.swizzle(np.array(logical), 128).tolist())
+        for nb in range(8):
+            for upper in (False, True):
+                off = L.dq_store_offsets(nb, upper=upper, spread=spread)
+                passes = [L.wavefronts(off[h:h + 16], access_bytes=8) for h in (0, 16)]
+                assert passes == ([1, 1] if spread else [2, 2])
+
+
 def test_descriptor_fields():
     d = L.descriptor(1024, sbo=1024)
     assert d == 0x4000004000010040

@@ -76,6 +76,22 @@ def wavefronts(addresses, access_bytes=CHUNK):
     return max(len(s) for s in words.values())
 
 
+def dq_store_offsets(nb, *, upper=False, spread=True):
+    """Byte offsets, in a consumer's dQ_i buffer, of the 8-byte stores the 32 lanes of a warp make in step nb (0..7)
+    of version ws's backward (kernels/flash_v3_backward_ws.cu). The buffer is the copy engine's box layout: 64 rows x
+    64 floats as two panels of 32 floats (128-byte rows, 8192 bytes each) in the 128-byte swizzle. Lane 4 g + t holds
+    columns 8 n + 2 t, + 1 of accumulator row g (upper: g + 8) for each n-block n. spread=True is the kernel's order:
+    lanes of odd g store n-block nb ^ 2 in step nb. spread=False: every lane on n-block nb.
+
+    Shared memory serves 8-byte stores half a warp (16 lanes, 128 bytes) at a time. With every lane on nb, rows
+    g = 0..3 put their columns in chunks (2 (nb % 4) + t / 2) ^ g: only 4 chunks, each written twice (two passes).
+    Moving the odd rows to nb ^ 2 moves their chunks by 4: each half covers all 8 chunks in one pass."""
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+    n = nb ^ (2 * (g & 1)) if spread else np.full(32, nb)
+    col = 8 * n + 2 * t  # the first of the lane's two floats
+    return swizzle((col // 32) * 8192 + (g + 8 * upper) * 128 + (col % 32) * 4, 128)
+
+
 # ---------------------------------------------------------------- the wgmma matrix descriptor
 # A 64-bit word that tells wgmma where an operand lives in shared memory and how it is laid out (PTX ISA,
 # "Matrix Descriptor Format" of the asynchronous warpgroup MMA). Addresses and offsets are in units of 16 bytes:

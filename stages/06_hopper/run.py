@@ -36,6 +36,13 @@ def show_swizzle():
         plain = L.wavefronts([r * 128 + c * 16 for r in range(8)])
         ok &= swz == 1
     print(f"   one chunk of 8 rows: {swz} pass swizzled, {plain} passes in plain rows of 128 bytes")
+    for spread in (True, False):  # the ws backward's float32 dQ_i stores, 8 bytes a lane, served 16 lanes at a time
+        passes = max(L.wavefronts(L.dq_store_offsets(nb, spread=spread)[h:h + 16], access_bytes=8)
+                     for nb in range(8) for h in (0, 16))
+        ok &= passes == (1 if spread else 2)
+        print(f"   dQ_i's stores into its swizzled fp32 buffer, half a warp: {passes} "
+              f"{'pass' if passes == 1 else 'passes'} "
+              + ("in the kernel's lane order (odd rows on n-block nb ^ 2)" if spread else "with every lane on nb"))
     return ok
 
 
