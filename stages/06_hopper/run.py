@@ -1,7 +1,8 @@
 """Stage 06, the part that runs anywhere: Hopper's layouts and schedules, shown and checked on the CPU.
 
 1. The 128-byte swizzle: where each 16-byte chunk of 8 rows lands, and how many shared-memory passes reading one
-   chunk of the 8 rows takes with and without it.
+   chunk of the 8 rows takes with and without it; then the passes of the ws backward's 8-byte dQ_i stores into its
+   swizzled buffer, in the kernel's lane order and with every lane on one n-block (layouts.dq_store_offsets).
 2. The wgmma matrix descriptor of a K-major tile, and a check that every K step read through it returns the columns
    the copy engine wrote (layouts.read_operand, for D = 64, 128, 256).
 3. The mbarrier pipeline: the time of n tiles with 1 to 4 stages, beside the formula
