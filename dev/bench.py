@@ -69,6 +69,7 @@ import warnings
 import bench_report as report  # dev/ is on sys.path: this file runs as a script from it
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout: `stages` imports with no install
 
 # ---- configuration (each overridable on the command line)
 TOKENS = 16384  # B*N: B = TOKENS // N

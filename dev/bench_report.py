@@ -21,6 +21,8 @@ import pathlib
 import statistics
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: `stages` imports with no install
+
 BASE_COLUMNS = ["gpu", "direction", "impl", "version", "dtype", "causal", "head_dim", "seq_len", "batch", "heads",
                 "ms", "tflops", "status"]  # what the tables read; a CSV must have these (older CSVs have only these)
 # err_over_bound: the worst output's error over its bound, at its worst row, by the tolerance rule

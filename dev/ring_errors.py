@@ -14,6 +14,9 @@ import argparse
 import csv
 import datetime
 import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 

@@ -14,7 +14,10 @@ Configurations are passed to flash_v2_backward.backward(tc_config=...); nothing 
     python dev/sweep_backward.py --csv results/bwd.csv            # rows in results/bench.csv's format
 """
 import argparse
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 

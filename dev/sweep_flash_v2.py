@@ -10,8 +10,11 @@ A config is TM,NWARPS[,ASYNC_V[,PREFETCH_K]] (flash_v2.forward's config=; Br = 4
 registers above d = 64. torch: fp32 against its EFFICIENT_ATTENTION backend, fp16/bf16 against FLASH_ATTENTION.
 """
 import argparse
+import pathlib
 import statistics
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import time
 
-from stages.common.mpirun import mpi_env, mpirun_command  # `stages` is installed: pip install -e .
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout: `stages` imports with no install
+
+from stages.common.mpirun import mpi_env, mpirun_command  # noqa: E402
 
 # (stage folder, needs mpirun with this many ranks or None)
 STAGES = [

@@ -11,7 +11,10 @@ What it shows: errors against float64, time, and the N x N score matrix's memory
     python stages/00_naive/run.py --help
 """
 import argparse
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 

@@ -17,7 +17,10 @@ Versions:
 """
 import argparse
 import functools
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 

@@ -20,7 +20,10 @@ Comparisons with torch SDPA and the fp32 kernel's other tile configurations: dev
     python stages/02_flash_v2/run.py --help
 """
 import argparse
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 

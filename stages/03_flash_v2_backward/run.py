@@ -24,7 +24,10 @@ Comparisons with torch SDPA's backward, per-launch times and the tc kernel's oth
     python stages/03_flash_v2_backward/run.py --help
 """
 import argparse
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 

@@ -38,7 +38,10 @@ but says nothing about speed or memory per GPU: every rank computes on the same 
 """
 import argparse
 import os
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout: `stages` imports with no install
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # before numpy loads its BLAS:
     os.environ.setdefault(_var, "1")  # one core per rank on the CPU (P ranks x all cores would thrash)

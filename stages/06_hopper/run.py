@@ -16,7 +16,10 @@
     python stages/06_hopper/run.py --quick      # the same (it takes a second); for the tutorial-wide runner
 """
 import argparse
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout: `stages` imports with no install
 
 import numpy as np
 
