@@ -190,6 +190,34 @@ def test_gpu_mpirun_mpi_backend_four_ranks_one_gpu(layout, causal):
     # the blocks ran stage 02 (stage 06 on an sm_90 GPU) and stage 03
     assert "blocks flash (stage 02 version" in out or "blocks flash (stage 06 (FlashAttention-3" in out, out
     assert "SUMMARY 04_ring PASS 4 ranks mpi" in out, out
+    import cupy
+
+    gpus = min(4, cupy.cuda.runtime.getDeviceCount())  # local rank % the GPUs this node has
+    assert f"the 4 ranks share {'one GPU' if gpus == 1 else f'{gpus} GPUs'} here" in out, out
+
+
+def test_gpus_in_use_counts_distinct_gpus_over_every_node(monkeypatch):
+    """comm.gpus_in_use: ranks on one GPU count once; the same bus id on two hosts is two GPUs; a rank that sees only
+    its own GPU (CUDA_VISIBLE_DEVICES per rank: index 0 everywhere) is counted by its bus id, not its index."""
+    from stages.ring import comm
+
+    class Fake:  # the ranks' facts, as allgather would gather them
+        def __init__(self, facts):
+            self.facts = facts
+
+        def allgather(self, mine):
+            return self.facts
+
+    def gpus(facts):
+        monkeypatch.setattr(comm, "_host_name", lambda: facts[0][0])
+        monkeypatch.setattr(comm, "_my_gpu", lambda lrank: (0, facts[0][1]))
+        monkeypatch.setattr(comm, "local_rank", lambda c: (0, len(facts)))
+        return comm.gpus_in_use(Fake(facts))
+
+    assert gpus([("a", "0000:01"), ("a", "0000:01"), ("a", "0000:01"), ("a", "0000:01")]) == 1
+    assert gpus([("a", "0000:01"), ("a", "0000:02"), ("a", "0000:01"), ("a", "0000:02")]) == 2
+    assert gpus([("a", "0000:01"), ("a", "0000:02"), ("b", "0000:01"), ("b", "0000:02")]) == 4
+    assert gpus([("a", f"0000:0{i}") for i in range(4)]) == 4
 
 
 @pytest.mark.gpu

@@ -154,6 +154,13 @@ def choose_backend(comm, requested="auto"):
     return requested, "as asked"
 
 
+def gpus_in_use(comm):
+    """How many GPUs the ranks of comm compute on: distinct (host, PCI bus id) pairs, so that ranks on several nodes,
+    or each given its own CUDA_VISIBLE_DEVICES, are counted right. Every rank calls it (an allgather)."""
+    ids = comm.allgather((_host_name(), _my_gpu(local_rank(comm)[0])[1]))
+    return len(set(ids))
+
+
 def select(requested="auto", comm=None):
     """(backend, reason): pick the backend with every rank, and put this rank on its GPU (GPU backends)."""
     comm = comm or world()

@@ -211,6 +211,7 @@ def main(argv=None):
     H = args.heads if args.heads is not None else (quick_heads if args.quick else HEADS[dev])
     n_check = args.check_seq if args.check_seq is not None else (256 if args.quick else CHECK_SEQ)
     shared = backend != "nccl" and P > 1  # ranks share a device: the run shows the ring's steps, not its scaling
+    gpus = comm_mod.gpus_in_use(world) if gpu else 0  # the GPUs the P ranks compute on, over every node
     per_rank = (1024 if gpu else 64) if args.quick else TOKENS_PER_RANK["cpu" if not gpu else "shared" if shared
                                                                         else dev]
     n_time = args.seq if args.seq is not None else P * per_rank
@@ -308,7 +309,6 @@ def main(argv=None):
         rate = f"{flops / P / t_f / 1e9:.1f} TFLOP/s per GPU" if gpu else f"{flops / P / t_f / 1e6:.2f} GFLOP/s a rank"
         print(f"one device, whole sequence: fwd {single['fwd']:.2f} ms, bwd {single['bwd']:.2f} ms, "
               f"peak {single['peak'] / 2**20:.1f} MB; ring fwd {rate}")
-        gpus = min(P, xp.cuda.runtime.getDeviceCount()) if gpu else 0  # comm.py: rank r on GPU (local rank % GPUs)
         print(report(P, single, t_f, t_b, peak, shared=shared, gpu=gpu, scheme=args.scheme, gpus=gpus))
         print(f"SUMMARY 04_ring PASS {P} ranks {backend}, {layout}, fwd+bwd within tolerance on the full sequence")
     return True
