@@ -43,20 +43,27 @@ __device__ __forceinline__ void issue_s_dp(float (&s)[NQ / 8][4], float (&dp)[NQ
 // an error that grows with the logits). Entries whose key is past Nk or right of the query's diagonal are 0
 // (masked: this tile has such entries). lse: L_i of the Q tile's NB x 8 rows (global or shared memory); kr: this
 // lane's first key; row0: the Q tile's first row.
+// Every exponential is taken, then the mask overwrites: straight-line code whose MUFU.EX2s overlap one another. Were
+// each exp2 taken only where the entry is seen, the compiler would branch around each one, and the warp would wait
+// for every exp2 in turn.
 template <int NB>
 __device__ __forceinline__ void probabilities_t(float (&s)[NB][4], const HopperBwdParams& p, const float* lse, int kr,
                                                 int row0, bool masked, int t) {
-    const int shift = p.Nk - p.Nq;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {  // column 8 nb + 2 t + e % 2 is query row0 + 8 nb + 2 t + e % 2
         const float2 L = *reinterpret_cast<const float2*>(lse + 8 * nb + 2 * t);
 #pragma unroll
+        for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], p.scale, -(e % 2 ? L.y : L.x)) * LOG2E_F);
+    }
+    if (!masked) return;
+    const int shift = p.Nk - p.Nq;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = kr + 8 * (e / 2), row = row0 + 8 * nb + 2 * t + (e % 2);
-            const bool seen = !masked || (key < p.Nk && (!p.causal || key <= row + shift));
-            s[nb][e] = seen ? fast_exp2(fmaf(s[nb][e], p.scale, -(e % 2 ? L.y : L.x)) * LOG2E_F) : 0.f;
+            if (key >= p.Nk || (p.causal && key > row + shift)) s[nb][e] = 0.f;
         }
-    }
 }
 
 // Alg.2 L11 in place of dP^T: dS^T = P^T o (dP^T - D_i); delta: D_i of the Q tile's NB x 8 rows.

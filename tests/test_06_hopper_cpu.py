@@ -199,6 +199,25 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
         assert u["registers"] * threads <= 65536 and u["static_smem"] <= device.STATIC_SMEM_LIMIT, (name, u)
 
 
+@pytest.mark.parametrize("version", ["wgmma", "ws"])
+def test_the_backwards_exponentials_are_straight_line_code(version):
+    """P^T's exponentials (hopper_bwd_tiles.cuh: probabilities_t) form one basic block in the PTX of every backward
+    instantiation: no label and no branch between the first ex2 and the last. Written as `seen ? exp2(x) : 0`, each
+    exponential sits behind a branch of its own, and the warp waits for each one in turn."""
+    import re
+
+    from stages.common import kernels
+    from stages.hopper import flash_v3_backward as fb
+
+    for name in fb.kernel_names(version):
+        ptx, _, _ = kernels._compile(fb.FILES[version], "compute_90a", [], [name], False)
+        lines = (ptx.decode() if isinstance(ptx, bytes) else ptx).splitlines()
+        at = [i for i, line in enumerate(lines) if "ex2.approx" in line]
+        assert len(at) >= 32, f"{name}: {len(at)} exponentials in its PTX"
+        jumps = [line for line in lines[at[0]:at[-1]] if re.match(r"\s*\$\w+:", line) or re.search(r"\bbra\b", line)]
+        assert not jumps, f"{name}: {len(jumps)} labels or branches among P^T's exponentials: {jumps[:4]}"
+
+
 def test_stage_06_names_what_to_use_on_other_gpus():
     """Off sm_90 (here the emulated architectures' limits, no GPU needed) stage 06 refuses and names the stage 02/03
     versions that run the same attention: the tensor-core ones for 16 bits, fp32x3 / fp32 for float32."""
