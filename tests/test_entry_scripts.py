@@ -3,15 +3,18 @@ installed (`pip install -e .` is what the quick start does, but a GPU server may
 checkout first on sys.path before it imports `stages`.
 
 Each script runs with --help in a fresh interpreter that sees the installed packages (numpy, mpi4py, ...) but not this
-repository: site-packages go on sys.path without their .pth files, which is where an editable install hooks the
-checkout in, and the working directory is elsewhere. A control in the same interpreter shows that `import stages`
+repository: the test's own sys.path without the checkout, no .pth file run (an editable install hooks the checkout in
+through one), and the working directory elsewhere. A control in the same interpreter shows that `import stages`
 fails there, so a script that passes found `stages` by itself.
 """
+import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from stages.common.mpirun import mpi_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in
@@ -19,10 +22,12 @@ SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in
                   *ROOT.glob("dev/*.py")]
                  if "__main__" in p.read_text() and "stages" in p.read_text())
 
-# The interpreter's packages without the .pth files: no editable install, no PYTHONPATH (-I), cwd elsewhere.
+# The child interpreter: -I (no PYTHONPATH, no user site, no script directory), -S (no site: no .pth file runs, and an
+# editable install hooks the checkout in through one), then the parent's sys.path less the checkout, so that it
+# finds every installed package wherever this machine keeps them (site-packages, the user site, PYTHONPATH).
 UNINSTALLED = """
-import site, sys
-sys.path += [p for p in site.getsitepackages() if p not in sys.path]
+import json, sys
+sys.path += json.loads(sys.argv.pop(1))
 """
 CONTROL = UNINSTALLED + """
 try:
@@ -39,9 +44,17 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+def _without_stages():
+    """The test's sys.path less every folder from which `stages` imports (the checkout, by PYTHONPATH or an
+    install's path entry)."""
+    return [p for p in sys.path if p and not (pathlib.Path(p) / "stages" / "__init__.py").exists()]
+
+
 def _python(code, *args, cwd):
-    return subprocess.run([sys.executable, "-I", "-S", "-c", code, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+    """Run code in the child interpreter (Open MPI's run-as-root consent set, as mpi_env sets it for the ranks:
+    a script that imports mpi4py initialises MPI)."""
+    cmd = [sys.executable, "-I", "-S", "-c", code, json.dumps(_without_stages()), *args]
+    return subprocess.run(cmd, cwd=cwd, env=mpi_env(), capture_output=True, text=True, timeout=90)
 
 
 def test_the_control_cannot_import_stages(tmp_path):
