@@ -41,7 +41,7 @@ def test_forward_matches_formula(nq, nk, causal):
     assert lse.dtype == np.float64 and o.shape == q.shape
     np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-    np.testing.assert_allclose(lse[np.isfinite(lse)], lse_ref[np.isfinite(lse_ref)], rtol=1e-12)
+    np.testing.assert_allclose(lse[np.isfinite(lse)], lse_ref[np.isfinite(lse_ref)], rtol=1e-12, atol=1e-14)  # L near 0
 
 
 def test_causal_alignment_is_bottom_right():

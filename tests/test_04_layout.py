@@ -22,7 +22,7 @@ def test_merge_of_two_halves_is_attention_of_the_whole():
     o_b, lse_b = naive.forward(q, k[:, :, 7:], v[:, :, 7:])
     o_m, lse_m = ring.merge(o_a.copy(), lse_a.copy(), o_b, lse_b)
     np.testing.assert_allclose(o_m, o, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(lse_m, lse, rtol=1e-12)
+    np.testing.assert_allclose(lse_m, lse, rtol=1e-12, atol=1e-14)  # L near 0: its rounding is absolute
 
 
 def test_merge_is_stable_and_handles_empty_rows():
