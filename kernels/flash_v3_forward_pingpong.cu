@@ -8,7 +8,8 @@
 //   * inside a warpgroup, the GEMMs of two tiles overlap its softmax: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are
 //     issued together, the softmax of S_j runs while O += P_{j-1} V_{j-1} is still on the tensor cores. P_{j-1}'s
 //     registers and O are the wgmma's until wgmma.wait_group 0, so P_j stays in S's registers and the rescaling of O by
-//     alpha_j waits for that wait.
+//     alpha_j waits for that wait. In the SASS, ptxas places that wait where the branch of the masked(j) test
+//     rejoins, before the softmax: only the ping-pong overlaps it (stages/06_hopper/README.md, version 3).
 // K and V have stages of their own (full and empty barriers each): K_j is released as soon as S_j is computed, V_j
 // one tile later, after O += P_j V_j. The heaviest Q tiles under the causal mask start first.
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
