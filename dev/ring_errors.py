@@ -16,14 +16,14 @@ import datetime
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout: `stages` imports with no install
-
-import numpy as np
-
-from stages import ring
-from stages.common import bfloat16, code_version, make_inputs, verify
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout: `stages` imports with no install
+
+import numpy as np  # noqa: E402
+
+from stages import ring  # noqa: E402
+from stages.common import bfloat16, code_version, make_inputs, verify  # noqa: E402
+
 SHAPE = (1, 2, 256, 64)  # B, H, N, D
 RANKS = (1, 2, 4, 8)
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": bfloat16}

@@ -118,6 +118,11 @@ def _my_gpu(lrank):
     return dev, bus
 
 
+def _gpu_id(lrank):
+    """(host, PCI bus id) of the GPU this rank will use: one physical GPU, whatever index the rank sees it by."""
+    return _host_name(), _my_gpu(lrank)[1]
+
+
 def choose_backend(comm, requested="auto"):
     """The backend every rank will use, and why. Decided from all ranks' facts, so all agree.
 
@@ -127,7 +132,7 @@ def choose_backend(comm, requested="auto"):
         raise ValueError(f"backend {requested!r} is not known; use one of {BACKENDS}")
     lrank, _ = local_rank(comm)
     gpus = _gpu_count()
-    gpu_id = (_host_name(), _my_gpu(lrank)[1]) if gpus else None
+    gpu_id = _gpu_id(lrank) if gpus else None
     facts = comm.allgather((gpus, gpu_id, gpus > 0 and requested in ("auto", "nccl") and _nccl_module() is not None))
     every_gpu = all(g > 0 for g, _, _ in facts)
     ids = [i for _, i, _ in facts]
@@ -157,8 +162,7 @@ def choose_backend(comm, requested="auto"):
 def gpus_in_use(comm):
     """How many GPUs the ranks of comm compute on: distinct (host, PCI bus id) pairs, so that ranks on several nodes,
     or each given its own CUDA_VISIBLE_DEVICES, are counted right. Every rank calls it (an allgather)."""
-    ids = comm.allgather((_host_name(), _my_gpu(local_rank(comm)[0])[1]))
-    return len(set(ids))
+    return len(set(comm.allgather(_gpu_id(local_rank(comm)[0]))))
 
 
 def select(requested="auto", comm=None):
