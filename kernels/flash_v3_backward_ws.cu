@@ -42,7 +42,10 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     auto shared_floats = [&](u32 addr) { return reinterpret_cast<float*>(smem_raw + (addr - smem_addr(smem_raw))); };
     auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
     auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
-    const int wg = threadIdx.x / 128, bh = blockIdx.y, key0 = 128 * blockIdx.x;
+    // the warpgroup index through a shuffle: the compiler then knows it is the same in every lane of a warp, and
+    // keeps the addresses and wgmma descriptors derived from it in uniform registers instead of recomputing them
+    // in every lane and moving them over before each wgmma
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0), bh = blockIdx.y, key0 = 128 * blockIdx.x;
     const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
     const int first_row = p.causal ? max(0, key0 - shift) : 0;  // the first query row that sees a key of K_j
     const int i0 = first_row / BR;
@@ -136,14 +139,14 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
             return shared_floats(dq_mine + (nb / 4) * 8192u + qr * 128u +
                                  (((2 * (nb % 4) + t / 2) ^ (qr % 8)) << 4) + 8 * (t % 2));
         };
+        const u64 ad = desc_mnmajor_128b(ds_s + (BR == 128 ? me * 16384u : 0u), 8192u);
+        const u64 bd = desc_mnmajor_128b(k_s + (D == 128 ? me * 8192u : 0u), 8192u);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            const u32 a = ds_s + (BR == 128 ? me * 16384u : 0u) + (kk / 4) * 8192u + (kk % 4) * 2048u;
-            const u32 b = k_s + (kk / 4) * TILE + (D == 128 ? me * 8192u : 0u) + (kk % 4) * 2048u;
-            wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq), desc_mnmajor_128b(a, 8192u),
-                                    desc_mnmajor_128b(b, 8192u), kk > 0);
-        }
+        for (int kk = 0; kk < 8; ++kk)
+            wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq),
+                                    desc_advance(ad, (kk / 4) * 8192u + (kk % 4) * 2048u),
+                                    desc_advance(bd, (kk / 4) * TILE + (kk % 4) * 2048u), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_rs<D>(dv, dk, pa, da);

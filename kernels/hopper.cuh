@@ -129,6 +129,12 @@ __device__ __forceinline__ u64 desc_mnmajor_128b(u32 smem_byte_addr, u32 panel_b
     return (u64)((smem_byte_addr & 0x3FFFF) >> 4) | (u64)((panel_bytes & 0x3FFFF) >> 4) << 16 |
            (u64)(1024 >> 4) << 32 | (u64)1 << 62;
 }
+// The descriptor of the operand `bytes` (a multiple of 16) further on: only the start address field (bits 0-13,
+// address >> 4) changes, and a shared-memory address (below 2^18) never carries out of it, so the low word alone
+// takes the step: one add, where a descriptor built from the new address would take a mask, a shift and an or.
+__device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (bytes >> 4));
+}
 // Order the registers' writes before wgmma reads them (accumulators), and group and wait for issued wgmmas.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
