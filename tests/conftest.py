@@ -178,6 +178,10 @@ def _gpu(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # `slow` tests first (a stable sort keeps every other order): pytest-xdist hands tests out in collection order,
+    # so the long ones start at once and the many short ones fill the cores at the end, instead of the long ones
+    # arriving last and running alone
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     ok, why = _gpu(config)
     if ok:
         return

@@ -61,6 +61,7 @@ def _problems(arch, plans):
         return [b for bad in pool.map(one, _groups(plans)) for b in bad]
 
 
+@pytest.mark.slow  # minutes on two cores: started first (conftest.py)
 @pytest.mark.parametrize("arch", list(device.ARCHS))
 def test_every_plan_compiles_within_the_architectures_limits(arch):
     plans = _plans(device.emulate(arch))
