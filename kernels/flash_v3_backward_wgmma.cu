@@ -24,14 +24,15 @@
 // MN-major for A), B = K_j as stored (keys x D, MN-major for B).
 template <typename T, int DP>
 __device__ __forceinline__ void issue_dq(float (&dq)[DP / 64][8][4], u32 ds_s, u32 k_s, int col_panel) {
+    const u64 ad = desc_mnmajor_128b(ds_s, 8192u), bd = desc_mnmajor_128b(k_s + col_panel * 8192u, 8192u);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        const u64 a = desc_mnmajor_128b(ds_s + kk * 2048u, 8192u);
-        const u32 b = k_s + col_panel * 8192u + kk * 2048u;
+    for (int kk = 0; kk < 4; ++kk) {  // 16 keys further: 2048 bytes in both
         if constexpr (DP == 128)
-            wgmma_64x128x16<T, 1, 1>(reinterpret_cast<float(&)[64]>(dq), a, desc_mnmajor_128b(b, 8192u), kk > 0);
+            wgmma_64x128x16<T, 1, 1>(reinterpret_cast<float(&)[64]>(dq), desc_advance(ad, kk * 2048u),
+                                     desc_advance(bd, kk * 2048u), kk > 0);
         else
-            wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq[0]), a, desc_mnmajor_128b(b, 8192u), kk > 0);
+            wgmma_64x64x16<T, 1, 1>(reinterpret_cast<float(&)[32]>(dq[0]), desc_advance(ad, kk * 2048u),
+                                    desc_advance(bd, kk * 2048u), kk > 0);
     }
 }
 

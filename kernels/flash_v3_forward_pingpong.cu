@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     auto k_tile = [&](int s) { return q_s + 2 * TILE + 2 * s * KV; };
     auto v_tile = [&](int s) { return q_s + 2 * TILE + (2 * s + 1) * KV; };
     auto bar = [&](int kind, int s) { return smem_addr(&bars[1 + kind * STAGES + s]); };
-    const int wg = threadIdx.x / 128, bh = blockIdx.y;
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0), bh = blockIdx.y;
     const int row0 = 128 * (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
     const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
     const int last_row = min(row0 + 127, Nq - 1);

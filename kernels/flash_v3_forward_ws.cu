@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_ws(const __grid_const
     auto kv = [&](int s) { return q_s + 2 * TILE + 2 * s * KV; };
     auto full = [&](int s) { return smem_addr(&bars[1 + s]); };
     auto empty = [&](int s) { return smem_addr(&bars[1 + STAGES + s]); };
-    const int wg = threadIdx.x / 128, bh = blockIdx.y, row0 = 128 * blockIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0), bh = blockIdx.y, row0 = 128 * blockIdx.x;
     const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
     const int last_row = min(row0 + 127, Nq - 1);
     const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;  // the last key a row of the tile sees

@@ -25,27 +25,9 @@ struct HopperBwdParams {
     TensorMap map_dq;    // dq_acc seen as D x Nq x (B H), boxes of 32 x 64 floats (version ws's bulk reductions)
 };
 
-// acc (64 x NB) = A (64 x D) B^T (NB x D), both K-major in the 128-byte swizzle, from their descriptors: D / 16 K steps,
-// a K step 32 bytes further inside a 128-byte panel line, a new panel every 4 steps (A: 64 rows x 128 bytes = 8 KB a
-// panel; B: NB rows x 128 bytes). As hopper_tiles.cuh's issue_qk, which builds each step's descriptors from addresses.
-template <typename T, int D, int NB>
-__device__ __forceinline__ void issue_kmajor(float (&acc)[NB / 8][4], u64 a, u64 b) {
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-        const u32 a_off = (k / 4) * 8192u + (k % 4) * 32u, b_off = (k / 4) * (NB * 128u) + (k % 4) * 32u;
-        if constexpr (NB == 64)
-            wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
-                              k > 0);
-        else
-            wgmma_64x128x16<T>(reinterpret_cast<float(&)[64]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
-                               k > 0);
-    }
-}
-
 // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (k_s, v_s: 64-row tiles) against Q_i, dO_i (NQ rows:
 // one m64nNQ wgmma per K step): issued as two commit groups, S^T's first, so that the caller can wait for S^T alone
-// (wgmma_wait<1>) and compute P^T while dP^T is still on the tensor cores.
-// The operands' addresses become descriptors once; each K step then only moves them on (hopper.cuh: desc_advance).
+// (wgmma_wait<1>) and compute P^T while dP^T is still on the tensor cores (hopper_tiles.cuh: issue_kmajor).
 template <typename T, int D, int NQ = 64>
 __device__ __forceinline__ void issue_s_dp(float (&s)[NQ / 8][4], float (&dp)[NQ / 8][4], u32 k_s, u32 v_s, u32 q_s,
                                            u32 do_s) {

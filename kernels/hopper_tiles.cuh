@@ -36,21 +36,29 @@ struct RowState {
     }
 };
 
-// Alg.1 L8, issued: S_ij = Q_i K_j^T for a tile of NC keys (64 or 128), D / 16 K steps of wgmma from shared memory;
-// a K step is 32 bytes further inside a 128-byte panel line, a new panel every 4 steps (Q: 64 rows x 128 bytes = 8 KB
-// a panel; K_j: NC rows x 128 bytes). The caller commits and waits.
-template <typename T, int D, int NC>
-__device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s) {
+// acc (64 x NB) = A (64 x D) B^T (NB x D), both K-major in the 128-byte swizzle, from their descriptors: D / 16 K steps,
+// a K step 32 bytes further inside a 128-byte panel line, a new panel every 4 steps (A: 64 rows x 128 bytes = 8 KB a
+// panel; B: NB rows x 128 bytes). Each step's descriptors are the first ones moved on by its byte offsets
+// (hopper.cuh: desc_advance, one add), not rebuilt from addresses.
+template <typename T, int D, int NB>
+__device__ __forceinline__ void issue_kmajor(float (&acc)[NB / 8][4], u64 a, u64 b) {
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-        const u32 q_off = (k / 4) * 8192u + (k % 4) * 32u, k_off = (k / 4) * (NC * 128u) + (k % 4) * 32u;
-        if constexpr (NC == 64)
-            wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(s), desc_kmajor_128b(q_s + q_off),
-                              desc_kmajor_128b(k_s + k_off), k > 0);
+        const u32 a_off = (k / 4) * 8192u + (k % 4) * 32u, b_off = (k / 4) * (NB * 128u) + (k % 4) * 32u;
+        if constexpr (NB == 64)
+            wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
+                              k > 0);
         else
-            wgmma_64x128x16<T>(reinterpret_cast<float(&)[64]>(s), desc_kmajor_128b(q_s + q_off),
-                               desc_kmajor_128b(k_s + k_off), k > 0);
+            wgmma_64x128x16<T>(reinterpret_cast<float(&)[64]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
+                               k > 0);
     }
+}
+
+// Alg.1 L8, issued: S_ij = Q_i K_j^T for a tile of NC keys (64 or 128): Q's 64 rows and K_j's NC rows, each D / 64
+// panels of 128-byte lines. The caller commits and waits.
+template <typename T, int D, int NC>
+__device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s) {
+    issue_kmajor<T, D, NC>(s, desc_kmajor_128b(q_s), desc_kmajor_128b(k_s));
 }
 
 // Alg.1 L10, issued: O_i += P_ij V_j with P_ij's A fragments in registers and V_j (NC keys) MN-major in panels of
@@ -58,16 +66,16 @@ __device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s
 // m64n128 instruction per K step; otherwise panel by panel. The caller commits and waits.
 template <typename T, int D, int NC>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const u32 (&pa)[NC / 16][4], u32 v_s) {
+    const u64 vd = desc_mnmajor_128b(v_s, NC * 128u);
 #pragma unroll
     for (int kk = 0; kk < NC / 16; ++kk) {
         if constexpr (D == 128)
-            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(st.o), pa[kk],
-                                  desc_mnmajor_128b(v_s + kk * 2048u, NC * 128u), 1);
+            wgmma_64x128x16_rs<T>(reinterpret_cast<float(&)[64]>(st.o), pa[kk], desc_advance(vd, kk * 2048u), 1);
         else
 #pragma unroll
             for (int c = 0; c < D / 64; ++c)
                 wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(st.o[c]), pa[kk],
-                                     desc_mnmajor_128b(v_s + c * (NC * 128u) + kk * 2048u, NC * 128u), 1);
+                                     desc_advance(vd, c * (NC * 128u) + kk * 2048u), 1);
     }
 }
 
