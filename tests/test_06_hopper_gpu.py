@@ -35,6 +35,24 @@ def test_copy_engine_writes_the_128_byte_swizzle(rows, cols, dtype):
     assert got.shape == want.shape and (got == want).all()
 
 
+def test_a_tensor_map_is_encoded_once_per_address_shape_and_box():
+    """A CUtensorMap depends on the address, sizes, strides and box alone, so blocks keeps the maps it encoded: the
+    same array gives the driver's bytes again from the cache, another array or other rows of it a map of their own."""
+    import cupy
+
+    blocks = _hopper()
+    x = cupy.zeros((1, 2, 256, 64), bfloat16)
+    blocks._encode.cache_clear()
+    first, again = bytes(blocks.tensor_map_heads(x)), bytes(blocks.tensor_map_heads(x))
+    info = blocks._encode.cache_info()
+    assert (info.misses, info.hits) == (1, 1) and first == again
+    assert bytes(blocks.tensor_map_heads(cupy.zeros_like(x))) != first  # another address
+    assert bytes(blocks.tensor_map_heads(x, rows=(64, 256))) != first  # another start and size
+    assert bytes(blocks.tensor_map_heads(x, box_rows=128)) != first  # another box
+    blocks._encode.cache_clear()
+    assert bytes(blocks.tensor_map_heads(x)) == first  # what the cache gave is what the driver encodes
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_wgmma_computes_q_k_transposed(D, dtype):

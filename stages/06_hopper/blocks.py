@@ -67,18 +67,29 @@ def tensor_map_heads(x, box_rows=64, rows=None):
 def _tensor_map(x, dims, strides, box, offset=0):
     """cuTensorMapEncodeTiled through cuda-bindings: sizes and box innermost first, byte strides of every dimension
     but the innermost; 128-byte swizzle, zeros out of bounds."""
-    from cuda.bindings import driver as cu
-
-    dtype = {np.dtype(bfloat16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             np.dtype(np.float16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             np.dtype(np.float32): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}.get(np.dtype(x.dtype))
-    if dtype is None or box[0] * x.dtype.itemsize != 128:
+    if np.dtype(x.dtype) not in MAP_DTYPES or box[0] * x.dtype.itemsize != 128:
         raise ValueError("tensor maps here: float16, bfloat16 or float32 values in boxes of 128-byte rows (the "
                          "swizzle's span)")
     if not x.flags.c_contiguous or any(s % 16 for s in strides) or offset % 16:
         raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
+    words = _encode(MAP_DTYPES[np.dtype(x.dtype)], x.device.id, x.data.ptr + offset, tuple(dims), tuple(strides),
+                    tuple(box))
+    return (ctypes.c_uint64 * 16).from_buffer_copy(words)
+
+
+MAP_DTYPES = {np.dtype(bfloat16): "BFLOAT16", np.dtype(np.float16): "FLOAT16", np.dtype(np.float32): "FLOAT32"}
+
+
+@functools.lru_cache(maxsize=256)
+def _encode(dtype, device_id, address, dims, strides, box):
+    """The 128 bytes of the CUtensorMap (CU_TENSOR_MAP_DATA_TYPE_<dtype>). They depend on nothing but these arguments,
+    so a map is encoded once and kept: a training step calls the kernels again and again on the same buffers (CuPy's
+    memory pool hands the same addresses back), and each cuda-bindings call costs the host some microseconds.
+    device_id: the map is for that GPU's kernels (the address is in its memory)."""
+    from cuda.bindings import driver as cu
+
     err, tmap = cu.cuTensorMapEncodeTiled(
-        dtype, len(dims), x.data.ptr + offset,
+        getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{dtype}"), len(dims), address,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
         [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1) for _ in dims],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -89,8 +100,8 @@ def _tensor_map(x, dims, strides, box, offset=0):
         raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
     words = getattr(tmap, "opaque", None)  # CUtensorMap's 16 64-bit words, as cuda-bindings exposes the struct
     if words is None:
-        return (ctypes.c_uint64 * 16).from_buffer_copy(ctypes.string_at(tmap.getPtr(), 128))
-    return (ctypes.c_uint64 * 16)(*(int(w) for w in words))
+        return ctypes.string_at(tmap.getPtr(), 128)
+    return bytes((ctypes.c_uint64 * 16)(*(int(w) for w in words)))
 
 
 @functools.lru_cache(maxsize=None)
