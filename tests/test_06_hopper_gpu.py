@@ -303,6 +303,55 @@ def test_backward_refuses_what_it_does_not_take():
         flash_v3_backward.backward(q, k, v, q, lse[:, :, :3], q)
 
 
+@pytest.mark.parametrize("dtype", [bfloat16, np.float32], ids=["bf16", "fp32"])
+def test_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
+    """forward and backward keep each checked call's plan under fast_path.call_key, its tensor maps described once
+    and encoded for each call's arrays. A repeat on the same arrays gives the same o, lse (and dK, dV) bit for bit
+    and its outputs from one allocation; new arrays of the same shapes (new addresses: new maps), a strided view (a
+    copy, then a map of the copy) and other options are right by the rule; bad input is refused after a good call."""
+    import cupy
+
+    from stages.common import check_backward, check_forward, fast_path, make_inputs, to_numpy
+    from stages.hopper import flash_v3, flash_v3_backward
+
+    _hopper()
+    q, k, v, do = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True)
+    o1, lse1 = flash_v3.forward(q, k, v)
+    assert flash_v3.forward.plans.get(fast_path.call_key((q, k, v), {})) is not None
+    o2, lse2 = flash_v3.forward(q, k, v)
+    np.testing.assert_array_equal(to_numpy(o2).view(np.uint8), to_numpy(o1).view(np.uint8))
+    np.testing.assert_array_equal(to_numpy(lse2), to_numpy(lse1))
+    assert o2.data.mem.ptr == lse2.data.mem.ptr  # the kept plan carves o and lse from one allocation
+    for causal, scale in ((True, None), (False, 0.05), (True, 0.3)):
+        for _ in range(2):  # the first call plans, the second goes straight to the kept plan
+            check_forward(flash_v3.forward, q, k, v, causal=causal, scale=scale)
+    q2, k2, v2, do2 = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True, scale=10.0)
+    check_forward(flash_v3.forward, q2, k2, v2)
+    wide = make_inputs(1, 2, 400, 150, 64, dtype=dtype, xp=cupy)[0]
+    check_forward(flash_v3.forward, wide[:, :, ::2], k2, v2)  # a strided view, the shape (and key) of q
+    with pytest.raises(TypeError, match="CuPy array"):
+        flash_v3.forward(q, cupy.asnumpy(k), v)
+    with pytest.raises(TypeError, match="causal"):
+        flash_v3.forward(q, k, v, causal="no")
+    if dtype == np.float32:  # the backward takes 16-bit inputs only
+        return
+    first = flash_v3_backward.backward(q, k, v, o1, lse1, do)
+    assert flash_v3_backward.backward.plans.get(fast_path.call_key((q, k, v, o1, lse1, do), {})) is not None
+    again = flash_v3_backward.backward(q, k, v, o1, lse1, do)
+    for a, b in zip(first[1:], again[1:]):  # dK, dV: each block owns its keys (dQ: reductions in any order)
+        np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))
+    assert len({x.data.mem.ptr for x in again}) == 1  # dq, dk, dv from one allocation
+    for causal, scale in ((True, None), (False, 0.05), (True, 0.3)):
+        for _ in range(2):
+            check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, scale=scale)
+    check_backward(flash_v3_backward.backward, q2, k2, v2, do2)
+    check_backward(flash_v3_backward.backward, wide[:, :, ::2], k2, v2, do2)
+    with pytest.raises(TypeError, match="CuPy arrays"):
+        flash_v3_backward.backward(q, k, v, o1, lse1, cupy.asnumpy(do))
+    with pytest.raises(TypeError, match="causal"):
+        flash_v3_backward.backward(q, k, v, o1, lse1, do, causal="no")
+
+
 # ---------------------------------------------------------------- stage 06 inside the ring (stage 04) and the GPT (05)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [64, 128, 256])

@@ -7,10 +7,13 @@
                       operand (compare: numpy)
 
 Tensor maps come from the driver's cuTensorMapEncodeTiled through cuda-bindings (NVIDIA's Python binding of the
-driver API); the kernels take them inside one parameter struct (BlockParams, kernels/hopper_blocks.cu).
+driver API); the kernels take them inside one parameter struct (BlockParams, kernels/hopper_blocks.cu). A map
+depends on its array's address, sizes, strides and box alone: a launcher describes each map once per problem
+(TensorMap) and encodes it for each call's arrays (MappedLaunch), from a cache keyed by all of them (_encode).
 """
 import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,37 +50,86 @@ def tensor_map_2d(x, box_rows, box_cols=64):
     """The 128 bytes of a CUtensorMap for the row-major 16-bit CuPy matrix x (rows x cols): boxes of box_rows x
     box_cols elements, 128-byte swizzle (box_cols x 2 bytes must be 128)."""
     rows, cols = x.shape
-    return _tensor_map(x, [cols, rows], [cols * 2], [box_cols, box_rows])
+    return _words(x, TensorMap.of(x.dtype, [cols, rows], [cols * 2], [box_cols, box_rows]))
 
 
 def tensor_map_heads(x, box_rows=64, rows=None):
     """The CUtensorMap of a (B, H, N, D) CuPy array (16-bit, or float32) seen as D x N x (B H): boxes of box_rows rows
-    x 128 bytes (64 16-bit columns, 32 float32) of one head. Rows past a head's N come back as zeros (never the next
-    head's), and a reduction into them is skipped. rows = (start, stop): only those rows of every head (the map starts
-    at row start and its heads stay N rows apart; rows from stop on read as zeros)."""
-    B, H, N, D = x.shape
-    size = x.dtype.itemsize
+    x 128 bytes (64 16-bit columns, 32 float32) of one head (heads_map)."""
+    return _words(x, heads_map(x.shape, x.dtype, box_rows, rows))
+
+
+def heads_map(shape, dtype, box_rows=64, rows=None):
+    """The TensorMap of a row-major (B, H, N, D) array of this shape and dtype seen as D x N x (B H): boxes of box_rows
+    rows x 128 bytes of one head. Rows past a head's N come back as zeros (never the next head's), and a reduction
+    into them is skipped. rows = (start, stop): only those rows of every head (the map starts at row start and its
+    heads stay N rows apart; rows from stop on read as zeros)."""
+    B, H, N, D = shape
+    size = np.dtype(dtype).itemsize
     start, stop = rows or (0, N)
     if not 0 <= start < stop <= N:
         raise ValueError(f"tensor_map_heads: rows {rows} are not a non-empty range of 0..{N}")
-    return _tensor_map(x, [D, stop - start, B * H], [D * size, N * D * size], [128 // size, box_rows, 1],
-                       offset=start * D * size)
+    return TensorMap.of(dtype, [D, stop - start, B * H], [D * size, N * D * size], [128 // size, box_rows, 1],
+                        offset=start * D * size)
 
 
-def _tensor_map(x, dims, strides, box, offset=0):
-    """cuTensorMapEncodeTiled through cuda-bindings: sizes and box innermost first, byte strides of every dimension
-    but the innermost; 128-byte swizzle, zeros out of bounds."""
-    if np.dtype(x.dtype) not in MAP_DTYPES or box[0] * x.dtype.itemsize != 128:
-        raise ValueError("tensor maps here: float16, bfloat16 or float32 values in boxes of 128-byte rows (the "
-                         "swizzle's span)")
-    if not x.flags.c_contiguous or any(s % 16 for s in strides) or offset % 16:
-        raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
-    words = _encode(MAP_DTYPES[np.dtype(x.dtype)], x.device.id, x.data.ptr + offset, tuple(dims), tuple(strides),
-                    tuple(box))
-    return (ctypes.c_uint64 * 16).from_buffer_copy(words)
+class TensorMap(NamedTuple):
+    """A CUtensorMap but its address: what cuTensorMapEncodeTiled takes of a row-major array of one shape and dtype.
+    dtype: the driver's name of the element type; dims and box: sizes, innermost first; strides: the byte strides of
+    every dimension but the innermost; offset: bytes from the array's first element to the map's. A launcher makes
+    its maps' TensorMaps once per problem; encode(x) gives the 128 bytes for the array x of that problem."""
+
+    dtype: str
+    dims: tuple
+    strides: tuple
+    box: tuple
+    offset: int = 0
+
+    @classmethod
+    def of(cls, dtype, dims, strides, box, offset=0):
+        """Checked: 16-bit or float32 values, boxes of 128-byte rows (the swizzle's span), strides and offset in
+        multiples of 16 bytes (the copy engine's unit)."""
+        dtype = np.dtype(dtype)
+        if dtype not in MAP_DTYPES or box[0] * dtype.itemsize != 128:
+            raise ValueError("tensor maps here: float16, bfloat16 or float32 values in boxes of 128-byte rows (the "
+                             "swizzle's span)")
+        if any(s % 16 for s in strides) or offset % 16:
+            raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
+        return cls(MAP_DTYPES[dtype], tuple(dims), tuple(strides), tuple(box), offset)
+
+    def encode(self, x):
+        """The 128 bytes of this map over the CuPy array x (of the shape and dtype it was made for)."""
+        if not x.flags.c_contiguous:
+            raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
+        return _encode(self.dtype, x.data.device_id, x.data.ptr + self.offset, self.dims, self.strides, self.box)
 
 
 MAP_DTYPES = {np.dtype(bfloat16): "BFLOAT16", np.dtype(np.float16): "FLOAT16", np.dtype(np.float32): "FLOAT32"}
+
+
+def _words(x, tmap):
+    """tmap over x as the 16 64-bit words of a parameter struct's CUtensorMap field."""
+    return (ctypes.c_uint64 * 16).from_buffer_copy(tmap.encode(x))
+
+
+class MappedLaunch(NamedTuple):
+    """A kernels.Launch whose parameter struct holds tensor maps: maps, (byte offset of the field, TensorMap) for each.
+    launch(*arrays): the first len(maps) arrays are the ones the maps describe, in order; their maps are written into
+    the struct with the rest of the arrays (the struct's leading pointer fields), then the kernel is launched. The
+    scalar fields were written once, when the launch was planned."""
+
+    launch: kernels.Launch
+    maps: tuple
+
+    @classmethod
+    def of(cls, launch, **maps):
+        """maps: field name of the launch's parameter struct = TensorMap."""
+        struct_type = type(launch.params)
+        return cls(launch, tuple((getattr(struct_type, name).offset, tmap) for name, tmap in maps.items()))
+
+    def __call__(self, *arrays):
+        n = len(self.maps)
+        self.launch(*arrays[n:], fields=[(offset, tmap.encode(x)) for (offset, tmap), x in zip(self.maps, arrays)])
 
 
 @functools.lru_cache(maxsize=256)

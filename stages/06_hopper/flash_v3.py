@@ -18,11 +18,12 @@ Versions, in the order the README teaches them:
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
 """
 import ctypes
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, kernels
+from stages.common import LOG2E, fast_path, kernels
 from stages.common.checks import check_causal, resolve_scale
 
 from . import blocks, fp32x3
@@ -78,6 +79,7 @@ def _function(version, ctype, D):
     return blocks.sm90a_function(FILES[version], _name(version, ctype, D), smem_bytes(version, D))
 
 
+@fast_path.remembered  # a plain call seen before goes straight to its planned launch (stages/common/fast_path.py)
 def forward(q, k, v, *, causal=False, scale=None, version=None):
     """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. version None: DEFAULT for float16 / bfloat16,
     fp32x3 for float32. Raises device.UnsupportedDevice off sm_90 (naming the stage 02 version to use), TypeError /
@@ -112,33 +114,36 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
         raise ValueError(f"flash_v3.forward: batch * heads = {B * H} is over the grid limit 65535")
     causal = check_causal(causal, "flash_v3.forward")
     scale = resolve_scale(scale, D)
-    if fp32:
-        return fp32x3.forward(q, k, v, causal=causal, scale=scale)
     Nk = k.shape[2]
-    if Nq == 0 or Nk == 0:  # no rows, or no key for any row: O = 0, L = -inf (a tensor map has no empty dimension)
+    if fp32:
+        if Nq == 0:  # no rows: nothing to launch
+            return cupy.empty_like(q), cupy.empty((B, H, 0), cupy.float32)
+        plan = fp32x3.plan(q.shape, Nk, causal, scale)
+    elif Nq == 0 or Nk == 0:  # no rows, or no key for any row: O = 0, L = -inf (a tensor map has no empty dimension)
         return cupy.zeros_like(q), cupy.full((B, H, Nq), -np.inf, cupy.float32)
-    o = cupy.empty_like(q)
-    lse = cupy.empty((B, H, Nq), cupy.float32)
-    q, k, v = (kernels.row_major(x) for x in (q, k, v))
-    _launch(version, q, k, v, o, lse, (0, Nq), (0, Nk), causal, scale, merge=False)
-    return o, lse
+    else:
+        plan = kernels.ForwardLaunch(_plan(version, np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), causal, scale,
+                                           merge=False), np.dtype(q.dtype))
+    return fast_path.launch(plan, q, k, v)  # o, lse allocated, then the launch on (q, k, v, o, lse)
 
 
-def _launch(version, q, k, v, o, lse, rows, keys, causal, scale, merge):
-    """One launch on rows (start, stop) of every head of q against keys (start, stop) of k, v; o, lse: the whole
-    outputs (heads of q.shape[2] rows), written (merge=False) or merged into (merge=True, float32) at those rows."""
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
+def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge):
+    """The launch on rows (start, stop) of every head of a q of q_shape (B, H, Lq, D) against keys (start, stop) of k,
+    v of Lk rows a head: a MappedLaunch of (q, k, v, then o and lse at those rows). o, lse: the whole outputs (heads of
+    Lq rows), written (merge=False) or merged into (merge=True, float32)."""
     (q0, q1), (k0, k1) = rows, keys
-    B, H, Lq, D = q.shape
+    B, H, Lq, D = q_shape
     cfg = config(version, D)
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
-                             o_rows=Lq, merge=int(merge),
-                             map_q=blocks.tensor_map_heads(q, rows=rows),
-                             map_k=blocks.tensor_map_heads(k, box_rows=cfg.bc, rows=keys),
-                             map_v=blocks.tensor_map_heads(v, box_rows=cfg.bc, rows=keys))
-    fn = _function(version, blocks.CTYPE[np.dtype(q.dtype)], D)
+                             o_rows=Lq, merge=int(merge))
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
-    launch = kernels.Launch(fn, grid, (cfg.threads,), smem_bytes(version, D), params)
-    launch(o.data.ptr + q0 * D * o.itemsize, lse.data.ptr + 4 * q0)
+    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
+                            params)
+    kv_shape = (B, H, Lk, D)
+    return blocks.MappedLaunch.of(launch, map_q=blocks.heads_map(q_shape, dtype, rows=rows),
+                                  map_k=blocks.heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys),
+                                  map_v=blocks.heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys))
 
 
 def takes(dtype, head_dim, *, heads=1, kv_heads=1, batch=1):
@@ -159,7 +164,9 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DE
     kernel's epilogue into the running float32 O, L of those rows (o_run (B, H, Lq, D), lse_run (B, H, Lq); L = -inf
     where nothing was merged yet). No row is copied: the tensor maps start at the rows' first and step over whole
     heads. Causal: bottom-right aligned within the block. The caller checks the arrays (takes())."""
-    _launch(version, q, k, v, o_run, lse_run, rows, keys, bool(causal), scale, merge=True)
+    launch = _plan(version, np.dtype(q.dtype), q.shape, k.shape[2], rows, keys, bool(causal), scale, merge=True)
+    D, q0 = q.shape[3], rows[0]
+    launch(q, k, v, o_run.data.ptr + q0 * D * o_run.itemsize, lse_run.data.ptr + 4 * q0)  # o, L from row q0 on
 
 
 def kernel_names(version):

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import kernels, load_module
+from stages.common import empty, fast_path, kernels, load_module
 from stages.common.checks import check_backward_inputs, check_causal, resolve_scale
 from stages.flash_v2_backward import flash_v2_backward as stage03  # its preprocess, dQ conversion and padding
 
@@ -115,17 +115,82 @@ def _pre_function(kernel, ctype):
     return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
 
 
-def _preprocess(ctype, o, do, lse, delta, lse_pad, dq_acc, *, Nq, ldq, Nq_pad, D, BH):
-    """Stage 03's preprocess (Alg.2 L4) of rows 0..Nq-1 of every head, ldq rows a head apart from the pointers o, do,
-    lse: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for the padding up to
-    Nq_pad), and the float32 dQ accumulator dq_acc zeroed (None: there is none, as in a ring block)."""
+def _pre_launch(ctype, *, Nq, ldq, Nq_pad, D, BH, zero):
+    """Stage 03's preprocess (Alg.2 L4) of rows 0..Nq-1 of every head, ldq rows a head apart from the pointers to o,
+    do, lse it is given: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for
+    the padding up to Nq_pad), and, where zero, the float32 dQ accumulator zeroed (a ring block has none of its own).
+    Arguments of a call: o, do, lse, delta, lse_pad, the dQ accumulator (or 0), 0 (stage 03's block counters: none)."""
     i32, f32 = np.int32, np.float32
-    zero = dq_acc is not None
-    kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                   (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(0)))(
-        o, do, lse, delta, lse_pad, dq_acc if zero else np.uint64(0), np.uint64(0))
+    return kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
+                          (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(0)))
 
 
+def _main_launch(version, dtype, q_shape, k_shape, rows, keys, causal, scale, accumulate, dq_map):
+    """The main kernel on rows (a, b) of every head of q, do (q_shape) against keys (c, m) of k, v (k_shape): a
+    MappedLaunch of (q, k, v, do, the dQ array dq_map describes; then the pointers dq_acc, dk, dv, lse_pad, delta).
+    accumulate: add dK, dV into float32 accumulators (the ring's) instead of writing them."""
+    (a, b), (c, m) = rows, keys
+    B, H, _, D = q_shape
+    params = HopperBwdParams(Nq=b - a, Nk=m - c, Nq_pad=-(-(b - a) // PAD) * PAD, scale=scale, causal=int(causal),
+                             kv_rows=k_shape[2], accumulate=int(accumulate))
+    cfg = CONFIGS[version]
+    grid = (-(-(m - c) // cfg.bc), B * H, parts(D))  # one block per (K/V tile j, head, column part)
+    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
+                            params)
+    return blocks.MappedLaunch.of(launch, map_q=blocks.heads_map(q_shape, dtype, rows=rows),
+                                  map_k=blocks.heads_map(k_shape, dtype, rows=keys),
+                                  map_v=blocks.heads_map(k_shape, dtype, rows=keys),
+                                  map_do=blocks.heads_map(q_shape, dtype, rows=rows), map_dq=dq_map)
+
+
+class BackwardPlan(NamedTuple):
+    """The launches of one backward problem: the preprocess, the main kernel, the dQ conversion; scratch, the layout
+    of D_i, L_i (Nq_pad rows a head) and the float32 dQ accumulator (B, H, Nq, D) in one allocation; outs: dq, dk, dv
+    carved from one allocation (fast_path keeps the plan so), or None. plan(q, k, v, o, lse, do) -> (dq, dk, dv)."""
+    pre: kernels.Launch
+    main: blocks.MappedLaunch
+    convert: kernels.Launch
+    scratch: tuple
+    outs: tuple | None = None
+
+    def __call__(self, q, k, v, o, lse, do):
+        import cupy
+
+        asc = kernels.row_major  # (B, H, N, D) row-major: a copy only for another layout
+        q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=cupy.float32)
+        delta, lse_pad, dq_acc = fast_path.empties(*self.scratch)
+        self.pre(o, do, lse, delta, lse_pad, dq_acc, 0)
+        if self.outs is not None:
+            dq, dk, dv = fast_path.empties(*self.outs)
+        else:
+            dq, dk, dv = (empty(cupy, x.shape, x.dtype) for x in (q, k, v))
+        self.main(q, k, v, do, dq_acc, dq_acc, dk, dv, lse_pad, delta)
+        self.convert(dq_acc, dq)
+        return dq, dk, dv
+
+    def with_joint_outputs(self, q, k, v, *arrays):
+        """This plan with dq, dk, dv from one allocation (a training step uses all three together)."""
+        return self._replace(outs=fast_path.out_layout([(x.shape, x.dtype) for x in (q, k, v)]))
+
+
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
+def _plan(version, dtype, q_shape, Nk, causal, scale):
+    """The BackwardPlan of q, o, do of q_shape (B, H, Nq, D) against Nk keys."""
+    B, H, Nq, D = q_shape
+    BH, Nq_pad, ctype = B * H, -(-Nq // PAD) * PAD, blocks.CTYPE[dtype]
+    acc_shape = (B, H, Nq, D)
+    main = _main_launch(version, dtype, q_shape, (B, H, Nk, D), (0, Nq), (0, Nk), causal, scale, accumulate=False,
+                        dq_map=blocks.heads_map(acc_shape, np.float32))
+    n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
+    convert = kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),), (256,), 0,
+                             (np.float32(1.0), np.int64(n)))
+    scratch = fast_path.out_layout([((BH * Nq_pad,), np.float32), ((BH * Nq_pad,), np.float32),
+                                    (acc_shape, np.float32)])
+    return BackwardPlan(_pre_launch(ctype, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH, zero=True), main, convert,
+                        scratch)
+
+
+@fast_path.remembered  # a plain call seen before goes straight to its planned launches (stages/common/fast_path.py)
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
     """(dq, dk, dv), shaped like q, k, v and in their dtype: the gradients of sum(O * dO) from the forward's o and lse.
     Raises device.UnsupportedDevice off sm_90 (naming the stage 03 version to use), TypeError / ValueError for what the
@@ -145,34 +210,25 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
         raise ValueError(f"{where}: batch * heads = {B * H} is over the grid limit 65535")
     causal = check_causal(causal, where)
     scale = resolve_scale(scale, D)
-    version = resolve_version(version, D)
-    asc = kernels.row_major
-    q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=cupy.float32)
-    BH, Nq_pad = B * H, -(-Nq // PAD) * PAD
-    ctype = blocks.CTYPE[np.dtype(q.dtype)]
-    delta = cupy.empty(BH * Nq_pad, cupy.float32)
-    lse_pad = cupy.empty(BH * Nq_pad, cupy.float32)
-    dq_acc = cupy.empty((B, H, Nq, D), cupy.float32)
-    _preprocess(ctype, o, do, lse, delta, lse_pad, dq_acc, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH)
-    dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-    params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale, causal=int(causal), kv_rows=Nk, accumulate=0,
-                             map_q=blocks.tensor_map_heads(q), map_k=blocks.tensor_map_heads(k),
-                             map_v=blocks.tensor_map_heads(v), map_do=blocks.tensor_map_heads(do),
-                             map_dq=blocks.tensor_map_heads(dq_acc))
-    cfg = CONFIGS[version]
-    grid = (-(-Nk // cfg.bc), BH, parts(D))  # one block per (K/V tile j, head, column part)
-    kernels.Launch(_function(version, ctype, D), grid, (cfg.threads,), smem_bytes(version, D), params)(
-        dq_acc, dk, dv, lse_pad, delta)
-    n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
-    kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),), (256,), 0,
-                   (np.float32(1.0), np.int64(n)))(dq_acc, dq)
-    return dq, dk, dv
+    plan = _plan(resolve_version(version, D), np.dtype(q.dtype), q.shape, Nk, causal, scale)
+    return fast_path.launch(plan, q, k, v, o, lse, do)
 
 
 def takes_block(dtype, head_dim):
     """Whether accumulate_into computes a ring block of this dtype and head dim (version ws's head dims); the ring
     asks flash_v3.takes for the GPU and the heads first."""
     return np.dtype(dtype) in blocks.CTYPE and head_dim in VERSION_HEAD_DIMS["ws"]
+
+
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per block of the ring's schedule
+def _block_plan(dtype, q_shape, k_shape, rows, keys, causal, scale):
+    """(preprocess, main kernel, scratch layout of D_i and L_i) of one ring block (accumulate_into)."""
+    (a, b), B, H, Lq, D = rows, *q_shape
+    BH, Nq_pad = B * H, -(-(b - a) // PAD) * PAD
+    pre = _pre_launch(blocks.CTYPE[dtype], Nq=b - a, ldq=Lq, Nq_pad=Nq_pad, D=D, BH=BH, zero=False)
+    main = _main_launch("ws", dtype, q_shape, k_shape, rows, keys, causal, scale, accumulate=True,
+                        dq_map=blocks.heads_map(q_shape, np.float32, rows=rows))
+    return pre, main, fast_path.out_layout([((BH * Nq_pad,), np.float32)] * 2)
 
 
 def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, causal, scale):
@@ -182,27 +238,13 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
     those rows), dK, dV into keys c:m of dk_run, dv_run (B, H, Lk, D) by the epilogue's reductions. No row is copied:
     the maps start at row a and key c. Two launches: stage 03's preprocess (D_i, L_i of rows a:b) and the main
     kernel. Causal: bottom-right aligned within the block. CuPy arrays, checked by the caller (takes_block)."""
-    import cupy
-
-    (a, b), (c, m) = rows, keys
-    B, H, Lq, D = q.shape
-    Nq, Nk, BH = b - a, m - c, B * H
-    Nq_pad = -(-Nq // PAD) * PAD
-    ctype = blocks.CTYPE[np.dtype(q.dtype)]
-    scratch = cupy.empty(2 * BH * Nq_pad, cupy.float32)  # D_i, then L_i, of rows a:b
-    delta, lse_pad = scratch[:BH * Nq_pad], scratch[BH * Nq_pad:]
+    pre, main, scratch = _block_plan(np.dtype(q.dtype), q.shape, k.shape, rows, keys, bool(causal), scale)
+    delta, lse_pad = fast_path.empties(*scratch)
+    a, c, D = rows[0], keys[0], q.shape[3]
     at = a * D * q.itemsize  # byte offset of row a in every head of o and do
-    _preprocess(ctype, o.data.ptr + at, do.data.ptr + at, lse.data.ptr + 4 * a, delta, lse_pad, None, Nq=Nq, ldq=Lq,
-                Nq_pad=Nq_pad, D=D, BH=BH)
-    params = HopperBwdParams(Nq=Nq, Nk=Nk, Nq_pad=Nq_pad, scale=scale,
-                             causal=int(bool(causal)), kv_rows=k.shape[2], accumulate=1,
-                             map_q=blocks.tensor_map_heads(q, rows=rows), map_k=blocks.tensor_map_heads(k, rows=keys),
-                             map_v=blocks.tensor_map_heads(v, rows=keys), map_do=blocks.tensor_map_heads(do, rows=rows),
-                             map_dq=blocks.tensor_map_heads(dq_run, rows=rows))
-    cfg = CONFIGS["ws"]
+    pre(o.data.ptr + at, do.data.ptr + at, lse.data.ptr + 4 * a, delta, lse_pad, 0, 0)
     kv = 4 * c * D  # byte offset of key c in every head of the float32 accumulators
-    kernels.Launch(_function("ws", ctype, D), (-(-Nk // cfg.bc), BH, 1), (cfg.threads,), smem_bytes("ws", D),
-                   params)(np.uint64(0), dk_run.data.ptr + kv, dv_run.data.ptr + kv, lse_pad, delta)
+    main(q, k, v, do, dq_run, 0, dk_run.data.ptr + kv, dv_run.data.ptr + kv, lse_pad, delta)
 
 
 def kernel_names(version):

@@ -8,11 +8,12 @@ reads both from there, O += P V reads P's parts from registers. Two warpgroups (
 buffer; the threads split V_j into its parts while S is computed and K_{j+1} while P V_j is. Head dims 64 and 128;
 any Nq, Nk; causal aligned bottom-right. On another GPU it says so and names stage 02's version fp32x3.
 """
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, device, kernels
+from stages.common import LOG2E, device, fast_path, kernels
 from stages.common.params import FwdParams
 
 from . import blocks
@@ -58,20 +59,17 @@ def kernel_names():
     return [name(D) for D in HEAD_DIMS]
 
 
-def forward(q, k, v, *, causal, scale):
-    """(o, lse) of float32 CuPy q, k, v (B, H, N, D) that flash_v3.forward checked; scale is a float."""
-    import cupy
-
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
+def plan(q_shape, Nk, causal, scale):
+    """The forward of float32 q (q_shape: B, H, Nq, D with Nq > 0) against Nk keys, as flash_v3.forward checked it: a
+    kernels.ForwardLaunch, plan(q, k, v) -> (o, lse). scale is a float."""
+    B, H, Nq, D = q_shape
     cfg = CONFIGS[D]
     smem = smem_bytes(D)
     if not device.fits(device.device(), smem):
         raise device.UnsupportedDevice(f"flash_v3.forward version 'fp32x3' needs {smem // 1024} KB of shared memory "
                                        "per block; use stage 02's version fp32x3")
-    if Nq == 0:  # no rows: nothing to launch
-        return cupy.empty_like(q), cupy.empty((B, H, 0), cupy.float32)
     fn = blocks.sm90a_function(FILE, name(D), smem)
     params = FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal)))
     launch = kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem, params)  # one block per (Q_i, head)
-    return kernels.ForwardLaunch(launch, np.dtype(np.float32))(q, k, v)
+    return kernels.ForwardLaunch(launch, np.dtype(np.float32))

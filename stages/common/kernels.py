@@ -182,13 +182,19 @@ class Launch:
             hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), struct.Struct(f"<{n}Q").pack_into)
         return hit
 
-    def __call__(self, *arrays):
+    def __call__(self, *arrays, fields=()):
+        """fields: (byte offset, bytes) pairs written into the parameter struct with the arrays' addresses, for what
+        changes with the arrays beside their addresses (stage 06's tensor maps)."""
         ndarray, driver, current_stream = _cuda()
         values, _, params, pack = self._slots.get(len(arrays)) or self._slots_for(len(arrays))
         ptrs = [a.data.ptr if isinstance(a, ndarray) else int(a) for a in arrays]
+        if fields and self.params is None:
+            raise TypeError("Launch: fields go into a parameter struct; this launch takes its arguments one by one")
         for attempt in (0, 1):
             with self._lock:
                 pack(values, 0, *ptrs)
+                for offset, data in fields:
+                    ctypes.memmove(ctypes.addressof(values) + offset, data, len(data))
                 try:
                     # fn is a cupy.RawKernel; fn.kernel, its compiled function on the current device
                     driver.launchKernel(self.fn.kernel.ptr, *self.dims, current_stream().ptr, params, 0)
