@@ -42,15 +42,21 @@ def test_a_tensor_map_is_encoded_once_per_address_shape_and_box():
 
     blocks = _hopper()
     x = cupy.zeros((1, 2, 256, 64), bfloat16)
+
+    def encoded(x, **kw):  # what a launcher's MappedLaunch writes into its parameter struct for x
+        return blocks.heads_map(x.shape, x.dtype, **kw).encode(x)
+
     blocks._encode.cache_clear()
-    first, again = bytes(blocks.tensor_map_heads(x)), bytes(blocks.tensor_map_heads(x))
+    first, again = encoded(x), encoded(x)
     info = blocks._encode.cache_info()
-    assert (info.misses, info.hits) == (1, 1) and first == again
-    assert bytes(blocks.tensor_map_heads(cupy.zeros_like(x))) != first  # another address
-    assert bytes(blocks.tensor_map_heads(x, rows=(64, 256))) != first  # another start and size
-    assert bytes(blocks.tensor_map_heads(x, box_rows=128)) != first  # another box
+    assert (info.misses, info.hits) == (1, 1) and first == again and len(first) == 128
+    assert encoded(cupy.zeros_like(x)) != first  # another address
+    assert encoded(x, rows=(64, 256)) != first  # another start and size
+    assert encoded(x, box_rows=128) != first  # another box
     blocks._encode.cache_clear()
-    assert bytes(blocks.tensor_map_heads(x)) == first  # what the cache gave is what the driver encodes
+    assert encoded(x) == first  # what the cache gave is what the driver encodes
+    with pytest.raises(ValueError, match="C-contiguous"):
+        blocks.heads_map((1, 2, 128, 64), x.dtype).encode(x[:, :, ::2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

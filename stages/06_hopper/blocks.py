@@ -50,13 +50,8 @@ def tensor_map_2d(x, box_rows, box_cols=64):
     """The 128 bytes of a CUtensorMap for the row-major 16-bit CuPy matrix x (rows x cols): boxes of box_rows x
     box_cols elements, 128-byte swizzle (box_cols x 2 bytes must be 128)."""
     rows, cols = x.shape
-    return _words(x, TensorMap.of(x.dtype, [cols, rows], [cols * 2], [box_cols, box_rows]))
-
-
-def tensor_map_heads(x, box_rows=64, rows=None):
-    """The CUtensorMap of a (B, H, N, D) CuPy array (16-bit, or float32) seen as D x N x (B H): boxes of box_rows rows
-    x 128 bytes (64 16-bit columns, 32 float32) of one head (heads_map)."""
-    return _words(x, heads_map(x.shape, x.dtype, box_rows, rows))
+    tmap = TensorMap.of(x.dtype, [cols, rows], [cols * 2], [box_cols, box_rows])
+    return (ctypes.c_uint64 * 16).from_buffer_copy(tmap.encode(x))
 
 
 def heads_map(shape, dtype, box_rows=64, rows=None):
@@ -68,7 +63,7 @@ def heads_map(shape, dtype, box_rows=64, rows=None):
     size = np.dtype(dtype).itemsize
     start, stop = rows or (0, N)
     if not 0 <= start < stop <= N:
-        raise ValueError(f"tensor_map_heads: rows {rows} are not a non-empty range of 0..{N}")
+        raise ValueError(f"heads_map: rows {rows} are not a non-empty range of 0..{N}")
     return TensorMap.of(dtype, [D, stop - start, B * H], [D * size, N * D * size], [128 // size, box_rows, 1],
                         offset=start * D * size)
 
@@ -105,11 +100,6 @@ class TensorMap(NamedTuple):
 
 
 MAP_DTYPES = {np.dtype(bfloat16): "BFLOAT16", np.dtype(np.float16): "FLOAT16", np.dtype(np.float32): "FLOAT32"}
-
-
-def _words(x, tmap):
-    """tmap over x as the 16 64-bit words of a parameter struct's CUtensorMap field."""
-    return (ctypes.c_uint64 * 16).from_buffer_copy(tmap.encode(x))
 
 
 class MappedLaunch(NamedTuple):
