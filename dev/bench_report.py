@@ -269,7 +269,7 @@ RING_FLOATS = ("fwd_efficiency", "bwd_efficiency", "efficiency", "efficiency_syn
                "fwd_exposed_comm_ms_max_rank", "bwd_exposed_comm_ms_max_rank", "ring_fwd_ms", "ring_bwd_ms",
                "ring_fwd_ms_synced", "ring_bwd_ms_synced", "torch_cp_flash_fwd_ms", "torch_cp_flash_bwd_ms",
                "torch_cp_cudnn_fwd_ms", "torch_cp_cudnn_bwd_ms", "efficiency_target")
-RING_CSV = "ring_h100x4_hopper.csv"  # dev/bench_ring.py on 4 GPUs: rings of 1, 2 and 4 beside one GPU and PyTorch's CP
+RING_CSV = "ring_h200x4_hopper.csv"  # dev/bench_ring.py on 4 GPUs: rings of 1, 2 and 4 beside one GPU and PyTorch's CP
 SCALING_CSV = "train_gpt_scaling.csv"  # dev/train_scaling.py: stage 05 on 1, 2 and 4 GPUs
 SCHEMES_CSV = "ring_schemes_h200x2.csv"  # dev/bench_ring.py --schemes: ring, all-gather and all-to-all side by side
 
