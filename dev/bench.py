@@ -40,6 +40,9 @@ Method:
               hides behind the GPU's work, as in a long run of kernels nobody waits on;
             synced (ms_synced): the host's clock around the call and a wait for the GPU, every call starting on
               an idle GPU, as in a training loop that reads its loss each step: host time adds to GPU time.
+            --rounds R: the implementations of a config take turns R times, and each column is the median of their
+              R timings. A GPU at its power limit runs at a clock that drifts with its temperature over a run, by
+              more than the gap between two fast kernels; taking turns spreads the drift over all of them.
             host_us: the host's time inside one call (input checks, configuration choice, allocation, launches),
               the median over the queued mode's first 32 calls (before the launch queue can fill and make a
               launch wait for the GPU): the part of a call a short sequence cannot hide.
@@ -596,21 +599,32 @@ class Bench:
                          + ", ".join(notes) + f" -> {verdict}")
             self.mismatches += bad
             self.torch_outside += outside
-            for key, (_, setup, extra) in entries.items():
-                ms = synced = None
-                if status[key] == "ok" or status[key].startswith("torch outside"):
-                    progress.show(f"{direction} {cfg.label()} {key[0]}/{key[1]}")
+            # Rounds: every implementation timed in turn, --rounds times over; each column is the median over the
+            # rounds, so that all of them meet the GPU's power and thermal states alike (a power-capped GPU's clock
+            # drifts over a run, by more than the gap between two fast kernels).
+            times = {key: [] for key in entries}  # key -> [(queued ms, synced ms, host us)], one per round
+            for rnd in range(self.args.rounds):
+                for key, (_, setup, extra) in entries.items():
+                    if not (status[key] == "ok" or status[key].startswith("torch outside")):
+                        continue
+                    progress.show(f"{direction} {cfg.label()} {key[0]}/{key[1]}"
+                                  + (f" round {rnd + 1}/{self.args.rounds}" if self.args.rounds > 1 else ""))
                     try:
                         with self._context(key, extra, direction), warnings.catch_warnings():
                             warnings.simplefilter("ignore")
                             fn = setup()
                             ms, host = time_call(fn, self.clocks[key[0]], cupy, target_ms=self.args.target_ms,
                                                  settle_ms=self.args.settle_ms)
-                            synced = (time_synced(fn, cupy, target_ms=self.args.target_ms / 2), host)
+                            times[key].append((ms, time_synced(fn, cupy, target_ms=self.args.target_ms / 2), host))
                         del fn
                     except Exception as e:
                         status[key] = f"error: timing: {_short(e)}"
                         self._recover()
+            for key in entries:
+                ms = synced = None
+                if times[key] and not status[key].startswith("error"):
+                    ms, synced_ms, host = (statistics.median(col) for col in zip(*times[key]))
+                    synced = (synced_ms, host)
                 rows.append(self._row(cfg, direction, key[0], key[1], ms=ms, synced=synced, status=status[key],
                                       ratio=ratio[key], worst=worst[key]))
             progress.step(f"{direction} {cfg.label()}")
@@ -719,11 +733,16 @@ def parse(argv):
     ap.add_argument("--target-ms", type=float, default=None, help=f"GPU time per timing (default {TARGET_MS})")
     ap.add_argument("--settle-ms", type=float, default=None,
                     help=f"untimed calls for this long before each implementation's timing (default {SETTLE_MS})")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every implementation of a config in turn this many times; each column is the median "
+                         "over the rounds (default 1)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     ap.add_argument("--markdown", metavar="CSV", default=None,
                     help="print the README results table of a bench CSV and exit (no GPU needed)")
     ap.add_argument("--min-seq", type=int, default=4096, help="--markdown: smallest N in the table (default 4096)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     quick = QUICK if args.quick else {}
     args.seqs = args.seqs or quick.get("seqs") or list(SEQS)
     args.fp32_seqs = args.fp32_seqs or quick.get("fp32_seqs") or list(FP32_SEQS)

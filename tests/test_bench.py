@@ -224,6 +224,16 @@ def test_warm_up_lasts_a_fixed_time_and_waits_for_every_call():
     assert bench.settle(call(500.0), Cupy, settle_ms=200.0, min_calls=1, now=lambda: t[0]) == 1
 
 
+def test_rounds_default_to_one_and_must_be_positive(capsys):
+    """bench.py --rounds: how many times a config's implementations take turns at being timed (1 unless asked);
+    0 or less is refused with a message that names the option."""
+    bench = _load("bench")
+    assert bench.parse([]).rounds == 1 and bench.parse(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        bench.parse(["--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_host_time_table_sums_the_backwards_floor(tmp_path):
     """dev/host_time.py's CSV -> the table, and the sum of the pieces a repeated backward cannot leave out
     (counted as BACKWARD_FLOOR says); without one of the pieces there is no sum."""
