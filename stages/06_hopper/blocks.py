@@ -54,18 +54,9 @@ def tensor_map_2d(x, box_rows, box_cols=64):
     return (ctypes.c_uint64 * 16).from_buffer_copy(tmap.encode(x))
 
 
-def heads_map(shape, dtype, box_rows=64, rows=None):
-    """The TensorMap of a row-major (B, H, N, D) array of this shape and dtype seen as D x N x (B H): boxes of box_rows
-    rows x 128 bytes of one head. Rows past a head's N come back as zeros (never the next head's), and a reduction
-    into them is skipped. rows = (start, stop): only those rows of every head (the map starts at row start and its
-    heads stay N rows apart; rows from stop on read as zeros)."""
-    B, H, N, D = shape
-    size = np.dtype(dtype).itemsize
-    start, stop = rows or (0, N)
-    if not 0 <= start < stop <= N:
-        raise ValueError(f"heads_map: rows {rows} are not a non-empty range of 0..{N}")
-    return TensorMap.of(dtype, [D, stop - start, B * H], [D * size, N * D * size], [128 // size, box_rows, 1],
-                        offset=start * D * size)
+# The element types a map here may hold, by the driver's names (CU_TENSOR_MAP_DATA_TYPE_<name>).
+MAP_DTYPES = {np.dtype(bfloat16): "BFLOAT16", np.dtype(np.float16): "FLOAT16", np.dtype(np.float32): "FLOAT32"}
+LAYOUT_REFUSED = "tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes"
 
 
 class TensorMap(NamedTuple):
@@ -89,17 +80,28 @@ class TensorMap(NamedTuple):
             raise ValueError("tensor maps here: float16, bfloat16 or float32 values in boxes of 128-byte rows (the "
                              "swizzle's span)")
         if any(s % 16 for s in strides) or offset % 16:
-            raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
+            raise ValueError(LAYOUT_REFUSED)
         return cls(MAP_DTYPES[dtype], tuple(dims), tuple(strides), tuple(box), offset)
 
     def encode(self, x):
         """The 128 bytes of this map over the CuPy array x (of the shape and dtype it was made for)."""
         if not x.flags.c_contiguous:
-            raise ValueError("tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes")
+            raise ValueError(LAYOUT_REFUSED)
         return _encode(self.dtype, x.data.device_id, x.data.ptr + self.offset, self.dims, self.strides, self.box)
 
 
-MAP_DTYPES = {np.dtype(bfloat16): "BFLOAT16", np.dtype(np.float16): "FLOAT16", np.dtype(np.float32): "FLOAT32"}
+def heads_map(shape, dtype, box_rows=64, rows=None):
+    """The TensorMap of a row-major (B, H, N, D) array of this shape and dtype seen as D x N x (B H): boxes of box_rows
+    rows x 128 bytes of one head. Rows past a head's N come back as zeros (never the next head's), and a reduction
+    into them is skipped. rows = (start, stop): only those rows of every head (the map starts at row start and its
+    heads stay N rows apart; rows from stop on read as zeros)."""
+    B, H, N, D = shape
+    size = np.dtype(dtype).itemsize
+    start, stop = rows or (0, N)
+    if not 0 <= start < stop <= N:
+        raise ValueError(f"heads_map: rows {rows} are not a non-empty range of 0..{N}")
+    return TensorMap.of(dtype, [D, stop - start, B * H], [D * size, N * D * size], [128 // size, box_rows, 1],
+                        offset=start * D * size)
 
 
 class MappedLaunch(NamedTuple):
