@@ -278,6 +278,8 @@ D256_CSV = "bench_d256_h100.csv"  # head dim 256, stages 02 and 03 beside PyTorc
 FP32_CSV = "bench_fp32_h100.csv"  # float32, N 1024-16384: stages 02 and 03 beside PyTorch's memory-efficient backend
 HOPPER_CSV = "bench_fwd_hopper_h100.csv"  # dev/bench.py --direction fwd: stage 06 beside stage 02 and PyTorch
 HOPPER_BWD_CSV = "bench_bwd_hopper_h100.csv"  # dev/bench.py --direction bwd: stage 06 beside stage 03 and PyTorch
+# The same two sweeps on an H200, N from 512, the implementations of a config taking turns (dev/bench.py --rounds 3)
+HOPPER_H200_CSVS = {"fwd": "bench_fwd_hopper_h200.csv", "bwd": "bench_bwd_hopper_h200.csv"}
 HOPPER_STEPS_CSV = "bench_hopper_h100.csv"  # dev/bench_hopper.py: every stage 06 version, one run
 HOPPER_PROFILE_CSV = "profile_hopper_h100.csv"  # dev/profile_hopper.py: ncu counters of every stage 06 version
 HOPPER_BWD_PROFILE_CSV = "profile_hopper_bwd_h100.csv"  # dev/profile_hopper.py --backward: the same, backward
@@ -614,10 +616,11 @@ def ring_plot(results_dir, out_path):
     return out_path
 
 
-def hopper_summary(results_dir, direction="fwd"):
+def hopper_summary(results_dir, direction="fwd", csv_name=None, how=""):
     """One sentence: stage 06's forward or backward (dev/bench.py's "hopper" column) against cuDNN and flash (and
-    the backward against stage 03's tc), or "" without the CSV."""
-    csv_name = HOPPER_CSV if direction == "fwd" else HOPPER_BWD_CSV
+    the backward against stage 03's tc), from csv_name (default: the H100's sweep), or "" without the CSV. how: how
+    the run timed them, said after the CSV's name."""
+    csv_name = csv_name or (HOPPER_CSV if direction == "fwd" else HOPPER_BWD_CSV)
     rows = _rows_of(results_dir, csv_name, read_csv)
     if rows is None:
         return ""
@@ -631,8 +634,8 @@ def hopper_summary(results_dir, direction="fwd"):
                          f"N={_k(seq)}), median **{rmed:.2f}** over {n} configs")
     what = "forward (FlashAttention-3 on Hopper, version `pingpong`)" if direction == "fwd" else \
         "backward (version `ws`)"
-    return (f"Stage 06's {what} on one **{gpus(rows)}** (`results/{csv_name}`, N >= {SUMMARY_MIN_SEQ}, bf16 and fp16, "
-            f"d = 64/128, causal and not), its TFLOP/s " + "; ".join(parts) + ".")
+    return (f"Stage 06's {what} on one **{gpus(rows)}** (`results/{csv_name}`{how}, N >= {SUMMARY_MIN_SEQ}, "
+            f"bf16 and fp16, d = 64/128, causal and not), its TFLOP/s " + "; ".join(parts) + ".")
 
 
 def hopper_steps_table(results_dir):
@@ -751,7 +754,10 @@ def readme_results(results_dir=None):
         n = sorted({r["seq_len"] for r in r32})
         lines += [f"Float32 on **{gpus(r32)}** (`results/{FP32_CSV}`, every N from {n[0]} to {n[-1]}): "
                   + "; ".join(parts) + ". Table in [`results/README.md`](results/README.md).", ""]
-    hopper = " ".join(x for x in (hopper_summary(results_dir), hopper_summary(results_dir, "bwd")) if x)
+    turns = ", the implementations taking turns three times"
+    hopper = " ".join(x for x in (hopper_summary(results_dir), hopper_summary(results_dir, "bwd"),
+                                  hopper_summary(results_dir, "fwd", HOPPER_H200_CSVS["fwd"], turns),
+                                  hopper_summary(results_dir, "bwd", HOPPER_H200_CSVS["bwd"], turns)) if x)
     if hopper:
         hopper += (" The versions step by step: [`stages/06_hopper/README.md`](stages/06_hopper/README.md).")
     for section in (hopper, ring_section(results_dir), scaling_section(results_dir)):
@@ -822,6 +828,13 @@ def results_readme(results_dir=None):
                   "by `dev/bench.py` as above:", "",
                   markdown(hopper, min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), "",
                   "Every stage 06 version, one step at a time:", "", hopper_steps_table(results_dir), ""]
+    for direction, name in HOPPER_H200_CSVS.items():
+        rows = _rows_of(results_dir, name, read_csv)
+        if rows is not None:
+            lines += [f"## Stage 06 on an H200, {TITLES[direction]} (`{name}`)", "",
+                      "Every N from 512; the implementations of a configuration took turns three times "
+                      "(`dev/bench.py --rounds 3`) and each column is the median of their three timings:", "",
+                      markdown(rows, min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), ""]
     for s in sources:
         if s["file"].startswith("bench_variants"):
             lines += [f"## The variants (`{s['file']}`)", "", variants_table(results_dir / s["file"], s), ""]
