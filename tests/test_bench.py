@@ -187,6 +187,17 @@ def test_profile_backward_without_gpu_exits_with_a_message(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
+def test_backward_launches_without_gpu_exits_with_a_message(tmp_path):
+    out = tmp_path / "launches.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "dev/backward_launches.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "needs an sm_90 GPU" in proc.stderr
+    assert not out.exists()
+
+
 def test_profile_backward_reads_ncus_units():
     """ncu's CSV gives each metric's unit (a duration in ns, us or ms; bytes with a prefix, per block): the script
     scales by the part before '/', and an unknown unit is an error, not a number in the wrong unit."""

@@ -1,0 +1,150 @@
+"""Where stage 06's backward spends its time: each of its three launches timed alone, beside the whole call and
+cuDNN's whole backward (PyTorch SDPA), for every N at the same number of tokens.
+
+    python3 dev/backward_launches.py --out results/backward_launches_h200.csv
+    python3 dev/backward_launches.py --head-dims 128 --seqs 512 16384 --causal yes
+
+The backward (stages/06_hopper/flash_v3_backward.py) is three launches:
+  pre      stage 03's preprocess: D_i = rowsum(dO_i o O_i) and L_i, and the float32 dQ accumulator zeroed. It reads
+           O and dO and writes the accumulator: memory traffic in proportion to B H N d, no matrix product.
+  main     the FlashAttention-3 kernel (version ws at d = 64, 128): the five GEMMs of every (Q tile, K/V tile) pair,
+           4 B H N^2 d x 2.5 FLOPs (half when causal): work in proportion to B H N^2 d.
+  convert  the accumulator read and written again as dQ in the inputs' dtype: traffic in proportion to B H N d.
+With B N fixed (--tokens), pre and convert cost the same at every N while the main kernel's work grows with N: the
+shorter the sequence, the larger their share of the call.
+
+Timing: each of pre, main, convert, the whole call (flash_v3_backward.backward) and cuDNN's backward (torch.autograd
+.grad on a graph built once, as dev/bench.py does) is run --reps times back to back between two CUDA events after a
+warm-up, and they take turns --rounds times; a column is the median of its rounds, in microseconds per call. Before
+timing, dQ from the three launches run by hand must equal the whole call's bit for bit (the script times the launches
+the backward makes, not others). Needs an sm_90 GPU, CuPy, cuda-bindings and a CUDA build of PyTorch.
+"""
+import argparse
+import csv
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "dev"))
+
+PARTS = ("pre", "main", "convert", "whole", "cudnn")
+COLUMNS = (["gpu", "dtype", "head_dim", "causal", "seq_len", "batch", "heads"] + [f"{p}_us" for p in PARTS]
+           + ["main_tflops", "whole_tflops", "cudnn_tflops", "reps", "rounds",
+              "git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"])
+
+
+def events_us(fn, cupy, reps, warmup=10):
+    """Microseconds per call of fn, run reps times back to back between two CUDA events (queued, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / reps
+
+
+def one_config(dtype_name, D, causal, N, args, cupy, torch):
+    """{column: value} of one (dtype, d, causal, N)."""
+    import numpy as np
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import bench
+    from stages.common import attention_flops, bfloat16, fast_path, make_inputs
+    from stages.hopper import flash_v3, flash_v3_backward as fb
+
+    B, H = max(1, args.tokens // N), args.heads
+    q, k, v, do = make_inputs(B, H, N, N, D, dtype={"bf16": bfloat16, "fp16": np.float16}[dtype_name], xp=cupy,
+                              grad=True)
+    o, lse = flash_v3.forward(q, k, v, causal=causal)
+    dq_whole = fb.backward(q, k, v, o, lse, do, causal=causal)[0].copy()
+
+    # The launches of the plan backward() made for this problem, run by hand on arrays of their own
+    plan = fb._plan(fb.resolve_version("auto", D), np.dtype(q.dtype), q.shape, N, causal, 1 / np.sqrt(D))
+    delta, lse_pad, dq_acc = fast_path.empties(*plan.scratch)
+    dq, dk, dv = (cupy.empty_like(x) for x in (q, k, v))
+    pieces = {"pre": lambda: plan.pre(o, do, lse, delta, lse_pad, dq_acc, 0),
+              "main": lambda: plan.main(q, k, v, do, dq_acc, dq_acc, dk, dv, lse_pad, delta),
+              "convert": lambda: plan.convert(dq_acc, dq)}
+    for f in pieces.values():
+        f()
+    if not cupy.array_equal(dq.view(np.int16), dq_whole.view(np.int16)):
+        raise SystemExit(f"d={D} N={N}: dQ of the launches run by hand differs from backward()'s: the script would "
+                         "time other launches than the backward makes")
+
+    tq, tk, tv, tdo = (bench._bnhd(x, torch).transpose(1, 2) for x in (q, k, v, do))  # torch's layout, (B, H, N, d)
+    leaves = [t.detach().requires_grad_(True) for t in (tq, tk, tv)]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    fns = dict(pieces, whole=lambda: fb.backward(q, k, v, o, lse, do, causal=causal),
+               cudnn=lambda: torch.autograd.grad(out, leaves, tdo, retain_graph=True))
+    times = {p: [] for p in PARTS}
+    for _ in range(args.rounds):
+        for p in PARTS:
+            torch.cuda.synchronize()
+            times[p].append(events_us(fns[p], cupy, args.reps))
+    us = {p: statistics.median(t) for p, t in times.items()}
+    flops = attention_flops(B, H, N, N, D, causal=causal, backward=True)
+    row = dict(dtype=dtype_name, head_dim=D, causal=causal, seq_len=N, batch=B, heads=H,
+               **{f"{p}_us": round(us[p], 1) for p in PARTS},
+               **{f"{p}_tflops": round(flops / us[p] / 1e6, 1) for p in ("main", "whole", "cudnn")},
+               reps=args.reps, rounds=args.rounds)
+    print(f"{dtype_name} d={D} {'causal' if causal else 'full'} N={N} B={B}: "
+          + ", ".join(f"{p} {us[p]:.1f} us" for p in PARTS), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--tokens", type=int, default=16384, help="B*N, B = tokens // N (default 16384)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=50, help="calls between the two events of one timing")
+    ap.add_argument("--rounds", type=int, default=3, help="turns of all five timings; medians over them")
+    ap.add_argument("--out", default=None, help="CSV file to write (default: print only)")
+    args = ap.parse_args()
+    if args.reps < 1 or args.rounds < 1:
+        ap.error("--reps and --rounds must be at least 1")
+    if any(n < 1 for n in args.seqs):
+        ap.error(f"--seqs must be positive, got {args.seqs}")
+
+    try:
+        import cupy
+        import torch
+
+        cupy.cuda.runtime.getDeviceCount()
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device")
+    except Exception as e:  # no CuPy, no torch, no driver or no device
+        raise SystemExit(f"backward_launches.py needs an sm_90 GPU, CuPy and a CUDA build of PyTorch ({e})")
+    import bench
+    from stages.common import device, gpu_name
+    from stages.hopper import blocks
+
+    try:
+        blocks.require_hopper()
+    except device.UnsupportedDevice as e:
+        raise SystemExit(f"backward_launches.py times stage 06: {e}")
+    prov = bench.provenance(cupy, torch, gpu_name())
+    print(f"stage 06 backward, launch by launch, on {prov['gpu']} (commit {prov['git_commit']})", flush=True)
+    rows = [dict(one_config(args.dtype, D, causal, N, args, cupy, torch), **prov)
+            for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+            for D in args.head_dims for N in args.seqs]
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {args.out} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
