@@ -16,8 +16,9 @@ shorter the sequence, the larger their share of the call.
 Timing: each of pre, main, convert, the whole call (flash_v3_backward.backward) and cuDNN's backward (torch.autograd
 .grad on a graph built once, as dev/bench.py does) is run --reps times back to back between two CUDA events after a
 warm-up, and they take turns --rounds times; a column is the median of its rounds, in microseconds per call. Before
-timing, dQ from the three launches run by hand must equal the whole call's bit for bit (the script times the launches
-the backward makes, not others). Needs an sm_90 GPU, CuPy, cuda-bindings and a CUDA build of PyTorch.
+timing, the three launches run by hand must give the whole call's dK and dV bit for bit and its dQ up to the order
+of its float32 sums (the script times the launches the backward makes, not others). Needs an sm_90 GPU, CuPy,
+cuda-bindings and a CUDA build of PyTorch.
 """
 import argparse
 import csv
@@ -62,7 +63,7 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
     q, k, v, do = make_inputs(B, H, N, N, D, dtype={"bf16": bfloat16, "fp16": np.float16}[dtype_name], xp=cupy,
                               grad=True)
     o, lse = flash_v3.forward(q, k, v, causal=causal)
-    dq_whole = fb.backward(q, k, v, o, lse, do, causal=causal)[0].copy()
+    whole = [x.copy() for x in fb.backward(q, k, v, o, lse, do, causal=causal)]
 
     # The launches of the plan backward() made for this problem, run by hand on arrays of their own
     plan = fb._plan(fb.resolve_version("auto", D), np.dtype(q.dtype), q.shape, N, causal, 1 / np.sqrt(D))
@@ -73,9 +74,13 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
               "convert": lambda: plan.convert(dq_acc, dq)}
     for f in pieces.values():
         f()
-    if not cupy.array_equal(dq.view(np.int16), dq_whole.view(np.int16)):
-        raise SystemExit(f"d={D} N={N}: dQ of the launches run by hand differs from backward()'s: the script would "
-                         "time other launches than the backward makes")
+    # dK, dV: each block owns its keys, so they are the same bits; dQ is summed over the K/V blocks in the order they
+    # finish (float32 additions in another order round otherwise), so it may differ in its last bits
+    same_kv = all(cupy.array_equal(a.view(np.int16), b.view(np.int16)) for a, b in zip((dk, dv), whole[1:]))
+    dq_err = float(cupy.max(cupy.abs(dq.astype(cupy.float32) - whole[0].astype(cupy.float32))))
+    if not same_kv or dq_err > 2 ** -6 * float(cupy.max(cupy.abs(whole[0].astype(cupy.float32)))):
+        raise SystemExit(f"d={D} N={N}: the launches run by hand do not give backward()'s gradients (dk, dv the same "
+                         f"bits: {same_kv}; dq off by {dq_err:.3g}): the script would time other launches")
 
     tq, tk, tv, tdo = (bench._bnhd(x, torch).transpose(1, 2) for x in (q, k, v, do))  # torch's layout, (B, H, N, d)
     leaves = [t.detach().requires_grad_(True) for t in (tq, tk, tv)]
