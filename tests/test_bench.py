@@ -177,24 +177,15 @@ def test_bench_without_gpu_exits_with_a_message(tmp_path):
 
 
 @pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
-def test_profile_backward_without_gpu_exits_with_a_message(tmp_path):
-    out = tmp_path / "profile.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "dev/profile_backward.py"), "--out", str(out)],
+@pytest.mark.parametrize("script, says", [("dev/profile_backward.py", "needs a CUDA GPU"),
+                                          ("dev/backward_launches.py", "needs an sm_90 GPU")])
+def test_gpu_script_without_gpu_exits_with_a_message(tmp_path, script, says):
+    out = tmp_path / "out.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / script), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert "needs a CUDA GPU" in proc.stderr
-    assert not out.exists()
-
-
-@pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
-def test_backward_launches_without_gpu_exits_with_a_message(tmp_path):
-    out = tmp_path / "launches.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "dev/backward_launches.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
-    assert "needs an sm_90 GPU" in proc.stderr
+    assert says in proc.stderr
     assert not out.exists()
 
 
