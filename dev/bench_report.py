@@ -18,6 +18,7 @@ CSV comes from) with one command; tests/test_bench.py checks that the committed 
 import argparse
 import csv
 import pathlib
+import re
 import statistics
 import sys
 
@@ -280,7 +281,7 @@ D256_CSV = "bench_d256_h100.csv"  # head dim 256, stages 02 and 03 beside PyTorc
 FP32_CSV = "bench_fp32_h100.csv"  # float32, N 1024-16384: stages 02 and 03 beside PyTorch's memory-efficient backend
 HOPPER_CSV = "bench_fwd_hopper_h100.csv"  # dev/bench.py --direction fwd: stage 06 beside stage 02 and PyTorch
 HOPPER_BWD_CSV = "bench_bwd_hopper_h100.csv"  # dev/bench.py --direction bwd: stage 06 beside stage 03 and PyTorch
-# The same two sweeps on an H200, N from 512, the implementations of a config taking turns (dev/bench.py --rounds 3)
+# The same two sweeps on an H200, N from 512, the implementations of a config taking turns (dev/bench.py --rounds R)
 HOPPER_H200_CSVS = {"fwd": "bench_fwd_hopper_h200.csv", "bwd": "bench_bwd_hopper_h200.csv"}
 HOPPER_STEPS_CSV = "bench_hopper_h100.csv"  # dev/bench_hopper.py: every stage 06 version, one run
 HOPPER_PROFILE_CSV = "profile_hopper_h100.csv"  # dev/profile_hopper.py: ncu counters of every stage 06 version
@@ -298,6 +299,13 @@ def read_rows(path):
 def read_sources(results_dir):
     """results/sources.csv: one row per CSV (file, what, gpu, software, command, code, note), in file order."""
     return read_rows(pathlib.Path(results_dir) / "sources.csv")
+
+
+def rounds_of(source):
+    """How many times the implementations took turns in a dev/bench.py run: the --rounds of its sources.csv command
+    (1 without it)."""
+    found = re.search(r"--rounds (\d+)", source["command"])
+    return int(found.group(1)) if found else 1
 
 
 def read_ring_csv(path):
@@ -779,10 +787,9 @@ def readme_results(results_dir=None):
         n = sorted({r["seq_len"] for r in r32})
         lines += [f"Float32 on **{gpus(r32)}** (`results/{FP32_CSV}`, every N from {n[0]} to {n[-1]}): "
                   + "; ".join(parts) + ". Table in [`results/README.md`](results/README.md).", ""]
-    turns = ", the implementations taking turns three times"
-    hopper = " ".join(x for x in (hopper_summary(results_dir), hopper_summary(results_dir, "bwd"),
-                                  hopper_summary(results_dir, "fwd", HOPPER_H200_CSVS["fwd"], turns),
-                                  hopper_summary(results_dir, "bwd", HOPPER_H200_CSVS["bwd"], turns)) if x)
+    h200 = [hopper_summary(results_dir, d, name, f", the implementations taking turns {rounds_of(sources[name])} times")
+            for d, name in HOPPER_H200_CSVS.items() if name in sources]
+    hopper = " ".join(x for x in [hopper_summary(results_dir), hopper_summary(results_dir, "bwd")] + h200 if x)
     if hopper:
         hopper += (" The versions step by step: [`stages/06_hopper/README.md`](stages/06_hopper/README.md).")
     for section in (hopper, ring_section(results_dir), scaling_section(results_dir)):
@@ -853,12 +860,15 @@ def results_readme(results_dir=None):
                   "by `dev/bench.py` as above:", "",
                   markdown(hopper, min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), "",
                   "Every stage 06 version, one step at a time:", "", hopper_steps_table(results_dir), ""]
+    by_file = {s["file"]: s for s in sources}
     for direction, name in HOPPER_H200_CSVS.items():
         rows = _rows_of(results_dir, name, read_csv)
         if rows is not None:
+            n = rounds_of(by_file[name])
             lines += [f"## Stage 06 on an H200, {TITLES[direction]} (`{name}`)", "",
-                      "Every N from 512; the implementations of a configuration took turns three times "
-                      "(`dev/bench.py --rounds 3`) and each column is the median of their three timings:", "",
+                      f"Every N from {min(r['seq_len'] for r in rows)}; the implementations of a configuration took "
+                      f"turns {n} times (`dev/bench.py --rounds {n}`) and each column is the median of their "
+                      f"{n} timings:", "",
                       markdown(rows, min_seq=0, summary_min_seq=SUMMARY_MIN_SEQ).rstrip(), ""]
     for s in sources:
         if s["file"].startswith("bench_variants"):

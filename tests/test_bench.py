@@ -236,6 +236,14 @@ def test_rounds_default_to_one_and_must_be_positive(capsys):
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
+def test_the_report_reads_the_rounds_from_the_runs_command():
+    """The tables say how many turns a run took from its sources.csv command (--rounds R), 1 when it has none."""
+    report = _load("bench_report")
+    assert report.rounds_of({"command": "python3 dev/bench.py --direction bwd --rounds 3 --no-plots"}) == 3
+    assert report.rounds_of({"command": "python3 dev/bench.py --rounds 12"}) == 12
+    assert report.rounds_of({"command": "python3 dev/bench.py --direction fwd --no-plots"}) == 1
+
+
 def test_host_time_table_sums_the_backwards_floor(tmp_path):
     """dev/host_time.py's CSV -> the table, and the sum of the pieces a repeated backward cannot leave out
     (counted as BACKWARD_FLOOR says); without one of the pieces there is no sum."""
