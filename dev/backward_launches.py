@@ -36,19 +36,6 @@ COLUMNS = (["gpu", "dtype", "head_dim", "causal", "seq_len", "batch", "heads"] +
               "git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"])
 
 
-def events_us(fn, cupy, reps, warmup=10):
-    """Microseconds per call of fn, run reps times back to back between two CUDA events (queued, after warm-up)."""
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / reps
-
-
 def one_config(dtype_name, D, causal, N, args, cupy, torch):
     """{column: value} of one (dtype, d, causal, N)."""
     import numpy as np
@@ -56,7 +43,8 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import bench
-    from stages.common import attention_flops, bfloat16, fast_path, make_inputs
+    from stages.common import attention_flops, bfloat16, fast_path, make_inputs, time_queued_ms
+    from stages.common.checks import resolve_scale
     from stages.hopper import flash_v3, flash_v3_backward as fb
 
     B, H = max(1, args.tokens // N), args.heads
@@ -66,7 +54,7 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
     whole = [x.copy() for x in fb.backward(q, k, v, o, lse, do, causal=causal)]
 
     # The launches of the plan backward() made for this problem, run by hand on arrays of their own
-    plan = fb._plan(fb.resolve_version("auto", D), np.dtype(q.dtype), q.shape, N, causal, 1 / np.sqrt(D))
+    plan = fb._plan(fb.resolve_version("auto", D), np.dtype(q.dtype), q.shape, N, causal, resolve_scale(None, D))
     delta, lse_pad, dq_acc = fast_path.empties(*plan.scratch)
     dq, dk, dv = (cupy.empty_like(x) for x in (q, k, v))
     pieces = {"pre": lambda: plan.pre(o, do, lse, delta, lse_pad, dq_acc, 0),
@@ -92,7 +80,7 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
     for _ in range(args.rounds):
         for p in PARTS:
             torch.cuda.synchronize()
-            times[p].append(events_us(fns[p], cupy, args.reps))
+            times[p].append(time_queued_ms(fns[p], gpu=True, warmup=10, repeat=args.reps) * 1e3)
     us = {p: statistics.median(t) for p, t in times.items()}
     flops = attention_flops(B, H, N, N, D, causal=causal, backward=True)
     row = dict(dtype=dtype_name, head_dim=D, causal=causal, seq_len=N, batch=B, heads=H,

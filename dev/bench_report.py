@@ -865,7 +865,7 @@ def results_readme(results_dir=None):
         rows = _rows_of(results_dir, name, read_csv)
         if rows is not None:
             n = rounds_of(by_file[name])
-            lines += [f"## Stage 06 on an H200, {TITLES[direction]} (`{name}`)", "",
+            lines += [f"## Stage 06 on {gpus(rows)}, {TITLES[direction]} (`{name}`)", "",
                       f"Every N from {min(r['seq_len'] for r in rows)}; the implementations of a configuration took "
                       f"turns {n} times (`dev/bench.py --rounds {n}`) and each column is the median of their "
                       f"{n} timings:", "",
