@@ -1,5 +1,6 @@
-"""Where stage 06's backward spends its time: each of its three launches timed alone, beside the whole call and
-cuDNN's whole backward (PyTorch SDPA), for every N at the same number of tokens.
+"""Where stage 06's backward spends its time: each of its three launches timed alone, beside the whole call, the
+call with the dQ conversion fused into the main kernel and cuDNN's whole backward (PyTorch SDPA), for every N at the
+same number of tokens.
 
     python3 dev/backward_launches.py --out results/backward_launches_h200.csv
     python3 dev/backward_launches.py --head-dims 128 --seqs 512 16384 --causal yes
@@ -11,13 +12,18 @@ The backward (stages/06_hopper/flash_v3_backward.py) is three launches:
            4 B H N^2 d x 2.5 FLOPs (half when causal): work in proportion to B H N^2 d.
   convert  the accumulator read and written again as dQ in the inputs' dtype: traffic in proportion to B H N d.
 With B N fixed (--tokens), pre and convert cost the same at every N while the main kernel's work grows with N: the
-shorter the sequence, the larger their share of the call.
+shorter the sequence, the larger their share of the call. So version ws can do the conversion itself (the last block
+of each head to finish converts it): the backward is then two launches. Which of the two the backward uses is its
+fuse_dq_rule; this script times both whole, whatever the rule says:
+  unfused  pre, main, convert (the plan with fuse_dq=False)
+  fused    pre, main converting dQ in its last block per head (fuse_dq=True)
+  whole    flash_v3_backward.backward, one of the two
 
-Timing: each of pre, main, convert, the whole call (flash_v3_backward.backward) and cuDNN's backward (torch.autograd
-.grad on a graph built once, as dev/bench.py does) is run --reps times back to back between two CUDA events after a
-warm-up, and they take turns --rounds times; a column is the median of its rounds, in microseconds per call. Before
-timing, the three launches run by hand must give the whole call's dK and dV bit for bit and its dQ up to the order
-of its float32 sums (the script times the launches the backward makes, not others). Needs an sm_90 GPU, CuPy,
+Timing: each of pre, main, convert, unfused, fused, whole and cuDNN's backward (torch.autograd.grad on a graph built
+once, as dev/bench.py does) is run --reps times back to back between two CUDA events after a warm-up, and they take
+turns --rounds times; a column is the median of its rounds, in microseconds per call. Before timing, the three
+launches run by hand and both plans must give the whole call's dK and dV bit for bit and its dQ up to the order of
+its float32 sums (the script times the launches the backward makes, not others). Needs an sm_90 GPU, CuPy,
 cuda-bindings and a CUDA build of PyTorch.
 """
 import argparse
@@ -30,9 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "dev"))
 
-PARTS = ("pre", "main", "convert", "whole", "cudnn")
+PARTS = ("pre", "main", "convert", "unfused", "fused", "whole", "cudnn")
 COLUMNS = (["gpu", "dtype", "head_dim", "causal", "seq_len", "batch", "heads"] + [f"{p}_us" for p in PARTS]
-           + ["main_tflops", "whole_tflops", "cudnn_tflops", "reps", "rounds",
+           + ["main_tflops", "whole_tflops", "cudnn_tflops", "fused_by_rule", "reps", "rounds",
               "git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"])
 
 
@@ -53,22 +59,28 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
     o, lse = flash_v3.forward(q, k, v, causal=causal)
     whole = [x.copy() for x in fb.backward(q, k, v, o, lse, do, causal=causal)]
 
-    # The launches of the plan backward() made for this problem, run by hand on arrays of their own
-    plan = fb._plan(fb.resolve_version("auto", D), np.dtype(q.dtype), q.shape, N, causal, resolve_scale(None, D))
+    # The launches of the unfused plan, run by hand on arrays of their own; the two plans whole
+    version, scale = fb.resolve_version("auto", D), resolve_scale(None, D)
+    plans = {f: fb._plan(version, np.dtype(q.dtype), q.shape, N, causal, scale, fuse_dq=f) for f in (False, True)}
+    plan = plans[False]
     delta, lse_pad, dq_acc = fast_path.empties(*plan.scratch)
     dq, dk, dv = (cupy.empty_like(x) for x in (q, k, v))
     pieces = {"pre": lambda: plan.pre(o, do, lse, delta, lse_pad, dq_acc, 0),
-              "main": lambda: plan.main(q, k, v, do, dq_acc, dq_acc, dk, dv, lse_pad, delta),
-              "convert": lambda: plan.convert(dq_acc, dq)}
-    for f in pieces.values():
-        f()
+              "main": lambda: plan.main(q, k, v, do, dq_acc, dq_acc, dk, dv, lse_pad, delta, 0, 0),
+              "convert": lambda: plan.convert(dq_acc, dq),
+              "unfused": lambda: plans[False](q, k, v, o, lse, do),
+              "fused": lambda: plans[True](q, k, v, o, lse, do)}
+    for name in ("pre", "main", "convert"):
+        pieces[name]()
     # dK, dV: each block owns its keys, so they are the same bits; dQ is summed over the K/V blocks in the order they
     # finish (float32 additions in another order round otherwise), so it may differ in its last bits
-    same_kv = all(cupy.array_equal(a.view(np.int16), b.view(np.int16)) for a, b in zip((dk, dv), whole[1:]))
-    dq_err = float(cupy.max(cupy.abs(dq.astype(cupy.float32) - whole[0].astype(cupy.float32))))
-    if not same_kv or dq_err > 2 ** -6 * float(cupy.max(cupy.abs(whole[0].astype(cupy.float32)))):
-        raise SystemExit(f"d={D} N={N}: the launches run by hand do not give backward()'s gradients (dk, dv the same "
-                         f"bits: {same_kv}; dq off by {dq_err:.3g}): the script would time other launches")
+    for name, (gq, gk, gv) in (("by hand", (dq, dk, dv)), ("unfused", pieces["unfused"]()),
+                               ("fused", pieces["fused"]())):
+        same_kv = all(cupy.array_equal(a.view(np.int16), b.view(np.int16)) for a, b in zip((gk, gv), whole[1:]))
+        dq_err = float(cupy.max(cupy.abs(gq.astype(cupy.float32) - whole[0].astype(cupy.float32))))
+        if not same_kv or not dq_err <= 2 ** -6 * float(cupy.max(cupy.abs(whole[0].astype(cupy.float32)))):
+            raise SystemExit(f"d={D} N={N}: the launches {name} do not give backward()'s gradients (dk, dv the same "
+                             f"bits: {same_kv}; dq off by {dq_err:.3g}): the script would time other launches")
 
     tq, tk, tv, tdo = (bench._bnhd(x, torch).transpose(1, 2) for x in (q, k, v, do))  # torch's layout, (B, H, N, d)
     leaves = [t.detach().requires_grad_(True) for t in (tq, tk, tv)]
@@ -86,6 +98,7 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
     row = dict(dtype=dtype_name, head_dim=D, causal=causal, seq_len=N, batch=B, heads=H,
                **{f"{p}_us": round(us[p], 1) for p in PARTS},
                **{f"{p}_tflops": round(flops / us[p] / 1e6, 1) for p in ("main", "whole", "cudnn")},
+               fused_by_rule=fb.fuse_dq_rule(version, N, D),
                reps=args.reps, rounds=args.rounds)
     print(f"{dtype_name} d={D} {'causal' if causal else 'full'} N={N} B={B}: "
           + ", ".join(f"{p} {us[p]:.1f} us" for p in PARTS), flush=True)

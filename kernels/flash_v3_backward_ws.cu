@@ -16,6 +16,9 @@
 //     it over all 128 keys (32 accumulator registers): at D = 128 all 64 rows and columns 64 me..; at D = 64 rows
 //     64 me.. and all 64 columns. Two named barriers of both consumers order each tile: both halves of dS^T are
 //     written (BAR_DS), all of dQ_i is in shared memory (BAR_DQ; one thread then hands it to the copy engine).
+//   * on short heads (the launcher's fuse_dq_rule) the last block of each head to finish converts the head's dQ
+//     accumulator to the input type, while it is in L2: no third launch, no pass of its own over the accumulator,
+//     whose fixed cost is largest where the GEMMs are fewest (a counter per head, as stage 03's tc kernel).
 // Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
 // A block of ring attention (stage 04; p.accumulate) adds scale dQ_i through map_dq, a map of the ring's float32 dQ
 // at the block's rows, and dK_j, dV_j into its float32 accumulators (hopper_bwd_tiles.cuh: store_dk_dv).
@@ -31,7 +34,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
     constexpr int PANELS = D / 64;
     constexpr u32 TILE = PANELS * 8192u;    // bytes of 64 rows of K_j or V_j
     constexpr u32 QT = BR * D * 2u;         // bytes of a Q_i or dO_i tile: PANELS panels of BR rows x 128 bytes
-    enum { BAR_DS = 1, BAR_DQ = 3 };  // named barriers of both consumers (256 threads)
+    enum { BAR_DS = 1, BAR_DQ = 3, BAR_LAST = 4 };  // named barriers of both consumers (256 threads)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[1 + 2 * STAGES];  // K and V; full[s]; empty[s]
     // K_j (two 64-key tiles), V_j (two), dS^T (BR / 64 panels of 128 keys x 64 queries, 16 KB each), dQ_i (BR x D
@@ -179,6 +182,26 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
             bulk_commit();
         }
     }
-    if (issuer) bulk_wait_all<0>();  // no reduction may still read shared memory when the block exits
+    if (issuer) bulk_wait_all<0>();  // every reduction this block issued is complete (and none reads shared memory)
     store_dk_dv<T, D, D>(dk, dv, p, bh, kr, 0, t);  // Alg.2 L16 (a block no query sees writes zeros)
+
+    // Alg.2 L21: dQ = dq_acc in the input type, by the last of the head's gridDim.x blocks to finish (p.done not
+    // null). The issuer is the one thread whose copies added to dq_acc: it fences them (from the copy engine's proxy
+    // into ordinary memory order, then device-wide) and counts the block done; the block that completes the count
+    // has every block's additions in L2 and converts the head's Nq x D values with its 256 consumer threads.
+    if (p.done != nullptr) {
+        __shared__ int last;
+        if (issuer) {
+            fence_proxy_async_global();
+            __threadfence();
+            last = atomicAdd(p.done + bh, 1) == (int)gridDim.x - 1;
+        }
+        named_bar_sync(BAR_LAST, 256);
+        if (last) {
+            __threadfence();  // the other blocks' additions, published by their fences, before the reads
+            const long head = (long)bh * Nq * D;
+            convert_dq<16>(p.dq_acc + head, static_cast<T*>(p.dq) + head, 1.f, (long)Nq * D / 4, threadIdx.x - 128,
+                           256);  // 16 loads in flight per thread: one block converts alone
+        }
+    }
 }

@@ -49,6 +49,10 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 // Shared memory written by ordinary stores that wgmma or the copy engine (the async proxy) reads next: each writing
 // thread fences, then a barrier orders the readers after the writers.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The fence between the two proxies in global memory (it orders both ways): what the copy engine's bulk reductions
+// wrote there, complete (bulk_wait_all), comes before this thread's later accesses, among them the fence and atomic
+// that publish it to other blocks.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // ---------------------------------------------------------------- TMA
 // Copy the box at element coordinates (c0 = column, c1 = row) of the 2-D tensor map into shared memory at dst; the

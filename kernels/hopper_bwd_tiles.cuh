@@ -11,11 +11,16 @@
 // tensor maps at multiples of 64 bytes. q, k, v, dO: (B, H, N, D) row-major, seen by the maps as D x N x (B H) in
 // boxes of 64 x 64. stages/06_hopper/flash_v3_backward.py mirrors it.
 struct HopperBwdParams {
-    float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += scale dS K (version wgmma; ws: map_dq)
+    float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += scale dS K (version wgmma; ws: through
+                         // map_dq, and read here by the fused conversion)
     void* dk;            // (B, H, kv_rows, D): the input type, or with accumulate the ring's float32 accumulator
     void* dv;
     const float* lse;    // (B H, Nq_pad): L_i (natural log); +inf where a row sees no key and past Nq (P = 0 there)
     const float* delta;  // (B H, Nq_pad): D_i = rowsum(dO_i o O_i); 0 past Nq
+    void* dq;            // (B, H, Nq, D) in the input type: dQ, written by the kernel where done is not null
+    int* done;           // one counter per (batch, head), zeroed by the preprocess: the head's blocks count themselves
+                         // done, and the last converts the head's dq_acc into dq (version ws); null: the launcher
+                         // converts with a kernel of its own
     int Nq, Nk, Nq_pad;
     float scale;         // softmax scale: P = exp(scale S - L), dK = scale dS^T Q
     int causal;          // 1: query r sees key c iff c <= r + Nk - Nq

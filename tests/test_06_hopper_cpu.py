@@ -330,3 +330,14 @@ def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch
     assert flash_v3_backward._pre_function("bwd_preprocess", "__half") == "bwd_preprocess<__half>"
     assert seen == [("flash_v2_backward_pre.cu", {"name_expressions": stage03.PRE_NAMES})]
     flash_v3_backward._pre_function.cache_clear()
+
+
+def test_the_backward_converts_dq_in_its_main_kernel_only_on_short_heads_of_version_ws():
+    from stages.hopper import flash_v3_backward as fb
+
+    most = fb.FUSE_DQ_MAX
+    assert fb.fuse_dq_rule("ws", most // 128, 128) and fb.fuse_dq_rule("ws", most // 64, 64)
+    assert not fb.fuse_dq_rule("ws", most // 128 + 1, 128) and not fb.fuse_dq_rule("wgmma", 64, 64)
+    with pytest.raises(ValueError, match="version 'wgmma' does not convert dQ itself"):
+        fb._plan("wgmma", np.dtype(np.float16), (1, 1, 64, 64), 64, False, 0.125, fuse_dq=True)
+

@@ -249,6 +249,31 @@ def test_backward_with_more_blocks_than_sms(shape, causal, version, D):
     check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
 
 
+@pytest.mark.parametrize("fuse_dq", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(3, 50, 150, 200), (1, 3, 700, 333)])
+def test_backward_ws_converts_dq_in_its_last_block_per_head_or_in_a_launch_of_its_own(shape, causal, D, fuse_dq):
+    """Both ways of version ws, whatever fuse_dq_rule picks for the shape: the last block of each head to finish
+    converts the head's accumulator only after every block's bulk reductions into it are complete and visible (150
+    heads: blocks of many heads finish in every order), or bwd_convert_dq does it after the grid."""
+    import cupy
+
+    from stages.common import check_backward, make_inputs
+    from stages.common.checks import resolve_scale
+    from stages.hopper import flash_v3_backward as fb
+
+    _hopper()
+    q, k, v, do = make_inputs(*shape, D, dtype=bfloat16, xp=cupy, grad=True)
+
+    def backward(q, k, v, o, lse, do, *, causal, scale):
+        plan = fb._plan("ws", np.dtype(q.dtype), q.shape, k.shape[2], causal, resolve_scale(scale, D), fuse_dq=fuse_dq)
+        assert (plan.convert is None) == fuse_dq
+        return plan(q, k, v, o, lse, do)
+
+    check_backward(backward, q, k, v, do, causal=causal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("version,D", BACKWARD)
 @pytest.mark.parametrize("causal", [False, True])

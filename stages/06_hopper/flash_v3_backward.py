@@ -6,10 +6,11 @@ bfloat16, D = 64, 128 or 256, on an sm_90 GPU.
 
 Three launches, the first and last stage 03's (kernels/flash_v2_backward_pre.cu):
   bwd_preprocess     D_i = rowsum(dO_i o O_i), L_i (+inf where nothing is visible and past Nq); the fp32 dQ
-                     accumulator zeroed
+                     accumulator (and the per-head block counters, when the main kernel converts) zeroed
   the main kernel    dK_j, dV_j of each K/V tile in the accumulators of the warpgroups that own its keys, the five GEMMs
                      of each Q tile by wgmma; dQ_i added to the accumulator
-  bwd_convert_dq     dQ = the accumulator (scale dS K summed) in the inputs' dtype
+  bwd_convert_dq     dQ = the accumulator (scale dS K summed) in the inputs' dtype. On short heads version ws does
+                     this itself, in the last block of each head to finish (fuse_dq_rule): two launches, not three
 
 Versions, in the order the README teaches them:
   wgmma  (kernels/flash_v3_backward_wgmma.cu) one warpgroup per K/V tile of 64 keys, Q_i and dO_i by TMA into two
@@ -41,6 +42,18 @@ VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": (64, 128)}
 STAGES = 2
 PRE_FILE = "flash_v2_backward_pre.cu"  # stage 03's preprocess and dQ conversion
 PAD = stage03.PAD                      # D_i and L_i are padded to a multiple of PAD rows (>= every Q tile's rows)
+# Who converts dQ in version ws. The accumulator is B H Nq D floats; a pass of its own over it (bwd_convert_dq) costs
+# the same at every N for the same number of tokens, while the GEMMs' work grows with N, so at short N it is a large
+# share of the call. Fused, the last block of each head to finish converts that head while the other blocks still
+# compute, reading the accumulator from L2 where the reductions left it. But that block converts alone, on one SM: a
+# long head's conversion is a tail after the rest of the grid. Fused up to FUSE_DQ_MAX accumulator values per head
+# (results/backward_launches_h200.csv times both ways at every N).
+FUSE_DQ_MAX = 2048 * 128
+
+
+def fuse_dq_rule(version, nq, d):
+    """Whether the main kernel converts dQ itself (see FUSE_DQ_MAX): version ws, nq query rows of head dim d."""
+    return version == "ws" and nq * d <= FUSE_DQ_MAX
 
 
 class Config(NamedTuple):
@@ -60,14 +73,15 @@ def q_tile_rows(version, D):
 
 
 class HopperBwdParams(ctypes.Structure):
-    """struct HopperBwdParams of kernels/hopper_bwd_tiles.cuh: dq_acc, dk, dv, lse, delta, Nq, Nk, Nq_pad, scale,
-    causal, kv_rows, accumulate, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets 128,
-    256, 384, 512, 640."""
+    """struct HopperBwdParams of kernels/hopper_bwd_tiles.cuh: dq_acc, dk, dv, lse, delta, dq, done, Nq, Nk, Nq_pad,
+    scale, causal, kv_rows, accumulate, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets
+    128, 256, 384, 512, 640."""
     _fields_ = [("dq_acc", ctypes.c_uint64), ("dk", ctypes.c_uint64), ("dv", ctypes.c_uint64),
-                ("lse", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("Nq", ctypes.c_int32),
+                ("lse", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("dq", ctypes.c_uint64),
+                ("done", ctypes.c_uint64), ("Nq", ctypes.c_int32),
                 ("Nk", ctypes.c_int32), ("Nq_pad", ctypes.c_int32), ("scale", ctypes.c_float),
                 ("causal", ctypes.c_int32), ("kv_rows", ctypes.c_int32), ("accumulate", ctypes.c_int32),
-                ("_pad", ctypes.c_uint8 * 60),
+                ("_pad", ctypes.c_uint8 * 44),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16),
                 ("map_do", ctypes.c_uint64 * 16), ("map_dq", ctypes.c_uint64 * 16)]
 
@@ -115,19 +129,21 @@ def _pre_function(kernel, ctype):
     return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
 
 
-def _pre_launch(ctype, *, Nq, ldq, Nq_pad, D, BH, zero):
+def _pre_launch(ctype, *, Nq, ldq, Nq_pad, D, BH, zero, counters=0):
     """Stage 03's preprocess (Alg.2 L4) of rows 0..Nq-1 of every head, ldq rows a head apart from the pointers to o,
     do, lse it is given: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for
-    the padding up to Nq_pad), and, where zero, the float32 dQ accumulator zeroed (a ring block has none of its own).
-    Arguments of a call: o, do, lse, delta, lse_pad, the dQ accumulator (or 0), 0 (stage 03's block counters: none)."""
+    the padding up to Nq_pad), and, where zero, the float32 dQ accumulator and the first `counters` block counters
+    zeroed (a ring block has no accumulator of its own). Arguments of a call: o, do, lse, delta, lse_pad, the dQ
+    accumulator (or 0), the counters (or 0)."""
     i32, f32 = np.int32, np.float32
     return kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                          (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(0)))
+                          (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(counters)))
 
 
 def _main_launch(version, dtype, q_shape, k_shape, rows, keys, causal, scale, accumulate, dq_map):
     """The main kernel on rows (a, b) of every head of q, do (q_shape) against keys (c, m) of k, v (k_shape): a
-    MappedLaunch of (q, k, v, do, the dQ array dq_map describes; then the pointers dq_acc, dk, dv, lse_pad, delta).
+    MappedLaunch of (q, k, v, do, the dQ array dq_map describes; then the pointers dq_acc, dk, dv, lse_pad, delta,
+    dq, done: dq and the block counters where the kernel converts dQ itself, else 0, 0).
     accumulate: add dK, dV into float32 accumulators (the ring's) instead of writing them."""
     (a, b), (c, m) = rows, keys
     B, H, _, D = q_shape
@@ -144,12 +160,13 @@ def _main_launch(version, dtype, q_shape, k_shape, rows, keys, causal, scale, ac
 
 
 class BackwardPlan(NamedTuple):
-    """The launches of one backward problem: the preprocess, the main kernel, the dQ conversion; scratch, the layout
-    of D_i, L_i (Nq_pad rows a head) and the float32 dQ accumulator (B, H, Nq, D) in one allocation; outs: dq, dk, dv
-    carved from one allocation (fast_path keeps the plan so), or None. plan(q, k, v, o, lse, do) -> (dq, dk, dv)."""
+    """The launches of one backward problem: the preprocess, the main kernel, the dQ conversion (None where the main
+    kernel converts: fuse_dq_rule); scratch, the layout of D_i, L_i (Nq_pad rows a head), the float32 dQ accumulator
+    (B, H, Nq, D) and, with no conversion launch, the B H block counters, in one allocation; outs: dq, dk, dv carved
+    from one allocation (fast_path keeps the plan so), or None. plan(q, k, v, o, lse, do) -> (dq, dk, dv)."""
     pre: kernels.Launch
     main: blocks.MappedLaunch
-    convert: kernels.Launch
+    convert: kernels.Launch | None
     scratch: tuple
     outs: tuple | None = None
 
@@ -158,14 +175,16 @@ class BackwardPlan(NamedTuple):
 
         asc = kernels.row_major  # (B, H, N, D) row-major: a copy only for another layout
         q, k, v, o, do, lse = asc(q), asc(k), asc(v), asc(o), asc(do), asc(lse, dtype=cupy.float32)
-        delta, lse_pad, dq_acc = fast_path.empties(*self.scratch)
-        self.pre(o, do, lse, delta, lse_pad, dq_acc, 0)
+        delta, lse_pad, dq_acc, *counters = fast_path.empties(*self.scratch)
+        done = counters[0] if counters else 0
+        self.pre(o, do, lse, delta, lse_pad, dq_acc, done)
         if self.outs is not None:
             dq, dk, dv = fast_path.empties(*self.outs)
         else:
             dq, dk, dv = (empty(cupy, x.shape, x.dtype) for x in (q, k, v))
-        self.main(q, k, v, do, dq_acc, dq_acc, dk, dv, lse_pad, delta)
-        self.convert(dq_acc, dq)
+        self.main(q, k, v, do, dq_acc, dq_acc, dk, dv, lse_pad, delta, dq if counters else 0, done)
+        if self.convert is not None:
+            self.convert(dq_acc, dq)
         return dq, dk, dv
 
     def with_joint_outputs(self, q, k, v, *arrays):
@@ -174,20 +193,24 @@ class BackwardPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
-def _plan(version, dtype, q_shape, Nk, causal, scale):
-    """The BackwardPlan of q, o, do of q_shape (B, H, Nq, D) against Nk keys."""
+def _plan(version, dtype, q_shape, Nk, causal, scale, fuse_dq=None):
+    """The BackwardPlan of q, o, do of q_shape (B, H, Nq, D) against Nk keys. fuse_dq: whether the main kernel
+    converts dQ (version ws only); None: fuse_dq_rule decides (True / False: to time both, dev/backward_launches.py)."""
     B, H, Nq, D = q_shape
     BH, Nq_pad, ctype = B * H, -(-Nq // PAD) * PAD, blocks.CTYPE[dtype]
     acc_shape = (B, H, Nq, D)
+    fused = fuse_dq_rule(version, Nq, D) if fuse_dq is None else bool(fuse_dq)
+    if fused and version != "ws":
+        raise ValueError(f"flash_v3_backward: version {version!r} does not convert dQ itself (version 'ws' does)")
     main = _main_launch(version, dtype, q_shape, (B, H, Nk, D), (0, Nq), (0, Nk), causal, scale, accumulate=False,
                         dq_map=blocks.heads_map(acc_shape, np.float32))
     n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
-    convert = kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),), (256,), 0,
-                             (np.float32(1.0), np.int64(n)))
+    convert = None if fused else kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),),
+                                                (256,), 0, (np.float32(1.0), np.int64(n)))
     scratch = fast_path.out_layout([((BH * Nq_pad,), np.float32), ((BH * Nq_pad,), np.float32),
-                                    (acc_shape, np.float32)])
-    return BackwardPlan(_pre_launch(ctype, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH, zero=True), main, convert,
-                        scratch)
+                                    (acc_shape, np.float32)] + [((BH,), np.int32)] * fused)
+    pre = _pre_launch(ctype, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH, zero=True, counters=BH if fused else 0)
+    return BackwardPlan(pre, main, convert, scratch)
 
 
 @fast_path.remembered  # a plain call seen before goes straight to its planned launches (stages/common/fast_path.py)
@@ -244,7 +267,7 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
     at = a * D * q.itemsize  # byte offset of row a in every head of o and do
     pre(o.data.ptr + at, do.data.ptr + at, lse.data.ptr + 4 * a, delta, lse_pad, 0, 0)
     kv = 4 * c * D  # byte offset of key c in every head of the float32 accumulators
-    main(q, k, v, do, dq_run, 0, dk_run.data.ptr + kv, dv_run.data.ptr + kv, lse_pad, delta)
+    main(q, k, v, do, dq_run, 0, dk_run.data.ptr + kv, dv_run.data.ptr + kv, lse_pad, delta, 0, 0)
 
 
 def kernel_names(version):
