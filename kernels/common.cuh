@@ -76,23 +76,21 @@ __device__ __forceinline__ void store4(float* p, float a, float b, float c, floa
 // The backward's last step, dQ = scale * dQ_accum cast to TO: groups v = first, first + step, .. < n4 of 4 values
 // (the caller's threads split the groups). Loads skip L1 (ld.global.cg): the accumulator was written by atomics,
 // which other blocks made in L2. U groups per thread are loaded before any is stored, so U loads are in flight at
-// once: a whole grid has enough threads to keep memory busy with a few; one block converting alone needs more.
+// once (the last round's too: each load has its own bound check, no load waits for another): a whole grid has
+// enough threads to keep memory busy with a few; one block converting alone needs more.
 template <int U, typename TO>
 __device__ __forceinline__ void convert_dq(const float* __restrict__ acc, TO* __restrict__ dq, float scale, long n4,
                                            long first, long step) {
     const float4* a4 = reinterpret_cast<const float4*>(acc);
-    long v = first;
-    for (; v + (U - 1) * step < n4; v += U * step) {
+    for (long v = first; v < n4; v += U * step) {
         float4 a[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) a[u] = __ldcg(a4 + v + u * step);
+        for (int u = 0; u < U; ++u)
+            if (v + u * step < n4) a[u] = __ldcg(a4 + v + u * step);
 #pragma unroll
-        for (int u = 0; u < U; ++u) store4(dq + 4 * (v + u * step), scale * a[u].x, scale * a[u].y, scale * a[u].z,
-                                           scale * a[u].w);
-    }
-    for (; v < n4; v += step) {
-        const float4 a = __ldcg(a4 + v);
-        store4(dq + 4 * v, scale * a.x, scale * a.y, scale * a.z, scale * a.w);
+        for (int u = 0; u < U; ++u)
+            if (v + u * step < n4)
+                store4(dq + 4 * (v + u * step), scale * a[u].x, scale * a[u].y, scale * a[u].z, scale * a[u].w);
     }
 }
 

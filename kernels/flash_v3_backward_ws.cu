@@ -200,8 +200,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         if (last) {
             __threadfence();  // the other blocks' additions, published by their fences, before the reads
             const long head = (long)bh * Nq * D;
-            convert_dq<16>(p.dq_acc + head, static_cast<T*>(p.dq) + head, 1.f, (long)Nq * D / 4, threadIdx.x - 128,
-                           256);  // 16 loads in flight per thread: one block converts alone
+            convert_dq<32>(p.dq_acc + head, static_cast<T*>(p.dq) + head, 1.f, (long)Nq * D / 4, threadIdx.x - 128,
+                           256);  // 32 loads in flight per thread: one block converts alone
         }
     }
 }
