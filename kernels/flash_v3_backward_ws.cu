@@ -182,26 +182,26 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
             bulk_commit();
         }
     }
-    if (issuer) bulk_wait_all<0>();  // every reduction this block issued is complete (and none reads shared memory)
-    store_dk_dv<T, D, D>(dk, dv, p, bh, kr, 0, t);  // Alg.2 L16 (a block no query sees writes zeros)
-
     // Alg.2 L21: dQ = dq_acc in the input type, by the last of the head's gridDim.x blocks to finish (p.done not
-    // null). The issuer is the one thread whose copies added to dq_acc: it fences them (from the copy engine's proxy
-    // into ordinary memory order, then device-wide) and counts the block done; the block that completes the count
-    // has every block's additions in L2 and converts the head's Nq x D values with its 256 consumer threads.
-    if (p.done != nullptr) {
-        __shared__ int last;
-        if (issuer) {
+    // null). The issuer is the one thread whose copies added to dq_acc: once they are complete it fences them (from
+    // the copy engine's proxy into ordinary memory order) and counts the block done with an acquire-release atomic,
+    // which publishes them to the block that completes the count and, in that block, makes every other block's
+    // additions visible to what follows. The other consumers store dK_j, dV_j meanwhile; then the last block
+    // converts the head's Nq x D values with its 256 consumer threads, from L2, where the reductions left them.
+    __shared__ int last;
+    if (issuer) {
+        bulk_wait_all<0>();  // every reduction this block issued is complete (and none reads shared memory)
+        if (p.done != nullptr) {
             fence_proxy_async_global();
-            __threadfence();
-            last = atomicAdd(p.done + bh, 1) == (int)gridDim.x - 1;
+            last = atomic_add_acq_rel_gpu(p.done + bh, 1) == (int)gridDim.x - 1;
         }
-        named_bar_sync(BAR_LAST, 256);
-        if (last) {
-            __threadfence();  // the other blocks' additions, published by their fences, before the reads
-            const long head = (long)bh * Nq * D;
-            convert_dq<32>(p.dq_acc + head, static_cast<T*>(p.dq) + head, 1.f, (long)Nq * D / 4, threadIdx.x - 128,
-                           256);  // 32 loads in flight per thread: one block converts alone
-        }
+    }
+    store_dk_dv<T, D, D>(dk, dv, p, bh, kr, 0, t);  // Alg.2 L16 (a block no query sees writes zeros)
+    if (p.done == nullptr) return;
+    named_bar_sync(BAR_LAST, 256);  // the issuer has counted: last is written
+    if (last) {
+        fence_acq_rel_gpu();  // the issuer's acquire, passed on by the barrier, made this thread's own
+        const long head = (long)bh * Nq * D;
+        convert_dq<16>(p.dq_acc + head, static_cast<T*>(p.dq) + head, 1.f, (long)Nq * D / 4, threadIdx.x - 128, 256);
     }
 }

@@ -54,6 +54,17 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // that publish it to other blocks.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// *counter += v at GPU scope with acquire-release order; returns the old value. Release: this thread's earlier
+// writes (and, after fence_proxy_async_global, the copy engine's) are visible to whoever reads the count after it;
+// acquire: what the earlier counters released is visible to this thread's later reads (and, after a barrier, to its
+// block's).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int v) {
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(v) : "memory");
+    return old;
+}
+
 // ---------------------------------------------------------------- TMA
 // Copy the box at element coordinates (c0 = column, c1 = row) of the 2-D tensor map into shared memory at dst; the
 // bytes count towards bar's transaction.
