@@ -17,8 +17,10 @@
 //     64 me.. and all 64 columns. Two named barriers of both consumers order each tile: both halves of dS^T are
 //     written (BAR_DS), all of dQ_i is in shared memory (BAR_DQ; one thread then hands it to the copy engine).
 //   * on short heads (the launcher's fuse_dq_rule) the last block of each head to finish converts the head's dQ
-//     accumulator to the input type, while it is in L2: no third launch, no pass of its own over the accumulator,
-//     whose fixed cost is largest where the GEMMs are fewest (a counter per head, as stage 03's tc kernel).
+//     accumulator to the input type while it is in L2: no third launch and no pass of its own over the accumulator,
+//     a fixed cost that weighs most where the GEMMs are fewest. A counter per head, as in stage 03's tc kernel; here
+//     one thread counts with an acquire-release atomic while the block's other threads store dK_j, dV_j, so a block
+//     that is not last loses almost nothing to the count.
 // Head dims 64 and 128 (at 256, K_j and V_j of 128 keys and the Q/dO stages do not fit shared memory: version 1).
 // A block of ring attention (stage 04; p.accumulate) adds scale dQ_i through map_dq, a map of the ring's float32 dQ
 // at the block's rows, and dK_j, dV_j into its float32 accumulators (hopper_bwd_tiles.cuh: store_dk_dv).

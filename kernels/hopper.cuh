@@ -54,10 +54,11 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // that publish it to other blocks.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-// *counter += v at GPU scope with acquire-release order; returns the old value. Release: this thread's earlier
-// writes (and, after fence_proxy_async_global, the copy engine's) are visible to whoever reads the count after it;
-// acquire: what the earlier counters released is visible to this thread's later reads (and, after a barrier, to its
-// block's).
+// ---------------------------------------------------------------- counting blocks done (GPU scope)
+// *counter += v with acquire-release order; returns the old value. Release: this thread's earlier writes (and, after
+// fence_proxy_async_global, the copy engine's) are visible to whoever reads the count after it; acquire: what the
+// blocks that counted before released is visible to this thread's later reads. fence_acq_rel_gpu: a thread that
+// learnt of the count through a barrier, not the atomic, makes those writes its own before it reads them.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* counter, int v) {
     int old;
