@@ -286,7 +286,7 @@ HOPPER_H200_CSVS = {"fwd": "bench_fwd_hopper_h200.csv", "bwd": "bench_bwd_hopper
 HOPPER_STEPS_CSV = "bench_hopper_h100.csv"  # dev/bench_hopper.py: every stage 06 version, one run
 HOPPER_PROFILE_CSV = "profile_hopper_h100.csv"  # dev/profile_hopper.py: ncu counters of every stage 06 version
 HOPPER_BWD_PROFILE_CSV = "profile_hopper_bwd_h100.csv"  # dev/profile_hopper.py --backward: the same, backward
-LAUNCHES_CSV = "backward_launches_h200.csv"  # dev/backward_launches.py: the backward's three launches, each timed
+LAUNCHES_CSV = "backward_launches_h200.csv"  # dev/backward_launches.py: the backward launch by launch, fused or not
 HOPPER_STEPS = ("wgmma", "ws", "pingpong")  # stage 06's forward versions, in the README's order
 
 
@@ -702,24 +702,29 @@ def hopper_backward_table(results_dir):
 
 
 def backward_launches_table(results_dir):
-    """Markdown: dev/backward_launches.py's CSV, microseconds per call of each launch of stage 06's backward beside the
-    whole call and cuDNN's backward, with the share of the two memory passes and cuDNN's time over the main kernel's
-    and over the whole call's; "" without the CSV."""
+    """Markdown: dev/backward_launches.py's CSV, microseconds per call of stage 06's backward: each of its three
+    launches alone, the three together, the two with the dQ conversion in the main kernel, backward() as it runs (one
+    of the two: fuse_dq_rule) and cuDNN's backward, with the share of the two memory passes in the three launches
+    and cuDNN's time over the main kernel's and over backward()'s; "" without the CSV."""
     rows = _rows_of(results_dir, LAUNCHES_CSV, read_rows)
     if rows is None:
         return ""
     r0 = rows[0]
     out = [f"Microseconds per call on one {r0['gpu']} (`results/{LAUNCHES_CSV}`, `dev/backward_launches.py`, one run; "
            f"{r0['dtype']}, B x N = {int(r0['batch']) * int(r0['seq_len'])} tokens, H = {r0['heads']}; each column the "
-           f"median of {r0['rounds']} turns; cuDNN / x: cuDNN's time over x's, above 1 where x is faster):", "",
-           "| d | causal | N | B | preprocess | main kernel | dQ conversion | whole call | SDPA cuDNN | preprocess + "
-           "conversion, % of the call | cuDNN / main kernel | cuDNN / whole call |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"median of {r0['rounds']} turns; cuDNN / x: cuDNN's time over x's, above 1 where x is faster; backward() "
+           "runs the two launches where the rule says fused):", "",
+           "| d | causal | N | B | preprocess | main kernel | dQ conversion | three launches | two, conversion fused "
+           "| fused by the rule | backward() | SDPA cuDNN | preprocess + conversion, % of three launches "
+           "| cuDNN / main kernel | cuDNN / backward() |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (int(r["head_dim"]), r["causal"] == "True", int(r["seq_len"]))):
-        pre, main, conv, whole, cudnn = (float(r[f"{p}_us"]) for p in ("pre", "main", "convert", "whole", "cudnn"))
+        pre, main, conv, three, two, whole, cudnn = (float(r[f"{p}_us"]) for p in
+                                                     ("pre", "main", "convert", "unfused", "fused", "whole", "cudnn"))
         out.append(f"| {r['head_dim']} | {'yes' if r['causal'] == 'True' else 'no'} | {r['seq_len']} | {r['batch']} | "
-                   f"{pre:.0f} | {main:.0f} | {conv:.0f} | {whole:.0f} | {cudnn:.0f} | "
-                   f"{100 * (pre + conv) / whole:.0f} | {cudnn / main:.2f} | {cudnn / whole:.2f} |")
+                   f"{pre:.0f} | {main:.0f} | {conv:.0f} | {three:.0f} | {two:.0f} | "
+                   f"{'yes' if r['fused_by_rule'] == 'True' else 'no'} | {whole:.0f} | {cudnn:.0f} | "
+                   f"{100 * (pre + conv) / three:.0f} | {cudnn / main:.2f} | {cudnn / whole:.2f} |")
     return "\n".join(out)
 
 
