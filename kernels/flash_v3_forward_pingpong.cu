@@ -21,20 +21,30 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     constexpr u32 KV = (D / 64) * BC * 128u;  // bytes of one K or V tile of BC rows
     enum { FULL_K, FULL_V, EMPTY_K, EMPTY_V };
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ __align__(8) u64 bars[1 + 4 * STAGES];  // Q; then full_k[s], full_v[s], empty_k[s], empty_v[s]
+    __shared__ __align__(8) u64 bars[2 + 4 * STAGES];  // Q full, Q empty; then full_k[s], full_v[s], empty_k[s], ..
     const u32 q_s = aligned_1024(smem_raw);             // Q (two 64-row halves), then stage s: K_j, V_j
     auto k_tile = [&](int s) { return q_s + 2 * TILE + 2 * s * KV; };
     auto v_tile = [&](int s) { return q_s + 2 * TILE + (2 * s + 1) * KV; };
-    auto bar = [&](int kind, int s) { return smem_addr(&bars[1 + kind * STAGES + s]); };
-    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0), bh = blockIdx.y;
-    const int row0 = 128 * (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-    const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq;
-    const int last_row = min(row0 + 127, Nq - 1);
-    const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
-    const int n_tiles = last_key < 0 ? 0 : last_key / BC + 1;
+    auto bar = [&](int kind, int s) { return smem_addr(&bars[2 + kind * STAGES + s]); };
+    const u32 q_full = smem_addr(&bars[0]), q_empty = smem_addr(&bars[1]);
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+    const int Nq = p.Nq, Nk = p.Nk, shift = Nk - Nq, n_rows = (Nq + 127) / 128;
+    // Work items: (Q tile of 128 rows, head), item = head * n_rows + rank; under the causal mask rank 0 is a head's
+    // last (heaviest) tile. A grid of one block per item runs each once; a persistent grid (a block per SM) strides
+    // over them, and its producer loads the next item's Q and K/V while the consumers finish and store this one.
+    const int n_items = n_rows * p.heads, stride = gridDim.x * gridDim.y;
+    auto item_tiles = [&](int item, int& bh, int& row0) {  // the item's head, first row and K/V tiles
+        const int rank = item % n_rows;
+        bh = item / n_rows;
+        row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
+        const int last_row = min(row0 + 127, Nq - 1);
+        const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
+        return last_key < 0 ? 0 : last_key / BC + 1;
+    };
 
     if (threadIdx.x == 0) {
-        mbar_init(smem_addr(&bars[0]), 1);
+        mbar_init(q_full, 1);
+        mbar_init(q_empty, 8);  // one arrival per consumer warp, after its last S = Q K^T of an item
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar(FULL_K, s), 1);  // the producer's arrival, with the tile's bytes
             mbar_init(bar(FULL_V, s), 1);
@@ -45,88 +55,111 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     }
     __syncthreads();
 
-    if (wg == 0) {  // ---------------- producer: Q, then K_j and V_j as their stages free up
+    // Both sides count, over the block's items, the K/V tiles (it: stage it % STAGES, round it / STAGES) and the items
+    // with at least one tile (qn: the Q buffer's round); an item without tiles loads nothing and only stores.
+    if (wg == 0) {  // ---------------- producer: per item Q, then K_j and V_j as their stages free up
         setmaxnreg_dec<24>();
-        if (threadIdx.x == 0 && n_tiles > 0) {  // no copy may still be in flight when the block exits: the
-            // consumers wait for Q only when there is a K/V tile, so Q is loaded only then
-            mbar_arrive_expect_tx(smem_addr(&bars[0]), 2 * TILE);
-            tma_load_rows<D>(q_s, &p.map_q, smem_addr(&bars[0]), row0, bh, 2);  // both 64-row halves
-            for (int j = 0; j < n_tiles; ++j) {
-                const int s = j % STAGES, free_parity = ((j / STAGES) & 1) ^ 1;  // round 0 passes at once
-                mbar_wait(bar(EMPTY_K, s), free_parity);
-                mbar_arrive_expect_tx(bar(FULL_K, s), KV);
-                for (int c = 0; c < D / 64; ++c) tma_load_3d(k_tile(s) + c * BC * 128u, &p.map_k, bar(FULL_K, s), 64 * c, BC * j, bh);
-                mbar_wait(bar(EMPTY_V, s), free_parity);
-                mbar_arrive_expect_tx(bar(FULL_V, s), KV);
-                for (int c = 0; c < D / 64; ++c) tma_load_3d(v_tile(s) + c * BC * 128u, &p.map_v, bar(FULL_V, s), 64 * c, BC * j, bh);
+        if (threadIdx.x == 0) {  // no copy may still be in flight when the block exits: every copy issued is one
+            // the consumers wait for
+            int it = 0, qn = 0;
+            for (int item = blockIdx.y * gridDim.x + blockIdx.x; item < n_items; item += stride) {
+                int bh, row0;
+                const int n_tiles = item_tiles(item, bh, row0);
+                if (n_tiles == 0) continue;
+                mbar_wait(q_empty, (qn & 1) ^ 1);  // the consumers are done with the last item's Q (round 0: at once)
+                mbar_arrive_expect_tx(q_full, 2 * TILE);
+                tma_load_rows<D>(q_s, &p.map_q, q_full, row0, bh, 2);  // both 64-row halves
+                ++qn;
+                for (int j = 0; j < n_tiles; ++j, ++it) {
+                    const int s = it % STAGES, free_parity = ((it / STAGES) & 1) ^ 1;  // round 0 passes at once
+                    mbar_wait(bar(EMPTY_K, s), free_parity);
+                    mbar_arrive_expect_tx(bar(FULL_K, s), KV);
+                    for (int c = 0; c < D / 64; ++c)
+                        tma_load_3d(k_tile(s) + c * BC * 128u, &p.map_k, bar(FULL_K, s), 64 * c, BC * j, bh);
+                    mbar_wait(bar(EMPTY_V, s), free_parity);
+                    mbar_arrive_expect_tx(bar(FULL_V, s), KV);
+                    for (int c = 0; c < D / 64; ++c)
+                        tma_load_3d(v_tile(s) + c * BC * 128u, &p.map_v, bar(FULL_V, s), 64 * c, BC * j, bh);
+                }
             }
         }
         return;
     }
-    // ---------------- consumers: warpgroup c = wg - 1 owns rows row0 + 64 c .. + 63
+    // ---------------- consumers: warpgroup c = wg - 1 owns rows row0 + 64 c .. + 63 of each item
     setmaxnreg_inc<240>();
     const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int first = row0 + 64 * c, r0 = first + 16 * warp;
     const u32 q_mine = q_s + c * TILE;
-    auto release = [&](int kind, int s) {  // this warp's wgmmas on the tile have completed
-        if (lane == 0) mbar_arrive(bar(kind, s));
+    auto release = [&](u32 barrier) {  // this warp's wgmmas on the tile have completed
+        if (lane == 0) mbar_arrive(barrier);
     };
     auto my_turn = [&] { named_bar_sync(1 + c, 256); };     // wait until the other warpgroup has issued its GEMMs
     auto pass_turn = [&] { named_bar_arrive(2 - c, 256); };  // let it issue its own
-    auto masked = [&](int j) { return (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift); };
+    int it = 0, qn = 0;
+    for (int item = blockIdx.y * gridDim.x + blockIdx.x; item < n_items; item += stride) {
+        int bh, row0;
+        const int n_tiles = item_tiles(item, bh, row0);
+        const int first = row0 + 64 * c, r0 = first + 16 * warp;
+        auto masked = [&](int j) { return (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift); };
 
-    RowState<D> st;  // Alg.1 L5
-    st.init();
-    float s[BC / 8][4], alpha[2];
-    u32 pa[BC / 16][4];
-    if (n_tiles > 0) {
-        if (c == 1) pass_turn();  // warpgroup 0 issues first
-        mbar_wait(smem_addr(&bars[0]), 0);
-        // Tile 0: S_0 = Q K_0^T and its softmax; O += P_0 V_0 is issued with S_1.
-        mbar_wait(bar(FULL_K, 0), 0);
-        my_turn();
-        wgmma_fence();
-        issue_qk<T, D, BC>(s, q_mine, k_tile(0));
-        wgmma_commit();
-        if (c == 0 || n_tiles > 1) pass_turn();  // the turns each warpgroup takes and is given balance out
-        wgmma_wait<0>();
-        fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
-        release(EMPTY_K, 0);
-        if (masked(0)) mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
-        softmax_tile<BC, D>(st, s, p.scale_log2, alpha);  // O_i = 0: nothing to rescale
-        p_fragments<T, BC>(pa, s);
-
-        for (int j = 1; j < n_tiles; ++j) {  // Alg.1 L6, one tile behind for P V
-            const int sk = j % STAGES, sv = (j - 1) % STAGES;
-            mbar_wait(bar(FULL_K, sk), (j / STAGES) & 1);
-            mbar_wait(bar(FULL_V, sv), ((j - 1) / STAGES) & 1);
+        RowState<D> st;  // Alg.1 L5
+        st.init();
+        float s[BC / 8][4], alpha[2];
+        u32 pa[BC / 16][4];
+        if (n_tiles > 0) {
+            if (c == 1) pass_turn();  // warpgroup 0 issues first
+            mbar_wait(q_full, qn & 1);
+            ++qn;
+            // Tile 0: S_0 = Q K_0^T and its softmax; O += P_0 V_0 is issued with S_1.
+            mbar_wait(bar(FULL_K, it % STAGES), (it / STAGES) & 1);
             my_turn();
             wgmma_fence();
-            issue_qk<T, D, BC>(s, q_mine, k_tile(sk));  // S_j = Q K_j^T
+            issue_qk<T, D, BC>(s, q_mine, k_tile(it % STAGES));
             wgmma_commit();
-            issue_pv<T, D, BC>(st, pa, v_tile(sv));  // O += P_{j-1} V_{j-1}
-            wgmma_commit();
-            if (c == 0 || j < n_tiles - 1) pass_turn();
-            wgmma_wait<1>();  // S_j is ready; O += P_{j-1} V_{j-1} may still run
+            if (c == 0 || n_tiles > 1) pass_turn();  // the turns each warpgroup takes and is given balance out
+            wgmma_wait<0>();
             fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
-            release(EMPTY_K, sk);
-            if (masked(j))
-                mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, BC * j, Nk, p.causal, shift, g, t);
-            softmax_tile<BC, D>(st, s, p.scale_log2, alpha);
-            wgmma_wait<0>();  // O and P_{j-1}'s registers are ours again
-            fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
-            release(EMPTY_V, sv);
-            rescale_o(st, alpha);
+            release(bar(EMPTY_K, it % STAGES));
+            if (n_tiles == 1) release(q_empty);  // Q's last reader is done
+            if (masked(0))
+                mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
+            softmax_tile<BC, D>(st, s, p.scale_log2, alpha);  // O_i = 0: nothing to rescale
             p_fragments<T, BC>(pa, s);
+
+            for (int j = 1; j < n_tiles; ++j) {  // Alg.1 L6, one tile behind for P V
+                const int sk = (it + j) % STAGES, sv = (it + j - 1) % STAGES;
+                mbar_wait(bar(FULL_K, sk), ((it + j) / STAGES) & 1);
+                mbar_wait(bar(FULL_V, sv), ((it + j - 1) / STAGES) & 1);
+                my_turn();
+                wgmma_fence();
+                issue_qk<T, D, BC>(s, q_mine, k_tile(sk));  // S_j = Q K_j^T
+                wgmma_commit();
+                issue_pv<T, D, BC>(st, pa, v_tile(sv));  // O += P_{j-1} V_{j-1}
+                wgmma_commit();
+                if (c == 0 || j < n_tiles - 1) pass_turn();
+                wgmma_wait<1>();  // S_j is ready; O += P_{j-1} V_{j-1} may still run
+                fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
+                release(bar(EMPTY_K, sk));
+                if (j == n_tiles - 1) release(q_empty);
+                if (masked(j))
+                    mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, BC * j, Nk, p.causal, shift,
+                                       g, t);
+                softmax_tile<BC, D>(st, s, p.scale_log2, alpha);
+                wgmma_wait<0>();  // O and P_{j-1}'s registers are ours again
+                fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
+                release(bar(EMPTY_V, sv));
+                rescale_o(st, alpha);
+                p_fragments<T, BC>(pa, s);
+            }
+            const int sv = (it + n_tiles - 1) % STAGES;  // O += P_{last} V_{last}
+            mbar_wait(bar(FULL_V, sv), ((it + n_tiles - 1) / STAGES) & 1);
+            wgmma_fence();
+            issue_pv<T, D, BC>(st, pa, v_tile(sv));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
+            release(bar(EMPTY_V, sv));
+            it += n_tiles;
         }
-        const int sv = (n_tiles - 1) % STAGES;  // O += P_{last} V_{last}
-        mbar_wait(bar(FULL_V, sv), ((n_tiles - 1) / STAGES) & 1);
-        wgmma_fence();
-        issue_pv<T, D, BC>(st, pa, v_tile(sv));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
-        release(EMPTY_V, sv);
+        store_rows<T, D>(st, p, bh, r0, g, t);
     }
-    store_rows<T, D>(st, p, bh, r0, g, t);
 }

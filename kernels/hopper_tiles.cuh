@@ -18,6 +18,7 @@ struct HopperFwdParams {
     int o_rows;        // rows of one head in o and lse: Nq, or the ring's whole shard when o, lse are its running
                        // (O, L) and this call computes rows of it
     int merge;         // 0: write O_i (the input type) and L_i; 1: merge them into the running float32 (O, L)
+    int heads;         // B H: the heads the grid covers (version pingpong walks (Q tile, head) items)
     TensorMap map_q, map_k, map_v;
 };
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, fast_path, kernels
+from stages.common import LOG2E, device, fast_path, kernels
 from stages.common.checks import check_causal, resolve_scale
 
 from . import blocks, fp32x3
@@ -35,6 +35,7 @@ DEFAULT = "pingpong"            # for float16 / bfloat16
 FP32 = "fp32x3"                 # the float32 version (fp32x3.py)
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
+PERSISTENT = True
 
 
 class Config(NamedTuple):
@@ -58,7 +59,7 @@ class HopperFwdParams(ctypes.Structure):
     three 128-byte tensor maps at offsets 64, 192, 320."""
     _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
                 ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("o_rows", ctypes.c_int32),
-                ("merge", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 24),
+                ("merge", ctypes.c_int32), ("heads", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 20),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
 
 
@@ -136,8 +137,10 @@ def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge):
     B, H, Lq, D = q_shape
     cfg = config(version, D)
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
-                             o_rows=Lq, merge=int(merge))
+                             o_rows=Lq, merge=int(merge), heads=B * H)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
+    if version == "pingpong" and PERSISTENT:
+        grid = (min(grid[0] * grid[1], device.device().sm_count), 1)
     launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
                             params)
     kv_shape = (B, H, Lk, D)
