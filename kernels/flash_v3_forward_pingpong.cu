@@ -34,11 +34,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     // over them, and its producer loads the next item's Q and K/V while the consumers finish and store this one.
     const int n_items = n_rows * p.heads, stride = gridDim.x * gridDim.y;
     auto item_tiles = [&](int item, int& bh, int& row0) {  // the item's head, first row and K/V tiles
-        // causal: rank-major, the heaviest tiles of every head first, so that a persistent grid's blocks, striding
-        // over items of decreasing work, end up with about the same work each; otherwise head-major (the blocks in
-        // flight share their heads' K and V in L2)
-        const int rank = p.causal ? item / p.heads : item % n_rows;
-        bh = p.causal ? item % p.heads : item / n_rows;
+        const int rank = item % n_rows;  // head-major: the blocks in flight share their heads' K and V in L2
+        bh = item / n_rows;
         row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
         const int last_row = min(row0 + 127, Nq - 1);
         const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;

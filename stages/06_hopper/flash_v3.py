@@ -139,7 +139,7 @@ def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge):
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              o_rows=Lq, merge=int(merge), heads=B * H)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
-    if version == "pingpong" and PERSISTENT:
+    if version == "pingpong" and PERSISTENT and not causal:  # causal items differ in work: the GPU balances them
         grid = (min(grid[0] * grid[1], device.device().sm_count), 1)
     launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
                             params)
