@@ -12,6 +12,12 @@
 //     rejoins, before the softmax: only the ping-pong overlaps it (stages/06_hopper/README.md, version 3).
 // K and V have stages of their own (full and empty barriers each): K_j is released as soon as S_j is computed, V_j
 // one tile later, after O += P_j V_j. The heaviest Q tiles under the causal mask start first.
+// A block computes one or more work items (Q tile, head): with one block per item the GPU's block scheduler
+// balances them; with a persistent grid (one block per SM, the launcher's choice without a mask, where every item
+// is the same work) a block strides over the items, and its producer loads the next item's Q_i and K/V tiles while
+// the consumers finish the last P V of this one and store O_i: the once-per-item work overlaps the next item's
+// loads instead of leaving the SM's tensor cores idle between blocks. Q_i has an empty barrier of its own for this.
+// The stage counters run on across items, so the phases of every barrier stay in step.
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 

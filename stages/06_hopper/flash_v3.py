@@ -13,7 +13,7 @@ Versions, in the order the README teaches them:
             mbarriers per stage order them; K/V tiles of 128 keys where the registers allow.
   pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
             take turns at the tensor cores (named barriers), and inside each, S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-            run while the softmax of S_j is computed.
+            run while the softmax of S_j is computed; without a mask a persistent grid (PERSISTENT).
   fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
 """
@@ -35,6 +35,9 @@ DEFAULT = "pingpong"            # for float16 / bfloat16
 FP32 = "fp32x3"                 # the float32 version (fp32x3.py)
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
+# Version pingpong without a mask: a persistent grid, one block per SM, each striding over the (Q tile, head) items
+# (kernels/flash_v3_forward_pingpong.cu). Under the causal mask the items differ in work and a static stride
+# leaves some blocks much more than others: one block per item, balanced by the GPU's block scheduler.
 PERSISTENT = True
 
 
@@ -139,7 +142,7 @@ def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge):
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              o_rows=Lq, merge=int(merge), heads=B * H)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
-    if version == "pingpong" and PERSISTENT and not causal:  # causal items differ in work: the GPU balances them
+    if version == "pingpong" and PERSISTENT and not causal:  # one block per SM, each striding over the items
         grid = (min(grid[0] * grid[1], device.device().sm_count), 1)
     launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
                             params)
