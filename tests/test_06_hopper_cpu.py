@@ -341,3 +341,14 @@ def test_the_backward_converts_dq_in_its_main_kernel_only_on_short_heads_of_vers
     with pytest.raises(ValueError, match="version 'wgmma' does not convert dQ itself"):
         fb._plan("wgmma", np.dtype(np.float16), (1, 1, 64, 64), 64, False, 0.125, fuse_dq=True)
 
+
+def test_the_forward_launches_a_persistent_grid_only_for_version_pingpong_without_a_mask():
+    from stages.hopper import flash_v3
+
+    assert flash_v3.persistent_rule("pingpong", causal=False)
+    assert not flash_v3.persistent_rule("pingpong", causal=True)
+    assert not flash_v3.persistent_rule("ws", causal=False) and not flash_v3.persistent_rule("wgmma", causal=False)
+    with pytest.raises(ValueError, match="only version pingpong launches a persistent grid, not 'ws'"):
+        flash_v3._plan("ws", np.dtype(np.float16), (1, 1, 64, 64), 64, (0, 64), (0, 64), False, 0.125, merge=False,
+                       persistent=True)
+

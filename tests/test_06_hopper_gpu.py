@@ -145,6 +145,36 @@ def test_forward_with_more_blocks_than_sms(shape, causal, D, version):
     check_forward(flash_v3.forward, q, k, v, causal=causal, version=version)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("shape", [(3, 50, 200, 333), (1, 1, 1, 65), (2, 3, 1000, 130), (1, 2, 4100, 300)])
+def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, D):
+    """Version pingpong without a mask: a persistent grid (a block per SM striding over the (Q tile, head) items,
+    carrying its barriers' phases from item to item) writes the same bits as a block per item, with more items than
+    SMs (300), fewer (1, 48) and the last Q tile of each head short; and it meets the tolerance rule."""
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.common.checks import resolve_scale
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(*shape, D, dtype=bfloat16, xp=cupy)
+    B, H, Nq, Nk = shape
+    outs = {}
+    for persistent in (True, False):
+        plan = flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
+                              resolve_scale(None, D), merge=False, persistent=persistent)
+        items = -(-Nq // 128) * B * H
+        grid = (min(items, device.device().sm_count), 1) if persistent else (-(-Nq // 128), B * H)
+        assert plan.launch.grid[:2] == grid
+        o, lse = cupy.empty_like(q), cupy.empty((B, H, Nq), cupy.float32)
+        plan(q, k, v, o, lse)
+        outs[persistent] = (o, lse)
+    for a, b, bits in zip(outs[True], outs[False], (cupy.uint16, cupy.uint32)):
+        assert bool((a.view(bits) == b.view(bits)).all())
+    check_forward(lambda q, k, v, **kw: outs[True], q, k, v, causal=False)
+
+
 @pytest.mark.parametrize("version", ["wgmma", "ws", "pingpong"])
 def test_forward_at_large_logits_and_a_row_that_sees_nothing(version):
     import cupy

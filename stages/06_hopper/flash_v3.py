@@ -13,7 +13,7 @@ Versions, in the order the README teaches them:
             mbarriers per stage order them; K/V tiles of 128 keys where the registers allow.
   pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
             take turns at the tensor cores (named barriers), and inside each, S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-            run while the softmax of S_j is computed; without a mask a persistent grid (PERSISTENT).
+            run while the softmax of S_j is computed; without a mask a persistent grid (persistent_rule).
   fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
 """
@@ -35,10 +35,14 @@ DEFAULT = "pingpong"            # for float16 / bfloat16
 FP32 = "fp32x3"                 # the float32 version (fp32x3.py)
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
-# Version pingpong without a mask: a persistent grid, one block per SM, each striding over the (Q tile, head) items
-# (kernels/flash_v3_forward_pingpong.cu). Under the causal mask the items differ in work and a static stride
-# leaves some blocks much more than others: one block per item, balanced by the GPU's block scheduler.
-PERSISTENT = True
+
+
+def persistent_rule(version, causal):
+    """Whether the forward launches a persistent grid: one block per SM, each striding over the (Q tile, head) items
+    (kernels/flash_v3_forward_pingpong.cu), for version pingpong without a mask. Under the causal mask the items
+    differ in work and a static stride leaves some blocks much more than others: one block per item there, balanced
+    by the GPU's block scheduler."""
+    return version == "pingpong" and not causal
 
 
 class Config(NamedTuple):
@@ -132,17 +136,22 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
 
 
 @functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
-def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge):
+def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge, persistent=None):
     """The launch on rows (start, stop) of every head of a q of q_shape (B, H, Lq, D) against keys (start, stop) of k,
     v of Lk rows a head: a MappedLaunch of (q, k, v, then o and lse at those rows). o, lse: the whole outputs (heads of
-    Lq rows), written (merge=False) or merged into (merge=True, float32)."""
+    Lq rows), written (merge=False) or merged into (merge=True, float32). persistent: the grid, by persistent_rule
+    when None (True or False to compare the two; only version pingpong walks items)."""
+    if persistent is None:
+        persistent = persistent_rule(version, causal)
+    elif persistent and version != "pingpong":
+        raise ValueError(f"only version pingpong launches a persistent grid, not {version!r}")
     (q0, q1), (k0, k1) = rows, keys
     B, H, Lq, D = q_shape
     cfg = config(version, D)
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              o_rows=Lq, merge=int(merge), heads=B * H)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
-    if version == "pingpong" and PERSISTENT and not causal:  # one block per SM, each striding over the items
+    if persistent:  # one block per SM, each striding over the items
         grid = (min(grid[0] * grid[1], device.device().sm_count), 1)
     launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
                             params)
