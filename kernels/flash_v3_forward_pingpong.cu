@@ -12,16 +12,19 @@
 //     rejoins, before the softmax: only the ping-pong overlaps it (stages/06_hopper/README.md, version 3).
 // K and V have stages of their own (full and empty barriers each): K_j is released as soon as S_j is computed, V_j
 // one tile later, after O += P_j V_j. The heaviest Q tiles under the causal mask start first.
-// A block computes one or more work items (Q tile, head): with one block per item the GPU's block scheduler
-// balances them; with a persistent grid (one block per SM, the launcher's choice without a mask, where every item
-// is the same work) a block strides over the items, and its producer loads the next item's Q_i and K/V tiles while
-// the consumers finish the last P V of this one and store O_i: the once-per-item work overlaps the next item's
-// loads instead of leaving the SM's tensor cores idle between blocks. Q_i has an empty barrier of its own for this.
-// The stage counters run on across items, so the phases of every barrier stay in step.
+// A block computes one or more work items (Q tile, head). PERSISTENT = false: one block per item, balanced by the
+// GPU's block scheduler; the consumers' item loop ends after one pass where the compiler sees it, so their stage
+// counters are the constant 0 and the tile loop compiles as for a single item. PERSISTENT = true: one block per SM
+// strides over the items, and its producer loads the next item's Q_i and K/V tiles while the consumers finish the
+// last P V of this one and store O_i: the once-per-item work overlaps the next item's loads instead of leaving the
+// SM's tensor cores idle between blocks. Q_i has an empty barrier of its own for this, and the stage counters run on
+// across items, so the phases of every barrier stay in step. The launcher picks (stages/06_hopper/flash_v3.py:
+// persistent_rule): persistent where every item is the same work (no mask) and short (few K/V tiles), so that the
+// once-per-item work is a large share of it.
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 
-template <typename T, int D, int BC, int STAGES>
+template <typename T, int D, int BC, int STAGES, bool PERSISTENT>
 __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid_constant__ HopperFwdParams p) {
     constexpr u32 TILE = (D / 64) * 8192u;    // bytes of one 64-row Q tile
     constexpr u32 KV = (D / 64) * BC * 128u;  // bytes of one K or V tile of BC rows
@@ -167,5 +170,6 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             it += n_tiles;
         }
         store_rows<T, D>(st, p, bh, r0, g, t);
+        if constexpr (!PERSISTENT) break;  // one block per item: a single pass
     }
 }

@@ -308,9 +308,9 @@ def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch
     monkeypatch.setattr(blocks, "load_module", lambda f, **kw: loads.append((f, kw)) or f)
     monkeypatch.setattr(blocks.kernels, "function", lambda m, name, smem: functions.append((m, name, smem)) or name)
     blocks.sm90a_function.cache_clear()
-    assert flash_v3._function("pingpong", "__half", 128) == "flash_v3_forward_pingpong<__half,128,128,2>"
+    assert flash_v3._function("pingpong", "__half", 128) == "flash_v3_forward_pingpong<__half,128,128,2,false>"
     assert flash_v3_backward._function("ws", "__half", 64) == "flash_v3_backward_ws<__half,64,2,128>"
-    assert functions == [("flash_v3_forward_pingpong.cu", "flash_v3_forward_pingpong<__half,128,128,2>",
+    assert functions == [("flash_v3_forward_pingpong.cu", "flash_v3_forward_pingpong<__half,128,128,2,false>",
                           flash_v3.smem_bytes("pingpong", 128)),
                          ("flash_v3_backward_ws.cu", "flash_v3_backward_ws<__half,64,2,128>",
                           flash_v3_backward.smem_bytes("ws", 64))]
@@ -342,12 +342,16 @@ def test_the_backward_converts_dq_in_its_main_kernel_only_on_short_heads_of_vers
         fb._plan("wgmma", np.dtype(np.float16), (1, 1, 64, 64), 64, False, 0.125, fuse_dq=True)
 
 
-def test_the_forward_launches_a_persistent_grid_only_for_version_pingpong_without_a_mask():
+def test_the_forward_launches_a_persistent_grid_only_for_version_pingpong_on_short_unmasked_items():
     from stages.hopper import flash_v3
 
-    assert flash_v3.persistent_rule("pingpong", causal=False)
-    assert not flash_v3.persistent_rule("pingpong", causal=True)
-    assert not flash_v3.persistent_rule("ws", causal=False) and not flash_v3.persistent_rule("wgmma", causal=False)
+    most = flash_v3.PERSISTENT_MAX_KEYS
+    assert flash_v3.persistent_rule("pingpong", False, most) and flash_v3.persistent_rule("pingpong", False, 1)
+    assert not flash_v3.persistent_rule("pingpong", False, most + 1)
+    assert not flash_v3.persistent_rule("pingpong", True, 128)
+    assert not flash_v3.persistent_rule("ws", False, 128) and not flash_v3.persistent_rule("wgmma", False, 128)
+    names = flash_v3.kernel_names("pingpong")  # CI compiles both grids' instantiations
+    assert len(names) == 2 * len(flash_v3.HEAD_DIMS) * 2 and sum(n.endswith(",true>") for n in names) == len(names) // 2
     with pytest.raises(ValueError, match="only version pingpong launches a persistent grid, not 'ws'"):
         flash_v3._plan("ws", np.dtype(np.float16), (1, 1, 64, 64), 64, (0, 64), (0, 64), False, 0.125, merge=False,
                        persistent=True)

@@ -146,11 +146,13 @@ def test_forward_with_more_blocks_than_sms(shape, causal, D, version):
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("shape", [(3, 50, 200, 333), (1, 1, 1, 65), (2, 3, 1000, 130), (1, 2, 4100, 300)])
+@pytest.mark.parametrize("shape", [(3, 50, 200, 333), (1, 1, 1, 65), (2, 3, 1000, 130), (1, 2, 4100, 300),
+                                   (1, 3, 300, 4200)])
 def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, D):
     """Version pingpong without a mask: a persistent grid (a block per SM striding over the (Q tile, head) items,
     carrying its barriers' phases from item to item) writes the same bits as a block per item, with more items than
-    SMs (300), fewer (1, 48) and the last Q tile of each head short; and it meets the tolerance rule."""
+    SMs (300), fewer (1, 48, 6) and the last Q tile of each head short; and it meets the tolerance rule. The launcher
+    picks the grid persistent_rule names (Nk = 4200: one block per item)."""
     import cupy
 
     from stages.common import check_forward, make_inputs
@@ -160,16 +162,19 @@ def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, 
     _hopper()
     q, k, v = make_inputs(*shape, D, dtype=bfloat16, xp=cupy)
     B, H, Nq, Nk = shape
-    outs = {}
+    plans, outs = {}, {}
+    for persistent in (True, False, None):  # None: the launcher's choice
+        plans[persistent] = flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
+                                           resolve_scale(None, D), merge=False, persistent=persistent)
     for persistent in (True, False):
-        plan = flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
-                              resolve_scale(None, D), merge=False, persistent=persistent)
         items = -(-Nq // 128) * B * H
         grid = (min(items, device.device().sm_count), 1) if persistent else (-(-Nq // 128), B * H)
-        assert plan.launch.grid[:2] == grid
+        assert plans[persistent].launch.grid[:2] == grid
         o, lse = cupy.empty_like(q), cupy.empty((B, H, Nq), cupy.float32)
-        plan(q, k, v, o, lse)
+        plans[persistent](q, k, v, o, lse)
         outs[persistent] = (o, lse)
+    chosen = plans[flash_v3.persistent_rule("pingpong", False, Nk)].launch
+    assert plans[None].launch.fn is chosen.fn and plans[None].launch.grid == chosen.grid
     for a, b, bits in zip(outs[True], outs[False], (cupy.uint16, cupy.uint32)):
         assert bool((a.view(bits) == b.view(bits)).all())
     check_forward(lambda q, k, v, **kw: outs[True], q, k, v, causal=False)

@@ -178,7 +178,8 @@ def test_bench_without_gpu_exits_with_a_message(tmp_path):
 
 @pytest.mark.skipif(has_gpu(), reason="this machine has a GPU: the no-GPU exit path does not run here")
 @pytest.mark.parametrize("script, says", [("dev/profile_backward.py", "needs a CUDA GPU"),
-                                          ("dev/backward_launches.py", "needs an sm_90 GPU")])
+                                          ("dev/backward_launches.py", "needs an sm_90 GPU"),
+                                          ("dev/forward_grids.py", "needs an sm_90 GPU")])
 def test_gpu_script_without_gpu_exits_with_a_message(tmp_path, script, says):
     out = tmp_path / "out.csv"
     proc = subprocess.run([sys.executable, str(ROOT / script), "--out", str(out)],

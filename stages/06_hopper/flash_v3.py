@@ -37,12 +37,18 @@ HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
 
 
-def persistent_rule(version, causal):
+# Version pingpong's persistent grid runs items of at most this many keys (dev/forward_grids.py measures both grids).
+PERSISTENT_MAX_KEYS = 4096
+
+
+def persistent_rule(version, causal, nk):
     """Whether the forward launches a persistent grid: one block per SM, each striding over the (Q tile, head) items
-    (kernels/flash_v3_forward_pingpong.cu), for version pingpong without a mask. Under the causal mask the items
-    differ in work and a static stride leaves some blocks much more than others: one block per item there, balanced
+    (kernels/flash_v3_forward_pingpong.cu), for version pingpong without a mask and with at most PERSISTENT_MAX_KEYS
+    keys. Under the causal mask the items differ in work and a static stride leaves some blocks much more than
+    others; long items spend little of their time in the once-per-item work the persistent grid overlaps, and the
+    persistent loop's carried stage counters cost each tile a few instructions: one block per item there, balanced
     by the GPU's block scheduler."""
-    return version == "pingpong" and not causal
+    return version == "pingpong" and not causal and nk <= PERSISTENT_MAX_KEYS
 
 
 class Config(NamedTuple):
@@ -77,14 +83,16 @@ def smem_bytes(version, D):
     return (br + 2 * STAGES * bc) * D * 2 + 1024
 
 
-def _name(version, ctype, D):
+def _name(version, ctype, D, persistent=False):
     if version == "wgmma":
         return f"flash_v3_forward_wgmma<{ctype},{D}>"
+    if version == "pingpong":
+        return f"flash_v3_forward_pingpong<{ctype},{D},{config(version, D).bc},{STAGES},{str(persistent).lower()}>"
     return f"flash_v3_forward_{version}<{ctype},{D},{config(version, D).bc},{STAGES}>"
 
 
-def _function(version, ctype, D):
-    return blocks.sm90a_function(FILES[version], _name(version, ctype, D), smem_bytes(version, D))
+def _function(version, ctype, D, persistent=False):
+    return blocks.sm90a_function(FILES[version], _name(version, ctype, D, persistent), smem_bytes(version, D))
 
 
 @fast_path.remembered  # a plain call seen before goes straight to its planned launch (stages/common/fast_path.py)
@@ -141,11 +149,11 @@ def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge, persist
     v of Lk rows a head: a MappedLaunch of (q, k, v, then o and lse at those rows). o, lse: the whole outputs (heads of
     Lq rows), written (merge=False) or merged into (merge=True, float32). persistent: the grid, by persistent_rule
     when None (True or False to compare the two; only version pingpong walks items)."""
+    (q0, q1), (k0, k1) = rows, keys
     if persistent is None:
-        persistent = persistent_rule(version, causal)
+        persistent = persistent_rule(version, causal, k1 - k0)
     elif persistent and version != "pingpong":
         raise ValueError(f"only version pingpong launches a persistent grid, not {version!r}")
-    (q0, q1), (k0, k1) = rows, keys
     B, H, Lq, D = q_shape
     cfg = config(version, D)
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
@@ -153,8 +161,8 @@ def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge, persist
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
     if persistent:  # one block per SM, each striding over the items
         grid = (min(grid[0] * grid[1], device.device().sm_count), 1)
-    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
-                            params)
+    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D, persistent), grid, (cfg.threads,),
+                            smem_bytes(version, D), params)
     kv_shape = (B, H, Lk, D)
     return blocks.MappedLaunch.of(launch, map_q=blocks.heads_map(q_shape, dtype, rows=rows),
                                   map_k=blocks.heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys),
@@ -186,4 +194,5 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DE
 
 def kernel_names(version):
     """The instantiations of a version that CI compiles for sm_90a."""
-    return [_name(version, c, D) for c in blocks.CTYPE.values() for D in HEAD_DIMS]
+    grids = (False, True) if version == "pingpong" else (False,)
+    return [_name(version, c, D, p) for c in blocks.CTYPE.values() for D in HEAD_DIMS for p in grids]

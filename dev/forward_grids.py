@@ -1,0 +1,130 @@
+"""Stage 06's forward (version pingpong, no mask) with its two grids side by side: one block per (Q tile, head) item,
+and a persistent grid of one block per SM striding over the items; beside forward() as it runs (one of the two:
+persistent_rule) and cuDNN's forward (PyTorch SDPA), for every N at the same number of tokens.
+
+    python3 dev/forward_grids.py --out results/forward_grids_h200.csv
+    python3 dev/forward_grids.py --head-dims 128 --seqs 512 16384
+
+With B N fixed (--tokens) the grid has the same B H N / 128 items at every N, and each item's loop over K/V tiles is
+as long as N. What an item does once (load Q_i, fill the pipeline, rescale and store O_i) is then a larger share of
+its time at short N; the persistent grid overlaps it with the next item's loads, and the single-item instantiation
+runs each tile without the counters the persistent loop carries. The rule's PERSISTENT_MAX_KEYS is where the two
+meet.
+
+Timing: each of per_item, persistent, whole and cuDNN's forward is run --reps times back to back between two CUDA
+events after a warm-up, and they take turns --rounds times; a column is the median of its rounds, in microseconds
+per call. Before timing, both grids must write forward()'s O and L bit for bit (the script times the launches the
+forward makes, not others). Needs an sm_90 GPU, CuPy, cuda-bindings and a CUDA build of PyTorch.
+"""
+import argparse
+import csv
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "dev"))
+
+PARTS = ("per_item", "persistent", "whole", "cudnn")
+COLUMNS = (["gpu", "dtype", "head_dim", "seq_len", "batch", "heads", "items", "sms"] + [f"{p}_us" for p in PARTS]
+           + [f"{p}_tflops" for p in PARTS] + ["persistent_by_rule", "reps", "rounds",
+                                                "git_commit", "driver", "cuda_runtime", "cupy", "torch", "date"])
+
+
+def one_config(dtype_name, D, N, args, cupy, torch):
+    """{column: value} of one (dtype, d, N)."""
+    import numpy as np
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import bench
+    from stages.common import attention_flops, bfloat16, device, make_inputs, time_queued_ms
+    from stages.common.checks import resolve_scale
+    from stages.hopper import flash_v3
+
+    B, H = max(1, args.tokens // N), args.heads
+    q, k, v = make_inputs(B, H, N, N, D, dtype={"bf16": bfloat16, "fp16": np.float16}[dtype_name], xp=cupy)
+    whole = flash_v3.forward(q, k, v)
+    plans = {p: flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, N, (0, N), (0, N), False,
+                               resolve_scale(None, D), merge=False, persistent=p) for p in (False, True)}
+    o, lse = cupy.empty_like(q), cupy.empty((B, H, N), cupy.float32)
+    fns = {"per_item": lambda: plans[False](q, k, v, o, lse), "persistent": lambda: plans[True](q, k, v, o, lse),
+           "whole": lambda: flash_v3.forward(q, k, v)}
+    for name in ("per_item", "persistent"):
+        fns[name]()
+        if not (cupy.array_equal(o.view(np.int16), whole[0].view(np.int16))
+                and cupy.array_equal(lse.view(np.int32), whole[1].view(np.int32))):
+            raise SystemExit(f"d={D} N={N}: the {name} grid does not write forward()'s O and L bit for bit: the script "
+                             "would time another computation")
+
+    tq, tk, tv = (bench._bnhd(x, torch).transpose(1, 2) for x in (q, k, v))  # torch's layout, (B, H, N, d)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(tq, tk, tv)
+
+    fns["cudnn"] = cudnn
+    times = {p: [] for p in PARTS}
+    for _ in range(args.rounds):
+        for p in PARTS:
+            torch.cuda.synchronize()
+            times[p].append(time_queued_ms(fns[p], gpu=True, warmup=10, repeat=args.reps) * 1e3)
+    us = {p: statistics.median(t) for p, t in times.items()}
+    flops = attention_flops(B, H, N, N, D, causal=False)
+    row = dict(dtype=dtype_name, head_dim=D, seq_len=N, batch=B, heads=H, items=B * H * -(-N // 128),
+               sms=device.device().sm_count, **{f"{p}_us": round(us[p], 1) for p in PARTS},
+               **{f"{p}_tflops": round(flops / us[p] / 1e6, 1) for p in PARTS},
+               persistent_by_rule=flash_v3.persistent_rule("pingpong", False, N), reps=args.reps, rounds=args.rounds)
+    print(f"{dtype_name} d={D} N={N} B={B}: " + ", ".join(f"{p} {us[p]:.1f} us" for p in PARTS)
+          + f"; cudnn / per_item {us['cudnn'] / us['per_item']:.3f}, cudnn / persistent "
+          f"{us['cudnn'] / us['persistent']:.3f}", flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256], choices=[64, 128, 256])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--tokens", type=int, default=16384, help="B*N, B = tokens // N (default 16384)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=30, help="calls between the two events of one timing")
+    ap.add_argument("--rounds", type=int, default=5, help="turns of all four timings; medians over them")
+    ap.add_argument("--out", default=None, help="CSV file to write (default: print only)")
+    args = ap.parse_args()
+    if args.reps < 1 or args.rounds < 1:
+        ap.error("--reps and --rounds must be at least 1")
+    if any(n < 1 for n in args.seqs):
+        ap.error(f"--seqs must be positive, got {args.seqs}")
+
+    try:
+        import cupy
+        import torch
+
+        cupy.cuda.runtime.getDeviceCount()
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device")
+    except Exception as e:  # no CuPy, no torch, no driver or no device
+        raise SystemExit(f"forward_grids.py needs an sm_90 GPU, CuPy and a CUDA build of PyTorch ({e})")
+    import bench
+    from stages.common import device, gpu_name
+    from stages.hopper import blocks
+
+    try:
+        blocks.require_hopper()
+    except device.UnsupportedDevice as e:
+        raise SystemExit(f"forward_grids.py times stage 06: {e}")
+    prov = bench.provenance(cupy, torch, gpu_name())
+    print(f"stage 06 forward, both grids, on {prov['gpu']} (commit {prov['git_commit']})", flush=True)
+    rows = [dict(one_config(args.dtype, D, N, args, cupy, torch), **prov) for D in args.head_dims for N in args.seqs]
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {args.out} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
