@@ -27,7 +27,6 @@ its float32 sums (the script times the launches the backward makes, not others).
 cuda-bindings and a CUDA build of PyTorch.
 """
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -122,34 +121,15 @@ def main():
     if any(n < 1 for n in args.seqs):
         ap.error(f"--seqs must be positive, got {args.seqs}")
 
-    try:
-        import cupy
-        import torch
-
-        cupy.cuda.runtime.getDeviceCount()
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device")
-    except Exception as e:  # no CuPy, no torch, no driver or no device
-        raise SystemExit(f"backward_launches.py needs an sm_90 GPU, CuPy and a CUDA build of PyTorch ({e})")
     import bench
-    from stages.common import device, gpu_name
-    from stages.hopper import blocks
 
-    try:
-        blocks.require_hopper()
-    except device.UnsupportedDevice as e:
-        raise SystemExit(f"backward_launches.py times stage 06: {e}")
-    prov = bench.provenance(cupy, torch, gpu_name())
+    cupy, torch, prov = bench.hopper_session("backward_launches.py")
     print(f"stage 06 backward, launch by launch, on {prov['gpu']} (commit {prov['git_commit']})", flush=True)
     rows = [dict(one_config(args.dtype, D, causal, N, args, cupy, torch), **prov)
             for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
             for D in args.head_dims for N in args.seqs]
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-        print(f"wrote {args.out} ({len(rows)} rows)")
+        bench.write_rows(args.out, COLUMNS, rows)
 
 
 if __name__ == "__main__":

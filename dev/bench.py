@@ -57,6 +57,7 @@ DIR/bench_forward.png and DIR/bench_backward.png. Exit status 1 when any row of 
 script fails on a config).
 """
 import argparse
+import csv
 import os
 import contextlib
 import importlib
@@ -151,6 +152,37 @@ def provenance(cupy, torch, gpu):
                 cuda_runtime=str(cupy.cuda.runtime.runtimeGetVersion()),
                 cupy=cupy.__version__, torch=getattr(torch, "__version__", "") if torch is not None else "",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def hopper_session(script):
+    """(cupy, torch, provenance) for a dev script that times stage 06 beside PyTorch on this GPU; SystemExit with a
+    message that names what is missing (CuPy, a CUDA build of PyTorch, a device, an sm_90 GPU)."""
+    try:
+        import cupy
+        import torch
+
+        cupy.cuda.runtime.getDeviceCount()
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device")
+    except Exception as e:  # no CuPy, no torch, no driver or no device
+        raise SystemExit(f"{script} needs an sm_90 GPU, CuPy and a CUDA build of PyTorch ({e})")
+    from stages.common import device, gpu_name
+    from stages.hopper import blocks
+
+    try:
+        blocks.require_hopper()
+    except device.UnsupportedDevice as e:
+        raise SystemExit(f"{script} times stage 06: {e}")
+    return cupy, torch, provenance(cupy, torch, gpu_name())
+
+
+def write_rows(path, columns, rows):
+    """rows ({column: value}) as a CSV file with these columns, in this order."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path} ({len(rows)} rows)")
 
 
 def _stage(name):

@@ -17,7 +17,6 @@ per call. Before timing, both grids must write forward()'s O and L bit for bit (
 forward makes, not others). Needs an sm_90 GPU, CuPy, cuda-bindings and a CUDA build of PyTorch.
 """
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -98,32 +97,13 @@ def main():
     if any(n < 1 for n in args.seqs):
         ap.error(f"--seqs must be positive, got {args.seqs}")
 
-    try:
-        import cupy
-        import torch
-
-        cupy.cuda.runtime.getDeviceCount()
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"PyTorch {torch.__version__} sees no CUDA device")
-    except Exception as e:  # no CuPy, no torch, no driver or no device
-        raise SystemExit(f"forward_grids.py needs an sm_90 GPU, CuPy and a CUDA build of PyTorch ({e})")
     import bench
-    from stages.common import device, gpu_name
-    from stages.hopper import blocks
 
-    try:
-        blocks.require_hopper()
-    except device.UnsupportedDevice as e:
-        raise SystemExit(f"forward_grids.py times stage 06: {e}")
-    prov = bench.provenance(cupy, torch, gpu_name())
+    cupy, torch, prov = bench.hopper_session("forward_grids.py")
     print(f"stage 06 forward, both grids, on {prov['gpu']} (commit {prov['git_commit']})", flush=True)
     rows = [dict(one_config(args.dtype, D, N, args, cupy, torch), **prov) for D in args.head_dims for N in args.seqs]
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-        print(f"wrote {args.out} ({len(rows)} rows)")
+        bench.write_rows(args.out, COLUMNS, rows)
 
 
 if __name__ == "__main__":
