@@ -13,7 +13,7 @@ Versions, in the order the README teaches them:
             mbarriers per stage order them; K/V tiles of 128 keys where the registers allow.
   pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
             take turns at the tensor cores (named barriers), and inside each, S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-            run while the softmax of S_j is computed; without a mask a persistent grid (persistent_rule).
+            run while the softmax of S_j is computed; a persistent grid on short keys without a mask (persistent_rule).
   fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
 """
