@@ -26,9 +26,7 @@ launches run by hand and both plans must give the whole call's dK and dV bit for
 its float32 sums (the script times the launches the backward makes, not others). Needs an sm_90 GPU, CuPy,
 cuda-bindings and a CUDA build of PyTorch.
 """
-import argparse
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +46,7 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import bench
-    from stages.common import attention_flops, bfloat16, fast_path, make_inputs, time_queued_ms
+    from stages.common import attention_flops, bfloat16, fast_path, make_inputs
     from stages.common.checks import resolve_scale
     from stages.hopper import flash_v3, flash_v3_backward as fb
 
@@ -87,12 +85,7 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
         out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
     fns = dict(pieces, whole=lambda: fb.backward(q, k, v, o, lse, do, causal=causal),
                cudnn=lambda: torch.autograd.grad(out, leaves, tdo, retain_graph=True))
-    times = {p: [] for p in PARTS}
-    for _ in range(args.rounds):
-        for p in PARTS:
-            torch.cuda.synchronize()
-            times[p].append(time_queued_ms(fns[p], gpu=True, warmup=10, repeat=args.reps) * 1e3)
-    us = {p: statistics.median(t) for p, t in times.items()}
+    us = bench.take_turns_us({p: fns[p] for p in PARTS}, args.rounds, args.reps, torch)
     flops = attention_flops(B, H, N, N, D, causal=causal, backward=True)
     row = dict(dtype=dtype_name, head_dim=D, causal=causal, seq_len=N, batch=B, heads=H,
                **{f"{p}_us": round(us[p], 1) for p in PARTS},
@@ -105,23 +98,11 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    ap.add_argument("--tokens", type=int, default=16384, help="B*N, B = tokens // N (default 16384)")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=50, help="calls between the two events of one timing")
-    ap.add_argument("--rounds", type=int, default=3, help="turns of all five timings; medians over them")
-    ap.add_argument("--out", default=None, help="CSV file to write (default: print only)")
-    args = ap.parse_args()
-    if args.reps < 1 or args.rounds < 1:
-        ap.error("--reps and --rounds must be at least 1")
-    if any(n < 1 for n in args.seqs):
-        ap.error(f"--seqs must be positive, got {args.seqs}")
-
     import bench
+
+    ap = bench.hopper_timing_parser(__doc__, head_dims=(64, 128), reps=50, rounds=3)
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    args = bench.parse_timing_args(ap)
 
     cupy, torch, prov = bench.hopper_session("backward_launches.py")
     print(f"stage 06 backward, launch by launch, on {prov['gpu']} (commit {prov['git_commit']})", flush=True)

@@ -176,6 +176,45 @@ def hopper_session(script):
     return cupy, torch, provenance(cupy, torch, gpu_name())
 
 
+def take_turns_us(fns, rounds, reps, torch):
+    """{name: microseconds per call} of each fn in fns ({name: fn}): each runs reps times back to back between two
+    CUDA events after a warm-up (queued), the fns take turns `rounds` times, and each value is the median of its
+    rounds."""
+    from stages.common import time_queued_ms
+
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            times[name].append(time_queued_ms(fn, gpu=True, warmup=10, repeat=reps) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def hopper_timing_parser(doc, *, head_dims, reps, rounds):
+    """The options a dev script that times stage 06 at a fixed number of tokens shares (--seqs, --head-dims from
+    head_dims, --dtype, --tokens, --heads, --reps, --rounds, --out); parse with parse_timing_args."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=list(head_dims), choices=list(head_dims))
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--tokens", type=int, default=16384, help="B*N, B = tokens // N (default 16384)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=reps, help="calls between the two events of one timing")
+    ap.add_argument("--rounds", type=int, default=rounds, help="turns of all the timings; medians over them")
+    ap.add_argument("--out", default=None, help="CSV file to write (default: print only)")
+    return ap
+
+
+def parse_timing_args(ap):
+    """ap's arguments, --reps, --rounds and --seqs checked."""
+    args = ap.parse_args()
+    if args.reps < 1 or args.rounds < 1:
+        ap.error("--reps and --rounds must be at least 1")
+    if any(n < 1 for n in args.seqs):
+        ap.error(f"--seqs must be positive, got {args.seqs}")
+    return args
+
+
 def write_rows(path, columns, rows):
     """rows ({column: value}) as a CSV file with these columns, in this order."""
     with open(path, "w", newline="") as f:

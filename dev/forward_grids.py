@@ -16,9 +16,7 @@ events after a warm-up, and they take turns --rounds times; a column is the medi
 per call. Before timing, both grids must write forward()'s O and L bit for bit (the script times the launches the
 forward makes, not others). Needs an sm_90 GPU, CuPy, cuda-bindings and a CUDA build of PyTorch.
 """
-import argparse
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +36,7 @@ def one_config(dtype_name, D, N, args, cupy, torch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import bench
-    from stages.common import attention_flops, bfloat16, device, make_inputs, time_queued_ms
+    from stages.common import attention_flops, bfloat16, device, make_inputs
     from stages.common.checks import resolve_scale
     from stages.hopper import flash_v3
 
@@ -64,12 +62,7 @@ def one_config(dtype_name, D, N, args, cupy, torch):
             return F.scaled_dot_product_attention(tq, tk, tv)
 
     fns["cudnn"] = cudnn
-    times = {p: [] for p in PARTS}
-    for _ in range(args.rounds):
-        for p in PARTS:
-            torch.cuda.synchronize()
-            times[p].append(time_queued_ms(fns[p], gpu=True, warmup=10, repeat=args.reps) * 1e3)
-    us = {p: statistics.median(t) for p, t in times.items()}
+    us = bench.take_turns_us({p: fns[p] for p in PARTS}, args.rounds, args.reps, torch)
     flops = attention_flops(B, H, N, N, D, causal=False)
     row = dict(dtype=dtype_name, head_dim=D, seq_len=N, batch=B, heads=H, items=B * H * -(-N // 128),
                sms=device.device().sm_count, **{f"{p}_us": round(us[p], 1) for p in PARTS},
@@ -82,22 +75,10 @@ def one_config(dtype_name, D, N, args, cupy, torch):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256], choices=[64, 128, 256])
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    ap.add_argument("--tokens", type=int, default=16384, help="B*N, B = tokens // N (default 16384)")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=30, help="calls between the two events of one timing")
-    ap.add_argument("--rounds", type=int, default=5, help="turns of all four timings; medians over them")
-    ap.add_argument("--out", default=None, help="CSV file to write (default: print only)")
-    args = ap.parse_args()
-    if args.reps < 1 or args.rounds < 1:
-        ap.error("--reps and --rounds must be at least 1")
-    if any(n < 1 for n in args.seqs):
-        ap.error(f"--seqs must be positive, got {args.seqs}")
-
     import bench
+
+    ap = bench.hopper_timing_parser(__doc__, head_dims=(64, 128, 256), reps=30, rounds=5)
+    args = bench.parse_timing_args(ap)
 
     cupy, torch, prov = bench.hopper_session("forward_grids.py")
     print(f"stage 06 forward, both grids, on {prov['gpu']} (commit {prov['git_commit']})", flush=True)
