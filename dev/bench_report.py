@@ -704,6 +704,15 @@ def hopper_backward_table(results_dir):
     return "\n".join(out)
 
 
+def _turns_caption(r0, csv_name, script, before="", setting="", after=""):
+    """The caption of a table from a dev script that times stage 06 beside cuDNN in turns (bench.take_turns_us), from
+    its CSV's first row r0: the GPU, the file, the dtype, the tokens and heads, the turns."""
+    return (f"Microseconds per call on one {r0['gpu']} ({before}`results/{csv_name}`, `{script}`, one run; "
+            f"{r0['dtype']}, {setting}B x N = {int(r0['batch']) * int(r0['seq_len'])} tokens, H = {r0['heads']}; "
+            f"each column the median of {r0['rounds']} turns; cuDNN / x: cuDNN's time over x's, above 1 where x is "
+            f"faster{after}):")
+
+
 def backward_launches_table(results_dir):
     """Markdown: dev/backward_launches.py's CSV, microseconds per call of stage 06's backward: each of its three
     launches alone, the three together, the two with the dQ conversion in the main kernel, backward() as it runs (one
@@ -713,10 +722,8 @@ def backward_launches_table(results_dir):
     if rows is None:
         return ""
     r0 = rows[0]
-    out = [f"Microseconds per call on one {r0['gpu']} (`results/{LAUNCHES_CSV}`, `dev/backward_launches.py`, one run; "
-           f"{r0['dtype']}, B x N = {int(r0['batch']) * int(r0['seq_len'])} tokens, H = {r0['heads']}; each column the "
-           f"median of {r0['rounds']} turns; cuDNN / x: cuDNN's time over x's, above 1 where x is faster; backward() "
-           "runs the two launches where the rule says fused):", "",
+    out = [_turns_caption(r0, LAUNCHES_CSV, "dev/backward_launches.py",
+                          after="; backward() runs the two launches where the rule says fused"), "",
            "| d | causal | N | B | preprocess | main kernel | dQ conversion | three launches | two, conversion fused "
            "| fused by the rule | backward() | SDPA cuDNN | preprocess + conversion, % of three launches "
            "| cuDNN / main kernel | cuDNN / backward() |",
@@ -739,10 +746,8 @@ def forward_grids_table(results_dir):
     if rows is None:
         return ""
     r0 = rows[0]
-    out = [f"Microseconds per call on one {r0['gpu']} ({r0['sms']} SMs; `results/{GRIDS_CSV}`, `dev/forward_grids.py`, "
-           f"one run; {r0['dtype']}, no mask, B x N = {int(r0['batch']) * int(r0['seq_len'])} tokens, H = "
-           f"{r0['heads']}; each column the median of {r0['rounds']} turns; cuDNN / x: cuDNN's time over x's, above 1 "
-           "where x is faster):", "",
+    out = [_turns_caption(r0, GRIDS_CSV, "dev/forward_grids.py", before=f"{r0['sms']} SMs; ", setting="no mask, "),
+           "",
            "| d | N | B | items | one block per item | persistent | persistent by the rule | forward() | SDPA cuDNN "
            "| cuDNN / one per item | cuDNN / persistent |",
            "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
