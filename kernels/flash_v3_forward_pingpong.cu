@@ -43,8 +43,10 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     // over them, and its producer loads the next item's Q and K/V while the consumers finish and store this one.
     const int n_items = n_rows * p.heads, stride = gridDim.x * gridDim.y;
     auto item_tiles = [&](int item, int& bh, int& row0) {  // the item's head, first row and K/V tiles
-        const int rank = item % n_rows;  // head-major: the blocks in flight share their heads' K and V in L2
-        bh = item / n_rows;
+        // head-major: the blocks in flight share their heads' K and V in L2. One block per item: the grid is
+        // (n_rows, heads), so blockIdx gives both without a division.
+        const int rank = PERSISTENT ? item % n_rows : blockIdx.x;
+        bh = PERSISTENT ? item / n_rows : blockIdx.y;
         row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
         const int last_row = min(row0 + 127, Nq - 1);
         const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
-        mbar_init(q_empty, 8);  // one arrival per consumer warp, after its last S = Q K^T of an item
+        mbar_init(q_empty, 8);  // persistent grid: one arrival per consumer warp after an item's last S = Q K^T
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar(FULL_K, s), 1);  // the producer's arrival, with the tile's bytes
             mbar_init(bar(FULL_V, s), 1);
@@ -75,7 +77,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
                 int bh, row0;
                 const int n_tiles = item_tiles(item, bh, row0);
                 if (n_tiles == 0) continue;
-                mbar_wait(q_empty, (qn & 1) ^ 1);  // the consumers are done with the last item's Q (round 0: at once)
+                if (PERSISTENT)  // the consumers are done with the last item's Q (round 0: at once)
+                    mbar_wait(q_empty, (qn & 1) ^ 1);
                 mbar_arrive_expect_tx(q_full, 2 * TILE);
                 tma_load_rows<D>(q_s, &p.map_q, q_full, row0, bh, 2);  // both 64-row halves
                 ++qn;
@@ -128,7 +131,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             wgmma_wait<0>();
             fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
             release(bar(EMPTY_K, it % STAGES));
-            if (n_tiles == 1) release(q_empty);  // Q's last reader is done
+            if (PERSISTENT && n_tiles == 1) release(q_empty);  // Q's last reader is done
             if (masked(0))
                 mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
             softmax_tile<BC, D>(st, s, p.scale_log2, alpha);  // O_i = 0: nothing to rescale
@@ -148,7 +151,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
                 wgmma_wait<1>();  // S_j is ready; O += P_{j-1} V_{j-1} may still run
                 fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
                 release(bar(EMPTY_K, sk));
-                if (j == n_tiles - 1) release(q_empty);
+                if (PERSISTENT && j == n_tiles - 1) release(q_empty);
                 if (masked(j))
                     mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, BC * j, Nk, p.causal, shift,
                                        g, t);
