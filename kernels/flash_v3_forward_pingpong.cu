@@ -20,7 +20,9 @@
 // SM's tensor cores idle between blocks. Q_i has an empty barrier of its own for this, and the stage counters run on
 // across items, so the phases of every barrier stay in step. The launcher picks (stages/06_hopper/flash_v3.py:
 // persistent_rule): persistent where every item is the same work (no mask) and short (few K/V tiles), so that the
-// once-per-item work is a large share of it.
+// once-per-item work is a large share of it. BC: keys a K/V tile, 128 (64 at D = 256); on long items without a mask
+// at D = 128, 192 (wide_rule): each tile's fixed work (barriers, the turn, row maxima, rescaling O) spread over more
+// keys.
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 

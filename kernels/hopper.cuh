@@ -157,8 +157,8 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
-// The accumulator registers of an m64n64 wgmma (32) and of an m64n128 one (64) as inline-asm operands %0 .. %31
-// (%0 .. %63), and their lists in PTX.
+// The accumulator registers of an m64n64 wgmma (32), an m64n128 one (64) and an m64n192 one (96) as inline-asm
+// operands %0 .. %31 (%0 .. %63, %0 .. %95), and their lists in PTX.
 #define WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
                   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define WGMMA_D64                                                                                                     \
@@ -170,6 +170,13 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
         "+f"(d[i + 7])
 #define WGMMA_OUTS WGMMA_F8(0), WGMMA_F8(8), WGMMA_F8(16), WGMMA_F8(24)
 #define WGMMA_OUTS64 WGMMA_OUTS, WGMMA_F8(32), WGMMA_F8(40), WGMMA_F8(48), WGMMA_F8(56)
+#define WGMMA_D96                                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, " \
+    "%68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, " \
+    "%90, %91, %92, %93, %94, %95}"
+#define WGMMA_OUTS96 WGMMA_OUTS64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80), WGMMA_F8(88)
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -210,6 +217,14 @@ template <typename T, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
     WGMMA_ASM(T, "m64n128k16", "%66", WGMMA_D64 ", %64, %65, p, 1, 1, %67, %68;\n", WGMMA_OUTS64, "l"(desc_a),
               "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
+// D (64 x 192, fp32) += A (64 x 16) B^T (192 x 16), both K-major in shared memory: S for the wide K/V tiles of
+// 192 keys (stages/06_hopper/flash_v3.py: WIDE_BC). Accumulator layout: as above, n-blocks i = 0 .. 23.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x192x16(float (&d)[96], u64 desc_a, u64 desc_b, int scale_d) {
+    WGMMA_ASM(T, "m64n192k16", "%98", WGMMA_D96 ", %96, %97, p, 1, 1, 0, 0;\n", WGMMA_OUTS96, "l"(desc_a),
+              "l"(desc_b), "r"(scale_d));
 }
 
 // D (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major in shared memory: imm-trans-b = 1). A's fragment

@@ -43,19 +43,23 @@ struct RowState {
 // (hopper.cuh: desc_advance, one add), not rebuilt from addresses.
 template <typename T, int D, int NB>
 __device__ __forceinline__ void issue_kmajor(float (&acc)[NB / 8][4], u64 a, u64 b) {
+    static_assert(NB == 64 || NB == 128 || NB == 192, "a K/V tile of 64, 128 or 192 keys");
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
         const u32 a_off = (k / 4) * 8192u + (k % 4) * 32u, b_off = (k / 4) * (NB * 128u) + (k % 4) * 32u;
         if constexpr (NB == 64)
             wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
                               k > 0);
-        else
+        else if constexpr (NB == 128)
             wgmma_64x128x16<T>(reinterpret_cast<float(&)[64]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
+                               k > 0);
+        else
+            wgmma_64x192x16<T>(reinterpret_cast<float(&)[96]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
                                k > 0);
     }
 }
 
-// Alg.1 L8, issued: S_ij = Q_i K_j^T for a tile of NC keys (64 or 128): Q's 64 rows and K_j's NC rows, each D / 64
+// Alg.1 L8, issued: S_ij = Q_i K_j^T for a tile of NC keys (64, 128 or 192): Q's 64 rows and K_j's NC rows, each D / 64
 // panels of 128-byte lines. The caller commits and waits.
 template <typename T, int D, int NC>
 __device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s) {

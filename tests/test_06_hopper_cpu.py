@@ -190,8 +190,9 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
                    for D in flash_v3_backward.VERSION_HEAD_DIMS[version])
     else:
         file, names, threads = flash_v3.FILES[what], flash_v3.kernel_names(what), flash_v3.config(what, 64).threads
-        # Q_i and the K/V stages fit the H100's shared memory at every head dim
-        assert all(flash_v3.smem_bytes(what, D) <= device.emulate("sm_90").smem_optin for D in flash_v3.HEAD_DIMS)
+        # Q_i and the K/V stages fit the H100's shared memory at every head dim, the wide tiles too
+        assert all(flash_v3.smem_bytes(what, D, w) <= device.emulate("sm_90").smem_optin for D in flash_v3.HEAD_DIMS
+                   for w in (False, True) if not w or flash_v3.wide_rule(what, D, False, False))
     usage = kernels.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
     for name in names:
         u = usage[name]
@@ -350,9 +351,31 @@ def test_the_forward_launches_a_persistent_grid_only_for_version_pingpong_on_sho
     assert not flash_v3.persistent_rule("pingpong", False, most + 1)
     assert not flash_v3.persistent_rule("pingpong", True, 128)
     assert not flash_v3.persistent_rule("ws", False, 128) and not flash_v3.persistent_rule("wgmma", False, 128)
-    names = flash_v3.kernel_names("pingpong")  # CI compiles both grids' instantiations
-    assert len(names) == 2 * len(flash_v3.HEAD_DIMS) * 2 and sum(n.endswith(",true>") for n in names) == len(names) // 2
+    names = flash_v3.kernel_names("pingpong")  # CI compiles both grids' instantiations, and the wide tiles'
+    assert sum(n.endswith(",true>") for n in names) == 2 * len(flash_v3.HEAD_DIMS)
+    assert sum(n.endswith(",false>") for n in names) == 2 * len(flash_v3.HEAD_DIMS) + 2
     with pytest.raises(ValueError, match="only version pingpong launches a persistent grid, not 'ws'"):
         flash_v3._plan("ws", np.dtype(np.float16), (1, 1, 64, 64), 64, (0, 64), (0, 64), False, 0.125, merge=False,
                        persistent=True)
+
+
+def test_the_forward_takes_wide_key_tiles_only_for_version_pingpong_at_d128_on_long_unmasked_items():
+    """wide_rule: K/V tiles of WIDE_BC keys where persistent_rule gives a block per item, at D = 128 without a mask;
+    the tiles fit the H100's shared memory; another version or head dim refuses them."""
+    from stages.common import device
+    from stages.hopper import flash_v3
+
+    long_keys = flash_v3.PERSISTENT_MAX_KEYS + 1
+    persistent = flash_v3.persistent_rule("pingpong", False, long_keys)
+    assert not persistent and flash_v3.wide_rule("pingpong", 128, False, persistent)
+    assert not flash_v3.wide_rule("pingpong", 128, False, True) and not flash_v3.wide_rule("pingpong", 128, True, False)
+    assert [(v, D) for v in flash_v3.VERSIONS for D in flash_v3.HEAD_DIMS
+            if flash_v3.wide_rule(v, D, False, False)] == [("pingpong", 128)]
+    assert flash_v3.config("pingpong", 128, wide=True).bc == flash_v3.WIDE_BC and flash_v3.WIDE_BC % 16 == 0
+    assert flash_v3.smem_bytes("pingpong", 128, wide=True) <= device.emulate("sm_90").smem_optin
+    for ctype in ("__half", "__nv_bfloat16"):  # CI compiles the wide instantiations (block per item only)
+        assert f"flash_v3_forward_pingpong<{ctype},128,{flash_v3.WIDE_BC},2,false>" in flash_v3.kernel_names("pingpong")
+    for version, D in (("ws", 128), ("pingpong", 64), ("pingpong", 256)):
+        with pytest.raises(ValueError, match=f"tiles of {flash_v3.WIDE_BC} keys are version pingpong's at D = 128"):
+            flash_v3.config(version, D, wide=True)
 

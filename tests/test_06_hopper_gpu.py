@@ -151,8 +151,9 @@ def test_forward_with_more_blocks_than_sms(shape, causal, D, version):
 def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, D):
     """Version pingpong without a mask: a persistent grid (a block per SM striding over the (Q tile, head) items,
     carrying its barriers' phases from item to item) writes the same bits as a block per item, with more items than
-    SMs (300), fewer (1, 48, 6) and the last Q tile of each head short; and it meets the tolerance rule. The launcher
-    picks the grid persistent_rule names (Nk = 4200: one block per item)."""
+    SMs (300), fewer (1, 48, 6) and the last Q tile of each head short, both with K/V tiles of 128 keys; and it meets
+    the tolerance rule. The launcher picks the grid persistent_rule names and the tiles wide_rule names (Nk = 4200:
+    one block per item, at D = 128 with tiles of WIDE_BC keys)."""
     import cupy
 
     from stages.common import check_forward, make_inputs
@@ -165,7 +166,8 @@ def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, 
     plans, outs = {}, {}
     for persistent in (True, False, None):  # None: the launcher's choice
         plans[persistent] = flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
-                                           resolve_scale(None, D), merge=False, persistent=persistent)
+                                           resolve_scale(None, D), merge=False, persistent=persistent,
+                                           wide=None if persistent is None else False)
     for persistent in (True, False):
         items = -(-Nq // 128) * B * H
         grid = (min(items, device.device().sm_count), 1) if persistent else (-(-Nq // 128), B * H)
@@ -173,11 +175,41 @@ def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, 
         o, lse = cupy.empty_like(q), cupy.empty((B, H, Nq), cupy.float32)
         plans[persistent](q, k, v, o, lse)
         outs[persistent] = (o, lse)
-    chosen = plans[flash_v3.persistent_rule("pingpong", False, Nk)].launch
-    assert plans[None].launch.fn is chosen.fn and plans[None].launch.grid == chosen.grid
+    by_rule = flash_v3.persistent_rule("pingpong", False, Nk)
+    chosen = plans[by_rule].launch
+    assert plans[None].launch.grid == chosen.grid
+    wide = flash_v3.wide_rule("pingpong", D, False, by_rule)
+    assert (plans[None].launch.fn is chosen.fn) == (not wide)
+    assert plans[None].launch.smem == flash_v3.smem_bytes("pingpong", D, wide)
     for a, b, bits in zip(outs[True], outs[False], (cupy.uint16, cupy.uint32)):
         assert bool((a.view(bits) == b.view(bits)).all())
     check_forward(lambda q, k, v, **kw: outs[True], q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 50, 200, 333), (1, 1, 1, 65), (1, 2, 300, 2049), (2, 3, 1000, 4200),
+                                   (1, 1, 130, 192), (1, 4, 2000, 2500)])
+def test_forward_with_wide_key_tiles_within_the_tolerance_rule(shape, dtype):
+    """Version pingpong at D = 128 on a block per item with K/V tiles of WIDE_BC keys, forced at any Nk: more blocks
+    than SMs, a single key, Nk one past a tile, Nk a whole tile, Nq != Nk; forward() takes them past
+    PERSISTENT_MAX_KEYS keys (Nk = 2049, 4200, 2500), where it must meet the tolerance rule too."""
+    import cupy
+
+    from stages.common import check_forward, make_inputs
+    from stages.common.checks import resolve_scale
+    from stages.hopper import flash_v3
+
+    _hopper()
+    q, k, v = make_inputs(*shape, 128, dtype=dtype, xp=cupy)
+    B, H, Nq, Nk = shape
+    plan = flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
+                          resolve_scale(None, 128), merge=False, persistent=False, wide=True)
+    assert plan.launch.smem == flash_v3.smem_bytes("pingpong", 128, wide=True)
+    o, lse = cupy.empty_like(q), cupy.empty((B, H, Nq), cupy.float32)
+    plan(q, k, v, o, lse)
+    check_forward(lambda q, k, v, **kw: (o, lse), q, k, v, causal=False)
+    if Nk > flash_v3.PERSISTENT_MAX_KEYS:
+        check_forward(flash_v3.forward, q, k, v, causal=False)
 
 
 @pytest.mark.parametrize("version", ["wgmma", "ws", "pingpong"])

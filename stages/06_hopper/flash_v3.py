@@ -13,7 +13,8 @@ Versions, in the order the README teaches them:
             mbarriers per stage order them; K/V tiles of 128 keys where the registers allow.
   pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
             take turns at the tensor cores (named barriers), and inside each, S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-            run while the softmax of S_j is computed; a persistent grid on short keys without a mask (persistent_rule).
+            run while the softmax of S_j is computed; without a mask a persistent grid on short keys (persistent_rule),
+            and K/V tiles of 192 keys on long ones at D = 128 (wide_rule).
   fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
 """
@@ -37,8 +38,10 @@ HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
 
 
-# Version pingpong's persistent grid runs items of at most this many keys (dev/forward_grids.py measures both grids).
-PERSISTENT_MAX_KEYS = 4096
+# Version pingpong without a mask: items of at most this many keys run on a persistent grid with K/V tiles of 128
+# keys, longer ones on a block per item, at D = 128 with tiles of WIDE_BC keys (dev/forward_grids.py measures both).
+PERSISTENT_MAX_KEYS = 2048
+WIDE_BC = 192
 
 
 def persistent_rule(version, causal, nk):
@@ -51,6 +54,17 @@ def persistent_rule(version, causal, nk):
     return version == "pingpong" and not causal and nk <= PERSISTENT_MAX_KEYS
 
 
+def wide_rule(version, D, causal, persistent):
+    """Whether K_j and V_j are tiles of WIDE_BC keys instead of 128: version pingpong at D = 128 without a mask on a
+    block per item (long items). Each tile has work that does not grow with its keys: the full / empty barriers, the
+    turn at the tensor cores, the row maxima's shuffles, alpha and rescaling O (64 multiplies a thread); 192 keys a
+    tile spread it over 1.5 times the keys. A consumer then holds S_j (96 registers), P_{j-1} in 16 bits (48) and O
+    (64) at once, within its 240, and the two stages of K_j and V_j take 192 KB of shared memory. On short items the
+    tile's other cost weighs more: the last tile of each item computes up to 191 keys past Nk. Under the causal mask
+    the diagonal tiles would mask more keys: 128 there."""
+    return version == "pingpong" and D == 128 and not causal and not persistent
+
+
 class Config(NamedTuple):
     """A version's tiles for head dim D: Q_i of br rows, K_j / V_j of bc rows, threads per block."""
 
@@ -59,12 +73,15 @@ class Config(NamedTuple):
     threads: int
 
 
-def config(version, D):
+def config(version, D, wide=False):
     """wgmma: one warpgroup, 64 x 64 tiles. ws, pingpong: a producer and two consumer warpgroups (384 threads) on a
-    128-row Q_i; K_j of 128 keys while a consumer's registers hold S (64 x bc) and O (64 x D) (D <= 128), else 64."""
+    128-row Q_i; K_j of 128 keys while a consumer's registers hold S (64 x bc) and O (64 x D) (D <= 128), else 64;
+    wide (wide_rule): K_j of WIDE_BC keys."""
+    if wide and not (version == "pingpong" and D == 128):
+        raise ValueError(f"tiles of {WIDE_BC} keys are version pingpong's at D = 128, not {version!r} at D = {D}")
     if version == "wgmma":
         return Config(64, 64, 128)
-    return Config(128, 128 if D <= 128 else 64, 384)
+    return Config(128, WIDE_BC if wide else 128 if D <= 128 else 64, 384)
 
 
 class HopperFwdParams(ctypes.Structure):
@@ -76,23 +93,25 @@ class HopperFwdParams(ctypes.Structure):
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
 
 
-def smem_bytes(version, D):
+def smem_bytes(version, D, wide=False):
     """Q_i (br rows), K_j and V_j of every stage (bc rows each; wgmma: two stages), 2 bytes a value, and 1024 bytes
     to align the first tile to the swizzle's period."""
-    br, bc, _ = config(version, D)
+    br, bc, _ = config(version, D, wide)
     return (br + 2 * STAGES * bc) * D * 2 + 1024
 
 
-def _name(version, ctype, D, persistent=False):
+def _name(version, ctype, D, persistent=False, wide=False):
+    bc = config(version, D, wide).bc
     if version == "wgmma":
         return f"flash_v3_forward_wgmma<{ctype},{D}>"
     if version == "pingpong":
-        return f"flash_v3_forward_pingpong<{ctype},{D},{config(version, D).bc},{STAGES},{str(persistent).lower()}>"
-    return f"flash_v3_forward_{version}<{ctype},{D},{config(version, D).bc},{STAGES}>"
+        return f"flash_v3_forward_pingpong<{ctype},{D},{bc},{STAGES},{str(persistent).lower()}>"
+    return f"flash_v3_forward_{version}<{ctype},{D},{bc},{STAGES}>"
 
 
-def _function(version, ctype, D, persistent=False):
-    return blocks.sm90a_function(FILES[version], _name(version, ctype, D, persistent), smem_bytes(version, D))
+def _function(version, ctype, D, persistent=False, wide=False):
+    return blocks.sm90a_function(FILES[version], _name(version, ctype, D, persistent, wide),
+                                 smem_bytes(version, D, wide))
 
 
 @fast_path.remembered  # a plain call seen before goes straight to its planned launch (stages/common/fast_path.py)
@@ -144,25 +163,28 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
 
 
 @functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
-def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge, persistent=None):
+def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge, persistent=None, wide=None):
     """The launch on rows (start, stop) of every head of a q of q_shape (B, H, Lq, D) against keys (start, stop) of k,
     v of Lk rows a head: a MappedLaunch of (q, k, v, then o and lse at those rows). o, lse: the whole outputs (heads of
     Lq rows), written (merge=False) or merged into (merge=True, float32). persistent: the grid, by persistent_rule
-    when None (True or False to compare the two; only version pingpong walks items)."""
+    when None (True or False to compare the two; only version pingpong walks items); wide: K/V tiles of WIDE_BC keys,
+    by wide_rule when None."""
     (q0, q1), (k0, k1) = rows, keys
     if persistent is None:
         persistent = persistent_rule(version, causal, k1 - k0)
     elif persistent and version != "pingpong":
         raise ValueError(f"only version pingpong launches a persistent grid, not {version!r}")
     B, H, Lq, D = q_shape
-    cfg = config(version, D)
+    if wide is None:
+        wide = wide_rule(version, D, causal, persistent)
+    cfg = config(version, D, wide)
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              o_rows=Lq, merge=int(merge), heads=B * H)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
     if persistent:  # one block per SM, each striding over the items
         grid = (min(grid[0] * grid[1], device.device().sm_count), 1)
-    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D, persistent), grid, (cfg.threads,),
-                            smem_bytes(version, D), params)
+    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D, persistent, wide), grid, (cfg.threads,),
+                            smem_bytes(version, D, wide), params)
     kv_shape = (B, H, Lk, D)
     return blocks.MappedLaunch.of(launch, map_q=blocks.heads_map(q_shape, dtype, rows=rows),
                                   map_k=blocks.heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys),
@@ -195,4 +217,5 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DE
 def kernel_names(version):
     """The instantiations of a version that CI compiles for sm_90a."""
     grids = (False, True) if version == "pingpong" else (False,)
-    return [_name(version, c, D, p) for c in blocks.CTYPE.values() for D in HEAD_DIMS for p in grids]
+    return [_name(version, c, D, p, w) for c in blocks.CTYPE.values() for D in HEAD_DIMS for p in grids
+            for w in (False, True) if not w or wide_rule(version, D, False, p)]
