@@ -740,22 +740,23 @@ def backward_launches_table(results_dir):
 
 def forward_grids_table(results_dir):
     """Markdown: dev/forward_grids.py's CSV, microseconds per call of stage 06's forward (version pingpong, no mask)
-    with one block per item and with the persistent grid, forward() as it runs (one of the two: persistent_rule) and
-    cuDNN's forward, with cuDNN's time over each; "" without the CSV."""
+    with one block per item and with the persistent grid (both with K/V tiles of 128 keys, 64 at d = 256), forward()
+    as it runs (one of the two grids: persistent_rule; its tiles: wide_rule) and cuDNN's forward, with cuDNN's time
+    over each; "" without the CSV."""
     rows = _rows_of(results_dir, GRIDS_CSV, read_rows)
     if rows is None:
         return ""
     r0 = rows[0]
     out = [_turns_caption(r0, GRIDS_CSV, "dev/forward_grids.py", before=f"{r0['sms']} SMs; ", setting="no mask, "),
            "",
-           "| d | N | B | items | one block per item | persistent | persistent by the rule | forward() | SDPA cuDNN "
-           "| cuDNN / one per item | cuDNN / persistent |",
-           "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+           "| d | N | B | items | one block per item | persistent | persistent by the rule | forward()'s K/V tile "
+           "| forward() | SDPA cuDNN | cuDNN / one per item | cuDNN / persistent | cuDNN / forward() |",
+           "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (int(r["head_dim"]), int(r["seq_len"]))):
         one, pers, whole, cudnn = (float(r[f"{p}_us"]) for p in ("per_item", "persistent", "whole", "cudnn"))
         out.append(f"| {r['head_dim']} | {r['seq_len']} | {r['batch']} | {r['items']} | {one:.0f} | {pers:.0f} | "
-                   f"{'yes' if r['persistent_by_rule'] == 'True' else 'no'} | {whole:.0f} | {cudnn:.0f} | "
-                   f"{cudnn / one:.2f} | {cudnn / pers:.2f} |")
+                   f"{'yes' if r['persistent_by_rule'] == 'True' else 'no'} | {r['forward_bc']} | {whole:.0f} | "
+                   f"{cudnn:.0f} | {cudnn / one:.2f} | {cudnn / pers:.2f} | {cudnn / whole:.2f} |")
     return "\n".join(out)
 
 
