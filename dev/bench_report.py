@@ -1057,7 +1057,8 @@ def _versions():
             if D not in v3.HEAD_DIMS:
                 return "-"
             c = v3.config(version, D)
-            return f"{c.br}x{c.bc}"
+            wide = v3.wide_rule(version, D, False, False)  # long items without a mask: K/V tiles of WIDE_BC keys
+            return f"{c.br}x{c.bc}" + (f" (w: {c.br}x{v3.config(version, D, wide).bc})" if wide else "")
         return f
 
     def hopper_bwd_tiles(version):  # Q tiles of q_tile_rows x K/V tiles of bc keys
@@ -1083,8 +1084,8 @@ BOTH16 = "fp16, bf16 (bf16 from sm_80)"
 
 def gpu_table():
     """Markdown: per kernel version and architecture, the tiles (Br x Bc) its launcher picks at d = 32/64/96/128/256
-    (s: V_j shares K_j's buffer; p: the backward's warps in pairs, TcTiles.wq = 2; -: the version does not take that
-    head dim), "no" where it cannot run."""
+    (s: V_j shares K_j's buffer; p: the backward's warps in pairs, TcTiles.wq = 2; w: stage 06's wide K/V tiles on
+    long items without a mask, wide_rule; -: the version does not take that head dim), "no" where it cannot run."""
     import importlib
 
     device = importlib.import_module("stages.common.device")
