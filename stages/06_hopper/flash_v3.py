@@ -62,7 +62,13 @@ def wide_rule(version, D, causal, persistent):
     (64) at once, within its 240, and the two stages of K_j and V_j take 192 KB of shared memory. On short items the
     tile's other cost weighs more: the last tile of each item computes up to 191 keys past Nk. Under the causal mask
     the diagonal tiles would mask more keys: 128 there."""
-    return version == "pingpong" and D == 128 and not causal and not persistent
+    return _wide_fits(version, D) and not causal and not persistent
+
+
+def _wide_fits(version, D):
+    """Whether a version's kernel takes K/V tiles of WIDE_BC keys at head dim D: version pingpong at D = 128 (at
+    D = 256 O alone is 128 registers a thread; at D = 64 the wide tiles are not faster)."""
+    return version == "pingpong" and D == 128
 
 
 class Config(NamedTuple):
@@ -77,7 +83,7 @@ def config(version, D, wide=False):
     """wgmma: one warpgroup, 64 x 64 tiles. ws, pingpong: a producer and two consumer warpgroups (384 threads) on a
     128-row Q_i; K_j of 128 keys while a consumer's registers hold S (64 x bc) and O (64 x D) (D <= 128), else 64;
     wide (wide_rule): K_j of WIDE_BC keys."""
-    if wide and not (version == "pingpong" and D == 128):
+    if wide and not _wide_fits(version, D):
         raise ValueError(f"tiles of {WIDE_BC} keys are version pingpong's at D = 128, not {version!r} at D = {D}")
     if version == "wgmma":
         return Config(64, 64, 128)
