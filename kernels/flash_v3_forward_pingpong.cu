@@ -22,7 +22,7 @@
 // persistent_rule): persistent where every item is the same work (no mask) and short (few K/V tiles), so that the
 // once-per-item work is a large share of it. BC: keys a K/V tile, 128 (64 at D = 256); on long items without a mask
 // at D = 128, 192 (wide_rule): each tile's fixed work (barriers, the turn, row maxima, rescaling O) spread over more
-// keys.
+// keys. At D = 128 an item's last tile is computed only on its 64-key blocks that hold keys (RAGGED).
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 
@@ -30,6 +30,12 @@ template <typename T, int D, int BC, int STAGES, bool PERSISTENT>
 __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid_constant__ HopperFwdParams p) {
     constexpr u32 TILE = (D / 64) * 8192u;    // bytes of one 64-row Q tile
     constexpr u32 KV = (D / 64) * BC * 128u;  // bytes of one K or V tile of BC rows
+    // RAGGED: an item's last K/V tile that holds keys in fewer than its BC / 64 blocks of 64 keys (Nk not a multiple
+    // of BC, or the causal diagonal) takes only those blocks in its GEMMs and softmax (hopper_tiles.cuh: with_width).
+    // At D = 128, where the wide tiles leave up to two of three blocks empty. At D = 64 the kernel keeps its single
+    // tail: compiled in, the narrow tails made its tile loop slower than the work they skip; at D = 256 (BC = 64) no
+    // tile has an empty block.
+    constexpr bool RAGGED = D == 128;
     enum { FULL_K, FULL_V, EMPTY_K, EMPTY_V };
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 + 4 * STAGES];  // Q full, Q empty; then full_k[s], full_v[s], empty_k[s], ..
@@ -44,14 +50,15 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     // last (heaviest) tile. A grid of one block per item runs each once; a persistent grid (a block per SM) strides
     // over them, and its producer loads the next item's Q and K/V while the consumers finish and store this one.
     const int n_items = n_rows * p.heads, stride = gridDim.x * gridDim.y;
-    auto item_tiles = [&](int item, int& bh, int& row0) {  // the item's head, first row and K/V tiles
-        // head-major: the blocks in flight share their heads' K and V in L2. One block per item: the grid is
-        // (n_rows, heads), so blockIdx gives both without a division.
+    auto item_tiles = [&](int item, int& bh, int& row0, int& last_keys) {  // the item's head, first row, K/V tiles
+        // and the keys its last tile holds. Head-major: the blocks in flight share their heads' K and V in L2. One
+        // block per item: the grid is (n_rows, heads), so blockIdx gives both without a division.
         const int rank = PERSISTENT ? item % n_rows : blockIdx.x;
         bh = PERSISTENT ? item / n_rows : blockIdx.y;
         row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
         const int last_row = min(row0 + 127, Nq - 1);
         const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
+        last_keys = last_key % BC + 1;
         return last_key < 0 ? 0 : last_key / BC + 1;
     };
 
@@ -76,8 +83,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             // the consumers wait for
             int it = 0, qn = 0;
             for (int item = blockIdx.y * gridDim.x + blockIdx.x; item < n_items; item += stride) {
-                int bh, row0;
-                const int n_tiles = item_tiles(item, bh, row0);
+                int bh, row0, last_keys;
+                const int n_tiles = item_tiles(item, bh, row0, last_keys);
                 if (n_tiles == 0) continue;
                 if (PERSISTENT)  // the consumers are done with the last item's Q (round 0: at once)
                     mbar_wait(q_empty, (qn & 1) ^ 1);
@@ -110,8 +117,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     auto pass_turn = [&] { named_bar_arrive(2 - c, 256); };  // let it issue its own
     int it = 0, qn = 0;
     for (int item = blockIdx.y * gridDim.x + blockIdx.x; item < n_items; item += stride) {
-        int bh, row0;
-        const int n_tiles = item_tiles(item, bh, row0);
+        int bh, row0, last_keys;
+        const int n_tiles = item_tiles(item, bh, row0, last_keys);
         const int first = row0 + 64 * c, r0 = first + 16 * warp;
         auto masked = [&](int j) { return (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift); };
 
@@ -119,59 +126,87 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
         st.init();
         float s[BC / 8][4], alpha[2];
         u32 pa[BC / 16][4];
-        if (n_tiles > 0) {
-            if (c == 1) pass_turn();  // warpgroup 0 issues first
-            mbar_wait(q_full, qn & 1);
-            ++qn;
-            // Tile 0: S_0 = Q K_0^T and its softmax; O += P_0 V_0 is issued with S_1.
+        // Tile j's S_j = Q K_j^T and softmax on its first W columns (W = BC but for a ragged last tile): P_j in s,
+        // its A fragments in pa. Tile 0 (O_i = 0: nothing to rescale); O += P_0 V_0 is issued with S_1.
+        auto first_tile = [&](auto w) {
+            constexpr int W = decltype(w)::value;
             mbar_wait(bar(FULL_K, it % STAGES), (it / STAGES) & 1);
             my_turn();
             wgmma_fence();
-            issue_qk<T, D, BC>(s, q_mine, k_tile(it % STAGES));
+            issue_qk<T, D, W, BC>(cols<W>(s), q_mine, k_tile(it % STAGES));
             wgmma_commit();
             if (c == 0 || n_tiles > 1) pass_turn();  // the turns each warpgroup takes and is given balance out
             wgmma_wait<0>();
-            fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
+            fence_operands(reinterpret_cast<float(&)[W / 2]>(s));
             release(bar(EMPTY_K, it % STAGES));
             if (PERSISTENT && n_tiles == 1) release(q_empty);  // Q's last reader is done
             if (masked(0))
-                mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
-            softmax_tile<BC, D>(st, s, p.scale_log2, alpha);  // O_i = 0: nothing to rescale
-            p_fragments<T, BC>(pa, s);
-
-            for (int j = 1; j < n_tiles; ++j) {  // Alg.1 L6, one tile behind for P V
-                const int sk = (it + j) % STAGES, sv = (it + j - 1) % STAGES;
-                mbar_wait(bar(FULL_K, sk), ((it + j) / STAGES) & 1);
-                mbar_wait(bar(FULL_V, sv), ((it + j - 1) / STAGES) & 1);
-                my_turn();
-                wgmma_fence();
-                issue_qk<T, D, BC>(s, q_mine, k_tile(sk));  // S_j = Q K_j^T
-                wgmma_commit();
-                issue_pv<T, D, BC>(st, pa, v_tile(sv));  // O += P_{j-1} V_{j-1}
-                wgmma_commit();
-                if (c == 0 || j < n_tiles - 1) pass_turn();
-                wgmma_wait<1>();  // S_j is ready; O += P_{j-1} V_{j-1} may still run
-                fence_operands(reinterpret_cast<float(&)[BC / 2]>(s));
-                release(bar(EMPTY_K, sk));
-                if (PERSISTENT && j == n_tiles - 1) release(q_empty);
-                if (masked(j))
-                    mask_scores<1, BC>(reinterpret_cast<float(&)[1][BC / 8][4]>(s), r0, BC * j, Nk, p.causal, shift,
-                                       g, t);
-                softmax_tile<BC, D>(st, s, p.scale_log2, alpha);
-                wgmma_wait<0>();  // O and P_{j-1}'s registers are ours again
-                fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
-                release(bar(EMPTY_V, sv));
-                rescale_o(st, alpha);
-                p_fragments<T, BC>(pa, s);
-            }
-            const int sv = (it + n_tiles - 1) % STAGES;  // O += P_{last} V_{last}
+                mask_scores<1, W>(reinterpret_cast<float(&)[1][W / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
+            softmax_tile<W, D>(st, cols<W>(s), p.scale_log2, alpha);
+            p_fragments<T, W>(cols<W>(pa), cols<W>(s));
+        };
+        // Tile j >= 1 (Alg.1 L6), one tile behind for P V: S_j with O += P_{j-1} V_{j-1} (a whole tile of BC keys).
+        auto next_tile = [&](int j, auto w) {
+            constexpr int W = decltype(w)::value;
+            const int sk = (it + j) % STAGES, sv = (it + j - 1) % STAGES;
+            mbar_wait(bar(FULL_K, sk), ((it + j) / STAGES) & 1);
+            mbar_wait(bar(FULL_V, sv), ((it + j - 1) / STAGES) & 1);
+            my_turn();
+            wgmma_fence();
+            issue_qk<T, D, W, BC>(cols<W>(s), q_mine, k_tile(sk));  // S_j = Q K_j^T
+            wgmma_commit();
+            issue_pv<T, D, BC>(st, pa, v_tile(sv));  // O += P_{j-1} V_{j-1}
+            wgmma_commit();
+            if (c == 0 || j < n_tiles - 1) pass_turn();
+            wgmma_wait<1>();  // S_j is ready; O += P_{j-1} V_{j-1} may still run
+            fence_operands(reinterpret_cast<float(&)[W / 2]>(s));
+            release(bar(EMPTY_K, sk));
+            if (PERSISTENT && j == n_tiles - 1) release(q_empty);
+            if (masked(j))
+                mask_scores<1, W>(reinterpret_cast<float(&)[1][W / 8][4]>(s), r0, BC * j, Nk, p.causal, shift, g, t);
+            softmax_tile<W, D>(st, cols<W>(s), p.scale_log2, alpha);
+            wgmma_wait<0>();  // O and P_{j-1}'s registers are ours again
+            fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
+            release(bar(EMPTY_V, sv));
+            rescale_o(st, alpha);
+            p_fragments<T, W>(cols<W>(pa), cols<W>(s));
+        };
+        // O += P_{last} V_{last} on the last tile's W keys.
+        auto last_pv = [&](auto w) {
+            constexpr int W = decltype(w)::value;
+            const int sv = (it + n_tiles - 1) % STAGES;
             mbar_wait(bar(FULL_V, sv), ((it + n_tiles - 1) / STAGES) & 1);
             wgmma_fence();
-            issue_pv<T, D, BC>(st, pa, v_tile(sv));
+            issue_pv<T, D, W, BC>(st, cols<W>(pa), v_tile(sv));
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
             release(bar(EMPTY_V, sv));
+        };
+        if (n_tiles > 0) {
+            if (c == 1) pass_turn();  // warpgroup 0 issues first
+            mbar_wait(q_full, qn & 1);
+            ++qn;
+            // Every tile but the last is BC keys wide. At D = 128 (RAGGED) a last tile with an empty 64-key block
+            // takes the 64-key blocks that hold its keys; the tile loop is the same either way.
+            const bool ragged = RAGGED && last_keys <= BC - 64;
+            if (ragged && n_tiles == 1) {
+                if constexpr (RAGGED)
+                    with_width<BC - 64>(last_keys, [&](auto w) {
+                        first_tile(w);
+                        last_pv(w);
+                    });
+            } else {
+                first_tile(Cols<BC>());
+                for (int j = 1; j < n_tiles - ragged; ++j) next_tile(j, Cols<BC>());
+                if (!ragged)
+                    last_pv(Cols<BC>());
+                else if constexpr (RAGGED)
+                    with_width<BC - 64>(last_keys, [&](auto w) {
+                        next_tile(n_tiles - 1, w);
+                        last_pv(w);
+                    });
+            }
             it += n_tiles;
         }
         store_rows<T, D>(st, p, bh, r0, g, t);

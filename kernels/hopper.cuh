@@ -177,6 +177,13 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 #define WGMMA_OUTS WGMMA_F8(0), WGMMA_F8(8), WGMMA_F8(16), WGMMA_F8(24)
 #define WGMMA_OUTS64 WGMMA_OUTS, WGMMA_F8(32), WGMMA_F8(40), WGMMA_F8(48), WGMMA_F8(56)
 #define WGMMA_OUTS96 WGMMA_OUTS64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80), WGMMA_F8(88)
+// The same registers as outputs only, for a wgmma that does not read D (scale-d 0).
+#define WGMMA_SET8(i)                                                                                                 \
+    "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), "=f"(d[i + 6]),      \
+        "=f"(d[i + 7])
+#define WGMMA_SET32 WGMMA_SET8(0), WGMMA_SET8(8), WGMMA_SET8(16), WGMMA_SET8(24)
+#define WGMMA_SET64 WGMMA_SET32, WGMMA_SET8(32), WGMMA_SET8(40), WGMMA_SET8(48), WGMMA_SET8(56)
+#define WGMMA_SET96 WGMMA_SET64, WGMMA_SET8(64), WGMMA_SET8(72), WGMMA_SET8(80), WGMMA_SET8(88)
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -225,6 +232,27 @@ template <typename T>
 __device__ __forceinline__ void wgmma_64x192x16(float (&d)[96], u64 desc_a, u64 desc_b, int scale_d) {
     WGMMA_ASM(T, "m64n192k16", "%98", WGMMA_D96 ", %96, %97, p, 1, 1, 0, 0;\n", WGMMA_OUTS96, "l"(desc_a),
               "l"(desc_b), "r"(scale_d));
+}
+
+// D (64 x N, fp32) = A (64 x 16) B^T (N x 16), both K-major in shared memory, N = 64, 128 or 192: the first K step of
+// a GEMM, which does not read D (scale-d 0). D's registers are the asm's outputs only ("=f", where the functions
+// above read and write them, "+f"), so the compiler sees their old values die here. A GEMM that fills only part of a
+// register array (the first 64 or 128 columns of S for a ragged last K/V tile, hopper_tiles.cuh: with_width) starts
+// with it: with "+f" the columns it does not write stay live across the asynchronous wgmma, and ptxas serializes
+// every wgmma of the kernel (its warning C7511, "insufficient register resources for the wgmma pipeline"). GEMMs of
+// whole tiles start with the functions above and scale_d = 0.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_64xNx16_set(float (&d)[N / 2], u64 desc_a, u64 desc_b) {
+    static_assert(N == 64 || N == 128 || N == 192, "m64n64, m64n128 or m64n192");
+    if constexpr (N == 64)
+        WGMMA_ASM(T, "m64n64k16", "0", WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n", WGMMA_SET32, "l"(desc_a),
+                  "l"(desc_b));
+    else if constexpr (N == 128)
+        WGMMA_ASM(T, "m64n128k16", "0", WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n", WGMMA_SET64, "l"(desc_a),
+                  "l"(desc_b));
+    else
+        WGMMA_ASM(T, "m64n192k16", "0", WGMMA_D96 ", %96, %97, p, 1, 1, 0, 0;\n", WGMMA_SET96, "l"(desc_a),
+                  "l"(desc_b));
 }
 
 // D (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major in shared memory: imm-trans-b = 1). A's fragment

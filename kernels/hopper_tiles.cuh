@@ -39,39 +39,40 @@ struct RowState {
 
 // acc (64 x NB) = A (64 x D) B^T (NB x D), both K-major in the 128-byte swizzle, from their descriptors: D / 16 K steps,
 // a K step 32 bytes further inside a 128-byte panel line, a new panel every 4 steps (A: 64 rows x 128 bytes = 8 KB a
-// panel; B: NB rows x 128 bytes). Each step's descriptors are the first ones moved on by its byte offsets
-// (hopper.cuh: desc_advance, one add), not rebuilt from addresses.
-template <typename T, int D, int NB>
+// panel; B: panels of ROWS rows x 128 bytes, of which the first NB take part). Each step's descriptors are the first
+// ones moved on by its byte offsets (hopper.cuh: desc_advance, one add), not rebuilt from addresses.
+template <typename T, int D, int NB, int ROWS = NB>
 __device__ __forceinline__ void issue_kmajor(float (&acc)[NB / 8][4], u64 a, u64 b) {
     static_assert(NB == 64 || NB == 128 || NB == 192, "a K/V tile of 64, 128 or 192 keys");
+    static_assert(NB <= ROWS, "the first NB rows of panels of ROWS");
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) {
-        const u32 a_off = (k / 4) * 8192u + (k % 4) * 32u, b_off = (k / 4) * (NB * 128u) + (k % 4) * 32u;
-        if constexpr (NB == 64)
-            wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
-                              k > 0);
+        const u32 a_off = (k / 4) * 8192u + (k % 4) * 32u, b_off = (k / 4) * (ROWS * 128u) + (k % 4) * 32u;
+        const u64 ak = desc_advance(a, a_off), bk = desc_advance(b, b_off);
+        if (NB < ROWS && k == 0)  // part of a tile: acc = A B^T with acc's registers outputs only
+            wgmma_64xNx16_set<T, NB>(reinterpret_cast<float(&)[NB / 2]>(acc), ak, bk);
+        else if constexpr (NB == 64)  // acc = A B^T for k = 0, then acc += A B^T
+            wgmma_64x64x16<T>(reinterpret_cast<float(&)[32]>(acc), ak, bk, k > 0);
         else if constexpr (NB == 128)
-            wgmma_64x128x16<T>(reinterpret_cast<float(&)[64]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
-                               k > 0);
+            wgmma_64x128x16<T>(reinterpret_cast<float(&)[64]>(acc), ak, bk, k > 0);
         else
-            wgmma_64x192x16<T>(reinterpret_cast<float(&)[96]>(acc), desc_advance(a, a_off), desc_advance(b, b_off),
-                               k > 0);
+            wgmma_64x192x16<T>(reinterpret_cast<float(&)[96]>(acc), ak, bk, k > 0);
     }
 }
 
-// Alg.1 L8, issued: S_ij = Q_i K_j^T for a tile of NC keys (64, 128 or 192): Q's 64 rows and K_j's NC rows, each D / 64
-// panels of 128-byte lines. The caller commits and waits.
-template <typename T, int D, int NC>
+// Alg.1 L8, issued: S_ij = Q_i K_j^T for the first NC keys (64, 128 or 192) of a tile of ROWS: Q's 64 rows and K_j's
+// first NC rows, each D / 64 panels of 128-byte lines. The caller commits and waits.
+template <typename T, int D, int NC, int ROWS = NC>
 __device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s) {
-    issue_kmajor<T, D, NC>(s, desc_kmajor_128b(q_s), desc_kmajor_128b(k_s));
+    issue_kmajor<T, D, NC, ROWS>(s, desc_kmajor_128b(q_s), desc_kmajor_128b(k_s));
 }
 
-// Alg.1 L10, issued: O_i += P_ij V_j with P_ij's A fragments in registers and V_j (NC keys) MN-major in panels of
-// 64 columns of D (NC x 128 bytes each, LBO apart); 16 keys further is 2048 bytes. D = 128: both panels in one
-// m64n128 instruction per K step; otherwise panel by panel. The caller commits and waits.
-template <typename T, int D, int NC>
+// Alg.1 L10, issued: O_i += P_ij V_j with P_ij's A fragments in registers and the first NC keys of V_j (a tile of ROWS
+// keys) MN-major in panels of 64 columns of D (ROWS x 128 bytes each, LBO apart); 16 keys further is 2048 bytes.
+// D = 128: both panels in one m64n128 instruction per K step; otherwise panel by panel. The caller commits and waits.
+template <typename T, int D, int NC, int ROWS = NC>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const u32 (&pa)[NC / 16][4], u32 v_s) {
-    const u64 vd = desc_mnmajor_128b(v_s, NC * 128u);
+    const u64 vd = desc_mnmajor_128b(v_s, ROWS * 128u);
 #pragma unroll
     for (int kk = 0; kk < NC / 16; ++kk) {
         if constexpr (D == 128)
@@ -80,8 +81,37 @@ __device__ __forceinline__ void issue_pv(RowState<D>& st, const u32 (&pa)[NC / 1
 #pragma unroll
             for (int c = 0; c < D / 64; ++c)
                 wgmma_64x64x16_rs<T>(reinterpret_cast<float(&)[32]>(st.o[c]), pa[kk],
-                                     desc_advance(vd, c * (NC * 128u) + kk * 2048u), 1);
+                                     desc_advance(vd, c * (ROWS * 128u) + kk * 2048u), 1);
     }
+}
+
+// An item's last K/V tile may hold fewer than BC keys (Nk not a multiple of BC, or the causal diagonal of the item's
+// last row). Its GEMMs, mask, softmax and P can then take only the 64-key blocks that hold keys, W = 64 ceil(keys / 64)
+// (columns 0 .. W - 1 of S and P; the registers past them are left alone), and the tile's empty blocks cost no tensor
+// core work. W must be a compile-time constant (the registers of S and P are named by constant indices), so the caller
+// branches once per item, never inside the tile loop: with_width<MAXW>(keys, f) calls f(Cols<W>()) for keys <= MAXW.
+template <int W>
+struct Cols {
+    enum : int { value = W };
+};
+template <int MAXW, typename F>
+__device__ __forceinline__ void with_width(int keys, F&& f) {
+    static_assert(MAXW == 64 || MAXW == 128, "a last tile of 64 or 128 keys at most");
+    if constexpr (MAXW > 64)
+        if (keys <= 64) return f(Cols<64>());
+    f(Cols<MAXW>());
+}
+
+// The first W columns of a tile's S (float[W / 8][4]) or of its P fragments (u32[W / 16][4]).
+template <int W, int N>
+__device__ __forceinline__ float (&cols(float (&s)[N][4]))[W / 8][4] {
+    static_assert(W / 8 <= N, "a prefix of the tile's columns");
+    return reinterpret_cast<float(&)[W / 8][4]>(s);
+}
+template <int W, int N>
+__device__ __forceinline__ u32 (&cols(u32 (&pa)[N][4]))[W / 16][4] {
+    static_assert(W / 16 <= N, "a prefix of the tile's columns");
+    return reinterpret_cast<u32(&)[W / 16][4]>(pa);
 }
 
 // Alg.1 L9-10 in base 2 (stage 02's pipelined kernel) on this warp's scores of one tile: m_ij, P_ij =

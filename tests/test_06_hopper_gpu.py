@@ -105,10 +105,12 @@ def test_blocks_refuse_other_gpus(monkeypatch):
 
 
 # ---------------------------------------------------------------- version 1: the forward with TMA and wgmma
-SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, one row, one key, and enough K/V tiles
-    # that every stage's barriers go round several phases
+SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, one row, one key, enough K/V tiles
+    # that every stage's barriers go round several phases, and last K/V tiles of 64 keys or fewer, which version
+    # pingpong computes 64 keys wide (128-key tiles: Nk = 130, 1, 192; under the causal mask also rows 128 .. 191
+    # of Nq = Nk = 192, whose diagonal ends 64 keys into their second tile)
     (1, 2, 128, 128), (2, 3, 100, 130), (1, 2, 200, 77), (1, 1, 1, 65), (1, 1, 65, 1), (2, 2, 333, 333),
-    (1, 2, 260, 1100),
+    (1, 2, 260, 1100), (1, 2, 192, 192),
 ]
 
 
@@ -188,11 +190,14 @@ def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 50, 200, 333), (1, 1, 1, 65), (1, 2, 300, 2049), (2, 3, 1000, 4200),
-                                   (1, 1, 130, 192), (1, 4, 2000, 2500)])
+                                   (1, 1, 130, 192), (1, 4, 2000, 2500), (1, 2, 300, 4096), (2, 2, 257, 320),
+                                   (1, 3, 129, 40)])
 def test_forward_with_wide_key_tiles_within_the_tolerance_rule(shape, dtype):
     """Version pingpong at D = 128 on a block per item with K/V tiles of WIDE_BC keys, forced at any Nk: more blocks
     than SMs, a single key, Nk one past a tile, Nk a whole tile, Nq != Nk; forward() takes them past
-    PERSISTENT_MAX_KEYS keys (Nk = 2049, 4200, 2500), where it must meet the tolerance rule too."""
+    PERSISTENT_MAX_KEYS keys (Nk = 2049, 4200, 2500, 4096), where it must meet the tolerance rule too. The last tile
+    at each of its widths: 192 keys wide (Nk = 333, 2049, 4200, 192), 128 (65 keys: one tile; 320: two) and 64
+    (2500, 4096: 4 and 64 keys after whole tiles; 40: one tile)."""
     import cupy
 
     from stages.common import check_forward, make_inputs

@@ -60,8 +60,9 @@ def wide_rule(version, D, causal, persistent):
     turn at the tensor cores, the row maxima's shuffles, alpha and rescaling O (64 multiplies a thread); 192 keys a
     tile spread it over 1.5 times the keys. A consumer then holds S_j (96 registers), P_{j-1} in 16 bits (48) and O
     (64) at once, within its 240, and the two stages of K_j and V_j take 192 KB of shared memory. On short items the
-    tile's other cost weighs more: the last tile of each item computes up to 191 keys past Nk. Under the causal mask
-    the diagonal tiles would mask more keys: 128 there."""
+    tile's other cost weighs more: fewer, longer tiles leave the pipeline's fill a larger share (the ragged last tile
+    costs little either way: the kernel computes it on its 64-key blocks that hold keys). Under the causal mask the
+    diagonal tiles would mask more keys: 128 there."""
     return _wide_fits(version, D) and not causal and not persistent
 
 

@@ -21,7 +21,9 @@ from .fast_path import empties, out_layout
 from .verify import empty
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
-BASE_OPTIONS = ("-std=c++17",)
+# -default-device: functions without __device__ are device functions, as NVRTC compiles device code only; it lets a
+# kernel use generic lambdas ([&](auto w) { .. }), whose call operators are templates without an execution space.
+BASE_OPTIONS = ("-std=c++17", "-default-device")
 
 
 def _headers_digest(kernels_dir):
