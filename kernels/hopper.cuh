@@ -171,19 +171,16 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 #define WGMMA_D96 "{" WGMMA_R64 ", " \
     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
     "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
-#define WGMMA_F8(i)                                                                                                   \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),      \
-        "+f"(d[i + 7])
-#define WGMMA_OUTS WGMMA_F8(0), WGMMA_F8(8), WGMMA_F8(16), WGMMA_F8(24)
-#define WGMMA_OUTS64 WGMMA_OUTS, WGMMA_F8(32), WGMMA_F8(40), WGMMA_F8(48), WGMMA_F8(56)
-#define WGMMA_OUTS96 WGMMA_OUTS64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80), WGMMA_F8(88)
-// The same registers as outputs only, for a wgmma that does not read D (scale-d 0).
-#define WGMMA_SET8(i)                                                                                                 \
-    "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), "=f"(d[i + 6]),      \
-        "=f"(d[i + 7])
-#define WGMMA_SET32 WGMMA_SET8(0), WGMMA_SET8(8), WGMMA_SET8(16), WGMMA_SET8(24)
-#define WGMMA_SET64 WGMMA_SET32, WGMMA_SET8(32), WGMMA_SET8(40), WGMMA_SET8(48), WGMMA_SET8(56)
-#define WGMMA_SET96 WGMMA_SET64, WGMMA_SET8(64), WGMMA_SET8(72), WGMMA_SET8(80), WGMMA_SET8(88)
+// The accumulators d[i] .. d[i + 7] as asm operands with constraint C: "+f" (read and written, D += A B) or "=f"
+// (written only, D = A B); then 32, 64 and 96 of them.
+#define WGMMA_8(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3]), C(d[i + 4]), C(d[i + 5]), C(d[i + 6]), C(d[i + 7])
+#define WGMMA_N32(C) WGMMA_8(C, 0), WGMMA_8(C, 8), WGMMA_8(C, 16), WGMMA_8(C, 24)
+#define WGMMA_N64(C) WGMMA_N32(C), WGMMA_8(C, 32), WGMMA_8(C, 40), WGMMA_8(C, 48), WGMMA_8(C, 56)
+#define WGMMA_N96(C) WGMMA_N64(C), WGMMA_8(C, 64), WGMMA_8(C, 72), WGMMA_8(C, 80), WGMMA_8(C, 88)
+#define WGMMA_F8(i) WGMMA_8("+f", i)
+#define WGMMA_OUTS WGMMA_N32("+f")
+#define WGMMA_OUTS64 WGMMA_N64("+f")
+#define WGMMA_OUTS96 WGMMA_N96("+f")
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -245,13 +242,13 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_64xNx16_set(float (&d)[N / 2], u64 desc_a, u64 desc_b) {
     static_assert(N == 64 || N == 128 || N == 192, "m64n64, m64n128 or m64n192");
     if constexpr (N == 64)
-        WGMMA_ASM(T, "m64n64k16", "0", WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n", WGMMA_SET32, "l"(desc_a),
+        WGMMA_ASM(T, "m64n64k16", "0", WGMMA_D32 ", %32, %33, p, 1, 1, 0, 0;\n", WGMMA_N32("=f"), "l"(desc_a),
                   "l"(desc_b));
     else if constexpr (N == 128)
-        WGMMA_ASM(T, "m64n128k16", "0", WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n", WGMMA_SET64, "l"(desc_a),
+        WGMMA_ASM(T, "m64n128k16", "0", WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n", WGMMA_N64("=f"), "l"(desc_a),
                   "l"(desc_b));
     else
-        WGMMA_ASM(T, "m64n192k16", "0", WGMMA_D96 ", %96, %97, p, 1, 1, 0, 0;\n", WGMMA_SET96, "l"(desc_a),
+        WGMMA_ASM(T, "m64n192k16", "0", WGMMA_D96 ", %96, %97, p, 1, 1, 0, 0;\n", WGMMA_N96("=f"), "l"(desc_a),
                   "l"(desc_b));
 }
 
