@@ -197,6 +197,7 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
     for name in names:
         u = usage[name]
         assert u["spill"] == 0, f"{name} spills {u['spill']} bytes"
+        assert not u["wgmma_serialized"], f"ptxas serializes the wgmma instructions of {name}"
         assert u["registers"] * threads <= 65536 and u["static_smem"] <= device.STATIC_SMEM_LIMIT, (name, u)
 
 

@@ -300,15 +300,20 @@ def compile_only(filename, *, arch="sm_90", defines=None, name_expressions=()):
 
 
 def resource_usage(filename, *, arch, defines=None, name_expressions=()):
-    """Compile like compile_only, with ptxas reporting; return {kernel: {"registers", "static_smem", "spill"}} for
-    every kernel of the module (spill: bytes of spill stores), keyed by the name expression (extern "C" kernels: by
-    their own name)."""
+    """Compile like compile_only, with ptxas reporting; return {kernel: {"registers", "static_smem", "spill",
+    "wgmma_serialized"}} for every kernel of the module (spill: bytes of spill stores; wgmma_serialized: ptxas warned
+    that it serializes the kernel's wgmma instructions, each waiting for the one before), keyed by the name expression
+    (extern "C" kernels: by their own name)."""
     import re
 
     _, log, lowered = _compile(filename, arch, _define_options(defines), name_expressions, verbose=True)
     names = {v: k for k, v in lowered.items()}
-    out, cur = {}, None
+    out, cur, serialized = {}, None, set()
     for line in log.splitlines():
+        # ptxas may report the serialization before it names the function it compiles, so the warning's own name
+        if m := re.search(r"wgmma\.mma_async instructions are serialized .* in the function '([\w$]+)'", line):
+            serialized.add(names.get(m.group(1), m.group(1)))
+            continue
         m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
         if m:
             cur = names.get(m.group(1), m.group(1))
@@ -321,6 +326,8 @@ def resource_usage(filename, *, arch, defines=None, name_expressions=()):
             out[cur]["static_smem"] = int(m.group(1))
         if m := re.search(r"(\d+) bytes spill stores", line):
             out[cur]["spill"] = max(out[cur]["spill"], int(m.group(1)))
+    for name in out:
+        out[name]["wgmma_serialized"] = name in serialized
     return out
 
 
