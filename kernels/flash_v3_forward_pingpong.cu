@@ -22,7 +22,8 @@
 // persistent_rule): persistent where every item is the same work (no mask) and short (few K/V tiles), so that the
 // once-per-item work is a large share of it. BC: keys a K/V tile, 128 (64 at D = 256); on long items without a mask
 // at D = 128, 192 (wide_rule): each tile's fixed work (barriers, the turn, row maxima, rescaling O) spread over more
-// keys. At D = 128 an item's last tile is computed only on its 64-key blocks that hold keys (RAGGED).
+// keys. At D = 128 a warpgroup's last tile is computed only on its 64-key blocks that hold keys for its rows
+// (RAGGED).
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 
@@ -30,8 +31,9 @@ template <typename T, int D, int BC, int STAGES, bool PERSISTENT>
 __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid_constant__ HopperFwdParams p) {
     constexpr u32 TILE = (D / 64) * 8192u;    // bytes of one 64-row Q tile
     constexpr u32 KV = (D / 64) * BC * 128u;  // bytes of one K or V tile of BC rows
-    // RAGGED: an item's last K/V tile that holds keys in fewer than its BC / 64 blocks of 64 keys (Nk not a multiple
-    // of BC, or the causal diagonal) takes only those blocks in its GEMMs and softmax (hopper_tiles.cuh: with_width).
+    // RAGGED: a last K/V tile that holds keys for a warpgroup's rows in fewer than its BC / 64 blocks of 64 keys (Nk
+    // not a multiple of BC, or the causal diagonal) takes only those blocks in the warpgroup's GEMMs and softmax
+    // (hopper_tiles.cuh: with_width).
     // At D = 128, where the wide tiles leave up to two of three blocks empty. At D = 64 the kernel keeps its single
     // tail: compiled in, the narrow tails made its tile loop slower than the work they skip; at D = 256 (BC = 64) no
     // tile has an empty block.
@@ -50,15 +52,13 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     // last (heaviest) tile. A grid of one block per item runs each once; a persistent grid (a block per SM) strides
     // over them, and its producer loads the next item's Q and K/V while the consumers finish and store this one.
     const int n_items = n_rows * p.heads, stride = gridDim.x * gridDim.y;
-    auto item_tiles = [&](int item, int& bh, int& row0, int& last_keys) {  // the item's head, first row, K/V tiles
-        // and the keys its last tile holds. Head-major: the blocks in flight share their heads' K and V in L2. One
-        // block per item: the grid is (n_rows, heads), so blockIdx gives both without a division.
+    auto item_tiles = [&](int item, int& bh, int& row0) {  // the item's head, first row and K/V tiles. Head-major:
+        // the blocks in flight share their heads' K and V in L2. One block per item: the grid is (n_rows, heads), so
+        // blockIdx gives both without a division.
         const int rank = PERSISTENT ? item % n_rows : blockIdx.x;
         bh = PERSISTENT ? item / n_rows : blockIdx.y;
         row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
-        const int last_row = min(row0 + 127, Nq - 1);
-        const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
-        last_keys = last_key % BC + 1;
+        const int last_key = p.causal ? min(Nk - 1, min(row0 + 127, Nq - 1) + shift) : Nk - 1;
         return last_key < 0 ? 0 : last_key / BC + 1;
     };
 
@@ -83,8 +83,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             // the consumers wait for
             int it = 0, qn = 0;
             for (int item = blockIdx.y * gridDim.x + blockIdx.x; item < n_items; item += stride) {
-                int bh, row0, last_keys;
-                const int n_tiles = item_tiles(item, bh, row0, last_keys);
+                int bh, row0;
+                const int n_tiles = item_tiles(item, bh, row0);
                 if (n_tiles == 0) continue;
                 if (PERSISTENT)  // the consumers are done with the last item's Q (round 0: at once)
                     mbar_wait(q_empty, (qn & 1) ^ 1);
@@ -117,9 +117,13 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     auto pass_turn = [&] { named_bar_arrive(2 - c, 256); };  // let it issue its own
     int it = 0, qn = 0;
     for (int item = blockIdx.y * gridDim.x + blockIdx.x; item < n_items; item += stride) {
-        int bh, row0, last_keys;
-        const int n_tiles = item_tiles(item, bh, row0, last_keys);
+        int bh, row0;
+        const int n_tiles = item_tiles(item, bh, row0);
         const int first = row0 + 64 * c, r0 = first + 16 * warp;
+        // The keys of the item's last tile that this warpgroup's rows see (at least 1). Under the causal mask
+        // warpgroup 0's rows end 64 keys before warpgroup 1's: on the diagonal it takes half the tile's keys.
+        const int last_keys = max(1, (p.causal ? min(Nk - 1, min(first + 63, Nq - 1) + shift) : Nk - 1) -
+                                         BC * (n_tiles - 1) + 1);
         auto masked = [&](int j) { return (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift); };
 
         RowState<D> st;  // Alg.1 L5
@@ -187,8 +191,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             if (c == 1) pass_turn();  // warpgroup 0 issues first
             mbar_wait(q_full, qn & 1);
             ++qn;
-            // Every tile but the last is BC keys wide. At D = 128 (RAGGED) a last tile with an empty 64-key block
-            // takes the 64-key blocks that hold its keys; the tile loop is the same either way.
+            // Every tile but the last is BC keys wide. At D = 128 (RAGGED) a last tile with a 64-key block that
+            // holds no key for this warpgroup's rows takes the blocks that do; the tile loop is the same either way.
             const bool ragged = RAGGED && last_keys <= BC - 64;
             if (ragged && n_tiles == 1) {
                 if constexpr (RAGGED)

@@ -191,8 +191,8 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
     else:
         file, names, threads = flash_v3.FILES[what], flash_v3.kernel_names(what), flash_v3.config(what, 64).threads
         # Q_i and the K/V stages fit the H100's shared memory at every head dim, the wide tiles too
-        assert all(flash_v3.smem_bytes(what, D, w) <= device.emulate("sm_90").smem_optin for D in flash_v3.HEAD_DIMS
-                   for w in (False, True) if not w or flash_v3.wide_rule(what, D, False, False))
+        assert all(flash_v3.smem_bytes(what, D, w) <= device.emulate("sm_90").smem_optin
+                   for D, _, w in flash_v3.variants(what))
     usage = kernels.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
     for name in names:
         u = usage[name]

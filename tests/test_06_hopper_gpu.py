@@ -108,7 +108,9 @@ def test_blocks_refuse_other_gpus(monkeypatch):
 SHAPES = [  # (B, H, Nq, Nk): whole tiles, tails of both, Nq != Nk both ways, one row, one key, enough K/V tiles
     # that every stage's barriers go round several phases, and last K/V tiles of 64 keys or fewer, which version
     # pingpong computes 64 keys wide (128-key tiles: Nk = 130, 1, 192; under the causal mask also rows 128 .. 191
-    # of Nq = Nk = 192, whose diagonal ends 64 keys into their second tile)
+    # of Nq = Nk = 192, whose diagonal ends 64 keys into their second tile, and the first 64 rows of each 128-row
+    # tile where Nq = Nk, whose diagonal ends 64 keys before the next 64 rows'; at (100, 130) the last tile holds no
+    # key for the first 64 rows)
     (1, 2, 128, 128), (2, 3, 100, 130), (1, 2, 200, 77), (1, 1, 1, 65), (1, 1, 65, 1), (2, 2, 333, 333),
     (1, 2, 260, 1100), (1, 2, 192, 192),
 ]

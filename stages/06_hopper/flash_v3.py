@@ -108,9 +108,9 @@ def smem_bytes(version, D, wide=False):
 
 
 def _name(version, ctype, D, persistent=False, wide=False):
-    bc = config(version, D, wide).bc
     if version == "wgmma":
         return f"flash_v3_forward_wgmma<{ctype},{D}>"
+    bc = config(version, D, wide).bc
     if version == "pingpong":
         return f"flash_v3_forward_pingpong<{ctype},{D},{bc},{STAGES},{str(persistent).lower()}>"
     return f"flash_v3_forward_{version}<{ctype},{D},{bc},{STAGES}>"
@@ -221,8 +221,14 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DE
     launch(q, k, v, o_run.data.ptr + q0 * D * o_run.itemsize, lse_run.data.ptr + 4 * q0)  # o, L from row q0 on
 
 
+def variants(version):
+    """[(D, persistent, wide)]: every kernel of a version a launch may pick (the grid of persistent_rule, the tiles
+    of wide_rule), per 16-bit type."""
+    grids = (False, True) if version == "pingpong" else (False,)
+    return [(D, p, w) for D in HEAD_DIMS for p in grids for w in (False, True)
+            if not w or wide_rule(version, D, False, p)]
+
+
 def kernel_names(version):
     """The instantiations of a version that CI compiles for sm_90a."""
-    grids = (False, True) if version == "pingpong" else (False,)
-    return [_name(version, c, D, p, w) for c in blocks.CTYPE.values() for D in HEAD_DIMS for p in grids
-            for w in (False, True) if not w or wide_rule(version, D, False, p)]
+    return [_name(version, c, D, p, w) for c in blocks.CTYPE.values() for D, p, w in variants(version)]
