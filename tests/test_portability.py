@@ -2,10 +2,12 @@
 
 For each architecture in stages.common.device.ARCHS, every kernel instantiation a launcher may pick there
 (`kernel_plans(dev)` of stages 01-03: the configuration chosen from that architecture's shared memory and, where
-the problem decides, every one it can reach) is compiled with NVRTC for that architecture, and ptxas's own report
-is held to the architecture's limits: static + dynamic shared memory within the opt-in limit per block, static
-shared memory within 48 KB, registers x threads within the 64K registers of a block. On a GPU, the
-same plans are what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
+the problem decides, every one it can reach) is compiled for that architecture, and ptxas's own report is held to
+the architecture's limits: static + dynamic shared memory within the opt-in limit per block, static shared memory
+within 48 KB, registers x threads within the 64K registers of a block. NVRTC makes the PTX once per family of
+architectures that compile alike (kernels.ptx_families: sm_80, sm_86 and sm_89 take the same side of every
+__CUDA_ARCH__ test) and ptxas compiles it for each member (kernels.resource_usages). On a GPU, the same plans are
+what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -21,53 +23,70 @@ def _plans(dev):
     return flash_v1.kernel_plans(dev) + flash_v2.kernel_plans(dev) + flash_v2_backward.kernel_plans(dev)
 
 
+PLANS = {arch: _plans(device.emulate(arch)) for arch in device.ARCHS}
+# The kernel files, most instantiations first: the compile test runs one file per test, the longest started first
+FILES = sorted({p.file for plans in PLANS.values() for p in plans},
+               key=lambda f: (-sum(p.file == f for plans in PLANS.values() for p in plans), f))
 CHUNK = 16  # instantiated kernels per NVRTC compile at most: a module of many template instantiations (version
 # pipelined's variants) is compiled in pieces, each instantiating only its own kernels, so the pieces share the cores
 
 
-def _groups(plans):
-    """[((file, defines), [plans])]: the NVRTC compiles, one per module or per CHUNK of its kernels, largest first."""
+def _jobs(plans_by_arch):
+    """[(file, defines, {arch: [plans]})]: the compiles, one per module and PTX family, or per CHUNK of the kernels
+    the family's architectures need, largest first."""
     modules = {}
-    for p in plans:
-        modules.setdefault((p.file, tuple(sorted(p.defines.items()))), []).append(p)
-    jobs = [(key, ps[i:i + CHUNK]) for key, ps in modules.items() for i in range(0, len(ps), CHUNK)]
-    return sorted(jobs, key=lambda job: -len(job[1]))
+    for arch, plans in plans_by_arch.items():
+        for p in plans:
+            modules.setdefault((p.file, tuple(sorted(p.defines.items()))), {}).setdefault(arch, []).append(p)
+    jobs = []
+    for (file, defines), by_arch in modules.items():
+        for family in kernels.ptx_families(file, list(by_arch)):
+            names = sorted({p.name for a in family for p in by_arch[a]})
+            for i in range(0, len(names), CHUNK):
+                chunk = set(names[i:i + CHUNK])
+                jobs.append((file, defines, {a: [p for p in by_arch[a] if p.name in chunk] for a in family}))
+    return sorted(jobs, key=lambda job: -len({p.name for ps in job[2].values() for p in ps}))
 
 
-def _problems(arch, plans):
-    """[(plan, what is wrong)] after compiling every plan for arch."""
-    dev = device.emulate(arch)
+def _problems(plans_by_arch):
+    """[(arch, plan, what is wrong)] after compiling every plan of {arch: [plans]} for its architecture."""
 
-    def one(item):
-        (f, defines), ps = item
-        names = [p.name for p in ps if "<" in p.name]
-        usage = kernels.resource_usage(f, arch=arch, defines=dict(defines), name_expressions=names)
+    def one(job):
+        f, defines, by_arch = job
+        usage = kernels.resource_usages(f, {a: [p.name for p in ps if "<" in p.name] for a, ps in by_arch.items()},
+                                        defines=dict(defines))
         bad = []
-        for p in ps:
-            u = usage.get(p.name)
-            if u is None:
-                bad.append((p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(usage)})"))
-                continue
-            smem = u["static_smem"] + p.dynamic_smem
-            if smem > dev.smem_optin:
-                bad.append((p, f"shared memory {smem} B > {dev.smem_optin} B"))
-            if u["static_smem"] > device.STATIC_SMEM_LIMIT:
-                bad.append((p, f"static shared memory {u['static_smem']} B > 48 KB"))
-            if u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
-                bad.append((p, f"{u['registers']} registers x {p.threads} threads > 65536"))
+        for arch, ps in by_arch.items():
+            dev = device.emulate(arch)
+            for p in ps:
+                u = usage[arch].get(p.name)
+                if u is None:
+                    bad.append((arch, p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(usage[arch])})"))
+                    continue
+                smem = u["static_smem"] + p.dynamic_smem
+                if smem > dev.smem_optin:
+                    bad.append((arch, p, f"shared memory {smem} B > {dev.smem_optin} B"))
+                if u["static_smem"] > device.STATIC_SMEM_LIMIT:
+                    bad.append((arch, p, f"static shared memory {u['static_smem']} B > 48 KB"))
+                if u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
+                    bad.append((arch, p, f"{u['registers']} registers x {p.threads} threads > 65536"))
         return bad
 
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:  # NVRTC releases the GIL
-        return [b for bad in pool.map(one, _groups(plans)) for b in bad]
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:  # NVRTC and ptxas run outside the GIL
+        return [b for bad in pool.map(one, _jobs(plans_by_arch)) for b in bad]
 
 
 @pytest.mark.slow  # minutes on two cores: started first (conftest.py)
-@pytest.mark.parametrize("arch", list(device.ARCHS))
-def test_every_plan_compiles_within_the_architectures_limits(arch):
-    plans = _plans(device.emulate(arch))
-    assert plans
-    problems = _problems(arch, plans)
-    assert not problems, "\n".join(f"{arch} {p.file} {p.name} {p.defines}: {why}" for p, why in problems)
+@pytest.mark.parametrize("file", FILES)
+def test_every_plan_compiles_within_the_architectures_limits(file):
+    plans = {arch: [p for p in ps if p.file == file] for arch, ps in PLANS.items()}
+    assert any(plans.values())
+    problems = _problems(plans)
+    assert not problems, "\n".join(f"{arch} {p.file} {p.name} {p.defines}: {why}" for arch, p, why in problems)
+
+
+def test_every_architecture_has_plans():
+    assert all(PLANS.values()) and set(PLANS) == set(device.ARCHS)
 
 
 def test_the_limit_check_fails_on_a_plan_over_the_limit():
@@ -76,8 +95,55 @@ def test_the_limit_check_fails_on_a_plan_over_the_limit():
     name = flash_v2.tc._name("pipelined", "__half", 128, big)
     plan = device.KernelPlan("flash_v2_forward_pipelined.cu", {}, name, flash_v2.tc.smem_bytes("pipelined", 128, big),
                              0, big.threads)
-    problems = _problems("sm_86", [plan])
-    assert problems and "shared memory" in problems[0][1]
+    problems = _problems({"sm_86": [plan]})
+    assert problems and "shared memory" in problems[0][2]
+
+
+def test_architectures_of_one_ptx_family_get_the_same_ptx():
+    """What sharing the PTX rests on. The families split where the sources and the CUDA headers test __CUDA_ARCH__
+    (sm_75 | sm_80, sm_86, sm_89 | sm_90: cuda_bf16.hpp tests sm_90), and NVRTC's PTX for the members of a family is
+    the same but for its .target line: here for a module of stage 02."""
+    assert kernels.ptx_families("flash_v2_forward_tc.cu", list(device.ARCHS)) == [
+        ["sm_75"], ["sm_80", "sm_86", "sm_89"], ["sm_90"]]
+    assert (">=", 800) in kernels.arch_tests("flash_v2_forward_tc.cu")
+    name = ["flash_v2_forward_tc<__half,__half,64,64,4>"]
+    ptx = {a: kernels._compile("flash_v2_forward_tc.cu", a, (), name, verbose=False)[0]
+           for a in ("compute_80", "compute_86", "compute_89")}
+    bodies = {a: [line for line in (p if isinstance(p, bytes) else p.encode()).splitlines()
+                  if not line.startswith((b".target", b"//"))] for a, p in ptx.items()}
+    assert bodies["compute_80"] == bodies["compute_86"] == bodies["compute_89"]
+
+
+def test_an_unknown_architecture_test_gives_each_architecture_its_own_ptx(tmp_path, monkeypatch):
+    """A __CUDA_ARCH__ compared with anything but a number (a macro, say) leaves the families unknown: one each."""
+    (tmp_path / "odd.cu").write_text('#include "odd.cuh"\n')
+    (tmp_path / "odd.cuh").write_text("#define NEW 1000\n#if __CUDA_ARCH__ >= NEW\n#endif\n")
+    monkeypatch.setattr(kernels, "KERNELS_DIR", tmp_path)
+    kernels.arch_tests.cache_clear()
+    try:
+        assert kernels.arch_tests("odd.cu") is None
+        assert kernels.ptx_families("odd.cu", ["sm_86", "sm_80"]) == [["sm_80"], ["sm_86"]]
+        (tmp_path / "odd.cuh").write_text('// __CUDA_ARCH__ in a comment\nconst char* s = "__CUDA_ARCH__";\n'
+                                          "#if __CUDA_ARCH__ >= 860\n#endif\n")
+        kernels.arch_tests.cache_clear()
+        assert kernels.arch_tests("odd.cu") == ((">=", 860),)
+        assert kernels.ptx_families("odd.cu", ["sm_89", "sm_80", "sm_86"]) == [["sm_80"], ["sm_86", "sm_89"]]
+    finally:
+        kernels.arch_tests.cache_clear()
+
+
+def test_ptxas_reports_what_nvrtcs_own_compile_reports(monkeypatch):
+    """resource_usages through ptxas (one PTX for sm_80, sm_86, sm_89) and without it (an NVRTC compile each) give
+    resource_usage's report for every architecture, kernel by kernel."""
+    names = ["flash_v2_forward_tc<__half,__half,64,64,4>", "flash_v2_forward_tc<__half,float,128,64,4>"]
+    archs = ("sm_80", "sm_86", "sm_89")
+    want = {a: kernels.resource_usage("flash_v2_forward_tc.cu", arch=a, name_expressions=names) for a in archs}
+    assert kernels.ptxas() is not None, "no ptxas of NVRTC's release (requirements.txt: nvidia-cuda-nvcc-cu12)"
+    assert kernels.resource_usages("flash_v2_forward_tc.cu", {a: names for a in archs}) == want
+    assert kernels.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names[:1]}) == {
+        "sm_86": {names[0]: want["sm_86"][names[0]]}}  # --entry: only the kernels asked for
+    monkeypatch.setattr(kernels, "ptxas", lambda: None)
+    assert kernels.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names}) == {"sm_86": want["sm_86"]}
 
 
 def test_resource_usage_reports_a_repeated_compile():
