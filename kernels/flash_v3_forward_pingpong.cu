@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
         const int rank = PERSISTENT ? item % n_rows : blockIdx.x;
         bh = PERSISTENT ? item / n_rows : blockIdx.y;
         row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
-        const int last_key = p.causal ? min(Nk - 1, min(row0 + 127, Nq - 1) + shift) : Nk - 1;
+        const int last_row = min(row0 + 127, Nq - 1);
+        const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
         return last_key < 0 ? 0 : last_key / BC + 1;
     };
 
