@@ -132,6 +132,9 @@ def test_an_unknown_architecture_test_gives_each_architecture_its_own_ptx(tmp_pa
         kernels.arch_tests.cache_clear()
         assert kernels.arch_tests("odd.cu") == ((">=", 860),)
         assert kernels.ptx_families("odd.cu", ["sm_89", "sm_80", "sm_86"]) == [["sm_80"], ["sm_86", "sm_89"]]
+        monkeypatch.setattr(kernels, "_cuda_include_dirs", lambda: [])  # the CUDA headers' tests unread: unknown
+        kernels.arch_tests.cache_clear()
+        assert kernels.arch_tests("odd.cu") is None
     finally:
         kernels.arch_tests.cache_clear()
 

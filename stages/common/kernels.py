@@ -353,8 +353,11 @@ def arch_tests(filename):
     """The tests on the architecture in kernels/<filename> and every header it includes from kernels/ and the CUDA
     include folder (NVRTC's built-in headers, such as <nv/target>, are not files to read): ((op, N), ...) for each
     `__CUDA_ARCH__ op N`, NV_PROVIDES_SM_XX as (">=", XX0), NV_IS_EXACTLY_SM_XX as ("==", XX0). None where
-    __CUDA_ARCH__ is used otherwise than in such a test or in `defined(__CUDA_ARCH__)` (compared with a macro, say):
-    then which architectures compile alike is not known from the text."""
+    __CUDA_ARCH__ is used otherwise than in such a test or in `defined(__CUDA_ARCH__)` (compared with a macro, say),
+    or where no CUDA include folder is found (cuda_bf16.hpp's tests could not be read): then which architectures
+    compile alike is not known from the text."""
+    if not _cuda_include_dirs():
+        return None
     search = [KERNELS_DIR] + [Path(d) for d in _cuda_include_dirs()[:1]]
     tests, seen, todo = set(), set(), [KERNELS_DIR / filename]
     while todo:
