@@ -9,6 +9,9 @@ architectures that compile alike (kernels.ptx_families: sm_80, sm_86 and sm_89 t
 __CUDA_ARCH__ test) and ptxas compiles it for each member (kernels.resource_usages). On a GPU, the same plans are
 what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
 """
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -21,6 +24,9 @@ def _plans(dev):
 
 
 PLANS = {arch: _plans(device.emulate(arch)) for arch in device.ARCHS}
+# The kernel files, most instantiations first: the compile test runs one file per test, the longest started first
+FILES = sorted({p.file for plans in PLANS.values() for p in plans},
+               key=lambda f: (-sum(p.file == f for plans in PLANS.values() for p in plans), f))
 CHUNK = 16  # instantiated kernels per NVRTC compile at most: a module of many template instantiations (version
 # pipelined's variants) is compiled in pieces, each instantiating only its own kernels, so the pieces share the cores
 
@@ -33,60 +39,50 @@ def _jobs(plans_by_arch):
         for p in plans:
             modules.setdefault((p.file, tuple(sorted(p.defines.items()))), {}).setdefault(arch, []).append(p)
     jobs = []
-    for (file, defines), by_arch in sorted(modules.items()):
+    for (file, defines), by_arch in modules.items():
         for family in kernels.ptx_families(file, list(by_arch)):
             names = sorted({p.name for a in family for p in by_arch[a]})
             for i in range(0, len(names), CHUNK):
                 chunk = set(names[i:i + CHUNK])
                 jobs.append((file, defines, {a: [p for p in by_arch[a] if p.name in chunk] for a in family}))
-    return sorted(jobs, key=lambda job: -len({p.name for ps in job[2].values() for p in ps}))  # stable: same order
-    # in every pytest-xdist worker
-
-
-def _check(job):
-    """[(arch, plan, what is wrong)] after one compile: every plan of the job for its architecture."""
-    f, defines, by_arch = job
-    usage = kernels.resource_usages(f, {a: [p.name for p in ps if "<" in p.name] for a, ps in by_arch.items()},
-                                    defines=dict(defines))
-    bad = []
-    for arch, ps in by_arch.items():
-        dev = device.emulate(arch)
-        for p in ps:
-            u = usage[arch].get(p.name)
-            if u is None:
-                bad.append((arch, p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(usage[arch])})"))
-                continue
-            smem = u["static_smem"] + p.dynamic_smem
-            if smem > dev.smem_optin:
-                bad.append((arch, p, f"shared memory {smem} B > {dev.smem_optin} B"))
-            if u["static_smem"] > device.STATIC_SMEM_LIMIT:
-                bad.append((arch, p, f"static shared memory {u['static_smem']} B > 48 KB"))
-            if u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
-                bad.append((arch, p, f"{u['registers']} registers x {p.threads} threads > 65536"))
-    return bad
+    return sorted(jobs, key=lambda job: -len({p.name for ps in job[2].values() for p in ps}))
 
 
 def _problems(plans_by_arch):
     """[(arch, plan, what is wrong)] after compiling every plan of {arch: [plans]} for its architecture."""
-    return [b for job in _jobs(plans_by_arch) for b in _check(job)]
+
+    def one(job):
+        f, defines, by_arch = job
+        usage = kernels.resource_usages(f, {a: [p.name for p in ps if "<" in p.name] for a, ps in by_arch.items()},
+                                        defines=dict(defines))
+        bad = []
+        for arch, ps in by_arch.items():
+            dev = device.emulate(arch)
+            for p in ps:
+                u = usage[arch].get(p.name)
+                if u is None:
+                    bad.append((arch, p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(usage[arch])})"))
+                    continue
+                smem = u["static_smem"] + p.dynamic_smem
+                if smem > dev.smem_optin:
+                    bad.append((arch, p, f"shared memory {smem} B > {dev.smem_optin} B"))
+                if u["static_smem"] > device.STATIC_SMEM_LIMIT:
+                    bad.append((arch, p, f"static shared memory {u['static_smem']} B > 48 KB"))
+                if u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
+                    bad.append((arch, p, f"{u['registers']} registers x {p.threads} threads > 65536"))
+        return bad
+
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:  # NVRTC and ptxas run outside the GIL
+        return [b for bad in pool.map(one, _jobs(plans_by_arch)) for b in bad]
 
 
-JOBS = _jobs(PLANS)
-
-
-@pytest.mark.slow  # minutes on two cores in all: started first (conftest.py), one compile a test, largest first
-@pytest.mark.parametrize("job", JOBS, ids=[f"{i:03d}-{f}-{'+'.join(by_arch)}" for i, (f, _, by_arch) in
-                                           enumerate(JOBS)])
-def test_every_plan_compiles_within_the_architectures_limits(job):
-    problems = _check(job)
+@pytest.mark.slow  # minutes on two cores: started first (conftest.py)
+@pytest.mark.parametrize("file", FILES)
+def test_every_plan_compiles_within_the_architectures_limits(file):
+    plans = {arch: [p for p in ps if p.file == file] for arch, ps in PLANS.items()}
+    assert any(plans.values())
+    problems = _problems(plans)
     assert not problems, "\n".join(f"{arch} {p.file} {p.name} {p.defines}: {why}" for arch, p, why in problems)
-
-
-def test_the_compiles_cover_every_plan_once():
-    """The jobs above (one PTX family, at most CHUNK kernels each) hold every architecture's plans, each once."""
-    for arch, plans in PLANS.items():
-        jobbed = [p for _, _, by_arch in JOBS for p in by_arch.get(arch, [])]
-        assert sorted(map(repr, jobbed)) == sorted(map(repr, plans)), arch
 
 
 def test_every_architecture_has_plans():
