@@ -356,9 +356,10 @@ def arch_tests(filename):
     __CUDA_ARCH__ is used otherwise than in such a test or in `defined(__CUDA_ARCH__)` (compared with a macro, say),
     or where no CUDA include folder is found (cuda_bf16.hpp's tests could not be read): then which architectures
     compile alike is not known from the text."""
-    if not _cuda_include_dirs():
+    cuda_dirs = _cuda_include_dirs()
+    if not cuda_dirs:
         return None
-    search = [KERNELS_DIR] + [Path(d) for d in _cuda_include_dirs()[:1]]
+    search = [KERNELS_DIR, Path(cuda_dirs[0])]
     tests, seen, todo = set(), set(), [KERNELS_DIR / filename]
     while todo:
         path = todo.pop()
@@ -396,9 +397,15 @@ def ptx_families(filename, archs):
     return list(groups.values())
 
 
+def _arch_digits(arch):
+    """What names an architecture's number: "86" of sm_86, "90a" of sm_90a (its virtual architecture: compute_86,
+    compute_90a)."""
+    return arch.split("_", 1)[1]
+
+
 def _arch_number(arch):
-    """__CUDA_ARCH__ for sm_XX: XX0."""
-    return int(arch.split("_")[1].rstrip("af")) * 10
+    """__CUDA_ARCH__ for sm_XX (and its arch-specific sm_XXa): XX0."""
+    return int(_arch_digits(arch).rstrip("af")) * 10
 
 
 @functools.lru_cache(maxsize=None)
@@ -441,7 +448,7 @@ def resource_usages(filename, names_by_arch, *, defines=None):
     out = {}
     for family in ptx_families(filename, list(names_by_arch)):
         names = sorted({n for a in family for n in names_by_arch[a]})
-        ptx, _, lowered = _compile(filename, "compute_" + family[0].split("_")[1], options, names, verbose=False)
+        ptx, _, lowered = _compile(filename, "compute_" + _arch_digits(family[0]), options, names, verbose=False)
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "module.ptx")
             with open(src, "wb") as fh:
