@@ -8,6 +8,7 @@
 //                 (kernels/hopper_tiles.cuh: p_fragments; stages/06_hopper/layouts.py: fp8_key_order), zero from key
 //                 Nk on to the row's end (a multiple of 16 keys, the order's period)
 #include "common.cuh"
+#include "hopper.cuh"  // pack_e4m3x4
 
 typedef unsigned char u8;
 
@@ -15,24 +16,29 @@ typedef unsigned char u8;
 // output of that head NaN (fmaxf would drop it).
 __device__ __forceinline__ float abs_max(float a, float b) { return (a != a || a > b) ? a : b; }
 
-// Rounded to e4m3 (to nearest even, saturating at +-448), one byte.
-__device__ __forceinline__ u8 to_e4m3(float x) {
-    unsigned short two;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(two) : "f"(x));
-    return (u8)two;
+// Eight values of T (16 bytes, one load) as floats.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = Half2<T>::to_float(h[e]);
 }
 
-// amax[3 bh + z] = max |x_z| over head bh, x_0 = q (n_q values a head), x_1 = k, x_2 = v (n_k each); amax starts at 0.
-// Non-negative floats order as their bits do (a NaN's bits above infinity's), so atomicMax on the bits folds each
-// block's maximum in.
+// amax[3 bh + z] = max |x_z| over head bh, x_0 = q (n_q values a head), x_1 = k, x_2 = v (n_k each; both multiples of
+// 8, read 8 at a time); amax starts at 0. Non-negative floats order as their bits do (a NaN's bits above infinity's),
+// so atomicMax on the bits folds each block's maximum in.
 template <typename T>
 __global__ void fp8_amax(const T* q, const T* k, const T* v, float* amax, long n_q, long n_k) {
     const int bh = blockIdx.y, z = blockIdx.z;
     const long n = z == 0 ? n_q : n_k;
     const T* x = (z == 0 ? q : z == 1 ? k : v) + bh * n;
-    float m = 0.f;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        m = abs_max(fabsf(Half2<T>::to_float(x[i])), m);
+    float m = 0.f, e8[8];
+    for (long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x); i < n; i += 8L * gridDim.x * blockDim.x) {
+        load8(x + i, e8);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) m = abs_max(fabsf(e8[e]), m);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = abs_max(__shfl_xor_sync(0xffffffffu, m, o), m);
     __shared__ float warp_max[32];
@@ -47,7 +53,8 @@ __global__ void fp8_amax(const T* q, const T* k, const T* v, float* amax, long n
 // x / f of head bh in float32, f = amax / 448: x times 448 / amax (a head of zeros: 0).
 __device__ __forceinline__ float inverse_factor(float amax) { return amax > 0.f ? 448.f / amax : 1.f; }
 
-// q' and k' (blockIdx.z = 0, 1): each value of head bh times 448 / amax, rounded to e4m3.
+// q' and k' (blockIdx.z = 0, 1): each value of head bh times 448 / amax, rounded to e4m3; 8 values (16 bytes in, 8
+// out) a step.
 template <typename T>
 __global__ void fp8_scale_qk(const T* q, const T* k, const float* amax, u8* q8, u8* k8, long n_q, long n_k) {
     const int bh = blockIdx.y, z = blockIdx.z;
@@ -55,8 +62,14 @@ __global__ void fp8_scale_qk(const T* q, const T* k, const float* amax, u8* q8, 
     const T* x = (z == 0 ? q : k) + bh * n;
     u8* y = (z == 0 ? q8 : k8) + bh * n;
     const float inv = inverse_factor(amax[3 * bh + z]);
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        y[i] = to_e4m3(Half2<T>::to_float(x[i]) * inv);
+    float e8[8];
+    for (long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x); i < n; i += 8L * gridDim.x * blockDim.x) {
+        load8(x + i, e8);
+        uint2 out;
+        out.x = pack_e4m3x4(e8[0] * inv, e8[1] * inv, e8[2] * inv, e8[3] * inv);
+        out.y = pack_e4m3x4(e8[4] * inv, e8[5] * inv, e8[6] * inv, e8[7] * inv);
+        *reinterpret_cast<uint2*>(y + i) = out;
+    }
 }
 
 // The key that position L (0 .. 15) of a 16-key group of V'^T holds: a lane t of the quad packs keys 2 t, 2 t + 1,
@@ -72,15 +85,25 @@ __global__ void fp8_scale_vt(const T* v, const float* amax, u8* vt, int Nk, int 
     const int bh = blockIdx.y, k0 = 64 * blockIdx.x;
     const float inv = inverse_factor(amax[3 * bh + 2]);
     const T* x = v + (long)bh * Nk * D;
-    for (int i = threadIdx.x; i < 64 * D; i += blockDim.x) {
+    float e8[8];
+    for (int i = 8 * threadIdx.x; i < 64 * D; i += 8 * blockDim.x) {  // 8 values of a row of v a step
         const int key = i / D, d = i % D;
-        tile[key * (D + 1) + d] = k0 + key < Nk ? Half2<T>::to_float(x[(long)(k0 + key) * D + d]) * inv : 0.f;
+        if (k0 + key < Nk)
+            load8(x + (long)(k0 + key) * D + d, e8);
+        else
+#pragma unroll
+            for (int e = 0; e < 8; ++e) e8[e] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) tile[key * (D + 1) + d + e] = e8[e] * inv;
     }
     __syncthreads();
     u8* y = vt + (long)bh * D * row;
-    for (int i = threadIdx.x; i < 64 * D; i += blockDim.x) {
+    for (int i = 4 * threadIdx.x; i < 64 * D; i += 4 * blockDim.x) {  // 4 keys of a row of v^T a step
         const int d = i / 64, j = i % 64;
-        const int key = 16 * (j / 16) + fp8_key_order(j % 16);
-        if (k0 + j < row) y[(long)d * row + k0 + j] = to_e4m3(tile[key * (D + 1) + d]);
+        if (k0 + j >= row) continue;  // row is a multiple of 16: the 4 keys are in or out together
+        float e4[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) e4[e] = tile[(16 * ((j + e) / 16) + fp8_key_order((j + e) % 16)) * (D + 1) + d];
+        *reinterpret_cast<u32*>(y + (long)d * row + k0 + j) = pack_e4m3x4(e4[0], e4[1], e4[2], e4[3]);
     }
 }
