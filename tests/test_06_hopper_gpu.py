@@ -289,29 +289,6 @@ def test_forward_refuses_what_it_does_not_take():
 
 
 # ---------------------------------------------------------------- version fp8
-def _fp8_check(q, k, v, causal, o=None):
-    """Version fp8 (or o, its output on other inputs) against the float64 oracle of q, k, v by the tolerance rule, its
-    yardstick the same computation in numpy (fp8.reference: e4m3's roundings of q, k, v and P where the kernel makes
-    them) in both orders of the head dim, rounded to the inputs' dtype; returns {name: (error, bound)}."""
-    import cupy
-
-    from stages.common import cast, tolerance
-    from stages.hopper import flash_v3, fp8
-
-    got = flash_v3.forward(q, k, v, causal=causal, version="fp8")
-    if o is not None:
-        got = (o, got[1])
-    qn, kn, vn = (cupy.asnumpy(x) for x in (q, k, v))
-    refs = tolerance.oracle(qn, kn, vn, causal=causal)
-    rev = slice(None, None, -1)
-    ys = [(cast(yo, qn.dtype).astype(np.float64), ylse.astype(np.float32).astype(np.float64))
-          for yo, ylse in (fp8.reference(qn, kn, vn, causal=causal),
-                           fp8.reference(qn[..., rev], kn[..., rev], vn, causal=causal))]
-    terms = tolerance.forward_s_terms(qn, kn, vn, causal=causal)
-    return tolerance.check(tolerance.NAMES_FORWARD, tuple(cupy.asnumpy(x) for x in got), refs, ys, terms,
-                           what="version fp8: ")
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES + [(2, 3, 1000, 1000), (1, 2, 2049, 4100)])
@@ -319,10 +296,11 @@ def test_forward_fp8_within_the_tolerance_rule(shape, causal, dtype):
     import cupy
 
     from stages.common import make_inputs
+    from stages.hopper import fp8
 
     _hopper()
     q, k, v = make_inputs(*shape, 128, dtype=dtype, xp=cupy)
-    _fp8_check(q, k, v, causal)
+    fp8.check(q, k, v, causal=causal)
 
 
 def test_forward_fp8_is_not_the_16_bit_forward():
@@ -332,18 +310,36 @@ def test_forward_fp8_is_not_the_16_bit_forward():
     import cupy
 
     from stages.common import make_inputs, tolerance
-    from stages.hopper import flash_v3, layouts
+    from stages.hopper import flash_v3, fp8, layouts
 
     _hopper()
     q, k, v = make_inputs(1, 2, 300, 320, 128, dtype=bfloat16, xp=cupy)
-    errs = _fp8_check(q, k, v, False)
+    errs = fp8.check(q, k, v)
     o16, _ = flash_v3.forward(q, k, v)
     ref = tolerance.oracle(*(cupy.asnumpy(x) for x in (q, k, v)))[0]
     assert errs["o"][0] > 4 * tolerance.max_error(cupy.asnumpy(o16), ref)
     order = (16 * (np.arange(320) // 16) + layouts.fp8_key_order(np.arange(320) % 16)).tolist()
     o_wrong, _ = flash_v3.forward(q, k, v[:, :, order].copy(), version="fp8")
     with pytest.raises(AssertionError, match="out of bounds"):
-        _fp8_check(q, k, v, False, o=o_wrong)
+        fp8.check(q, k, v, o=o_wrong)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_forward_fp8_nan_in_a_head_is_nan_out_of_it(which):
+    """A NaN anywhere in a head of q, k or v makes that head's factor NaN (the pre-pass's maximum keeps NaN), so
+    every o of the head is NaN; the other heads are computed as without it."""
+    import cupy
+
+    from stages.common import make_inputs
+    from stages.hopper import flash_v3
+
+    _hopper()
+    x = list(make_inputs(1, 2, 100, 90, 128, dtype=np.float16, xp=cupy))
+    o_clean, _ = flash_v3.forward(*x, version="fp8")
+    x[which] = x[which].copy()
+    x[which][0, 0, 7, 11] = np.nan
+    o, _ = flash_v3.forward(*x, version="fp8")
+    assert bool(cupy.isnan(o[0, 0]).all()) and bool((o[0, 1] == o_clean[0, 1]).all())
 
 
 def test_forward_fp8_refuses_what_it_does_not_take():

@@ -1,8 +1,9 @@
 """Stage 06's forward on Hopper: o, lse of attention for CuPy q, k, v (B, H, N, D) in float16 or bfloat16,
-D = 64, 128 or 256, or in float32 (version fp32x3, D = 64, 128), on an sm_90 GPU.
+D = 64, 128 or 256 (version fp8: 128), or in float32 (version fp32x3, D = 64, 128), on an sm_90 GPU.
 
     o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "pingpong" (float32: "fp32x3")
     o, lse = flash_v3.forward(q, k, v, causal=True, version="wgmma")
+    o, lse = flash_v3.forward(q, k, v, causal=True, version="fp8")     # e4m3 multiplies, d = 128
 
 Versions, in the order the README teaches them:
   wgmma     (kernels/flash_v3_forward_wgmma.cu) stage 02's algorithm with Hopper's data paths: the copy engine (TMA)
@@ -17,6 +18,8 @@ Versions, in the order the README teaches them:
             and K/V tiles of 192 keys on long ones at D = 128 (wide_rule).
   fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
+  fp8       (fp8.py, kernels/flash_v3_fp8_quantize.cu) float16 / bfloat16 in and out, multiplied in e4m3: a pre-pass
+            scales each head of q, k, v into e4m3 (v transposed), then version pingpong's kernel on the bytes; d = 128.
 """
 import ctypes
 import functools
