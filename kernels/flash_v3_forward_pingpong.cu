@@ -27,10 +27,17 @@
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 
-template <typename T, int D, int BC, int STAGES, bool PERSISTENT>
+template <typename T, int D, int BC, int STAGES, bool PERSISTENT, typename O = T>
 __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid_constant__ HopperFwdParams p) {
-    constexpr u32 TILE = (D / 64) * 8192u;    // bytes of one 64-row Q tile
-    constexpr u32 KV = (D / 64) * BC * 128u;  // bytes of one K or V tile of BC rows
+    // T = E4M3 (version fp8): Q, K and V^T in e4m3 with per-head factors amax / 448 (p.amax), O in type O; D = 128, BC = 128.
+    // The tiles are the same bytes: a 128-byte line holds 128 values of a row of Q or K, or 128 keys of a row of V^T.
+    constexpr bool FP8 = Bytes<T>::value == 1;
+    static_assert(!FP8 || (D == 128 && BC == 128 && !PERSISTENT), "version fp8: D = 128, tiles of 128 keys");
+    constexpr int PANELS = D * Bytes<T>::value / 128;  // 128-byte panels of a row of Q or K
+    constexpr int KS = KStep<T>::value;                // keys of P a K step of O += P V takes
+    constexpr int LIFT = FP8 ? 8 : 0;                  // P's 2^LIFT (softmax_tile)
+    constexpr u32 TILE = PANELS * 8192u;    // bytes of one 64-row Q tile
+    constexpr u32 KV = PANELS * BC * 128u;  // bytes of one K or V tile of BC rows (FP8: V^T, D rows of BC keys)
     // RAGGED: a last K/V tile that holds keys for a warpgroup's rows in fewer than its BC / 64 blocks of 64 keys (Nk
     // not a multiple of BC, or the causal diagonal) takes only those blocks in the warpgroup's GEMMs and softmax
     // (hopper_tiles.cuh: with_width).
@@ -90,18 +97,23 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
                 if (PERSISTENT)  // the consumers are done with the last item's Q (round 0: at once)
                     mbar_wait(q_empty, (qn & 1) ^ 1);
                 mbar_arrive_expect_tx(q_full, 2 * TILE);
-                tma_load_rows<D>(q_s, &p.map_q, q_full, row0, bh, 2);  // both 64-row halves
+                tma_load_rows<D, Bytes<T>::value>(q_s, &p.map_q, q_full, row0, bh, 2);  // both 64-row halves
                 ++qn;
                 for (int j = 0; j < n_tiles; ++j, ++it) {
                     const int s = it % STAGES, free_parity = ((it / STAGES) & 1) ^ 1;  // round 0 passes at once
                     mbar_wait(bar(EMPTY_K, s), free_parity);
                     mbar_arrive_expect_tx(bar(FULL_K, s), KV);
-                    for (int c = 0; c < D / 64; ++c)
-                        tma_load_3d(k_tile(s) + c * BC * 128u, &p.map_k, bar(FULL_K, s), 64 * c, BC * j, bh);
+                    for (int c = 0; c < PANELS; ++c)
+                        tma_load_3d(k_tile(s) + c * BC * 128u, &p.map_k, bar(FULL_K, s), (128 / Bytes<T>::value) * c,
+                                    BC * j, bh);
                     mbar_wait(bar(EMPTY_V, s), free_parity);
                     mbar_arrive_expect_tx(bar(FULL_V, s), KV);
-                    for (int c = 0; c < D / 64; ++c)
-                        tma_load_3d(v_tile(s) + c * BC * 128u, &p.map_v, bar(FULL_V, s), 64 * c, BC * j, bh);
+                    if constexpr (FP8)  // V_j^T: keys BC j .. of each of the D rows, 64 rows a box
+                        for (int r = 0; r < D / 64; ++r)
+                            tma_load_3d(v_tile(s) + r * 64 * 128u, &p.map_v, bar(FULL_V, s), BC * j, 64 * r, bh);
+                    else
+                        for (int c = 0; c < D / 64; ++c)
+                            tma_load_3d(v_tile(s) + c * BC * 128u, &p.map_v, bar(FULL_V, s), 64 * c, BC * j, bh);
                 }
             }
         }
@@ -127,10 +139,18 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
                                          BC * (n_tiles - 1) + 1);
         auto masked = [&](int j) { return (j + 1) * BC > Nk || (p.causal && (j + 1) * BC - 1 > first + shift); };
 
+        float fp8_scale_log2 = 0.f;  // S = (Q' f_q)(K' f_k)^T for Q', K' in e4m3, f = amax / 448
+        if constexpr (FP8) fp8_scale_log2 = p.scale_log2 * (p.amax[3 * bh] / 448.f) * (p.amax[3 * bh + 1] / 448.f);
+        auto scale_log2 = [&] {
+            if constexpr (FP8)
+                return fp8_scale_log2;
+            else
+                return p.scale_log2;
+        };
         RowState<D> st;  // Alg.1 L5
         st.init();
         float s[BC / 8][4], alpha[2];
-        u32 pa[BC / 16][4];
+        u32 pa[BC / KS][4];
         // Tile j's S_j = Q K_j^T and softmax on its first W columns (W = BC but for a ragged last tile): P_j in s,
         // its A fragments in pa. Tile 0 (O_i = 0: nothing to rescale); O += P_0 V_0 is issued with S_1.
         auto first_tile = [&](auto w) {
@@ -147,8 +167,8 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             if (PERSISTENT && n_tiles == 1) release(q_empty);  // Q's last reader is done
             if (masked(0))
                 mask_scores<1, W>(reinterpret_cast<float(&)[1][W / 8][4]>(s), r0, 0, Nk, p.causal, shift, g, t);
-            softmax_tile<W, D>(st, cols<W>(s), p.scale_log2, alpha);
-            p_fragments<T, W>(cols<W>(pa), cols<W>(s));
+            softmax_tile<W, D, LIFT>(st, cols<W>(s), scale_log2(), alpha);
+            p_fragments<T, W>(cols<W, KS>(pa), cols<W>(s));
         };
         // Tile j >= 1 (Alg.1 L6), one tile behind for P V: S_j with O += P_{j-1} V_{j-1} (a whole tile of BC keys).
         auto next_tile = [&](int j, auto w) {
@@ -169,12 +189,12 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             if (PERSISTENT && j == n_tiles - 1) release(q_empty);
             if (masked(j))
                 mask_scores<1, W>(reinterpret_cast<float(&)[1][W / 8][4]>(s), r0, BC * j, Nk, p.causal, shift, g, t);
-            softmax_tile<W, D>(st, cols<W>(s), p.scale_log2, alpha);
+            softmax_tile<W, D, LIFT>(st, cols<W>(s), scale_log2(), alpha);
             wgmma_wait<0>();  // O and P_{j-1}'s registers are ours again
             fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
             release(bar(EMPTY_V, sv));
             rescale_o(st, alpha);
-            p_fragments<T, W>(cols<W>(pa), cols<W>(s));
+            p_fragments<T, W>(cols<W, KS>(pa), cols<W>(s));
         };
         // O += P_{last} V_{last} on the last tile's W keys.
         auto last_pv = [&](auto w) {
@@ -182,7 +202,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             const int sv = (it + n_tiles - 1) % STAGES;
             mbar_wait(bar(FULL_V, sv), ((it + n_tiles - 1) / STAGES) & 1);
             wgmma_fence();
-            issue_pv<T, D, W, BC>(st, cols<W>(pa), v_tile(sv));
+            issue_pv<T, D, W, BC>(st, cols<W, KS>(pa), v_tile(sv));
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(reinterpret_cast<float(&)[D / 2]>(st.o));
@@ -214,7 +234,10 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             }
             it += n_tiles;
         }
-        store_rows<T, D>(st, p, bh, r0, g, t);
+        if constexpr (FP8)  // O = P (V' dv) for V' in e4m3
+            store_rows<O, D>(st, p, bh, r0, g, t, p.amax[3 * bh + 2] / 448.f, LIFT);
+        else
+            store_rows<O, D>(st, p, bh, r0, g, t);
         if constexpr (!PERSISTENT) break;  // one block per item: a single pass
     }
 }

@@ -94,13 +94,15 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
         : "memory");
 }
 
-// Rows row0 .. row0 + 64 tiles - 1 of head bh (a tensor map of 64 x 64 boxes over D columns): each 64-row tile is
-// D / 64 panels of 64 columns, 8 KB each, laid out one after the other from dst, all counted on bar.
-template <int D>
+// Rows row0 .. row0 + 64 tiles - 1 of head bh (a tensor map of boxes of 64 rows x 128 bytes over D columns of BYTES
+// each): each 64-row tile is D BYTES / 128 panels of 128-byte lines (64 columns of 16 bits, 128 of 8), 8 KB each,
+// laid out one after the other from dst, all counted on bar.
+template <int D, int BYTES = 2>
 __device__ __forceinline__ void tma_load_rows(u32 dst, const TensorMap* map, u32 bar, int row0, int bh, int tiles) {
+    constexpr int PANELS = D * BYTES / 128;
     for (int h = 0; h < tiles; ++h)
-        for (int c = 0; c < D / 64; ++c)
-            tma_load_3d(dst + (h * (D / 64) + c) * 8192u, map, bar, 64 * c, row0 + 64 * h, bh);
+        for (int c = 0; c < PANELS; ++c)
+            tma_load_3d(dst + (h * PANELS + c) * 8192u, map, bar, (128 / BYTES) * c, row0 + 64 * h, bh);
 }
 
 // The 128-byte swizzle repeats every 1024 bytes: a swizzled tile starts on a 1024-byte boundary of shared memory.
@@ -269,6 +271,61 @@ template <typename T>
 __device__ __forceinline__ void wgmma_64x128x16_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, int scale_d) {
     WGMMA_ASM(T, "m64n128k16", "%69", WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n", WGMMA_OUTS64,
               "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+// ---------------------------------------------------------------- wgmma on FP8
+// E4M3: the 8-bit float (1 sign, 4 exponent, 3 mantissa bits; largest finite 448) of the FP8 forward. A tag: the
+// kernels hold such values only as bytes in shared memory and packed four to a register. Bytes<T>: a value's size.
+struct E4M3 {};
+template <typename T> struct Bytes { enum : int { value = sizeof(T) }; };
+template <> struct Bytes<E4M3> { enum : int { value = 1 }; };
+
+// The 8-bit wgmma multiplies K = 32 values a step (32 bytes, as 16 values of 16 bits) and reads its shared-memory
+// operands only K-major: there is no imm-trans, so V enters O += P V as V^T (stages/06_hopper/flash_v3_fp8.py).
+#define WGMMA_E4M3(SHAPE, PRED, ARGS, OUTS, ...)                                                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                  \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " ARGS "}\n"                                  \
+                 : OUTS                                                                                               \
+                 : __VA_ARGS__)
+
+// D (64 x N, fp32) (+)= A (64 x 32) B^T (N x 32), e4m3, both K-major in shared memory, N = 64 or 128; scale_d = 0:
+// D = A B^T. Accumulator layout: as wgmma_64x64x16's.
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int scale_d) {
+    static_assert(N == 64 || N == 128, "m64n64k32 or m64n128k32");
+    if constexpr (N == 64)
+        WGMMA_E4M3("m64n64k32", "%34", WGMMA_D32 ", %32, %33, p, 1, 1;\n", WGMMA_OUTS, "l"(desc_a), "l"(desc_b),
+                   "r"(scale_d));
+    else
+        WGMMA_E4M3("m64n128k32", "%66", WGMMA_D64 ", %64, %65, p, 1, 1;\n", WGMMA_OUTS64, "l"(desc_a), "l"(desc_b),
+                   "r"(scale_d));
+}
+// The same with D's registers outputs only (D = A B^T): the first K step of a GEMM on part of a register array
+// (wgmma_64xNx16_set says why).
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3_ss_set(float (&d)[N / 2], u64 desc_a, u64 desc_b) {
+    static_assert(N == 64 || N == 128, "m64n64k32 or m64n128k32");
+    if constexpr (N == 64)
+        WGMMA_E4M3("m64n64k32", "0", WGMMA_D32 ", %32, %33, p, 1, 1;\n", WGMMA_N32("=f"), "l"(desc_a), "l"(desc_b));
+    else
+        WGMMA_E4M3("m64n128k32", "0", WGMMA_D64 ", %64, %65, p, 1, 1;\n", WGMMA_N64("=f"), "l"(desc_a),
+                   "l"(desc_b));
+}
+// D (64 x 128, fp32) += A (64 x 32, registers) B^T (128 x 32, K-major in shared memory), e4m3. A's fragment, four
+// registers of four bytes (the lowest byte the lowest column): a[0] row g, columns 4 t .. 4 t + 3; a[1] row g + 8;
+// a[2] row g, columns 16 + 4 t .. 16 + 4 t + 3; a[3] row g + 8, those columns (mma.m16n8k32's A fragment).
+__device__ __forceinline__ void wgmma_e4m3_64x128_rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, int scale_d) {
+    WGMMA_E4M3("m64n128k32", "%69", WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n", WGMMA_OUTS64, "r"(a[0]),
+               "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+// Four floats rounded to e4m3 (to nearest, saturating at +-448) and packed into one register, x0 in the lowest byte.
+// cvt.e4m3x2 puts its first source in the upper byte.
+__device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
+    return (u32)lo | (u32)hi << 16;
 }
 
 // The compiler does not know that an issued wgmma writes its accumulators later, at the wait: without a fence it may

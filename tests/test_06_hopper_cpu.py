@@ -171,13 +171,19 @@ def test_schedules_refuse_bad_input():
 
 
 # ---------------------------------------------------------------- the sm_90a kernels, compiled without a GPU
-@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "fp32x3", "backward wgmma", "backward ws"])
+@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "fp32x3", "backward wgmma", "backward ws",
+                                  "fp8", "fp8 pre-pass"])
 def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
     from stages.common import device, kernels
-    from stages.hopper import blocks, flash_v3, flash_v3_backward, fp32x3
+    from stages.hopper import blocks, flash_v3, flash_v3_backward, fp8, fp32x3
 
     if what == "blocks":
         file, names, threads = blocks.FILE, blocks.kernel_names(), 128
+    elif what == "fp8":  # the e4m3 instantiations of the ping-pong kernel
+        file, names, threads = flash_v3.FILES["pingpong"], fp8.kernel_names(), 384
+        assert fp8.smem_bytes() <= device.emulate("sm_90").smem_optin
+    elif what == "fp8 pre-pass":
+        file, names, threads = fp8.FILE, fp8.prepass_names(), fp8.THREADS
     elif what == "fp32x3":  # the float32 forward: its tiles of TF32 parts fit the H100's shared memory
         file, names, threads = fp32x3.FILE, fp32x3.kernel_names(), fp32x3.CONFIGS[64].threads
         assert all(fp32x3.smem_bytes(D) <= device.emulate("sm_90").smem_optin for D in fp32x3.HEAD_DIMS)
@@ -380,3 +386,43 @@ def test_the_forward_takes_wide_key_tiles_only_for_version_pingpong_at_d128_on_l
         with pytest.raises(ValueError, match=f"tiles of {flash_v3.WIDE_BC} keys are version pingpong's at D = 128"):
             flash_v3.config(version, D, wide=True)
 
+
+
+# ---------------------------------------------------------------- version fp8's layouts and numerics
+def test_fp8_key_order_lets_each_lane_pack_its_own_p():
+    """The 8-bit A fragment wants lane t's columns 4 t .. 4 t + 3 (and 16 on); the accumulator of S gave it keys 2 t,
+    2 t + 1, 8 + 2 t, 9 + 2 t (and 16 on). With V^T's keys in fp8_key_order, the product over the fragment's
+    positions is P V: simulated here for a warp's 16 rows and one K step of 32 keys."""
+    order = L.fp8_key_order(np.arange(16))
+    assert sorted(order.tolist()) == list(range(16))
+    for t in range(4):  # what lane t packs is what the order puts at its positions
+        keys = L.fp8_p_fragment_keys(t)
+        assert keys.tolist() == [16 * (j // 4) + int(order[4 * t + j % 4]) for j in range(8)]
+    rng = np.random.default_rng(0)
+    p, v = rng.random((16, 32)), rng.standard_normal((32, 8))
+    a = np.zeros((16, 32))  # the A operand as the lanes fill it: row r, position 4 t + j (+ 16)
+    for t in range(4):
+        for j, key in enumerate(L.fp8_p_fragment_keys(t)):
+            a[:, 16 * (j // 4) + 4 * t + j % 4] = p[:, key]
+    vt = v[np.concatenate([order, 16 + order])].T  # V^T's columns in the key order (the pre-pass)
+    assert np.allclose(a @ vt.T, p @ v)
+    assert not np.allclose(a @ v, p @ v)  # without the order the sum pairs the wrong keys
+
+
+def test_fp8_reference_has_e4m3s_error_and_no_more():
+    """fp8.reference (the yardstick of version fp8) against the float64 oracle: its error is e4m3's (3 mantissa bits
+    in q, k, v and P, about 2^-5 relative each), well above bfloat16's and below 2^-3 of the values' size."""
+    from stages.common import make_inputs, tolerance
+    from stages.hopper import fp8
+
+    q, k, v = make_inputs(2, 3, 300, 200, 128, dtype=np.float32, seed=3)
+    for causal in (False, True):
+        o, lse = fp8.reference(q, k, v, causal=causal)
+        o_ref, lse_ref = tolerance.oracle(q, k, v, causal=causal)
+        err = np.abs(o - o_ref).max() / np.abs(v).max()
+        assert 2.0 ** -9 < err < 2.0 ** -3, err
+        seen = np.isfinite(lse_ref)  # rows that see no key: -inf in both
+        assert (lse[~seen] == -np.inf).all() and np.abs(lse[seen] - lse_ref[seen]).max() < 2.0 ** -3
+    x8, amax = fp8.quantize(v)
+    assert np.abs(x8).max() <= fp8.E4M3_MAX and (np.abs(x8).max(axis=(2, 3)) == fp8.E4M3_MAX).all()
+    assert np.allclose(x8 * amax / fp8.E4M3_MAX, v, rtol=2.0 ** -4, atol=1e-3 * np.abs(v).max())

@@ -2,7 +2,8 @@
 (layouts.py), the pipeline and ping-pong schedules, simulated (schedules.py), and the backward's tile order in numpy
 (backward_mirror.py). On an sm_90 GPU: the building blocks checked one by one (blocks.py), the forward in three
 versions (flash_v3.py: wgmma, ws, pingpong) and the backward in two (flash_v3_backward.py: wgmma, ws), which the ring
-(stage 04) and the GPT (stage 05) use on Hopper; and a float32 forward (fp32x3.py: stage 02's 3xTF32 on wgmma)."""
-from . import backward_mirror, blocks, flash_v3, flash_v3_backward, fp32x3, layouts, schedules
+(stage 04) and the GPT (stage 05) use on Hopper; a float32 forward (fp32x3.py: stage 02's 3xTF32 on wgmma) and a
+forward in e4m3 (fp8.py)."""
+from . import backward_mirror, blocks, flash_v3, flash_v3_backward, fp8, fp32x3, layouts, schedules
 
-__all__ = ["layouts", "schedules", "backward_mirror", "blocks", "flash_v3", "flash_v3_backward", "fp32x3"]
+__all__ = ["layouts", "schedules", "backward_mirror", "blocks", "flash_v3", "flash_v3_backward", "fp8", "fp32x3"]

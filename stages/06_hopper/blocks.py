@@ -55,7 +55,8 @@ def tensor_map_2d(x, box_rows, box_cols=64):
 
 
 # The element types a map here may hold, by the driver's names (CU_TENSOR_MAP_DATA_TYPE_<name>).
-MAP_DTYPES = {np.dtype(bfloat16): "BFLOAT16", np.dtype(np.float16): "FLOAT16", np.dtype(np.float32): "FLOAT32"}
+MAP_DTYPES = {np.dtype(bfloat16): "BFLOAT16", np.dtype(np.float16): "FLOAT16", np.dtype(np.float32): "FLOAT32",
+              np.dtype(np.uint8): "UINT8"}  # uint8: e4m3 bytes (version fp8)
 LAYOUT_REFUSED = "tensor maps here: a C-contiguous array whose rows are a multiple of 16 bytes"
 
 
@@ -73,12 +74,12 @@ class TensorMap(NamedTuple):
 
     @classmethod
     def of(cls, dtype, dims, strides, box, offset=0):
-        """Checked: 16-bit or float32 values, boxes of 128-byte rows (the swizzle's span), strides and offset in
+        """Checked: 16-bit, float32 or byte values, boxes of 128-byte rows (the swizzle's span), strides and offset in
         multiples of 16 bytes (the copy engine's unit)."""
         dtype = np.dtype(dtype)
         if dtype not in MAP_DTYPES or box[0] * dtype.itemsize != 128:
-            raise ValueError("tensor maps here: float16, bfloat16 or float32 values in boxes of 128-byte rows (the "
-                             "swizzle's span)")
+            raise ValueError("tensor maps here: float16, bfloat16, float32 or uint8 (e4m3) values in boxes of 128-byte "
+                             "rows (the swizzle's span)")
         if any(s % 16 for s in strides) or offset % 16:
             raise ValueError(LAYOUT_REFUSED)
         return cls(MAP_DTYPES[dtype], tuple(dims), tuple(strides), tuple(box), offset)

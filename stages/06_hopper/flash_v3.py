@@ -1,8 +1,9 @@
 """Stage 06's forward on Hopper: o, lse of attention for CuPy q, k, v (B, H, N, D) in float16 or bfloat16,
-D = 64, 128 or 256, or in float32 (version fp32x3, D = 64, 128), on an sm_90 GPU.
+D = 64, 128 or 256 (version fp8: 128), or in float32 (version fp32x3, D = 64, 128), on an sm_90 GPU.
 
     o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "pingpong" (float32: "fp32x3")
     o, lse = flash_v3.forward(q, k, v, causal=True, version="wgmma")
+    o, lse = flash_v3.forward(q, k, v, causal=True, version="fp8")     # e4m3 multiplies, d = 128
 
 Versions, in the order the README teaches them:
   wgmma     (kernels/flash_v3_forward_wgmma.cu) stage 02's algorithm with Hopper's data paths: the copy engine (TMA)
@@ -17,6 +18,8 @@ Versions, in the order the README teaches them:
             and K/V tiles of 192 keys on long ones at D = 128 (wide_rule).
   fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
+  fp8       (fp8.py, kernels/flash_v3_fp8_quantize.cu) float16 / bfloat16 in and out, multiplied in e4m3: a pre-pass
+            scales each head of q, k, v into e4m3 (v transposed), then version pingpong's kernel on the bytes; d = 128.
 """
 import ctypes
 import functools
@@ -27,13 +30,14 @@ import numpy as np
 from stages.common import LOG2E, device, fast_path, kernels
 from stages.common.checks import check_causal, resolve_scale
 
-from . import blocks, fp32x3
+from . import blocks, fp8, fp32x3
 
 FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu",
          "pingpong": "flash_v3_forward_pingpong.cu"}
 VERSIONS = tuple(FILES)        # the 16-bit versions, in the order the README teaches them
 DEFAULT = "pingpong"            # for float16 / bfloat16
 FP32 = "fp32x3"                 # the float32 version (fp32x3.py)
+FP8 = "fp8"                     # float16 / bfloat16 computed in e4m3 (fp8.py)
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
 
@@ -92,11 +96,12 @@ def config(version, D, wide=False):
 
 
 class HopperFwdParams(ctypes.Structure):
-    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, Nq, Nk, scale_log2, causal, o_rows, merge, then
-    three 128-byte tensor maps at offsets 64, 192, 320."""
-    _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
+    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, amax (version fp8), Nq, Nk, scale_log2, causal,
+    o_rows, merge, heads, then three 128-byte tensor maps at offsets 64, 192, 320."""
+    _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("amax", ctypes.c_uint64),
+                ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
                 ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("o_rows", ctypes.c_int32),
-                ("merge", ctypes.c_int32), ("heads", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 20),
+                ("merge", ctypes.c_int32), ("heads", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 12),
                 ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
 
 
@@ -128,8 +133,8 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
     ValueError for what the kernel does not take."""
     import cupy
 
-    if version is not None and version not in VERSIONS + (FP32,):
-        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS + (FP32,)}")
+    if version is not None and version not in VERSIONS + (FP32, FP8):
+        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS + (FP32, FP8)}")
     blocks.require_hopper(instead=blocks.ELSEWHERE_FP32 if getattr(q, "dtype", None) == np.float32 else
                           blocks.ELSEWHERE)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -143,15 +148,15 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
     if fp32 != (version == FP32):
         raise TypeError(f"flash_v3.forward: version {version!r} takes "
                         f"{'float32' if version == FP32 else 'float16 or bfloat16'}, got {q.dtype}; float32 runs "
-                        f"in version {FP32!r}, float16 and bfloat16 in {', '.join(FILES)}")
+                        f"in version {FP32!r}, float16 and bfloat16 in {', '.join(FILES)} and {FP8!r}")
     B, H, Nq, D = q.shape
     if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
         raise ValueError(f"flash_v3.forward: k and v must be (B, H, Nk, D) = ({B}, {H}, Nk, {D}); got {k.shape}, "
                          f"{v.shape}")
-    dims = fp32x3.HEAD_DIMS if fp32 else HEAD_DIMS
+    dims = fp32x3.HEAD_DIMS if fp32 else fp8.HEAD_DIMS if version == FP8 else HEAD_DIMS
     if D not in dims:
-        raise ValueError(f"flash_v3.forward: head dim {D} is not supported{' in float32' if fp32 else ''}; use one "
-                         f"of {dims} (stage 02 takes any)")
+        raise ValueError(f"flash_v3.forward: head dim {D} is not supported{' in float32' if fp32 else ''}"
+                         f"{' in version fp8' if version == FP8 else ''}; use one of {dims} (stage 02 takes any)")
     if B * H > 65535:
         raise ValueError(f"flash_v3.forward: batch * heads = {B * H} is over the grid limit 65535")
     causal = check_causal(causal, "flash_v3.forward")
@@ -163,6 +168,8 @@ def forward(q, k, v, *, causal=False, scale=None, version=None):
         plan = fp32x3.plan(q.shape, Nk, causal, scale)
     elif Nq == 0 or Nk == 0:  # no rows, or no key for any row: O = 0, L = -inf (a tensor map has no empty dimension)
         return cupy.zeros_like(q), cupy.full((B, H, Nq), -np.inf, cupy.float32)
+    elif version == FP8:
+        return fp8.forward(q, k, v, causal, scale)
     else:
         plan = kernels.ForwardLaunch(_plan(version, np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), causal, scale,
                                            merge=False), np.dtype(q.dtype))

@@ -11,6 +11,8 @@
    share the tensor cores, and two in ping-pong (times of one tile from the FlashAttention-3 paper's H100 rates).
 5. The backward's tile order (backward_mirror): its gradients against stage 00's, and how many reductions into dQ
    each version's tiles make (wgmma: 64 keys x 64 rows; ws: 128 keys x 128 rows at D = 64, x 64 rows at D = 128).
+6. Version fp8's key order (layouts.fp8_key_order): P packed lane by lane into the 8-bit A fragment, times V with its
+   keys in that order, is P V.
 
     python stages/06_hopper/run.py
     python stages/06_hopper/run.py --quick      # the same (it takes a second); for the tutorial-wide runner
@@ -116,6 +118,21 @@ def show_backward(B=1, H=2, Nq=200, Nk=333, D=64):
     return ok
 
 
+def show_fp8_key_order():
+    print("\n6. version fp8: each lane packs its own P into the 8-bit A fragment, V^T's keys in that order")
+    order = L.fp8_key_order(np.arange(16))
+    print(f"   position -> key within each 16: {order.tolist()}")
+    rng = np.random.default_rng(6)
+    p, v = rng.random((16, 32)), rng.standard_normal((32, 8))  # one warp's 16 rows, one K step of 32 keys
+    a = np.zeros((16, 32))
+    for t in range(4):  # lane t's keys at its positions 4 t .. 4 t + 3 and 16 + 4 t ..
+        for j, key in enumerate(L.fp8_p_fragment_keys(t)):
+            a[:, 16 * (j // 4) + 4 * t + j % 4] = p[:, key]
+    ok = np.allclose(a @ v[np.concatenate([order, 16 + order])], p @ v)
+    print(f"   packed P times the reordered V == P V: {ok}")
+    return bool(ok)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="accepted for the tutorial-wide runner (same work)")
@@ -123,7 +140,9 @@ def main(argv=None):
     ok = all([show_swizzle(), show_descriptor(), show_pipeline()])  # the checks; section 4 only shows
     show_warpgroups()
     ok = show_backward() and ok
-    print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: layouts, schedules, the backward's tile order)")
+    ok = show_fp8_key_order() and ok
+    print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: layouts, schedules, the backward's tile order, "
+          "fp8's key order)")
     return 0 if ok else 1
 
 

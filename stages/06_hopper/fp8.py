@@ -1,0 +1,177 @@
+"""Stage 06, version "fp8" of the forward: the ping-pong kernel with Q, K and V in e4m3 (FlashAttention-3, Sec. 3.3).
+
+    o, lse = flash_v3.forward(q, k, v, causal=True, version="fp8")   # float16 / bfloat16 in and out, D = 128
+
+The 8-bit wgmma multiplies twice the values per cycle of the 16-bit one. Before the kernel (flash_v3_fp8_quantize.cu)
+each head of q, k and v is scaled into e4m3's range and rounded, x' = e4m3(x 448 / amax_x), amax_x = max |x| over the
+head; the kernel (flash_v3_forward_pingpong.cu with T = E4M3) takes the factors back: S = (amax_q amax_k / 448^2)
+Q' K'^T, O = (amax_v / 448) P V'. Two things differ from the 16-bit kernel:
+  * V enters as V^T: the 8-bit wgmma reads its shared-memory operands only K-major, and the K of O += P V is the keys.
+    The pre-pass writes v'^T with each 16 keys in the order the lanes pack P (layouts.fp8_key_order), so P goes from
+    the accumulator of S to A fragments inside each lane.
+  * P is computed 2^8 times larger (P in [0, 256], l_i too): e4m3's smallest normal is 2^-6, and P's small values
+    keep their bits; O_i / l_i is unchanged and L_i takes off 8 ln 2.
+The errors are e4m3's: 3 mantissa bits in Q', K', V' and P, about 2^-5 relative each. reference() is the same
+computation in numpy, the yardstick of the tolerance rule for this version.
+"""
+import functools
+
+import numpy as np
+
+from stages.common import LOG2E, kernels
+from stages.common.checks import resolve_scale
+
+from . import blocks
+
+FILE = "flash_v3_fp8_quantize.cu"
+HEAD_DIMS = (128,)
+E4M3_MAX = 448.0
+LIFT = 8           # P's 2^LIFT (kernels/hopper_tiles.cuh: softmax_tile)
+BC = 128           # keys a K/V tile
+GROUP = 16         # the period of the key order of V'^T (layouts.fp8_key_order)
+THREADS = 256
+
+
+def kernel_names():
+    """The attention kernel's instantiations (one per output type), which CI compiles for sm_90a."""
+    return [_attention_name(c) for c in blocks.CTYPE.values()]
+
+
+def prepass_names():
+    """The pre-pass kernels' instantiations (one per input type)."""
+    return [f"{k}<{c}>" for c in blocks.CTYPE.values() for k in ("fp8_amax", "fp8_scale_qk", "fp8_scale_vt")]
+
+
+def _attention_name(ctype):
+    return f"flash_v3_forward_pingpong<E4M3,128,{BC},2,false,{ctype}>"
+
+
+def smem_bytes():
+    """Q_i (128 rows) and two stages of K_j and V_j^T, 128 x 128 bytes each, one byte a value; 1024 for the swizzle's
+    alignment."""
+    return (128 + 2 * 2 * BC) * 128 + 1024
+
+
+def row_keys(Nk):
+    """The length of a row of v'^T: Nk rounded up to the key order's period."""
+    return -(-Nk // GROUP) * GROUP
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(dtype, q_shape, Nk, causal, scale):
+    """The four launches of one problem: amax, q' and k', v'^T, attention (a MappedLaunch of q', k', v'^T, then o,
+    lse, amax)."""
+    from . import flash_v3
+
+    B, H, Nq, D = q_shape
+    ctype = blocks.CTYPE[dtype]
+    row = row_keys(Nk)
+    pre = [f"fp8_amax<{ctype}>", f"fp8_scale_qk<{ctype}>", f"fp8_scale_vt<{ctype}>"]
+    fns = [blocks.sm90a_function(FILE, name, 64 * (D + 1) * 4 if "vt" in name else 0) for name in pre]
+    n_q, n_k = Nq * D, Nk * D
+    chunks = max(1, min(1024, -(-max(n_q, n_k) // (16 * THREADS))))
+    amax = kernels.Launch(fns[0], (chunks, B * H, 3), (THREADS,), 0, (np.int64(n_q), np.int64(n_k)))
+    scale_qk = kernels.Launch(fns[1], (chunks, B * H, 2), (THREADS,), 0, (np.int64(n_q), np.int64(n_k)))
+    scale_vt = kernels.Launch(fns[2], (-(-row // 64), B * H), (THREADS,), 64 * (D + 1) * 4,
+                              (np.int32(Nk), np.int32(D), np.int32(row)))
+    params = flash_v3.HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)), o_rows=Nq,
+                                      merge=0, heads=B * H)
+    launch = kernels.Launch(blocks.sm90a_function(flash_v3.FILES["pingpong"], _attention_name(ctype), smem_bytes()),
+                            (-(-Nq // 128), B * H), (384,), smem_bytes(), params)
+    attention = blocks.MappedLaunch.of(
+        launch, map_q=blocks.heads_map(q_shape, np.uint8),
+        map_k=blocks.heads_map((B, H, Nk, D), np.uint8, box_rows=BC),
+        map_v=blocks.heads_map((B, H, D, row), np.uint8, box_rows=64))  # v'^T: D rows of `row` keys, 64 rows a box
+    return amax, scale_qk, scale_vt, attention
+
+
+def forward(q, k, v, causal, scale):
+    """o, lse for CuPy q, k, v (B, H, N, 128) in float16 or bfloat16 (flash_v3.forward checked them): the pre-pass,
+    then the e4m3 kernel. o in q's dtype, lse float32."""
+    import cupy
+
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    amax_l, scale_qk, scale_vt, attention = _plan(np.dtype(q.dtype), q.shape, Nk, causal, scale)
+    q, k, v = (kernels.row_major(x) for x in (q, k, v))
+    amax = cupy.zeros((B * H, 3), cupy.float32)
+    q8, k8 = cupy.empty(q.shape, cupy.uint8), cupy.empty(k.shape, cupy.uint8)
+    vt8 = cupy.empty((B, H, D, row_keys(Nk)), cupy.uint8)
+    amax_l(q, k, v, amax)
+    scale_qk(q, k, amax, q8, k8)
+    scale_vt(v, amax, vt8)
+    return kernels.run_forward(attention, q8, k8, vt8, np.dtype(q.dtype), amax)
+
+
+# ----------------------------------------------------------------------------- the same in numpy
+def e4m3(x):
+    """x (float32) rounded to e4m3 as cvt.rn.satfinite does (to nearest even, saturating at +-448), as float64."""
+    import ml_dtypes
+
+    x = np.asarray(x, np.float32)
+    return np.clip(x, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def quantize(x):
+    """(x', amax) of the pre-pass for x (B, H, N, D): per head amax = max |x| (float32), x' = e4m3(x 448 / amax) in
+    float32 arithmetic (x' = e4m3(x) where amax = 0)."""
+    x32 = np.asarray(x, np.float32)
+    amax = np.abs(x32).max(axis=(2, 3), keepdims=True) if x32.size else np.zeros(x32.shape[:2] + (1, 1), np.float32)
+    inv = np.where(amax > 0, np.float32(E4M3_MAX) / np.where(amax > 0, amax, 1), np.float32(1)).astype(np.float32)
+    return e4m3(x32 * inv), amax
+
+
+def reference(q, k, v, *, causal=False, scale=None):
+    """Version fp8 computed in numpy (float64 but for e4m3's roundings): the pre-pass's q', k', v', S = f_q f_k
+    Q' K'^T, the online softmax over tiles of BC keys as the kernel runs it with P rounded to e4m3 at 2^LIFT, O =
+    f_v P V' / l. o (float64), lse (float64). The rule's yardstick for this version (tests/test_06_hopper_gpu.py)."""
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    scale = resolve_scale(scale, D)
+    (q8, aq), (k8, ak), (v8, av) = quantize(q), quantize(k), quantize(v)
+    f = lambda a: a.astype(np.float64) / E4M3_MAX  # noqa: E731  (the kernel's factor, amax / 448)
+    s = np.matmul(q8, k8.swapaxes(-1, -2)) * (f(aq) * f(ak)) * scale * LOG2E  # base 2
+    if causal:
+        s = np.where(np.arange(Nk)[None, :] <= np.arange(Nq)[:, None] + (Nk - Nq), s, -np.inf)
+    m = np.full((B, H, Nq, 1), -np.inf)
+    l = np.zeros((B, H, Nq, 1))
+    o = np.zeros((B, H, Nq, D))
+    for j0 in range(0, Nk, BC):
+        sj = s[..., j0:j0 + BC]
+        m_new = np.maximum(m, sj.max(axis=-1, keepdims=True))
+        m_use = np.where(np.isneginf(m_new), 0.0, m_new)
+        alpha = np.exp2(m - m_use)
+        p = np.exp2(sj - m_use + LIFT)
+        l = l * alpha + p.sum(axis=-1, keepdims=True)
+        o = o * alpha + np.matmul(e4m3(p), v8[..., j0:j0 + BC, :])
+        m = m_new
+    with np.errstate(divide="ignore", invalid="ignore"):
+        o = np.where(l > 0, o * f(av) / np.where(l > 0, l, 1), 0.0)
+        lse = np.where(l > 0, (m - LIFT) * np.log(2) + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
+    return o, lse
+
+
+def check(q, k, v, *, causal=False, o=None):
+    """Version fp8 on CuPy q, k, v (or o, its output on other inputs, with its own lse) against the float64 oracle by
+    the tolerance rule (stages/common/tolerance.py), the yardstick being reference() in both orders of the head dim
+    (q's and k's columns reversed alike), rounded to the inputs' dtype. Raises AssertionError with the worst row when
+    a row is out of bounds; returns {name: (error, bound)} at each output's worst row."""
+    import cupy
+
+    from stages.common import cast, tolerance
+
+    from . import flash_v3
+
+    got = flash_v3.forward(q, k, v, causal=causal, version="fp8")
+    if o is not None:
+        got = (o, got[1])
+    qn, kn, vn = (cupy.asnumpy(x) for x in (q, k, v))
+    refs = tolerance.oracle(qn, kn, vn, causal=causal)
+    rev = slice(None, None, -1)
+    ys = [(cast(yo, qn.dtype).astype(np.float64), ylse.astype(np.float32).astype(np.float64))
+          for yo, ylse in (reference(qn, kn, vn, causal=causal),
+                           reference(qn[..., rev], kn[..., rev], vn, causal=causal))]
+    terms = tolerance.forward_s_terms(qn, kn, vn, causal=causal)
+    return tolerance.check(tolerance.NAMES_FORWARD, tuple(cupy.asnumpy(x) for x in got), refs, ys, terms,
+                           what="version fp8: ")
