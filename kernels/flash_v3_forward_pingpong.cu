@@ -24,13 +24,16 @@
 // at D = 128, 192 (wide_rule): each tile's fixed work (barriers, the turn, row maxima, rescaling O) spread over more
 // keys. At D = 128 a warpgroup's last tile is computed only on its 64-key blocks that hold keys for its rows
 // (RAGGED).
+// With T = E4M3 the same kernel is version fp8 (stages/06_hopper/fp8.py): Q', K' and V'^T in e4m3 from a pre-pass
+// (flash_v3_fp8_quantize.cu), the 8-bit wgmma, P lifted by 2^8 and packed lane by lane, O written in type O.
 // Tile steps and epilogue: hopper_tiles.cuh. Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 
 template <typename T, int D, int BC, int STAGES, bool PERSISTENT, typename O = T>
 __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid_constant__ HopperFwdParams p) {
-    // T = E4M3 (version fp8): Q, K and V^T in e4m3 with per-head factors amax / 448 (p.amax), O in type O; D = 128, BC = 128.
-    // The tiles are the same bytes: a 128-byte line holds 128 values of a row of Q or K, or 128 keys of a row of V^T.
+    // T = E4M3 (version fp8): Q, K and V^T in e4m3 with per-head factors amax / 448 (p.amax), O in type O; D = 128,
+    // BC = 128. The tiles are the same bytes: a 128-byte line holds 128 values of a row of Q or K, or 128 keys of a row
+    // of V^T.
     constexpr bool FP8 = Bytes<T>::value == 1;
     static_assert(!FP8 || (D == 128 && BC == 128 && !PERSISTENT), "version fp8: D = 128, tiles of 128 keys");
     constexpr int PANELS = D * Bytes<T>::value / 128;  // 128-byte panels of a row of Q or K
@@ -234,7 +237,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
             }
             it += n_tiles;
         }
-        if constexpr (FP8)  // O = P (V' dv) for V' in e4m3
+        if constexpr (FP8)  // O = P (V' f_v) for V' in e4m3
             store_rows<O, D>(st, p, bh, r0, g, t, p.amax[3 * bh + 2] / 448.f, LIFT);
         else
             store_rows<O, D>(st, p, bh, r0, g, t);

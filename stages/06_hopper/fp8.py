@@ -29,7 +29,8 @@ E4M3_MAX = 448.0
 LIFT = 8           # P's 2^LIFT (kernels/hopper_tiles.cuh: softmax_tile)
 BC = 128           # keys a K/V tile
 GROUP = 16         # the period of the key order of V'^T (layouts.fp8_key_order)
-THREADS = 256
+THREADS = 256      # a pre-pass block's threads
+PREPASS = ("fp8_amax", "fp8_scale_qk", "fp8_scale_vt")  # the pre-pass kernels, in the order they run
 
 
 def kernel_names():
@@ -39,7 +40,7 @@ def kernel_names():
 
 def prepass_names():
     """The pre-pass kernels' instantiations (one per input type)."""
-    return [f"{k}<{c}>" for c in blocks.CTYPE.values() for k in ("fp8_amax", "fp8_scale_qk", "fp8_scale_vt")]
+    return [f"{k}<{c}>" for c in blocks.CTYPE.values() for k in PREPASS]
 
 
 def _attention_name(ctype):
@@ -65,14 +66,14 @@ def _plan(dtype, q_shape, Nk, causal, scale):
 
     B, H, Nq, D = q_shape
     ctype = blocks.CTYPE[dtype]
-    row = row_keys(Nk)
-    pre = [f"fp8_amax<{ctype}>", f"fp8_scale_qk<{ctype}>", f"fp8_scale_vt<{ctype}>"]
-    fns = [blocks.sm90a_function(FILE, name, 64 * (D + 1) * 4 if "vt" in name else 0) for name in pre]
+    row, vt_smem = row_keys(Nk), 64 * (D + 1) * 4  # fp8_scale_vt: 64 keys x D floats (+1 a row) a block
+    fns = [blocks.sm90a_function(FILE, f"{name}<{ctype}>", vt_smem if name == "fp8_scale_vt" else 0)
+           for name in PREPASS]
     n_q, n_k = Nq * D, Nk * D
-    chunks = max(1, min(1024, -(-max(n_q, n_k) // (16 * THREADS))))
+    chunks = max(1, min(1024, -(-max(n_q, n_k) // (16 * THREADS))))  # blocks a head: about 16 values a thread
     amax = kernels.Launch(fns[0], (chunks, B * H, 3), (THREADS,), 0, (np.int64(n_q), np.int64(n_k)))
     scale_qk = kernels.Launch(fns[1], (chunks, B * H, 2), (THREADS,), 0, (np.int64(n_q), np.int64(n_k)))
-    scale_vt = kernels.Launch(fns[2], (-(-row // 64), B * H), (THREADS,), 64 * (D + 1) * 4,
+    scale_vt = kernels.Launch(fns[2], (-(-row // 64), B * H), (THREADS,), vt_smem,
                               (np.int32(Nk), np.int32(D), np.int32(row)))
     params = flash_v3.HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)), o_rows=Nq,
                                       merge=0, heads=B * H)
