@@ -46,26 +46,22 @@ def one_config(N, causal, args, cupy, torch):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
-    amax_l, scale_qk, scale_vt, attention = fp8._plan(np.dtype(q.dtype), q.shape, N, causal, resolve_scale(None, D))
-    amax = cupy.zeros((B * H, 3), cupy.float32)
-    q8, k8 = cupy.empty(q.shape, cupy.uint8), cupy.empty(k.shape, cupy.uint8)
-    vt8 = cupy.empty((B, H, D, fp8.row_keys(N)), cupy.uint8)
+    plan = fp8._plan(np.dtype(q.dtype), q.shape, N, causal, resolve_scale(None, D))
+    buffers = fp8.prepass_buffers(q.shape, N)
+    amax, q8, k8, vt8 = buffers
 
     def prepass():  # what fp8.forward launches before its kernel
-        amax.fill(0)
-        amax_l(q, k, v, amax)
-        scale_qk(q, k, amax, q8, k8)
-        scale_vt(v, amax, vt8)
+        fp8.prepass(plan, q, k, v, buffers)
 
     prepass()
     o8, _ = flash_v3.forward(q, k, v, causal=causal, version="fp8")
-    o_kernel, _ = kernels.run_forward(attention, q8, k8, vt8, np.dtype(q.dtype), amax)
+    o_kernel, _ = kernels.run_forward(plan[3], q8, k8, vt8, np.dtype(q.dtype), amax)
     if not cupy.array_equal(o8.view(np.int16), o_kernel.view(np.int16)):
         raise SystemExit("the timed kernel and pre-pass do not compute what flash_v3.forward(version='fp8') does")
     o16, _ = flash_v3.forward(q, k, v, causal=causal)
     diff = float(cupy.abs(o8.astype(cupy.float32) - o16.astype(cupy.float32)).max())
     fns = {"fp8": lambda: flash_v3.forward(q, k, v, causal=causal, version="fp8"),
-           "fp8_kernel": lambda: kernels.run_forward(attention, q8, k8, vt8, np.dtype(q.dtype), amax),
+           "fp8_kernel": lambda: kernels.run_forward(plan[3], q8, k8, vt8, np.dtype(q.dtype), amax),
            "fp8_prepass": prepass, "pingpong": lambda: flash_v3.forward(q, k, v, causal=causal), "cudnn": cudnn}
     us = bench.take_turns_us(fns, args.rounds, args.reps, torch)
     flops = attention_flops(B, H, N, N, D, causal=causal)

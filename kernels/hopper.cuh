@@ -281,7 +281,7 @@ template <typename T> struct Bytes { enum : int { value = sizeof(T) }; };
 template <> struct Bytes<E4M3> { enum : int { value = 1 }; };
 
 // The 8-bit wgmma multiplies K = 32 values a step (32 bytes, as 16 values of 16 bits) and reads its shared-memory
-// operands only K-major: there is no imm-trans, so V enters O += P V as V^T (stages/06_hopper/flash_v3_fp8.py).
+// operands only K-major: there is no imm-trans, so V enters O += P V as V^T (stages/06_hopper/fp8.py).
 #define WGMMA_E4M3(SHAPE, PRED, ARGS, OUTS, ...)                                                                      \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                  \
                  "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " ARGS "}\n"                                  \

@@ -152,7 +152,8 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[NC / 8]
         const float m_use = m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
         alpha[h] = fast_exp2(st.m[h] - m_use);
         st.m[h] = m_new;
-        float bias;  // exp2's argument is S scale log2 e + bias
+        float bias;  // exp2's argument is S scale log2 e + bias (-m_use itself without a lift: 0 - m_use is +0 where
+                     // m_use = 0, and the compiler keeps the subtraction)
         if constexpr (LIFT == 0)
             bias = -m_use;
         else

@@ -86,22 +86,34 @@ def _plan(dtype, q_shape, Nk, causal, scale):
     return amax, scale_qk, scale_vt, attention
 
 
-def forward(q, k, v, causal, scale):
-    """o, lse for CuPy q, k, v (B, H, N, 128) in float16 or bfloat16 (flash_v3.forward checked them): the pre-pass,
-    then the e4m3 kernel. o in q's dtype, lse float32."""
+def prepass_buffers(q_shape, Nk):
+    """(amax, q', k', v'^T): the pre-pass's outputs for q of q_shape (B, H, Nq, D) and k, v of Nk rows a head."""
     import cupy
 
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    amax_l, scale_qk, scale_vt, attention = _plan(np.dtype(q.dtype), q.shape, Nk, causal, scale)
-    q, k, v = (kernels.row_major(x) for x in (q, k, v))
-    amax = cupy.zeros((B * H, 3), cupy.float32)
-    q8, k8 = cupy.empty(q.shape, cupy.uint8), cupy.empty(k.shape, cupy.uint8)
-    vt8 = cupy.empty((B, H, D, row_keys(Nk)), cupy.uint8)
+    B, H, Nq, D = q_shape
+    return (cupy.empty((B * H, 3), cupy.float32), cupy.empty(q_shape, cupy.uint8),
+            cupy.empty((B, H, Nk, D), cupy.uint8), cupy.empty((B, H, D, row_keys(Nk)), cupy.uint8))
+
+
+def prepass(plan, q, k, v, buffers):
+    """The pre-pass of plan (_plan's launches) on row-major q, k, v into buffers (prepass_buffers): amax from 0, then
+    q', k' and v'^T."""
+    amax_l, scale_qk, scale_vt, _ = plan
+    amax, q8, k8, vt8 = buffers
+    amax.fill(0)
     amax_l(q, k, v, amax)
     scale_qk(q, k, amax, q8, k8)
     scale_vt(v, amax, vt8)
-    return kernels.run_forward(attention, q8, k8, vt8, np.dtype(q.dtype), amax)
+
+
+def forward(q, k, v, causal, scale):
+    """o, lse for CuPy q, k, v (B, H, N, 128) in float16 or bfloat16 (flash_v3.forward checked them): the pre-pass,
+    then the e4m3 kernel. o in q's dtype, lse float32."""
+    plan = _plan(np.dtype(q.dtype), q.shape, k.shape[2], causal, scale)
+    q, k, v = (kernels.row_major(x) for x in (q, k, v))
+    amax, q8, k8, vt8 = buffers = prepass_buffers(q.shape, k.shape[2])
+    prepass(plan, q, k, v, buffers)
+    return kernels.run_forward(plan[3], q8, k8, vt8, np.dtype(q.dtype), amax)
 
 
 # ----------------------------------------------------------------------------- the same in numpy
