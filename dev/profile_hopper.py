@@ -1,9 +1,10 @@
 """What the profiler shows at each version of stage 06's forward (the wgmma, ws and pingpong kernels) or, with
 --backward, of its backward (the wgmma and ws main kernels): Nsight Compute counters on one problem, one CSV row per
-version.
+version; with --fp8, of version fp8's attention kernel beside version pingpong's (the same kernel in 16 bits).
 
     python3 dev/profile_hopper.py --out results/profile_hopper_h100.csv
     python3 dev/profile_hopper.py --backward --out results/profile_hopper_bwd_h100.csv
+    python3 dev/profile_hopper.py --fp8 --seq 8192 --batch 2 --out results/profile_hopper_fp8_h200.csv
     python3 dev/profile_hopper.py --head-dim 64 --seq 8192 --batch 2 --causal
 
 Needs an sm_90 GPU, CuPy, cuda-bindings and Nsight Compute's `ncu` with permission to read the performance counters.
@@ -39,6 +40,8 @@ METRICS = {  # CSV column -> ncu metric
     "sm_busy_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     # wgmma's HGMMA instructions run on the tensor pipe's hmma unit: its share of the active cycles
     "tensor_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    **{f"{pipe}_pct": f"sm__inst_executed_pipe_{pipe}.avg.pct_of_peak_sustained_active"
+       for pipe in ("xu", "alu", "fma")},
     "smem_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",  # passes of shared memory, all requests
     "smem_bank_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",  # the extra passes conflicts cost
     **{f"stall_{s}": f"smsp__average_warp_latency_issue_stalled_{s}.ratio" for s in STALLS},
@@ -46,7 +49,8 @@ METRICS = {  # CSV column -> ncu metric
 
 
 def child(args):
-    """Under ncu: the version's forward (or backward), twice."""
+    """Under ncu: the version's forward (or backward), twice. Version fp8's pre-pass launches other kernels; its
+    attention kernel is the pingpong kernel's e4m3 instantiation."""
     import cupy
 
     from stages.common import bfloat16, make_inputs
@@ -72,15 +76,19 @@ def _value(text):
         return None
 
 
+KERNEL_OF = {"fp8": "pingpong"}  # versions whose kernel carries another version's name
+
+
 def profile(ncu, kernel, version, argv):
     """{column: value} of the version's kernel (flash_v3_forward or flash_v3_backward), second launch, from ncu's CSV
     output."""
-    cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:{kernel}_{version}",
+    kernel = f"{kernel}_{KERNEL_OF.get(version, version)}"
+    cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:{kernel}",
            "-s", "1", "-c", "1", sys.executable, os.path.abspath(__file__), "--child", version] + argv
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith('"')]
     if not lines:
-        raise SystemExit(f"ncu found no {kernel}_{version} kernel (exit {run.returncode}):\n"
+        raise SystemExit(f"ncu found no {kernel} kernel for version {version} (exit {run.returncode}):\n"
                          f"{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
     got = {r["Metric Name"]: r for r in csv.DictReader(io.StringIO("\n".join(lines)))}
     row = {}
@@ -103,8 +111,13 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backward", action="store_true", help="the backward's versions instead of the forward's")
+    ap.add_argument("--fp8", action="store_true", help="version fp8's kernel beside version pingpong's (forward)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.fp8 and args.backward:
+        raise SystemExit("--fp8 profiles the forward: version fp8 has no backward")
+    if args.fp8 and args.head_dim != 128:
+        raise SystemExit(f"--fp8: version fp8 takes head dim 128, not {args.head_dim}")
     if args.child:
         return child(args)
     import bench  # provenance
@@ -121,6 +134,8 @@ def main(argv=None):
     problem = ["--head-dim", str(args.head_dim), "--seq", str(args.seq), "--batch", str(args.batch),
                "--heads", str(args.heads)] + (["--causal"] if args.causal else [])
     kernel, versions = "flash_v3_forward", flash_v3.VERSIONS
+    if args.fp8:  # both launch flash_v3_forward_pingpong: bf16 inputs, then e4m3 (the pre-pass's kernels differ)
+        kernel, versions = "flash_v3_forward", ("pingpong", flash_v3.FP8)
     if args.backward:
         kernel, versions = "flash_v3_backward", flash_v3_backward.VERSIONS
         problem.append("--backward")
