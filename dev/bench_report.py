@@ -587,6 +587,8 @@ def ring_memory_table(results_dir):
     from stages import ring
     from stages.common import bfloat16
 
+    if bfloat16 is None:  # np.dtype(None) is float64: the table would count 8 bytes a value
+        raise SystemExit("dev/bench_report.py needs ml_dtypes (requirements.txt) for bfloat16: run it in the .venv")
     H, D = 32, 128
     out = ["| buffer (bfloat16, d = 128, H = 32) | bytes per token, Hkv = 32 | bytes per token, Hkv = 8 |",
            "|---|---:|---:|"]
