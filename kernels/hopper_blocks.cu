@@ -8,7 +8,7 @@
 //                tile loaded by the copy engine and read as an MN-major operand (layouts.read_operand_mn)
 #include "hopper.cuh"
 
-// The one argument of both kernels. Pointer fields first (kernels.Launch writes the arrays of each call there); the
+// The one argument of the three kernels. Pointer fields first (kernels.Launch writes the arrays of each call there); the
 // tensor maps at a multiple of 64 bytes, as CUtensorMap requires. stages/06_hopper/blocks.py mirrors it.
 struct BlockParams {
     void* out;        // tile_bytes: rows x 128 bytes; qk_scores: S, 64 x 64 float; pv_product: O, 64 x D float

@@ -157,6 +157,20 @@ def test_pingpong_keeps_the_tensor_cores_busy(D):
     assert overlap > one and pingpong > together
 
 
+@pytest.mark.parametrize("g,s", [(1.0, 0.5), (1.0, 1.0), (1.0, 2.5)])
+def test_overlap_hides_the_softmax_under_one_gemm(g, s):
+    """Within one warpgroup a tile after the first costs one GEMM plus the longer of the softmax and the other GEMM
+    (GEMM1 of the tile before, issued with GEMM0): the tensor cores are busy 2 g / (g + max(g, s)) in the long run."""
+    n = 200
+    iv, T, busy = S.schedule_warpgroups(n, g, s, "overlap")
+    assert T == pytest.approx(g + s + (n - 1) * (g + max(g, s)) + g)
+    assert busy == pytest.approx(2 * n * g / T)
+    softmax = {label: (b, e) for u, label, b, e in iv if u == "wg0"}
+    gemm1 = {label: (b, e) for u, label, b, e in iv if u == "tc" and label.startswith("G1")}
+    b, _ = softmax["softmax 5"]
+    assert gemm1["G1 4"][0] == pytest.approx(b)  # the softmax of tile 5 starts with GEMM1 of tile 4
+
+
 def test_pingpong_is_bounded_by_the_softmax_when_it_is_longer():
     g, s = 1.0, 3.0  # a softmax longer than the other warpgroup's two GEMMs cannot hide
     _, T, u = S.schedule_warpgroups(64, g, s, "pingpong")

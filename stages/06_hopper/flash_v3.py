@@ -13,9 +13,10 @@ Versions, in the order the README teaches them:
             gives its registers to the consumers), two consumer warpgroups compute a 128-row Q tile, and full / empty
             mbarriers per stage order them; K/V tiles of 128 keys where the registers allow.
   pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
-            take turns at the tensor cores (named barriers), and inside each, S_j = Q K_j^T and O += P_{j-1} V_{j-1}
-            run while the softmax of S_j is computed; without a mask a persistent grid on short keys (persistent_rule),
-            and K/V tiles of 192 keys on long ones at D = 128 (wide_rule).
+            take turns at the tensor cores (named barriers), and each issues S_j = Q K_j^T with O += P_{j-1} V_{j-1}
+            and waits for the first only (ptxas waits for both before the softmax of S_j: README, version 3);
+            without a mask a persistent grid on short keys (persistent_rule), and K/V tiles of 192 keys on long ones
+            at D = 128 (wide_rule).
   fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
   fp8       (fp8.py, kernels/flash_v3_fp8_quantize.cu) float16 / bfloat16 in and out, multiplied in e4m3: a pre-pass

@@ -15,8 +15,8 @@ The time of one tile is then max(load, compute) once S >= 2: the next tile's loa
 Ping-pong. A consumer warpgroup's tile is GEMM0 (S = Q K_j^T), softmax, GEMM1 (O += P V_j). The softmax runs on the
 FMA and special-function units while the tensor cores idle; with two warpgroups, each on its own rows of Q, a pair of
 named barriers orders them so that one's GEMMs run while the other's softmax does. Within one warpgroup, GEMM0 of
-tile j + 1 may also be issued before the softmax of tile j (wgmma is asynchronous), at the price of registers for two
-S tiles.
+tile j may also be issued together with GEMM1 of tile j - 1 (wgmma is asynchronous), so that the softmax of S_j runs
+while O += P_{j-1} V_{j-1} is on the tensor cores, at the price of registers for S_j, P_{j-1} and O at once.
 """
 from dataclasses import dataclass, field
 
@@ -123,8 +123,9 @@ def schedule_warpgroups(n_tiles, t_gemm, t_softmax, policy="pingpong"):
     softmax (t_softmax, on the warpgroup's own FMA and special-function units) and GEMM1 (O += P V_j, t_gemm). The
     tensor cores run t_gemm worth of one warpgroup's GEMM at a time. Policies:
       "one"       one warpgroup, in order: the tensor cores idle during every softmax;
-      "overlap"   one warpgroup that issues GEMM0 of tile j + 1 before the softmax of tile j (FA3's intra-warpgroup
-                  overlap): that GEMM runs during the softmax;
+      "overlap"   one warpgroup that issues GEMM0 of tile j together with GEMM1 of tile j - 1 and waits only for the
+                  first (FA3's intra-warpgroup overlap, Alg. 2; the ping-pong kernel's next_tile): the softmax of
+                  tile j runs while GEMM1 of tile j - 1 does, and tile j + 1's GEMMs are issued once both are done;
       "together"  two warpgroups with nothing to order them: the warp schedulers interleave them, so their GEMMs
                   share the tensor cores (each finishing after 2 t_gemm) and their softmaxes fall together;
       "pingpong"  two warpgroups whose named barriers hand the tensor cores over: warpgroup 0's GEMM1 of tile j and
@@ -142,20 +143,16 @@ def schedule_warpgroups(n_tiles, t_gemm, t_softmax, policy="pingpong"):
                    ("tc", f"G1 {j}", t + g + s, t + 2 * g + s)]
             t += 2 * g + s
     elif policy == "overlap":
-        tc = g  # GEMM0 of tile 0 ahead of the loop
-        iv.append(("tc", "G0 0", 0.0, g))
-        s_ready = g
-        for j in range(n_tiles):
-            if j + 1 < n_tiles:  # GEMM0 of tile j + 1, issued before the softmax of tile j
-                iv.append(("tc", f"G0 {j + 1}", tc, tc + g))
-                tc, next_ready = tc + g, tc + g
-            sm_end = s_ready + s
-            iv.append(("wg0", f"softmax {j}", s_ready, sm_end))
-            start = max(tc, sm_end)
-            iv.append(("tc", f"G1 {j}", start, start + g))
-            tc = start + g
-            if j + 1 < n_tiles:
-                s_ready = max(next_ready, tc)  # the warpgroup reaches tile j + 1's softmax after its GEMM1
+        iv += [("tc", "G0 0", 0.0, g), ("wg0", "softmax 0", g, g + s)]  # tile 0: nothing to overlap yet
+        tc, sm_end = g, g + s
+        for j in range(1, n_tiles + 1):
+            start = max(tc, sm_end)  # the softmax of tile j - 1 and GEMM1 of tile j - 2 are done
+            if j < n_tiles:  # GEMM0 of tile j, then GEMM1 of tile j - 1; the softmax of tile j under the second
+                iv += [("tc", f"G0 {j}", start, start + g), ("tc", f"G1 {j - 1}", start + g, start + 2 * g),
+                       ("wg0", f"softmax {j}", start + g, start + g + s)]
+                tc, sm_end = start + 2 * g, start + g + s
+            else:  # GEMM1 of the last tile
+                iv.append(("tc", f"G1 {j - 1}", start, start + g))
     elif policy == "together":
         t = 0.0
         for j in range(n_tiles):
