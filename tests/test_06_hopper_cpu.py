@@ -401,7 +401,6 @@ def test_the_forward_takes_wide_key_tiles_only_for_version_pingpong_at_d128_on_l
             flash_v3.config(version, D, wide=True)
 
 
-
 # ---------------------------------------------------------------- version fp8's layouts and numerics
 def test_fp8_key_order_lets_each_lane_pack_its_own_p():
     """The 8-bit A fragment wants lane t's columns 4 t .. 4 t + 3 (and 16 on); the accumulator of S gave it keys 2 t,
@@ -414,10 +413,7 @@ def test_fp8_key_order_lets_each_lane_pack_its_own_p():
         assert keys.tolist() == [16 * (j // 4) + int(order[4 * t + j % 4]) for j in range(8)]
     rng = np.random.default_rng(0)
     p, v = rng.random((16, 32)), rng.standard_normal((32, 8))
-    a = np.zeros((16, 32))  # the A operand as the lanes fill it: row r, position 4 t + j (+ 16)
-    for t in range(4):
-        for j, key in enumerate(L.fp8_p_fragment_keys(t)):
-            a[:, 16 * (j // 4) + 4 * t + j % 4] = p[:, key]
+    a = L.fp8_pack_a(p)  # the A operand as the lanes fill it: row r, position 4 t + j (+ 16)
     vt = v[np.concatenate([order, 16 + order])].T  # V^T's columns in the key order (the pre-pass)
     assert np.allclose(a @ vt.T, p @ v)
     assert not np.allclose(a @ v, p @ v)  # without the order the sum pairs the wrong keys

@@ -165,26 +165,27 @@ def reference(q, k, v, *, causal=False, scale=None):
     return o, lse
 
 
+def yardstick(q, k, v, *, causal=False, scale=None):
+    """reference() rounded as the kernel's outputs are (o in the inputs' dtype, lse float32): the tolerance rule's
+    yardstick for this version (tolerance.forward_yardsticks evaluates it in both orders of the head dim)."""
+    from stages.common import cast
+
+    o, lse = reference(q, k, v, causal=causal, scale=scale)
+    return cast(o, np.asarray(q).dtype), lse.astype(np.float32)
+
+
 def check(q, k, v, *, causal=False, o=None):
     """Version fp8 on CuPy q, k, v (or o, its output on other inputs, with its own lse) against the float64 oracle by
-    the tolerance rule (stages/common/tolerance.py), the yardstick being reference() in both orders of the head dim
-    (q's and k's columns reversed alike), rounded to the inputs' dtype. Raises AssertionError with the worst row when
-    a row is out of bounds; returns {name: (error, bound)} at each output's worst row."""
-    import cupy
-
-    from stages.common import cast, tolerance
+    the tolerance rule (stages/common/verify.py), the yardstick being yardstick() in place of stage 00's. Raises
+    AssertionError with the worst row when a row is out of bounds; returns {name: (error, bound)} at each output's
+    worst row."""
+    from stages.common import verify
 
     from . import flash_v3
 
-    got = flash_v3.forward(q, k, v, causal=causal, version="fp8")
-    if o is not None:
-        got = (o, got[1])
-    qn, kn, vn = (cupy.asnumpy(x) for x in (q, k, v))
-    refs = tolerance.oracle(qn, kn, vn, causal=causal)
-    rev = slice(None, None, -1)
-    ys = [(cast(yo, qn.dtype).astype(np.float64), ylse.astype(np.float32).astype(np.float64))
-          for yo, ylse in (reference(qn, kn, vn, causal=causal),
-                           reference(qn[..., rev], kn[..., rev], vn, causal=causal))]
-    terms = tolerance.forward_s_terms(qn, kn, vn, causal=causal)
-    return tolerance.check(tolerance.NAMES_FORWARD, tuple(cupy.asnumpy(x) for x in got), refs, ys, terms,
-                           what="version fp8: ")
+    def forward(q, k, v, *, causal, scale):
+        got = flash_v3.forward(q, k, v, causal=causal, scale=scale, version="fp8")
+        return got if o is None else (o, got[1])
+
+    return verify.check_forward(forward, q, k, v, causal=causal, with_bounds=True, yardstick=yardstick,
+                                what="version fp8: ")

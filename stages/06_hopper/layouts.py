@@ -178,3 +178,15 @@ def fp8_p_fragment_keys(t):
     keys on (kernels/hopper_tiles.cuh: p_fragments)."""
     first = [2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t]
     return np.array(first + [16 + c for c in first])
+
+
+def fp8_pack_a(p):
+    """The A operand of one 8-bit K step (rows x 32 positions) as the lanes of a quad fill it from P (rows x 32 keys,
+    S's columns): lane t puts keys fp8_p_fragment_keys(t) at positions 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3,
+    each row as the others (kernels/hopper_tiles.cuh: p_fragments, one register per row and 16 positions)."""
+    p = np.asarray(p)
+    a = np.zeros_like(p)
+    for t in range(4):
+        for j, key in enumerate(fp8_p_fragment_keys(t)):
+            a[..., 16 * (j // 4) + 4 * t + j % 4] = p[..., key]
+    return a

@@ -124,10 +124,7 @@ def show_fp8_key_order():
     print(f"   position -> key within each 16: {order.tolist()}")
     rng = np.random.default_rng(6)
     p, v = rng.random((16, 32)), rng.standard_normal((32, 8))  # one warp's 16 rows, one K step of 32 keys
-    a = np.zeros((16, 32))
-    for t in range(4):  # lane t's keys at its positions 4 t .. 4 t + 3 and 16 + 4 t ..
-        for j, key in enumerate(L.fp8_p_fragment_keys(t)):
-            a[:, 16 * (j // 4) + 4 * t + j % 4] = p[:, key]
+    a = L.fp8_pack_a(p)  # lane t's keys at its positions 4 t .. 4 t + 3 and 16 + 4 t ..
     ok = np.allclose(a @ v[np.concatenate([order, 16 + order])], p @ v)
     print(f"   packed P times the reordered V == P V: {ok}")
     return bool(ok)

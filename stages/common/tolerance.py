@@ -167,14 +167,16 @@ def _host(opts):
     return opts
 
 
-def forward_yardsticks(q, k, v, *, causal=False, scale=None, **opts):
-    """[(o, lse), ...]: stage 00 in the inputs' dtype (host arrays), one per summation order."""
-    naive = _naive()
+def forward_yardsticks(q, k, v, *, causal=False, scale=None, yardstick=None, **opts):
+    """[(o, lse), ...]: stage 00 in the inputs' dtype (host arrays), one per summation order. yardstick: another
+    forward(q, k, v, causal=, scale=, **opts) on host arrays in stage 00's place, for a version whose roundings are
+    not the inputs' dtype (stage 06's fp8: fp8.yardstick)."""
+    forward = yardstick or _naive().forward
     q, k, v = (to_numpy(x) for x in (q, k, v))
     opts = _host(opts)
     out = []
     for perm in _orders(q.shape[-1]):
-        out.append(naive.forward(q[..., perm], k[..., perm], v, causal=causal, scale=scale, **opts))  # same Q K^T
+        out.append(forward(q[..., perm], k[..., perm], v, causal=causal, scale=scale, **opts))  # same Q K^T
     return out
 
 

@@ -44,17 +44,19 @@ def _check_like(names, outs, likes):
                                  f"{like.dtype}")
 
 
-def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, with_bounds=False, **kw):
+def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, with_bounds=False, yardstick=None,
+                  what="", **kw):
     """Run forward(q, k, v, **opts, **kw) and check o and lse by the tolerance rule, row by row; return {"o": err,
     "lse": err} at each output's worst row ({name: (err, bound)} with_bounds). opts: variant options (window, softcap,
-    alibi_slopes, dropout_p, seed), given to the oracle too."""
+    alibi_slopes, dropout_p, seed), given to the oracle too. yardstick: the yardstick's forward in stage 00's place
+    (tolerance.forward_yardsticks); what: the start of the error message."""
     opts = opts or {}
     o, lse = forward(q, k, v, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_FORWARD, (o, lse), (q, np.empty(q.shape[:3], np.float32)))
     refs = tolerance.oracle(q, k, v, causal=causal, scale=scale, **opts)
-    ys = tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale, **opts)
+    ys = tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale, yardstick=yardstick, **opts)
     terms = tolerance.forward_s_terms(q, k, v, causal=causal, scale=scale, **opts)
-    res = tolerance.check(tolerance.NAMES_FORWARD, (o, lse), refs, ys, terms)
+    res = tolerance.check(tolerance.NAMES_FORWARD, (o, lse), refs, ys, terms, what=what)
     return res if with_bounds else {n: e for n, (e, _) in res.items()}
 
 
