@@ -6,8 +6,12 @@ the problem decides, every one it can reach) is compiled for that architecture, 
 the architecture's limits: static + dynamic shared memory within the opt-in limit per block, static shared memory
 within 48 KB, registers x threads within the 64K registers of a block. NVRTC makes the PTX once per family of
 architectures that compile alike (kernels.ptx_families: sm_80, sm_86 and sm_89 take the same side of every
-__CUDA_ARCH__ test) and ptxas compiles it for each member (kernels.resource_usages). On a GPU, the same plans are
-what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
+__CUDA_ARCH__ test), and ptxas assembles it for the family's first member, every kernel the family needs
+(kernels.resource_usages). The other members share what the checks read from that report: static shared memory is
+the PTX's own __shared__ arrays (test_ptxas_reports_what_nvrtcs_own_compile_reports compares the members), and a
+member's registers can break the block's 64K only above 65536 / 255 = 257 threads (ptxas gives a thread at most 255),
+so ptxas assembles a member's kernels itself only where it launches more. On a GPU, the same plans are what the gpu
+suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -53,22 +57,27 @@ def _problems(plans_by_arch):
 
     def one(job):
         f, defines, by_arch = job
-        usage = kernels.resource_usages(f, {a: [p.name for p in ps if "<" in p.name] for a, ps in by_arch.items()},
-                                        defines=dict(defines))
+        first = next(iter(by_arch))  # the family's first (oldest) member: its PTX is the family's
+        names = {a: [p.name for p in ps if "<" in p.name] for a, ps in by_arch.items()}
+        assemble = {first: sorted({n for ns in names.values() for n in ns})}
+        assemble.update({a: names[a] for a, ps in by_arch.items() if a != first and any(
+            p.threads * device.MAX_REGISTERS_PER_THREAD > device.REGISTERS_PER_BLOCK for p in ps)})
+        usage = kernels.resource_usages(f, assemble, defines=dict(defines))
         bad = []
         for arch, ps in by_arch.items():
             dev = device.emulate(arch)
+            report = usage.get(arch, usage[first])  # static shared memory: the family's; registers: arch's own
             for p in ps:
-                u = usage[arch].get(p.name)
+                u = report.get(p.name)
                 if u is None:
-                    bad.append((arch, p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(usage[arch])})"))
+                    bad.append((arch, p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(report)})"))
                     continue
                 smem = u["static_smem"] + p.dynamic_smem
                 if smem > dev.smem_optin:
                     bad.append((arch, p, f"shared memory {smem} B > {dev.smem_optin} B"))
                 if u["static_smem"] > device.STATIC_SMEM_LIMIT:
                     bad.append((arch, p, f"static shared memory {u['static_smem']} B > 48 KB"))
-                if u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
+                if arch in usage and u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
                     bad.append((arch, p, f"{u['registers']} registers x {p.threads} threads > 65536"))
         return bad
 
@@ -97,6 +106,18 @@ def test_the_limit_check_fails_on_a_plan_over_the_limit():
                              0, big.threads)
     problems = _problems({"sm_86": [plan]})
     assert problems and "shared memory" in problems[0][2]
+
+
+def test_the_register_check_reads_each_architectures_own_report_above_257_threads():
+    """Registers x threads is checked against each member's own ptxas report where it can bind: the same kernel
+    (over 128 registers a thread) claimed at 512 threads breaks the 64K registers of a block on sm_80 and on sm_86,
+    which shares sm_80's PTX; at 128 threads it is within them on both."""
+    name = "flash_v2_forward_tc<__half,__half,128,64,4>"
+    plans = {a: [device.KernelPlan("flash_v2_forward_tc.cu", {}, name, 0, 0, threads)]
+             for a, threads in (("sm_80", 128), ("sm_86", 512))}
+    assert [(arch, "registers" in why) for arch, _, why in _problems(plans)] == [("sm_86", True)]
+    plans["sm_80"] = [plans["sm_80"][0]._replace(threads=512)]
+    assert sorted(arch for arch, _, why in _problems(plans) if "registers" in why) == ["sm_80", "sm_86"]
 
 
 def test_architectures_of_one_ptx_family_get_the_same_ptx():
@@ -137,10 +158,14 @@ def test_an_unknown_architecture_test_gives_each_architecture_its_own_ptx(tmp_pa
 
 def test_ptxas_reports_what_nvrtcs_own_compile_reports(monkeypatch):
     """resource_usages through ptxas (one PTX for sm_80, sm_86, sm_89) and without it (an NVRTC compile each) give
-    resource_usage's report for every architecture, kernel by kernel."""
+    resource_usage's report for every architecture, kernel by kernel; the members' static shared memory is the
+    same."""
     names = ["flash_v2_forward_tc<__half,__half,64,64,4>", "flash_v2_forward_tc<__half,float,128,64,4>"]
     archs = ("sm_80", "sm_86", "sm_89")
     want = {a: kernels.resource_usage("flash_v2_forward_tc.cu", arch=a, name_expressions=names) for a in archs}
+    for n in names:  # what the members of a family share (the limit check reads it from the first member's report)
+        assert want["sm_80"][n]["static_smem"] > 0
+        assert want["sm_86"][n]["static_smem"] == want["sm_89"][n]["static_smem"] == want["sm_80"][n]["static_smem"]
     assert kernels.ptxas() is not None, "no ptxas of NVRTC's release (requirements.txt: nvidia-cuda-nvcc-cu12)"
     assert kernels.resource_usages("flash_v2_forward_tc.cu", {a: names for a in archs}) == want
     assert kernels.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names[:1]}) == {
