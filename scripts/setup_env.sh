@@ -14,7 +14,8 @@ WANT="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "[setup] installing requirements.txt into $VENV (first run: a few minutes)"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  (cd "$ROOT" && "$VENV/bin/python" -m pip install --quiet -r requirements.txt)  # its `-e .` is this repository
+  # --no-compile: Python byte-compiles each module when it is first imported, not every module of every package now
+  (cd "$ROOT" && "$VENV/bin/python" -m pip install --quiet --no-compile -r requirements.txt)  # `-e .`: this repository
   echo "$WANT" > "$STAMP"
 fi
 # shellcheck disable=SC1091

@@ -185,6 +185,7 @@ def test_schedules_refuse_bad_input():
 
 
 # ---------------------------------------------------------------- the sm_90a kernels, compiled without a GPU
+@pytest.mark.slow  # up to a minute each: started first (conftest.py)
 @pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "fp32x3", "backward wgmma", "backward ws",
                                   "fp8", "fp8 pre-pass"])
 def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):

@@ -44,6 +44,7 @@ def check_outputs(nb, name):
     assert n >= EXPECTED_FIGURES[name], f"{name}: {n} figures drawn, expected at least {EXPECTED_FIGURES[name]}"
 
 
+@pytest.mark.slow  # up to half a minute each: started first (conftest.py)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)

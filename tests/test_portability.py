@@ -13,8 +13,7 @@ member's registers can break the block's 64K only above 65536 / 255 = 257 thread
 so ptxas assembles a member's kernels itself only where it launches more. On a GPU, the same plans are what the gpu
 suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
 """
-import os
-from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -28,16 +27,38 @@ def _plans(dev):
 
 
 PLANS = {arch: _plans(device.emulate(arch)) for arch in device.ARCHS}
-# The kernel files, most instantiations first: the compile test runs one file per test, the longest started first
-FILES = sorted({p.file for plans in PLANS.values() for p in plans},
-               key=lambda f: (-sum(p.file == f for plans in PLANS.values() for p in plans), f))
 CHUNK = 16  # instantiated kernels per NVRTC compile at most: a module of many template instantiations (version
-# pipelined's variants) is compiled in pieces, each instantiating only its own kernels, so the pieces share the cores
+# pipelined's variants) is compiled in pieces, each instantiating only its own kernels, one test each
+
+
+class Job(NamedTuple):
+    """One compile: a module (file and -D defines), a PTX family of architectures, and the plans of each member
+    that it instantiates."""
+    file: str
+    defines: tuple
+    by_arch: dict  # {arch: [plans]}, the family's members oldest first
+    id: str
+
+    def assemble(self):
+        """{arch: [name expressions]} for ptxas: the family's first member, every kernel of the job (its PTX is the
+        family's); another member only where its registers can break the block's 64K (over 257 threads). An empty
+        list: every kernel of the module (a file of one kernel, with no template)."""
+        names = {a: [p.name for p in ps if "<" in p.name] for a, ps in self.by_arch.items()}
+        first = next(iter(self.by_arch))
+        out = {first: sorted({n for ns in names.values() for n in ns})}
+        out.update({a: names[a] for a, ps in self.by_arch.items() if a != first and any(
+            p.threads * device.MAX_REGISTERS_PER_THREAD > device.REGISTERS_PER_BLOCK for p in ps)})
+        return out
+
+    def cost(self):
+        """Kernels compiled, by NVRTC once and by ptxas for each assembled member: what orders the tests, the
+        longest first."""
+        return sum(1 + len(self.assemble()) for _ in {p.name for ps in self.by_arch.values() for p in ps})
 
 
 def _jobs(plans_by_arch):
-    """[(file, defines, {arch: [plans]})]: the compiles, one per module and PTX family, or per CHUNK of the kernels
-    the family's architectures need, largest first."""
+    """[Job]: the compiles, one per module and PTX family, or per CHUNK of the kernels the family's architectures
+    need, the longest first."""
     modules = {}
     for arch, plans in plans_by_arch.items():
         for p in plans:
@@ -48,50 +69,55 @@ def _jobs(plans_by_arch):
             names = sorted({p.name for a in family for p in by_arch[a]})
             for i in range(0, len(names), CHUNK):
                 chunk = set(names[i:i + CHUNK])
-                jobs.append((file, defines, {a: [p for p in by_arch[a] if p.name in chunk] for a in family}))
-    return sorted(jobs, key=lambda job: -len({p.name for ps in job[2].values() for p in ps}))
+                where = "-".join([file.removesuffix(".cu")] + [f"{k}={v}" for k, v in defines] + ["+".join(family)])
+                jobs.append(Job(file, defines, {a: [p for p in by_arch[a] if p.name in chunk] for a in family},
+                                f"{where}-{i // CHUNK + 1}of{-(-len(names) // CHUNK)}"))
+    return sorted(jobs, key=lambda job: (-job.cost(), job.id))
+
+
+def _check(job):
+    """[(arch, plan, what is wrong)] after compiling the job's plans."""
+    usage = kernels.resource_usages(job.file, job.assemble(), defines=dict(job.defines))
+    first = next(iter(job.by_arch))
+    bad = []
+    for arch, ps in job.by_arch.items():
+        dev = device.emulate(arch)
+        report = usage.get(arch, usage[first])  # static shared memory: the family's; registers: arch's own
+        for p in ps:
+            u = report.get(p.name)
+            if u is None:
+                bad.append((arch, p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(report)})"))
+                continue
+            smem = u["static_smem"] + p.dynamic_smem
+            if smem > dev.smem_optin:
+                bad.append((arch, p, f"shared memory {smem} B > {dev.smem_optin} B"))
+            if u["static_smem"] > device.STATIC_SMEM_LIMIT:
+                bad.append((arch, p, f"static shared memory {u['static_smem']} B > 48 KB"))
+            if arch in usage and u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
+                bad.append((arch, p, f"{u['registers']} registers x {p.threads} threads > 65536"))
+    return bad
 
 
 def _problems(plans_by_arch):
     """[(arch, plan, what is wrong)] after compiling every plan of {arch: [plans]} for its architecture."""
-
-    def one(job):
-        f, defines, by_arch = job
-        first = next(iter(by_arch))  # the family's first (oldest) member: its PTX is the family's
-        names = {a: [p.name for p in ps if "<" in p.name] for a, ps in by_arch.items()}
-        assemble = {first: sorted({n for ns in names.values() for n in ns})}
-        assemble.update({a: names[a] for a, ps in by_arch.items() if a != first and any(
-            p.threads * device.MAX_REGISTERS_PER_THREAD > device.REGISTERS_PER_BLOCK for p in ps)})
-        usage = kernels.resource_usages(f, assemble, defines=dict(defines))
-        bad = []
-        for arch, ps in by_arch.items():
-            dev = device.emulate(arch)
-            report = usage.get(arch, usage[first])  # static shared memory: the family's; registers: arch's own
-            for p in ps:
-                u = report.get(p.name)
-                if u is None:
-                    bad.append((arch, p, f"ptxas reported no kernel {p.name!r} (reported: {sorted(report)})"))
-                    continue
-                smem = u["static_smem"] + p.dynamic_smem
-                if smem > dev.smem_optin:
-                    bad.append((arch, p, f"shared memory {smem} B > {dev.smem_optin} B"))
-                if u["static_smem"] > device.STATIC_SMEM_LIMIT:
-                    bad.append((arch, p, f"static shared memory {u['static_smem']} B > 48 KB"))
-                if arch in usage and u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
-                    bad.append((arch, p, f"{u['registers']} registers x {p.threads} threads > 65536"))
-        return bad
-
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:  # NVRTC and ptxas run outside the GIL
-        return [b for bad in pool.map(one, _jobs(plans_by_arch)) for b in bad]
+    return [b for job in _jobs(plans_by_arch) for b in _check(job)]
 
 
-@pytest.mark.slow  # minutes on two cores: started first (conftest.py)
-@pytest.mark.parametrize("file", FILES)
-def test_every_plan_compiles_within_the_architectures_limits(file):
-    plans = {arch: [p for p in ps if p.file == file] for arch, ps in PLANS.items()}
-    assert any(plans.values())
-    problems = _problems(plans)
+JOBS = _jobs(PLANS)
+
+
+@pytest.mark.slow  # minutes on two cores in all: started first (conftest.py), the longest first
+@pytest.mark.parametrize("job", JOBS, ids=[job.id for job in JOBS])
+def test_every_plan_compiles_within_the_architectures_limits(job):
+    problems = _check(job)
     assert not problems, "\n".join(f"{arch} {p.file} {p.name} {p.defines}: {why}" for arch, p, why in problems)
+
+
+def test_the_compile_jobs_cover_every_plan_once():
+    """Each plan of each architecture is in exactly one job, under its own architecture."""
+    covered = [(a, p) for job in JOBS for a, ps in job.by_arch.items() for p in ps]
+    assert sorted(map(repr, covered)) == sorted(repr((a, p)) for a, ps in PLANS.items() for p in ps)
+    assert len({job.id for job in JOBS}) == len(JOBS)
 
 
 def test_every_architecture_has_plans():
