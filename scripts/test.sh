@@ -8,10 +8,12 @@ source "$(dirname "$0")/setup_env.sh"
 echo "[test] ruff check ."
 ruff check .
 echo "[test] pytest on every core: the stages' CPU tests and tile mirrors, the mpirun ring tests, the notebooks, and"
-echo "       a compile of every kernel configuration for sm_75 to sm_90 (the slowest part: several minutes on"
-echo "       two cores, mostly at the end of the progress bar). GPU tests skip on a machine without a GPU."
+echo "       a compile of every kernel configuration for sm_75 to sm_90 (the slowest part, started first: several"
+echo "       minutes on two cores). GPU tests skip on a machine without a GPU."
 # One BLAS thread per worker: -n auto already runs a worker on every core, and each worker's numpy (the float64
 # oracles) would otherwise start a BLAS thread per core too, cores x cores threads that wait on one another.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
     MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
-python -m pytest -q -n auto "$@"
+# --maxschedchunk=1: each worker is handed the next test in collection order as it finishes one (conftest.py puts the
+# slow ones first), not a consecutive block of hundreds, which would give one worker every slow test.
+python -m pytest -q -n auto --maxschedchunk=1 "$@"

@@ -178,9 +178,9 @@ def _gpu(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # `slow` tests first (a stable sort keeps every other order): pytest-xdist hands tests out in collection order,
-    # so the long ones start at once and the many short ones fill the cores at the end, instead of the long ones
-    # arriving last and running alone
+    # `slow` tests first (a stable sort keeps every other order): pytest-xdist hands tests out in collection order
+    # (one at a time with --maxschedchunk=1, as scripts/test.sh runs it), so the long ones start at once, spread over
+    # the workers, and the many short ones fill the cores at the end, instead of the long ones running alone last
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     ok, why = _gpu(config)
     if ok:
