@@ -39,14 +39,18 @@ class Job(NamedTuple):
     by_arch: dict  # {arch: [plans]}, the family's members oldest first
     id: str
 
+    @property
+    def first(self):
+        """The family's first (oldest) member: the PTX is made for it."""
+        return next(iter(self.by_arch))
+
     def assemble(self):
         """{arch: [name expressions]} for ptxas: the family's first member, every kernel of the job (its PTX is the
         family's); another member only where its registers can break the block's 64K (over 257 threads). An empty
         list: every kernel of the module (a file of one kernel, with no template)."""
         names = {a: [p.name for p in ps if "<" in p.name] for a, ps in self.by_arch.items()}
-        first = next(iter(self.by_arch))
-        out = {first: sorted({n for ns in names.values() for n in ns})}
-        out.update({a: names[a] for a, ps in self.by_arch.items() if a != first and any(
+        out = {self.first: sorted({n for ns in names.values() for n in ns})}
+        out.update({a: names[a] for a, ps in self.by_arch.items() if a != self.first and any(
             p.threads * device.MAX_REGISTERS_PER_THREAD > device.REGISTERS_PER_BLOCK for p in ps)})
         return out
 
@@ -78,11 +82,10 @@ def _jobs(plans_by_arch):
 def _check(job):
     """[(arch, plan, what is wrong)] after compiling the job's plans."""
     usage = kernels.resource_usages(job.file, job.assemble(), defines=dict(job.defines))
-    first = next(iter(job.by_arch))
     bad = []
     for arch, ps in job.by_arch.items():
         dev = device.emulate(arch)
-        report = usage.get(arch, usage[first])  # static shared memory: the family's; registers: arch's own
+        report = usage.get(arch, usage[job.first])  # static shared memory: the family's; registers: arch's own
         for p in ps:
             u = report.get(p.name)
             if u is None:
