@@ -24,7 +24,9 @@ constexpr int NT = 256;  // threads per block
 // Shared memory (floats): K_j, V_j, Q_i, dO_i padded to HD+1 columns (no bank conflicts on column walks),
 // P_ij and dS_ij (Bc x Br, padded), L_i and D_i.
 template <int HD>
-__host__ __device__ constexpr int smem_floats_main() { return 2 * Bc * (HD + 1) + 2 * Br * (HD + 1) + 2 * Bc * (Br + 1) + 2 * Br; }
+__host__ __device__ constexpr int smem_floats_main() {
+    return 2 * Bc * (HD + 1) + 2 * Br * (HD + 1) + 2 * Bc * (Br + 1) + 2 * Br;
+}
 
 // Q, dO: (BH, Nq, HD); K, V: (BH, Nk, HD); Lg, Dg: (BH, Nq_pad) from bwd_preprocess (natural log, +inf for
 // masked rows); dQacc: (BH, Nq, HD) fp32, zeroed; dK, dV: (BH, Nk, HD). grid = (Tc, BH), block = 256.
@@ -131,7 +133,9 @@ __global__ void __launch_bounds__(NT) flash_bwd_fp32(
 }
 
 template <int HD>
-__host__ __device__ constexpr int smem_floats_dq() { return 2 * Bc * (HD + 1) + 2 * Br * (HD + 1) + Br * (Bc + 1) + 2 * Br; }
+__host__ __device__ constexpr int smem_floats_dq() {
+    return 2 * Bc * (HD + 1) + 2 * Br * (HD + 1) + Br * (Bc + 1) + 2 * Br;
+}
 
 // Deterministic dQ pass: grid = (Tr, BH), block = 256. dQ: (BH, Nq, HD), written once, no atomics.
 template <int HD>

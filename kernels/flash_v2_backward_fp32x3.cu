@@ -145,7 +145,9 @@ __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
     // Alg.2 L7: dK_j = dV_j = 0: this warp's 16 rows, entries (g, 2t..2t+1) and (g+8, ..) of n-tile n
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) dk[n][r] = dv[n][r] = 0.f;
     const int key0 = 16 * warp;                    // this warp's first key in K_j
     const float* k_at = Ks + (key0 + g) * LD + t;  // A fragments of K_j, V_j: row g, column t
     const float* v_at = Vs + (key0 + g) * LD + t;

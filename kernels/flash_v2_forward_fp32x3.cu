@@ -191,7 +191,8 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
                     split_tf32(s[m][kk][3], pb[m][3], ps[m][3]);
                 }
 #pragma unroll
-                for (int d = 0; d < D / 8; ++d) {  // columns 8d..8d+7 of V_j: B = (row t) V[2t][g], (row t+4) V[2t+1][g]
+                for (int d = 0; d < D / 8; ++d) {
+                    // columns 8d..8d+7 of V_j: B = (row t) V[2t][g], (row t+4) V[2t+1][g]
                     const uint2* v3 = reinterpret_cast<const uint2*>(vj + 4 * kk * LDVP + 48 * d);
                     const uint2 h = v3[0], md = v3[1], lo = v3[2];  // V's hi, mid, lo parts of keys 2t, 2t+1
                     const u32 vh[2] = {h.x, h.y}, vm[2] = {md.x, md.y}, vl[2] = {lo.x, lo.y};

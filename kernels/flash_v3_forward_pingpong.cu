@@ -44,9 +44,10 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     // RAGGED: a last K/V tile that holds keys for a warpgroup's rows in fewer than its BC / 64 blocks of 64 keys (Nk
     // not a multiple of BC, or the causal diagonal) takes only those blocks in the warpgroup's GEMMs and softmax
     // (hopper_tiles.cuh: with_width).
-    // At D = 128, where the wide tiles leave up to two of three blocks empty. At D = 64 the kernel keeps its single
-    // tail: compiled in, the narrow tails made its tile loop slower than the work they skip; at D = 256 (BC = 64) no
-    // tile has an empty block.
+    // At D = 128, where the wide tiles leave up to two of three blocks empty. At D = 64 (BC = 128) a tile has two
+    // blocks, at most one of them empty, and the GEMMs an empty block would skip are half as long as at D = 128:
+    // less than a branch on the width in every tile of the loop costs, so the kernel keeps its single tail. At
+    // D = 256 (BC = 64) no tile has an empty block.
     constexpr bool RAGGED = D == 128;
     enum { FULL_K, FULL_V, EMPTY_K, EMPTY_V };
     extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -113,9 +113,8 @@ __device__ __forceinline__ u32 aligned_1024(const unsigned char* smem) { return 
 // may add to the same rows at once (the backward's dQ). A bulk group of the issuing thread tracks it: wait_read<0>
 // before src is written again, wait_all<0> before the block exits.
 __device__ __forceinline__ void tma_reduce_add_3d(const TensorMap* map, u32 src, int c0, int c1, int c2) {
-    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-                     reinterpret_cast<u64>(map)),
-                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];"
+                 :: "l"(reinterpret_cast<u64>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }

@@ -1,15 +1,16 @@
 // hopper_blocks.cu: stage 06's building blocks, each checked alone on an sm_90 GPU against stages/06_hopper/layouts.py
 // before the attention kernels use them (stages/06_hopper/blocks.py launches them; tests/test_06_hopper_gpu.py).
 //   tile_bytes   the copy engine loads one box of a tensor map with the 128-byte swizzle; the shared-memory bytes
-//                are copied out as they are, to be compared with layouts.store_tile (the swizzle as the hardware does it)
+//                are copied out as they are, to be compared with layouts.store_tile (the swizzle as the hardware
+//                does it)
 //   qk_scores    S = Q K^T for one 64-row Q tile and one 64-row K tile: both loaded by the copy engine, multiplied by
 //                wgmma through K-major descriptors (layouts.descriptor), one K step of 16 per instruction
 //   pv_product   O = P V for a 64 x 64 P held in registers (the A fragments S's accumulators become) and a 64-key V
 //                tile loaded by the copy engine and read as an MN-major operand (layouts.read_operand_mn)
 #include "hopper.cuh"
 
-// The one argument of the three kernels. Pointer fields first (kernels.Launch writes the arrays of each call there); the
-// tensor maps at a multiple of 64 bytes, as CUtensorMap requires. stages/06_hopper/blocks.py mirrors it.
+// The one argument of the three kernels. Pointer fields first (kernels.Launch writes the arrays of each call there);
+// the tensor maps at a multiple of 64 bytes, as CUtensorMap requires. stages/06_hopper/blocks.py mirrors it.
 struct BlockParams {
     void* out;        // tile_bytes: rows x 128 bytes; qk_scores: S, 64 x 64 float; pv_product: O, 64 x D float
     const void* in;   // pv_product: P, 64 x 64 (the 16-bit input type)

@@ -52,7 +52,9 @@ struct CausalMask {
     __device__ CausalMask(const FwdParams& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
     // The K/V tiles j_first <= j < j_end that rows row0..last_row visit (causal: none right of the last diagonal).
     template <int BR, int BC>
-    __device__ int2 kv_tiles(int row0, int Nq) const { return make_int2(0, visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal)); }
+    __device__ int2 kv_tiles(int row0, int Nq) const {
+        return make_int2(0, visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal));
+    }
     // Block-uniform: tile j holds Nk's tail or keys right of the first row's diagonal.
     template <int BC>
     __device__ bool tile_masked(int j, int row0, int last_row) const {
@@ -120,7 +122,8 @@ struct ModScore {
     int diag_shift;
 
     __device__ ModScore(const FwdParams& p, long hd, int shift)
-        : scale(p.scale), softcap(p.softcap), slope(p.slopes != nullptr ? p.slopes[hd] : 0.f), diag_shift(shift + p.a_off) {}
+        : scale(p.scale), softcap(p.softcap), slope(p.slopes != nullptr ? p.slopes[hd] : 0.f),
+          diag_shift(shift + p.a_off) {}
     template <int MT, int NC>
     __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
         if (softcap > 0.f)  // branches once per slice, not once per score (see transform_scores)

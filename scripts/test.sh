@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The tests: ruff lint, then pytest (every stage's CPU tests, compiles (NVRTC, ptxas) of every kernel configuration
-# for each architecture from sm_75 to sm_90 within its limits, the mpirun ring tests, every notebook
-# executed), on every core (pytest-xdist). `gpu` tests run when a GPU is there and skip with a reason otherwise. Sets up .venv on first
-# use. Extra args go to pytest.
+# for each architecture from sm_75 to sm_90 within its limits, the mpirun ring tests, every notebook executed), on
+# every core (pytest-xdist). `gpu` tests run when a GPU is there and skip with a reason otherwise. Sets up .venv on
+# first use. Extra args go to pytest.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 echo "[test] ruff check ."
