@@ -69,6 +69,8 @@ table, tests/test_checks_catch_mistakes.py holds every check to it):
             two largest scores nearly tie, so their mistakes are caught only in draws with such a row. o, dv and
             every mistake that moves a one-hot row are caught.
 """
+import functools
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
@@ -127,6 +129,39 @@ def worst_row(x, ref, bound):
     return float(err[i]), float(b[i]), tuple(int(x) for x in i)
 
 
+def _contents(x):
+    """A key for x by value: an array (numpy or CuPy) by its shape, dtype and a hash of its bytes; a dict, tuple or
+    list by its items; anything else as it is."""
+    if isinstance(x, dict):
+        return tuple(sorted((name, _contents(v)) for name, v in x.items()))
+    if isinstance(x, (tuple, list)):
+        return tuple(_contents(v) for v in x)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        a = np.ascontiguousarray(to_numpy(x))
+        return a.shape, str(a.dtype), hashlib.blake2b(a.tobytes(), digest_size=16).digest()
+    return type(x).__name__, x
+
+
+def _last_call(f):
+    """f remembering its last call, keyed on its arguments' values (_contents): a check of the forward and one of
+    the backward on the same inputs (verify.check_forward, then check_backward; verify.rule) share the oracle's
+    forward and S's roundings instead of computing them twice. The arrays it returns are read-only, since every
+    caller of those arguments gets the same ones."""
+    last = {}
+
+    @functools.wraps(f)
+    def remembered(*args, **kw):
+        key = _contents((args, kw))
+        if last.get("key") != key:
+            out = f(*args, **kw)
+            for x in out:
+                if isinstance(x, np.ndarray):
+                    x.flags.writeable = False
+            last.update(key=key, out=out)
+        return last["out"]
+    return remembered
+
+
 def _naive():
     from stages import naive  # late import: stages.common must not depend on a stage at import time
 
@@ -138,6 +173,7 @@ def _orders(D):
     return [np.arange(D), np.arange(D)[::-1]]
 
 
+@_last_call
 def oracle(q, k, v, do=None, *, causal=False, scale=None, **opts):
     """Stage 00 in float64 on the host: (o, lse) or, with do, (o, lse, dq, dk, dv). opts: the variant options
     (window, softcap, alibi_slopes, dropout_p, seed; stages/common/variants.py), passed to stage 00."""
@@ -200,13 +236,15 @@ def _unit(dtype):
     return 2.0 ** -53 if np.dtype(dtype) == np.float64 else 2.0 ** -24
 
 
-def _dot_rounding(mag, n, dtype):
+def _dot_rounding(mag, n, dtype, out=None):
     """The rounding a kernel may make in a sum of n products of magnitude sum mag: sqrt(n) u mag, the
     probabilistic bound of an inner product (Higham & Mary, "A new approach to probabilistic rounding error
-    analysis", SIAM J. Sci. Comput. 2019, at lambda = 1), whatever the summation order."""
-    return np.sqrt(n) * _unit(dtype) * mag
+    analysis", SIAM J. Sci. Comput. 2019, at lambda = 1), whatever the summation order. out: where to write it (mag
+    itself, when mag is not needed after)."""
+    return np.multiply(np.sqrt(n) * _unit(dtype), mag, out=out)
 
 
+@_last_call
 def _s_rounding(q, k, causal, scale, opts=None):
     """(P, delta, scale, zk, lse): P in float64 (B, H, Nq, Nk); delta_ij = sqrt(D) u M_ij, M_ij = |scale| sum_d
     |Q_id K_jd| (+ |ALiBi bias|), the rounding a kernel may make in S_ij (0 for a hidden key); zk = Z / (1 - p) of
@@ -227,10 +265,11 @@ def _s_rounding(q, k, causal, scale, opts=None):
     if vopts.alibi_slopes is not None:  # the bias adds one more rounding, of at most u |S| <= u (M + |bias|)
         B, H, Nq, Nk = mag.shape
         mag = mag + np.abs(variants.alibi_bias(variants.slopes_bh(vopts, B, H, np, np.float64), Nq, Nk))
-    delta = _masked(_dot_rounding(mag, D, q.dtype), np.isinf(s64))
+    delta = _dot_rounding(mag, D, q.dtype, out=mag)
+    np.copyto(delta, 0.0, where=np.isinf(s64))  # a hidden key adds no term
     m = s64.max(axis=-1, keepdims=True)
     m = np.where(np.isinf(m), 0.0, m)
-    p = np.exp(s64 - m)
+    p = np.exp(np.subtract(s64, m, out=s64), out=s64)  # P_ij unnormalised, in S's place (the arrays are Nq x Nk)
     l = p.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(l))[..., 0]
@@ -238,7 +277,8 @@ def _s_rounding(q, k, causal, scale, opts=None):
     if vopts.dropout_p:
         B, H, Nq, Nk = p.shape
         zk = variants.dropout_keep(B, H, Nq, Nk, vopts.dropout_p, vopts.seed) / (1.0 - vopts.dropout_p)
-    return p / np.where(l == 0, 1.0, l), delta, scale, zk, lse
+    p /= np.where(l == 0, 1.0, l)
+    return p, delta, scale, zk, lse
 
 
 def _expand(x, group):
@@ -250,11 +290,6 @@ def _sum_groups(x, group):
         return x
     B, H, N, D = x.shape
     return x.reshape(B, H // group, group, N, D).sum(axis=2)
-
-
-def _masked(x, hidden):
-    """x with the entries of hidden keys set to 0."""
-    return np.where(hidden, 0.0, x)
 
 
 class Terms(NamedTuple):
@@ -270,16 +305,17 @@ def forward_s_terms(q, k, v, *, causal=False, scale=None, **opts):
     """(Terms of o, Terms of lse): see the module docstring."""
     p, delta, _, zk, lse = _s_rounding(q, k, causal, scale, opts)
     v64 = _expand(to_numpy(v).astype(np.float64), q.shape[1] // k.shape[1])
-    pz = p * zk  # dropout: what multiplies V
-    o = pz @ v64  # (B, H, Nq, D)
+    dropout = not np.isscalar(zk)  # else zk = 1
+    o = (p * zk if dropout else p) @ v64  # (B, H, Nq, D); dropout: Z / (1 - p) multiplies V
     pd = p * delta  # (B, H, Nq, Nk): first-order |d P_ij| before normalisation
-    if np.isscalar(zk):
+    if not dropout:
         # d O_id = sum_j P_ij delta_ij (V_jd - O_id) <= sqrt(sum_j P_ij delta_ij^2) sqrt(sum_j P_ij (V_jd - O_id)^2)
         spread = np.sqrt(np.maximum(p @ (v64 * v64) - o * o, 0.0))
         o_first = np.sqrt((pd * delta).sum(axis=-1, keepdims=True)) * spread
     else:  # dropout: d O_id = sum_j P_ij delta_ij (Z_ij V_jd / (1 - p) - O_id)
         o_first = (pd * zk) @ np.abs(v64) + np.abs(o) * pd.sum(axis=-1, keepdims=True)
-    o_mag = ((p + pd) * zk) @ np.abs(v64)
+    pp = p + pd  # P_ij + |d P_ij|
+    o_mag = (pp * zk if dropout else pp) @ np.abs(v64)
     finite = np.isfinite(lse)
     lse_mag = np.where(finite, np.abs(np.where(finite, lse, 0.0)) + 1.0, 0.0)  # m_i + log l_i: |L_i|, and 1 for log
     return Terms(o_first, o_mag), Terms(pd.sum(axis=-1), lse_mag)
@@ -295,20 +331,33 @@ def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None, **opts):
     group = q.shape[1] // k.shape[1]
     k, v = _expand(to_numpy(k), group), _expand(to_numpy(v), group)
     q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
-    dp = do64 @ v64.swapaxes(-1, -2) * zk  # (B, H, Nq, Nk); dropout: dP = Z / (1 - p) dO V^T
+    dropout = not np.isscalar(zk)  # else zk = 1
+    # Each line below is one (B, H, Nq, Nk) array, updated in place where the value before is not needed again.
+    dp = do64 @ v64.swapaxes(-1, -2)  # dP = dO V^T
+    mag = np.abs(do64) @ np.abs(v64).swapaxes(-1, -2)  # dP_ij - D_i: two sums of D products
+    if dropout:  # dP = Z / (1 - p) dO V^T
+        dp *= zk
+        mag *= zk
     d_i = (do64 * o64).sum(axis=-1, keepdims=True)  # (B, H, Nq, 1)
-    mag = (np.abs(do64) @ np.abs(v64).swapaxes(-1, -2) * zk  # dP_ij - D_i: two sums of D products
-           + (np.abs(do64) * np.abs(o64)).sum(axis=-1, keepdims=True))
-    eps2 = _dot_rounding(mag, D, dtype)  # its rounding (only where P_ij > 0 does it matter)
+    mag += (np.abs(do64) * np.abs(o64)).sum(axis=-1, keepdims=True)
+    eps2 = _dot_rounding(mag, D, dtype, out=mag)  # its rounding (only where P_ij > 0 does it matter)
     pw = p * delta  # first-order |d P_ij|: P_ij (1 + delta_ij) for S rounded by delta_ij
-    w = pw * np.abs(dp - d_i) + p * eps2  # first-order |d dS_ij|
-    ds = np.abs(p * (dp - d_i)) + w  # |dS_ij| and its perturbation: the magnitudes dS K, dS^T Q sum
+    dp -= d_i  # dP_ij - D_i
+    w = np.abs(dp)
+    w *= pw
+    w += np.multiply(p, eps2, out=eps2)  # first-order |d dS_ij| = P_ij delta_ij |dP_ij - D_i| + P_ij eps2_ij
+    ds = np.abs(np.multiply(p, dp, out=dp), out=dp)
+    ds += w  # |dS_ij| and its perturbation: the magnitudes dS K, dS^T Q sum
+    w *= scale
+    ds *= scale
     absk, absq, absdo = np.abs(k64), np.abs(q64), np.abs(do64)
-    dq = Terms(scale * w @ absk, scale * ds @ absk)
-    dk = Terms(_sum_groups(scale * w.swapaxes(-1, -2) @ absq, group),
-               _sum_groups(scale * ds.swapaxes(-1, -2) @ absq, group))
-    dv = Terms(_sum_groups((pw * zk).swapaxes(-1, -2) @ absdo, group),
-               _sum_groups(((p + pw) * zk).swapaxes(-1, -2) @ absdo, group))
+    dq = Terms(w @ absk, ds @ absk)
+    dk = Terms(_sum_groups(w.swapaxes(-1, -2) @ absq, group), _sum_groups(ds.swapaxes(-1, -2) @ absq, group))
+    pp = np.add(p, pw, out=w)  # P_ij + |d P_ij| (w is not needed again)
+    if dropout:
+        pw *= zk
+        pp *= zk
+    dv = Terms(_sum_groups(pw.swapaxes(-1, -2) @ absdo, group), _sum_groups(pp.swapaxes(-1, -2) @ absdo, group))
     return dq, dk, dv
 
 

@@ -113,14 +113,13 @@ def check(q, k, *, causal, window=None, alibi_slopes=None, softcap=None, dropout
 
 def visible(Nq, Nk, opts, xp=np, rows=None, cols=None):
     """(len(rows), len(cols)) boolean, True where query i may see key j (all rows/cols by default)."""
-    i = (xp.arange(Nq) if rows is None else xp.asarray(rows))[:, None]
+    diag = (xp.arange(Nq) if rows is None else xp.asarray(rows))[:, None] + (Nk - Nq)  # query i's diagonal key
     j = (xp.arange(Nk) if cols is None else xp.asarray(cols))[None, :]
-    d = j - (i + (Nk - Nq))  # key position relative to the query's diagonal
-    ok = xp.ones(d.shape, bool)
+    ok = xp.ones((diag.shape[0], j.shape[1]), bool)
     if opts.left >= 0:
-        ok &= d >= -opts.left
+        ok &= j >= diag - opts.left
     if opts.right >= 0:
-        ok &= d <= opts.right
+        ok &= j <= diag + opts.right
     return ok
 
 
