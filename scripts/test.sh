@@ -14,6 +14,11 @@ echo "       minutes on two cores). GPU tests skip on a machine without a GPU."
 # oracles) would otherwise start a BLAS thread per core too, cores x cores threads that wait on one another.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
     MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
+# glibc's malloc gives each large block (an Nq x Nk score matrix, an activation) its own mmap and returns it to the
+# kernel when freed, so the next one faults in fresh zeroed pages: numpy's temporaries make much of the large cases'
+# time system time. Taken from the heap instead and kept there when freed (up to 1 GB at its top), a block's pages
+# are reused by the next.
+export MALLOC_MMAP_MAX_="${MALLOC_MMAP_MAX_:-0}" MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1073741824}"
 # --maxschedchunk=1: each worker is handed the next test in collection order as it finishes one (conftest.py puts the
 # slow ones first), not a consecutive block of hundreds, which would give one worker every slow test.
 python -m pytest -q -n auto --maxschedchunk=1 "$@"
