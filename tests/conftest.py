@@ -34,6 +34,7 @@ CASES = [
     (1, 1, 4097, 130, 64, False, 1.0),
 ]
 CASE_IDS = [f"B{c[0]}H{c[1]}-q{c[2]}k{c[3]}-d{c[4]}-{'causal' if c[5] else 'full'}-x{c[6]:g}" for c in CASES]
+LARGE_CASE_IDS = {f"B{c[0]}H{c[1]}-q{c[2]}k{c[3]}-" for c in CASES if c[2] * c[3] > 4096 ** 2}  # tests run them first
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": bfloat16}
 
 
@@ -180,7 +181,11 @@ def _gpu(config):
 def pytest_collection_modifyitems(config, items):
     # `slow` tests first (a stable sort keeps every other order): pytest-xdist hands tests out in collection order
     # (one at a time with --maxschedchunk=1, as scripts/test.sh runs it), so the long ones start at once, spread over
-    # the workers, and the many short ones fill the cores at the end, instead of the long ones running alone last
+    # the workers, and the many short ones fill the cores at the end, instead of the long ones running alone last.
+    # The largest cases (4097 x 4097: an oracle and yardsticks of seconds each) are among them wherever a test runs one.
+    for item in items:
+        if any(case in item.nodeid for case in LARGE_CASE_IDS):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     ok, why = _gpu(config)
     if ok:

@@ -185,6 +185,7 @@ def test_an_unknown_architecture_test_gives_each_architecture_its_own_ptx(tmp_pa
         kernels.arch_tests.cache_clear()
 
 
+@pytest.mark.slow  # eight compiles
 def test_ptxas_reports_what_nvrtcs_own_compile_reports(monkeypatch):
     """resource_usages through ptxas (one PTX for sm_80, sm_86, sm_89) and without it (an NVRTC compile each) give
     resource_usage's report for every architecture, kernel by kernel; the members' static shared memory is the
