@@ -332,7 +332,7 @@ def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None, **opts):
     k, v = _expand(to_numpy(k), group), _expand(to_numpy(v), group)
     q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
     dropout = not np.isscalar(zk)  # else zk = 1
-    # Each line below is one (B, H, Nq, Nk) array, updated in place where the value before is not needed again.
+    # The arrays below are (B, H, Nq, Nk) but d_i, each updated in place where its value before is not needed again.
     dp = do64 @ v64.swapaxes(-1, -2)  # dP = dO V^T
     mag = np.abs(do64) @ np.abs(v64).swapaxes(-1, -2)  # dP_ij - D_i: two sums of D products
     if dropout:  # dP = Z / (1 - p) dO V^T
@@ -348,7 +348,7 @@ def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None, **opts):
     w += np.multiply(p, eps2, out=eps2)  # first-order |d dS_ij| = P_ij delta_ij |dP_ij - D_i| + P_ij eps2_ij
     ds = np.abs(np.multiply(p, dp, out=dp), out=dp)
     ds += w  # |dS_ij| and its perturbation: the magnitudes dS K, dS^T Q sum
-    w *= scale
+    w *= scale  # dQ = scale dS K, dK = scale dS^T Q
     ds *= scale
     absk, absq, absdo = np.abs(k64), np.abs(q64), np.abs(do64)
     dq = Terms(w @ absk, ds @ absk)
