@@ -195,7 +195,7 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
     if what == "blocks":
         file, names, threads = blocks.FILE, blocks.kernel_names(), 128
     elif what == "fp8":  # the e4m3 instantiations of the ping-pong kernel
-        file, names, threads = flash_v3.FILES["pingpong"], fp8.kernel_names(), 384
+        file, names, threads = fp8.ATTENTION_FILE, fp8.kernel_names(), 384
         assert fp8.smem_bytes() <= device.emulate("sm_90").smem_optin
     elif what == "fp8 pre-pass":
         file, names, threads = fp8.FILE, fp8.prepass_names(), fp8.THREADS

@@ -23,7 +23,8 @@ from stages.common.checks import resolve_scale
 
 from . import blocks
 
-FILE = "flash_v3_fp8_quantize.cu"
+FILE = "flash_v3_fp8_quantize.cu"  # the pre-pass
+ATTENTION_FILE = "flash_v3_forward_fp8.cu"
 HEAD_DIMS = (128,)
 E4M3_MAX = 448.0
 LIFT = 8           # P's 2^LIFT (kernels/hopper_tiles.cuh: softmax_tile)
@@ -44,7 +45,7 @@ def prepass_names():
 
 
 def _attention_name(ctype):
-    return f"flash_v3_forward_pingpong<E4M3,128,{BC},2,false,{ctype}>"
+    return f"flash_v3_forward_fp8<{ctype}>"
 
 
 def smem_bytes():
@@ -77,7 +78,7 @@ def _plan(dtype, q_shape, Nk, causal, scale):
                               (np.int32(Nk), np.int32(D), np.int32(row)))
     params = flash_v3.HopperFwdParams(Nq=Nq, Nk=Nk, scale_log2=scale * LOG2E, causal=int(bool(causal)), o_rows=Nq,
                                       merge=0, heads=B * H)
-    launch = kernels.Launch(blocks.sm90a_function(flash_v3.FILES["pingpong"], _attention_name(ctype), smem_bytes()),
+    launch = kernels.Launch(blocks.sm90a_function(ATTENTION_FILE, _attention_name(ctype), smem_bytes()),
                             (-(-Nq // 128), B * H), (384,), smem_bytes(), params)
     attention = blocks.MappedLaunch.of(
         launch, map_q=blocks.heads_map(q_shape, np.uint8),
