@@ -6,7 +6,7 @@
 //   * S = f_q f_k Q' K'^T: the factors go into the softmax's scale, once per head;
 //   * V_j^T tiles: the 8-bit wgmma reads its shared-memory operands only K-major, and the K of O += P V is the keys,
 //     so V enters transposed, D rows of BC keys (one byte each: a 128-byte line a row), 64 rows a box, its keys in
-//     the order the lanes pack P (hopper_tiles.cuh: p_fragments; stages/06_hopper/swizzle.py: fp8_key_order);
+//     the order the lanes pack P (hopper_tiles.cuh: p_fragments; stages/06_hopper/fp8.py: key_order);
 //   * P lifted by 2^8 (LIFT): P in [0, 256], so that its small values keep their bits in e4m3 (smallest normal 2^-6);
 //     O_i / l_i is unchanged and L_i takes off LIFT;
 //   * alpha = 1 exactly where a row's max did not change (exp2(0)): a warp none of whose 16 rows changed skips the
