@@ -92,11 +92,11 @@ def config(version, D, wide=False):
     return Config(br, bc, threads, (br + 2 * STAGES * bc) * D * 2 + 1024)
 
 
-def instantiation(version, ctype, D, persistent=False, wide=False):
-    """The kernel's template instantiation (its name expression) for element type ctype at head dim D."""
+def instantiation(version, ctype, D, bc, persistent=False):
+    """The kernel's template instantiation (its name expression) for element type ctype at head dim D, K/V tiles of
+    bc keys (config) and, for version pingpong, the grid (persistent_rule)."""
     if version == "wgmma":
         return f"flash_v3_forward_wgmma<{ctype},{D}>"
-    bc = config(version, D, wide).bc
     if version == "pingpong":
         return f"flash_v3_forward_pingpong<{ctype},{D},{bc},{STAGES},{str(persistent).lower()}>"
     return f"flash_v3_forward_{version}<{ctype},{D},{bc},{STAGES}>"
@@ -176,7 +176,7 @@ def launch_rows(version, dtype, q_shape, Lk, rows, keys, causal, scale, *, merge
     if wide is None:
         wide = wide_rule(version, D, causal, persistent)
     cfg = config(version, D, wide)
-    fn = function(FILES[version], instantiation(version, CTYPE[dtype], D, persistent, wide), cfg.smem)  # compiled once
+    fn = function(FILES[version], instantiation(version, CTYPE[dtype], D, cfg.bc, persistent), cfg.smem)  # compiled
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              o_rows=Lq, merge=int(merge), heads=B * H)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
@@ -226,5 +226,5 @@ def launch_choices(version):
 
 def instantiations(version):
     """[(file, name)]: the instantiations of a version that CI compiles for sm_90a."""
-    return [(FILES[version], instantiation(version, c, D, p, w)) for c in CTYPE.values()
+    return [(FILES[version], instantiation(version, c, D, config(version, D, w).bc, p)) for c in CTYPE.values()
             for D, p, w in launch_choices(version)]
