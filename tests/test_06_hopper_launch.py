@@ -304,3 +304,25 @@ def test_the_backward_converts_dq_in_its_main_kernel_only_on_short_heads_of_vers
     rule, most = flash_v3_backward.fuse_dq_rule, flash_v3_backward.FUSE_DQ_MAX
     assert rule("ws", most // 128, 128) and rule("ws", most // 64, 64)
     assert not rule("ws", most // 128 + 1, 128) and not rule("wgmma", 64, 64)
+
+
+def test_the_cubin_comparison_tells_identical_changed_renamed_and_missing_kernels(tmp_path):
+    """dev/compare_cubins_hopper.py's verdicts, on cubins given as bytes (no compile): the same bytes are identical,
+    other bytes changed, a kernel renamed by --rename is compared under its new name, and a kernel on one side only
+    says so; without cuobjdump no SASS is compared."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "dev" / "compare_cubins_hopper.py"
+    spec = importlib.util.spec_from_file_location("compare_cubins_hopper", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    before = {"a<1>": ("f.cu", b"x"), "b<1>": ("f.cu", b"y"), "old<1>": ("g.cu", b"z"), "gone": ("f.cu", b"w")}
+    after = {"a<1>": ("f.cu", b"x"), "b<1>": ("f.cu", b"Y"), "new<1>": ("h.cu", b"z"), "added": ("f.cu", b"v")}
+    rows = script.compare(before, after, {"old<1>": "new<1>"}, None, tmp_path)
+    verdicts = {r["name"]: r["verdict"] for r in rows}
+    assert verdicts == {"a<1>": "identical", "b<1>": "changed", "new<1>": "identical", "gone": "only before",
+                        "added": "only after"}
+    assert next(r for r in rows if r["name"] == "new<1>")["was"] == "old<1>"
+    table = script.markdown(rows)
+    assert table.count("\n") == len(rows) + 1 and "| new<1> | h.cu | identical |" in table
