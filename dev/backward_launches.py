@@ -58,7 +58,7 @@ def one_config(dtype_name, D, causal, N, args, cupy, torch):
 
     # The launches of the unfused plan, run by hand on arrays of their own; the two plans whole
     version, scale = fb.resolve_version("auto", D), resolve_scale(None, D)
-    plans = {f: fb._plan(version, np.dtype(q.dtype), q.shape, N, causal, scale, fuse_dq=f) for f in (False, True)}
+    plans = {f: fb.launches(version, np.dtype(q.dtype), q.shape, N, causal, scale, fuse_dq=f) for f in (False, True)}
     plan = plans[False]
     delta, lse_pad, dq_acc = fast_path.empties(*plan.scratch)
     dq, dk, dv = (cupy.empty_like(x) for x in (q, k, v))

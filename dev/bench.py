@@ -167,10 +167,10 @@ def hopper_session(script):
     except Exception as e:  # no CuPy, no torch, no driver or no device
         raise SystemExit(f"{script} needs an sm_90 GPU, CuPy and a CUDA build of PyTorch ({e})")
     from stages.common import device, gpu_name
-    from stages.hopper import blocks
+    from stages.hopper import sm90a
 
     try:
-        blocks.require_hopper()
+        sm90a.require_hopper()
     except device.UnsupportedDevice as e:
         raise SystemExit(f"{script} times stage 06: {e}")
     return cupy, torch, provenance(cupy, torch, gpu_name())
@@ -240,7 +240,7 @@ def _hopper(cfg, direction):
     _, module, version = HOPPER if direction == "fwd" else HOPPER_BWD
     try:
         mod = importlib.import_module(f"stages.hopper.{module}")
-        mod.blocks.require_hopper()
+        importlib.import_module("stages.hopper.sm90a").require_hopper()
     except Exception as e:  # not an sm_90 GPU, or cuda-bindings missing
         return None, None, f"missing: stage 06: {_short(e, 120)}"
     if cfg.head_dim not in mod.HEAD_DIMS:

@@ -46,22 +46,22 @@ def one_config(N, causal, args, cupy, torch):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
-    plan = fp8._plan(np.dtype(q.dtype), q.shape, N, causal, resolve_scale(None, D))
-    buffers = fp8.prepass_buffers(q.shape, N)
+    plan = fp8.launches(np.dtype(q.dtype), q.shape, N, causal, resolve_scale(None, D))
+    buffers = plan.buffers(q.shape, N)
     amax, q8, k8, vt8 = buffers
 
     def prepass():  # what fp8.forward launches before its kernel
-        fp8.prepass(plan, q, k, v, buffers)
+        plan.prepass(q, k, v, buffers)
 
     prepass()
     o8, _ = flash_v3.forward(q, k, v, causal=causal, version="fp8")
-    o_kernel, _ = kernels.run_forward(plan[3], q8, k8, vt8, np.dtype(q.dtype), amax)
+    o_kernel, _ = kernels.run_forward(plan.attention, q8, k8, vt8, np.dtype(q.dtype), amax)
     if not cupy.array_equal(o8.view(np.int16), o_kernel.view(np.int16)):
         raise SystemExit("the timed kernel and pre-pass do not compute what flash_v3.forward(version='fp8') does")
     o16, _ = flash_v3.forward(q, k, v, causal=causal)
     diff = float(cupy.abs(o8.astype(cupy.float32) - o16.astype(cupy.float32)).max())
     fns = {"fp8": lambda: flash_v3.forward(q, k, v, causal=causal, version="fp8"),
-           "fp8_kernel": lambda: kernels.run_forward(plan[3], q8, k8, vt8, np.dtype(q.dtype), amax),
+           "fp8_kernel": lambda: kernels.run_forward(plan.attention, q8, k8, vt8, np.dtype(q.dtype), amax),
            "fp8_prepass": prepass, "pingpong": lambda: flash_v3.forward(q, k, v, causal=causal), "cudnn": cudnn}
     us = bench.take_turns_us(fns, args.rounds, args.reps, torch)
     flops = attention_flops(B, H, N, N, D, causal=causal)

@@ -45,8 +45,9 @@ def one_config(dtype_name, D, N, args, cupy, torch):
     B, H = max(1, args.tokens // N), args.heads
     q, k, v = make_inputs(B, H, N, N, D, dtype={"bf16": bfloat16, "fp16": np.float16}[dtype_name], xp=cupy)
     whole = flash_v3.forward(q, k, v)
-    plans = {p: flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, N, (0, N), (0, N), False,
-                               resolve_scale(None, D), merge=False, persistent=p, wide=False) for p in (False, True)}
+    plans = {p: flash_v3.launch_rows("pingpong", np.dtype(q.dtype), q.shape, N, (0, N), (0, N), False,
+                                     resolve_scale(None, D), merge=False, persistent=p, wide=False)
+             for p in (False, True)}
     by_rule = flash_v3.persistent_rule("pingpong", False, N)
     wide = flash_v3.wide_rule("pingpong", D, False, by_rule)
     o, lse = cupy.empty_like(q), cupy.empty((B, H, N), cupy.float32)

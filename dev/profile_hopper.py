@@ -1,6 +1,6 @@
 """What the profiler shows at each version of stage 06's forward (the wgmma, ws and pingpong kernels) or, with
 --backward, of its backward (the wgmma and ws main kernels): Nsight Compute counters on one problem, one CSV row per
-version; with --fp8, of version fp8's attention kernel beside version pingpong's (the same kernel in 16 bits).
+version; with --fp8, of version fp8's attention kernel beside version pingpong's (the same main loop in 16 bits).
 
     python3 dev/profile_hopper.py --out results/profile_hopper_h100.csv
     python3 dev/profile_hopper.py --backward --out results/profile_hopper_bwd_h100.csv
@@ -50,7 +50,7 @@ METRICS = {  # CSV column -> ncu metric
 
 def child(args):
     """Under ncu: the version's forward (or backward), twice. Version fp8's pre-pass launches other kernels; its
-    attention kernel is the pingpong kernel's e4m3 instantiation."""
+    attention kernel is flash_v3_forward_fp8."""
     import cupy
 
     from stages.common import bfloat16, make_inputs
@@ -76,13 +76,10 @@ def _value(text):
         return None
 
 
-KERNEL_OF = {"fp8": "pingpong"}  # versions whose kernel carries another version's name
-
-
 def profile(ncu, kernel, version, argv):
     """{column: value} of the version's kernel (flash_v3_forward or flash_v3_backward), second launch, from ncu's CSV
     output."""
-    kernel = f"{kernel}_{KERNEL_OF.get(version, version)}"
+    kernel = f"{kernel}_{version}"
     cmd = [ncu, "--csv", "--metrics", ",".join(METRICS.values()), "-k", f"regex:{kernel}",
            "-s", "1", "-c", "1", sys.executable, os.path.abspath(__file__), "--child", version] + argv
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -134,7 +131,7 @@ def main(argv=None):
     problem = ["--head-dim", str(args.head_dim), "--seq", str(args.seq), "--batch", str(args.batch),
                "--heads", str(args.heads)] + (["--causal"] if args.causal else [])
     kernel, versions = "flash_v3_forward", flash_v3.VERSIONS
-    if args.fp8:  # both launch flash_v3_forward_pingpong: bf16 inputs, then e4m3 (the pre-pass's kernels differ)
+    if args.fp8:  # flash_v3_forward_pingpong, then flash_v3_forward_fp8 (the same main loop; the pre-pass differs)
         kernel, versions = "flash_v3_forward", ("pingpong", flash_v3.FP8)
     if args.backward:
         kernel, versions = "flash_v3_backward", flash_v3_backward.VERSIONS

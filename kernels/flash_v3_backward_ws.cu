@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(384, 1) flash_v3_backward_ws(const __grid_cons
         // this consumer's part of dQ_i. Shared memory serves 8-byte stores half a warp (16 lanes, 128 bytes) at a
         // time. Were every lane on n-block nb, the half of rows g = 0..3 would write chunks (2 (nb % 4) + t / 2) ^ g:
         // 4 of the 8, each twice (a two-way bank conflict). Lanes of odd g store n-block nb ^ 2 in step nb instead:
-        // their chunks move by 4, and each half covers all 8 (stages/06_hopper/layouts.py: dq_store_offsets)
+        // their chunks move by 4, and each half covers all 8 (stages/06_hopper/swizzle.py: dq_store_offsets)
         const bool odd = g & 1;
 #pragma unroll
         for (int nb = 0; nb < 8; ++nb) {

@@ -6,7 +6,7 @@
 //     (the accumulators of S_ij rounded to 16 bits are its A fragments) and V_j read as an MN-major operand.
 // One warpgroup (4 warps, 128 threads) per (Q tile i of 64 rows, head); warp w owns rows 16 w .. 16 w + 15 and, as in
 // stage 02, its softmax is its own. No warp specialisation yet: thread 0 issues the copies.
-// The tile step and the epilogue: hopper_tiles.cuh. Layouts and descriptors: stages/06_hopper/layouts.py.
+// The tile step and the epilogue: hopper_tiles.cuh. Layouts and descriptors: stages/06_hopper/swizzle.py.
 // Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_tiles.cuh"
 

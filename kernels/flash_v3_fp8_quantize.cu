@@ -5,7 +5,7 @@
 //   fp8_amax      f_x times 448 for every head of q, k and v (one launch, blockIdx.z picks the tensor)
 //   fp8_scale_qk  q' and k', row-major as q and k
 //   fp8_scale_vt  v'^T: (B H, D, keys) with the keys of each row in the order the kernel packs P's fragments
-//                 (kernels/hopper_tiles.cuh: p_fragments; stages/06_hopper/layouts.py: fp8_key_order), zero from key
+//                 (kernels/hopper_tiles.cuh: p_fragments; stages/06_hopper/fp8.py: key_order), zero from key
 //                 Nk on to the row's end (a multiple of 16 keys, the order's period)
 #include "common.cuh"
 #include "hopper.cuh"  // pack_e4m3x4

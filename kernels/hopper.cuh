@@ -4,7 +4,7 @@
 //               reports the bytes to an mbarrier (complete_tx)
 //   wgmma       the warpgroup's (4 warps, 128 threads) asynchronous MMA, operands read from shared memory through
 //               64-bit matrix descriptors
-// Layouts and descriptor fields: stages/06_hopper/layouts.py (the same arithmetic in numpy) and its README.
+// Layouts and descriptor fields: stages/06_hopper/swizzle.py (the same arithmetic in numpy) and its README.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -135,12 +135,12 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
 
 // ---------------------------------------------------------------- wgmma
-// Matrix descriptor of a K-major operand in the 128-byte swizzle (layouts.descriptor): start >> 4, LBO 16 bytes
+// Matrix descriptor of a K-major operand in the 128-byte swizzle (swizzle.descriptor): start >> 4, LBO 16 bytes
 // (unused), SBO 1024 bytes (8 rows of 128 bytes), swizzle code 1 in bits 62-63.
 __device__ __forceinline__ u64 desc_kmajor_128b(u32 smem_byte_addr) {
     return (u64)((smem_byte_addr & 0x3FFFF) >> 4) | (u64)(16 >> 4) << 16 | (u64)(1024 >> 4) << 32 | (u64)1 << 62;
 }
-// Matrix descriptor of an MN-major operand in the 128-byte swizzle (layouts.read_operand_mn): rows of 64 N values
+// Matrix descriptor of an MN-major operand in the 128-byte swizzle (swizzle.read_operand_mn): rows of 64 N values
 // (128 bytes), SBO 1024 bytes between groups of 8 K rows, LBO between panels of 64 N values.
 __device__ __forceinline__ u64 desc_mnmajor_128b(u32 smem_byte_addr, u32 panel_bytes) {
     return (u64)((smem_byte_addr & 0x3FFFF) >> 4) | (u64)((panel_bytes & 0x3FFFF) >> 4) << 16 |

@@ -9,7 +9,7 @@
 
 // The one argument of every stage 06 backward version: pointer fields first (kernels.Launch fills them per call),
 // tensor maps at multiples of 64 bytes. q, k, v, dO: (B, H, N, D) row-major, seen by the maps as D x N x (B H) in
-// boxes of 64 x 64. stages/06_hopper/flash_v3_backward.py mirrors it.
+// boxes of 64 x 64. stages/06_hopper/params.py mirrors it.
 struct HopperBwdParams {
     float* dq_acc;       // (B, H, Nq, D) fp32, zeroed by the preprocess: += scale dS K (version wgmma; ws: through
                          // map_dq, and read here by the fused conversion)

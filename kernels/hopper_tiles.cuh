@@ -7,7 +7,7 @@
 #include "hopper.cuh"
 
 // The one argument. Pointer fields first (kernels.Launch fills them per call), the tensor maps at multiples of 64
-// bytes. q, k, v: (B, H, N, D) row-major, seen by the maps as D x N x (B H); stages/06_hopper/flash_v3.py mirrors it.
+// bytes. q, k, v: (B, H, N, D) row-major, seen by the maps as D x N x (B H); stages/06_hopper/params.py mirrors it.
 // Every stage 06 forward version takes it.
 struct HopperFwdParams {
     void* o;           // (B, H, Nq, D), the input type
@@ -86,7 +86,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[NC / 8][4], u32 q_s, u32 k_s
 // keys) MN-major in panels of 64 columns of D (ROWS x 128 bytes each, LBO apart); 16 keys further is 2048 bytes.
 // D = 128: both panels in one m64n128 instruction per K step; otherwise panel by panel. The caller commits and waits.
 // 8-bit (T = E4M3): the tile is V_j^T, K-major: D = 128 rows of ROWS = 128 keys (one byte each, a 128-byte line), its
-// keys permuted within each 16 as p_fragments packs P (stages/06_hopper/layouts.py: fp8_key_order); 32 keys a step.
+// keys permuted within each 16 as p_fragments packs P (stages/06_hopper/fp8.py: key_order); 32 keys a step.
 template <typename T, int D, int NC, int ROWS = NC>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const u32 (&pa)[NC / KStep<T>::value][4], u32 v_s) {
     if constexpr (Bytes<T>::value == 1) {
@@ -185,7 +185,7 @@ __device__ __forceinline__ void rescale_o(RowState<D>& st, const float (&alpha)[
 // 8-bit (T = E4M3): NC / 32 K steps of S's n-blocks 4 kk .. 4 kk + 3. A lane holds columns 2 t, 2 t + 1 of each
 // n-block, the A fragment wants 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3: each register takes the lane's own four
 // values of two n-blocks as they are, and the key each of the K step's 32 positions stands for is the one the lane
-// put there. V_j^T's keys were laid out in that order (layouts.fp8_key_order), so the sum over keys is unchanged and
+// put there. V_j^T's keys were laid out in that order (fp8.key_order), so the sum over keys is unchanged and
 // no value moves between lanes.
 template <typename T, int NC>
 __device__ __forceinline__ void p_fragments(u32 (&pa)[NC / KStep<T>::value][4], float (&s)[NC / 8][4]) {

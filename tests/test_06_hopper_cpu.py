@@ -1,10 +1,13 @@
-"""Stage 06's CPU part: the swizzled layouts and the wgmma descriptor (layouts.py), the mbarrier pipeline and the
-warpgroup schedules (schedules.py). Each property is also shown to fail on a wrong layout or protocol."""
+"""Stage 06's CPU part: the swizzle and the wgmma descriptor (swizzle.py), the mbarrier pipeline and the warpgroup
+schedules (schedules.py), the backward's tile order (backward_mirror.py) and version fp8's key order and numerics
+(fp8.py). Each property is also shown to fail on a wrong layout or protocol. The launchers and the compiles:
+tests/test_06_hopper_launch.py."""
 import numpy as np
 import pytest
 
-from stages.hopper import layouts as L
+from stages.hopper import fp8
 from stages.hopper import schedules as S
+from stages.hopper import swizzle as L
 
 MODES = (128, 64, 32)
 
@@ -184,101 +187,6 @@ def test_schedules_refuse_bad_input():
         S.simulate_pipeline(0, 2, 1, 1)
 
 
-# ---------------------------------------------------------------- the sm_90a kernels, compiled without a GPU
-@pytest.mark.slow  # up to a minute each: started first (conftest.py)
-@pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "fp32x3", "backward wgmma", "backward ws",
-                                  "fp8", "fp8 pre-pass"])
-def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
-    from stages.common import device, kernels
-    from stages.hopper import blocks, flash_v3, flash_v3_backward, fp8, fp32x3
-
-    if what == "blocks":
-        file, names, threads = blocks.FILE, blocks.kernel_names(), 128
-    elif what == "fp8":  # the e4m3 instantiations of the ping-pong kernel
-        file, names, threads = flash_v3.FILES["pingpong"], fp8.kernel_names(), 384
-        assert fp8.smem_bytes() <= device.emulate("sm_90").smem_optin
-    elif what == "fp8 pre-pass":
-        file, names, threads = fp8.FILE, fp8.prepass_names(), fp8.THREADS
-    elif what == "fp32x3":  # the float32 forward: its tiles of TF32 parts fit the H100's shared memory
-        file, names, threads = fp32x3.FILE, fp32x3.kernel_names(), fp32x3.CONFIGS[64].threads
-        assert all(fp32x3.smem_bytes(D) <= device.emulate("sm_90").smem_optin for D in fp32x3.HEAD_DIMS)
-        assert {c.threads for c in fp32x3.CONFIGS.values()} == {threads}
-    elif what.startswith("backward"):
-        version = what.split()[1]
-        file, names = flash_v3_backward.FILES[version], flash_v3_backward.kernel_names(version)
-        threads = flash_v3_backward.CONFIGS[version].threads
-        assert all(flash_v3_backward.smem_bytes(version, D) <= device.emulate("sm_90").smem_optin
-                   for D in flash_v3_backward.VERSION_HEAD_DIMS[version])
-    else:
-        file, names, threads = flash_v3.FILES[what], flash_v3.kernel_names(what), flash_v3.config(what, 64).threads
-        # Q_i and the K/V stages fit the H100's shared memory at every head dim, the wide tiles too
-        assert all(flash_v3.smem_bytes(what, D, w) <= device.emulate("sm_90").smem_optin
-                   for D, _, w in flash_v3.variants(what))
-    usage = kernels.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
-    for name in names:
-        u = usage[name]
-        assert u["spill"] == 0, f"{name} spills {u['spill']} bytes"
-        assert not u["wgmma_serialized"], f"ptxas serializes the wgmma instructions of {name}"
-        assert u["registers"] * threads <= 65536 and u["static_smem"] <= device.STATIC_SMEM_LIMIT, (name, u)
-
-
-@pytest.mark.parametrize("version", ["wgmma", "ws"])
-def test_the_backwards_exponentials_are_straight_line_code(version):
-    """P^T's exponentials (hopper_bwd_tiles.cuh: probabilities_t) form one basic block in the PTX of every backward
-    instantiation: no label and no branch between the first ex2 and the last. Written as `seen ? exp2(x) : 0`, each
-    exponential sits behind a branch of its own, and the warp waits for each one in turn."""
-    import re
-
-    from stages.common import kernels
-    from stages.hopper import flash_v3_backward as fb
-
-    names = fb.kernel_names(version)
-    ptx, _, lowered = kernels._compile(fb.FILES[version], "compute_90a", [], names, False)  # one module, all kernels
-    text = ptx.decode() if isinstance(ptx, bytes) else ptx
-    bodies = {entry.split("(")[0].split()[-1]: entry for entry in text.split(".entry ")[1:]}
-    for name in names:
-        lines = bodies[lowered[name]].splitlines()
-        at = [i for i, line in enumerate(lines) if "ex2.approx" in line]
-        assert len(at) >= 32, f"{name}: {len(at)} exponentials in its PTX"
-        jumps = [line for line in lines[at[0]:at[-1]] if re.match(r"\s*\$\w+:", line) or re.search(r"\bbra\b", line)]
-        assert not jumps, f"{name}: {len(jumps)} labels or branches among P^T's exponentials: {jumps[:4]}"
-
-
-def test_stage_06_names_what_to_use_on_other_gpus():
-    """Off sm_90 (here the emulated architectures' limits, no GPU needed) stage 06 refuses and names the stage 02/03
-    versions that run the same attention: the tensor-core ones for 16 bits, fp32x3 / fp32 for float32."""
-    from stages.common import device
-    from stages.hopper import blocks
-
-    for arch in ("sm_75", "sm_80", "sm_89"):
-        with pytest.raises(device.UnsupportedDevice, match="stage 02 version 'pipelined'"):
-            blocks.require_hopper(device.emulate(arch))
-        with pytest.raises(device.UnsupportedDevice, match="float32 use stage 02 version 'fp32x3'"):
-            blocks.require_hopper(device.emulate(arch), instead=blocks.ELSEWHERE_FP32)
-    with pytest.raises(device.UnsupportedDevice, match="sm_90"):  # an H100's plans under ATTN_ARCH=sm_90 emulation
-        blocks.require_hopper(device.emulate("sm_90"))
-
-
-def test_a_cubin_comes_back_whole():
-    """CuPy's getCUBIN leaves off the cubin's last byte; kernels._whole_elf restores it from the ELF header."""
-    from stages.common import kernels
-
-    cubin = kernels.compile_only("hopper_blocks.cu", arch="sm_90a")
-    assert kernels._whole_elf(cubin) == cubin and kernels._whole_elf(cubin[:-1]) == cubin
-    assert cubin[-1] == 0
-
-
-def test_stage_06_is_taken_only_where_it_computes_the_problem():
-    """The ring and the GPT ask flash_v3.takes before they pick stage 06: never in float32, at a head dim it has no
-    kernel for, or with grouped-query heads (on any machine, GPU or not)."""
-    from stages.common import bfloat16
-    from stages.hopper import flash_v3
-
-    assert not flash_v3.takes(np.float32, 128)
-    assert not flash_v3.takes(bfloat16, 96)
-    assert not flash_v3.takes(bfloat16, 128, heads=8, kv_heads=2)
-
-
 # ---------------------------------------------------------------- the backward's tile order, mirrored in numpy
 @pytest.mark.parametrize("bc,br", [(64, 64), (128, 64), (128, 128)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -321,100 +229,19 @@ def test_backward_mirror_reduces_into_dq_once_per_block_and_q_tile():
     assert trace == [(0, 0), (0, 128), (128, 128)] and len(trace) == M.dq_reductions(256, 256, True, 128, 128)
 
 
-def test_every_launcher_compiles_its_kernel_through_one_sm90a_helper(monkeypatch):
-    """The forward and backward launchers get their kernels from blocks.sm90a_function (file, instantiation, shared
-    memory), and the backward's preprocess from the module stage 03 compiles (the same name expressions: one
-    compile for both stages). No GPU: the compile and the lookup are recorded, not run."""
-    from stages.hopper import blocks, flash_v3, flash_v3_backward
-
-    loads, functions = [], []
-    monkeypatch.setattr(blocks, "load_module", lambda f, **kw: loads.append((f, kw)) or f)
-    monkeypatch.setattr(blocks.kernels, "function", lambda m, name, smem: functions.append((m, name, smem)) or name)
-    blocks.sm90a_function.cache_clear()
-    assert flash_v3._function("pingpong", "__half", 128) == "flash_v3_forward_pingpong<__half,128,128,2,false>"
-    assert flash_v3_backward._function("ws", "__half", 64) == "flash_v3_backward_ws<__half,64,2,128>"
-    assert functions == [("flash_v3_forward_pingpong.cu", "flash_v3_forward_pingpong<__half,128,128,2,false>",
-                          flash_v3.smem_bytes("pingpong", 128)),
-                         ("flash_v3_backward_ws.cu", "flash_v3_backward_ws<__half,64,2,128>",
-                          flash_v3_backward.smem_bytes("ws", 64))]
-    assert all(kw["target"] == "sm_90a" for _, kw in loads)
-    blocks.sm90a_function.cache_clear()
-
-    from stages.flash_v2_backward import flash_v2_backward as stage03
-
-    seen = []
-
-    class Module:
-        def get_function(self, name):
-            return name
-
-    monkeypatch.setattr(flash_v3_backward, "load_module", lambda f, **kw: seen.append((f, kw)) or Module())
-    flash_v3_backward._pre_function.cache_clear()
-    assert flash_v3_backward._pre_function("bwd_preprocess", "__half") == "bwd_preprocess<__half>"
-    assert seen == [("flash_v2_backward_pre.cu", {"name_expressions": stage03.PRE_NAMES})]
-    flash_v3_backward._pre_function.cache_clear()
-
-
-def test_the_backward_converts_dq_in_its_main_kernel_only_on_short_heads_of_version_ws():
-    from stages.hopper import flash_v3_backward as fb
-
-    most = fb.FUSE_DQ_MAX
-    assert fb.fuse_dq_rule("ws", most // 128, 128) and fb.fuse_dq_rule("ws", most // 64, 64)
-    assert not fb.fuse_dq_rule("ws", most // 128 + 1, 128) and not fb.fuse_dq_rule("wgmma", 64, 64)
-    with pytest.raises(ValueError, match="version 'wgmma' does not convert dQ itself"):
-        fb._plan("wgmma", np.dtype(np.float16), (1, 1, 64, 64), 64, False, 0.125, fuse_dq=True)
-
-
-def test_the_forward_launches_a_persistent_grid_only_for_version_pingpong_on_short_unmasked_items():
-    from stages.hopper import flash_v3
-
-    most = flash_v3.PERSISTENT_MAX_KEYS
-    assert flash_v3.persistent_rule("pingpong", False, most) and flash_v3.persistent_rule("pingpong", False, 1)
-    assert not flash_v3.persistent_rule("pingpong", False, most + 1)
-    assert not flash_v3.persistent_rule("pingpong", True, 128)
-    assert not flash_v3.persistent_rule("ws", False, 128) and not flash_v3.persistent_rule("wgmma", False, 128)
-    names = flash_v3.kernel_names("pingpong")  # CI compiles both grids' instantiations, and the wide tiles'
-    assert sum(n.endswith(",true>") for n in names) == 2 * len(flash_v3.HEAD_DIMS)
-    assert sum(n.endswith(",false>") for n in names) == 2 * len(flash_v3.HEAD_DIMS) + 2
-    with pytest.raises(ValueError, match="only version pingpong launches a persistent grid, not 'ws'"):
-        flash_v3._plan("ws", np.dtype(np.float16), (1, 1, 64, 64), 64, (0, 64), (0, 64), False, 0.125, merge=False,
-                       persistent=True)
-
-
-def test_the_forward_takes_wide_key_tiles_only_for_version_pingpong_at_d128_on_long_unmasked_items():
-    """wide_rule: K/V tiles of WIDE_BC keys where persistent_rule gives a block per item, at D = 128 without a mask;
-    the tiles fit the H100's shared memory; another version or head dim refuses them."""
-    from stages.common import device
-    from stages.hopper import flash_v3
-
-    long_keys = flash_v3.PERSISTENT_MAX_KEYS + 1
-    persistent = flash_v3.persistent_rule("pingpong", False, long_keys)
-    assert not persistent and flash_v3.wide_rule("pingpong", 128, False, persistent)
-    assert not flash_v3.wide_rule("pingpong", 128, False, True) and not flash_v3.wide_rule("pingpong", 128, True, False)
-    assert [(v, D) for v in flash_v3.VERSIONS for D in flash_v3.HEAD_DIMS
-            if flash_v3.wide_rule(v, D, False, False)] == [("pingpong", 128)]
-    assert flash_v3.config("pingpong", 128, wide=True).bc == flash_v3.WIDE_BC and flash_v3.WIDE_BC % 16 == 0
-    assert flash_v3.smem_bytes("pingpong", 128, wide=True) <= device.emulate("sm_90").smem_optin
-    for ctype in ("__half", "__nv_bfloat16"):  # CI compiles the wide instantiations (block per item only)
-        assert f"flash_v3_forward_pingpong<{ctype},128,{flash_v3.WIDE_BC},2,false>" in flash_v3.kernel_names("pingpong")
-    for version, D in (("ws", 128), ("pingpong", 64), ("pingpong", 256)):
-        with pytest.raises(ValueError, match=f"tiles of {flash_v3.WIDE_BC} keys are version pingpong's at D = 128"):
-            flash_v3.config(version, D, wide=True)
-
-
-# ---------------------------------------------------------------- version fp8's layouts and numerics
+# ---------------------------------------------------------------- version fp8: its key order and numerics
 def test_fp8_key_order_lets_each_lane_pack_its_own_p():
     """The 8-bit A fragment wants lane t's columns 4 t .. 4 t + 3 (and 16 on); the accumulator of S gave it keys 2 t,
-    2 t + 1, 8 + 2 t, 9 + 2 t (and 16 on). With V^T's keys in fp8_key_order, the product over the fragment's
+    2 t + 1, 8 + 2 t, 9 + 2 t (and 16 on). With V^T's keys in fp8.key_order, the product over the fragment's
     positions is P V: simulated here for a warp's 16 rows and one K step of 32 keys."""
-    order = L.fp8_key_order(np.arange(16))
+    order = fp8.key_order(np.arange(16))
     assert sorted(order.tolist()) == list(range(16))
     for t in range(4):  # what lane t packs is what the order puts at its positions
-        keys = L.fp8_p_fragment_keys(t)
+        keys = fp8.p_fragment_keys(t)
         assert keys.tolist() == [16 * (j // 4) + int(order[4 * t + j % 4]) for j in range(8)]
     rng = np.random.default_rng(0)
     p, v = rng.random((16, 32)), rng.standard_normal((32, 8))
-    a = L.fp8_pack_a(p)  # the A operand as the lanes fill it: row r, position 4 t + j (+ 16)
+    a = fp8.pack_a(p)  # the A operand as the lanes fill it: row r, position 4 t + j (+ 16)
     vt = v[np.concatenate([order, 16 + order])].T  # V^T's columns in the key order (the pre-pass)
     assert np.allclose(a @ vt.T, p @ v)
     assert not np.allclose(a @ v, p @ v)  # without the order the sum pairs the wrong keys
@@ -424,7 +251,6 @@ def test_fp8_reference_has_e4m3s_error_and_no_more():
     """fp8.reference (the yardstick of version fp8) against the float64 oracle: its error is e4m3's (3 mantissa bits
     in q, k, v and P, about 2^-5 relative each), well above bfloat16's and below 2^-3 of the values' size."""
     from stages.common import make_inputs, tolerance
-    from stages.hopper import fp8
 
     q, k, v = make_inputs(2, 3, 300, 200, 128, dtype=np.float32, seed=3)
     for causal in (False, True):

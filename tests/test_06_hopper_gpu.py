@@ -1,12 +1,13 @@
-"""Stage 06's building blocks on an sm_90 GPU (kernels/hopper_blocks.cu through stages/06_hopper/blocks.py), each
-against the CPU arithmetic of layouts.py: the bytes the copy engine writes are layouts.store_tile's, and wgmma through
-the descriptors of layouts.descriptor multiplies the tiles it was given. On another GPU the blocks refuse with an
-error that names the stage 02/03 versions to use."""
+"""Stage 06 on an sm_90 GPU, the forward: the probes of the data paths (kernels/hopper_probes.cu through
+stages/06_hopper/probes.py), each against the CPU arithmetic of swizzle.py (the bytes the copy engine writes are
+swizzle.store_tile's, and wgmma through the descriptors of swizzle.descriptor multiplies the tiles it was given); then
+every version of the forward by the tolerance rule. On another GPU stage 06 refuses with an error that names the
+stage 02/03 versions to use. The backward, the repeated calls and the ring's blocks: test_06_hopper_gpu_backward.py."""
 import numpy as np
 import pytest
 
 from stages.common import bfloat16, device
-from stages.hopper import layouts
+from stages.hopper import swizzle
 
 pytestmark = pytest.mark.gpu
 
@@ -14,13 +15,13 @@ DTYPES = [np.float16, bfloat16]
 
 
 def _hopper():
-    from stages.hopper import blocks
+    from stages.hopper import probes, sm90a
 
     try:
-        blocks.require_hopper()
+        sm90a.require_hopper()
     except device.UnsupportedDevice as e:
         pytest.skip(f"not an sm_90 GPU: {e}")
-    return blocks
+    return probes
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -28,35 +29,38 @@ def _hopper():
 def test_copy_engine_writes_the_128_byte_swizzle(rows, cols, dtype):
     import cupy
 
-    blocks = _hopper()
+    probes = _hopper()
     x = np.arange(rows * cols, dtype=np.uint16).reshape(rows, cols).view(dtype)  # every element its own bits
-    got = blocks.tile_bytes(cupy.asarray(x))
-    want = layouts.store_tile(np.ascontiguousarray(x[:, :64]).view(np.uint16))
+    got = probes.tile_bytes(cupy.asarray(x))
+    want = swizzle.store_tile(np.ascontiguousarray(x[:, :64]).view(np.uint16))
     assert got.shape == want.shape and (got == want).all()
 
 
 def test_a_tensor_map_is_encoded_once_per_address_shape_and_box():
-    """A CUtensorMap depends on the address, sizes, strides and box alone, so blocks keeps the maps it encoded: the
-    same array gives the driver's bytes again from the cache, another array or other rows of it a map of their own."""
+    """A CUtensorMap depends on the address, sizes, strides and box alone, so tensor_maps keeps the maps it encoded:
+    the same array gives the driver's bytes again from the cache, another array or other rows of it a map of their
+    own."""
     import cupy
 
-    blocks = _hopper()
+    from stages.hopper import tensor_maps
+
+    _hopper()
     x = cupy.zeros((1, 2, 256, 64), bfloat16)
 
     def encoded(x, **kw):  # what a launcher's MappedLaunch writes into its parameter struct for x
-        return blocks.heads_map(x.shape, x.dtype, **kw).encode(x)
+        return tensor_maps.heads_map(x.shape, x.dtype, **kw).encode(x)
 
-    blocks._encode.cache_clear()
+    tensor_maps._encode.cache_clear()
     first, again = encoded(x), encoded(x)
-    info = blocks._encode.cache_info()
+    info = tensor_maps._encode.cache_info()
     assert (info.misses, info.hits) == (1, 1) and first == again and len(first) == 128
     assert encoded(cupy.zeros_like(x)) != first  # another address
     assert encoded(x, rows=(64, 256)) != first  # another start and size
     assert encoded(x, box_rows=128) != first  # another box
-    blocks._encode.cache_clear()
+    tensor_maps._encode.cache_clear()
     assert encoded(x) == first  # what the cache gave is what the driver encodes
     with pytest.raises(ValueError, match="C-contiguous"):
-        blocks.heads_map((1, 2, 128, 64), x.dtype).encode(x[:, :, ::2])
+        tensor_maps.heads_map((1, 2, 128, 64), x.dtype).encode(x[:, :, ::2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -66,15 +70,15 @@ def test_wgmma_computes_q_k_transposed(D, dtype):
     random values, within float32 rounding of the exact product."""
     import cupy
 
-    blocks = _hopper()
+    probes = _hopper()
     rng = np.random.default_rng(D)
     q = rng.integers(-4, 5, (64, D)).astype(dtype)
     k = rng.integers(-4, 5, (64, D)).astype(dtype)
-    s = cupy.asnumpy(blocks.qk_scores(cupy.asarray(q), cupy.asarray(k)))
+    s = cupy.asnumpy(probes.qk_scores(cupy.asarray(q), cupy.asarray(k)))
     assert (s == q.astype(np.float64) @ k.astype(np.float64).T).all()
     q = rng.standard_normal((64, D)).astype(dtype)
     k = rng.standard_normal((64, D)).astype(dtype)
-    s = cupy.asnumpy(blocks.qk_scores(cupy.asarray(q), cupy.asarray(k)))
+    s = cupy.asnumpy(probes.qk_scores(cupy.asarray(q), cupy.asarray(k)))
     exact = q.astype(np.float64) @ k.astype(np.float64).T
     bound = D * 2.0 ** -23 * (np.abs(q.astype(np.float64)) @ np.abs(k.astype(np.float64)).T)  # D roundings of fp32
     assert (np.abs(s - exact) <= bound).all()
@@ -85,23 +89,30 @@ def test_wgmma_computes_q_k_transposed(D, dtype):
 def test_wgmma_computes_p_v_from_registers(D, dtype):
     import cupy
 
-    blocks = _hopper()
+    probes = _hopper()
     rng = np.random.default_rng(D + 1)
     p = rng.integers(-4, 5, (64, 64)).astype(dtype)
     v = rng.integers(-4, 5, (64, D)).astype(dtype)
-    o = cupy.asnumpy(blocks.pv_product(cupy.asarray(p), cupy.asarray(v)))
+    o = cupy.asnumpy(probes.pv_product(cupy.asarray(p), cupy.asarray(v)))
     assert (o == p.astype(np.float64) @ v.astype(np.float64)).all()
 
 
-def test_blocks_refuse_other_gpus(monkeypatch):
-    """Under ATTN_ARCH=sm_80 (an emulated older GPU) the blocks say what to use instead."""
+def test_stage_06_refuses_other_gpus(monkeypatch):
+    """Under ATTN_ARCH=sm_80 (an emulated older GPU) the probes, the forward and the backward say what to use
+    instead."""
     import cupy
 
-    from stages.hopper import blocks
+    from stages.hopper import flash_v3, flash_v3_backward, probes
 
+    _hopper()
     monkeypatch.setenv("ATTN_ARCH", "sm_80")
+    q, lse = cupy.zeros((1, 1, 64, 64), cupy.float16), cupy.zeros((1, 1, 64), cupy.float32)
     with pytest.raises(device.UnsupportedDevice, match="stage 02 version 'pipelined'"):
-        blocks.qk_scores(cupy.zeros((64, 64), cupy.float16), cupy.zeros((64, 64), cupy.float16))
+        flash_v3.forward(q, q, q)
+    with pytest.raises(device.UnsupportedDevice, match="stage 03 version 'tc'"):
+        flash_v3_backward.backward(q, q, q, q, lse, q)
+    with pytest.raises(device.UnsupportedDevice, match="stage 02 version 'pipelined'"):
+        probes.qk_scores(cupy.zeros((64, 64), cupy.float16), cupy.zeros((64, 64), cupy.float16))
 
 
 # ---------------------------------------------------------------- version 1: the forward with TMA and wgmma
@@ -169,9 +180,9 @@ def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, 
     B, H, Nq, Nk = shape
     plans, outs = {}, {}
     for persistent in (True, False, None):  # None: the launcher's choice
-        plans[persistent] = flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
-                                           resolve_scale(None, D), merge=False, persistent=persistent,
-                                           wide=None if persistent is None else False)
+        plans[persistent] = flash_v3.launch_rows("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
+                                                 resolve_scale(None, D), merge=False, persistent=persistent,
+                                                 wide=None if persistent is None else False)
     for persistent in (True, False):
         items = -(-Nq // 128) * B * H
         grid = (min(items, device.device().sm_count), 1) if persistent else (-(-Nq // 128), B * H)
@@ -184,7 +195,7 @@ def test_forward_persistent_grid_computes_what_a_block_per_item_computes(shape, 
     assert plans[None].launch.grid == chosen.grid
     wide = flash_v3.wide_rule("pingpong", D, False, by_rule)
     assert (plans[None].launch.fn is chosen.fn) == (not wide)
-    assert plans[None].launch.smem == flash_v3.smem_bytes("pingpong", D, wide)
+    assert plans[None].launch.smem == flash_v3.config("pingpong", D, wide).smem
     for a, b, bits in zip(outs[True], outs[False], (cupy.uint16, cupy.uint32)):
         assert bool((a.view(bits) == b.view(bits)).all())
     check_forward(lambda q, k, v, **kw: outs[True], q, k, v, causal=False)
@@ -209,9 +220,9 @@ def test_forward_with_wide_key_tiles_within_the_tolerance_rule(shape, dtype):
     _hopper()
     q, k, v = make_inputs(*shape, 128, dtype=dtype, xp=cupy)
     B, H, Nq, Nk = shape
-    plan = flash_v3._plan("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
-                          resolve_scale(None, 128), merge=False, persistent=False, wide=True)
-    assert plan.launch.smem == flash_v3.smem_bytes("pingpong", 128, wide=True)
+    plan = flash_v3.launch_rows("pingpong", np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), False,
+                                resolve_scale(None, 128), merge=False, persistent=False, wide=True)
+    assert plan.launch.smem == flash_v3.config("pingpong", 128, wide=True).smem
     o, lse = cupy.empty_like(q), cupy.empty((B, H, Nq), cupy.float32)
     plan(q, k, v, o, lse)
     check_forward(lambda q, k, v, **kw: (o, lse), q, k, v, causal=False)
@@ -306,11 +317,11 @@ def test_forward_fp8_within_the_tolerance_rule(shape, causal, dtype):
 def test_forward_fp8_is_not_the_16_bit_forward():
     """The rule is not loose for this version: its error is e4m3's, above the 16-bit kernel's, and V's keys met in
     another order inside each 16 (the lanes' P values multiplying the wrong rows of V, as a pre-pass without
-    layouts.fp8_key_order would make them) are out of bounds."""
+    fp8.key_order would make them) are out of bounds."""
     import cupy
 
     from stages.common import make_inputs, tolerance
-    from stages.hopper import flash_v3, fp8, layouts
+    from stages.hopper import flash_v3, fp8
 
     _hopper()
     q, k, v = make_inputs(1, 2, 300, 320, 128, dtype=bfloat16, xp=cupy)
@@ -318,7 +329,7 @@ def test_forward_fp8_is_not_the_16_bit_forward():
     o16, _ = flash_v3.forward(q, k, v)
     ref = tolerance.oracle(*(cupy.asnumpy(x) for x in (q, k, v)))[0]
     assert errs["o"][0] > 4 * tolerance.max_error(cupy.asnumpy(o16), ref)
-    order = (16 * (np.arange(320) // 16) + layouts.fp8_key_order(np.arange(320) % 16)).tolist()
+    order = (16 * (np.arange(320) // 16) + fp8.key_order(np.arange(320) % 16)).tolist()
     o_wrong, _ = flash_v3.forward(q, k, v[:, :, order].copy(), version="fp8")
     with pytest.raises(AssertionError, match="out of bounds"):
         fp8.check(q, k, v, o=o_wrong)
@@ -353,284 +364,3 @@ def test_forward_fp8_refuses_what_it_does_not_take():
         flash_v3.forward(*make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy), version="fp8")
     with pytest.raises(TypeError, match="version 'fp8' takes float16 or bfloat16, got float32"):
         flash_v3.forward(*make_inputs(1, 1, 64, 64, 128, dtype=np.float32, xp=cupy), version="fp8")
-
-
-# ---------------------------------------------------------------- the backward
-BACKWARD = [(v, D) for v in ("wgmma", "ws") for D in (64, 128, 256) if v == "wgmma" or D <= 128]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("version,D", BACKWARD)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_backward_within_the_tolerance_rule(shape, causal, version, D, dtype):
-    import cupy
-
-    from stages.common import check_backward, make_inputs
-    from stages.hopper import flash_v3_backward
-
-    _hopper()
-    q, k, v, do = make_inputs(*shape, D, dtype=dtype, xp=cupy, grad=True)
-    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
-
-
-@pytest.mark.parametrize("version,D", BACKWARD)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(3, 50, 150, 200), (3, 50, 200, 70)])
-def test_backward_with_more_blocks_than_sms(shape, causal, version, D):
-    """150 heads: blocks start as others finish, and their dQ reductions meet in the same rows; with Nq > Nk under
-    the causal mask some rows see no key (their dq is 0) and with Nk > Nq some K/V tiles see no row (dk = dv = 0)."""
-    import cupy
-
-    from stages.common import check_backward, make_inputs
-    from stages.hopper import flash_v3_backward
-
-    _hopper()
-    q, k, v, do = make_inputs(*shape, D, dtype=bfloat16, xp=cupy, grad=True)
-    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
-
-
-@pytest.mark.parametrize("fuse_dq", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(3, 50, 150, 200), (1, 3, 700, 333)])
-def test_backward_ws_converts_dq_in_its_last_block_per_head_or_in_a_launch_of_its_own(shape, causal, D, fuse_dq):
-    """Both ways of version ws, whatever fuse_dq_rule picks for the shape: the last block of each head to finish
-    converts the head's accumulator only after every block's bulk reductions into it are complete and visible (150
-    heads: blocks of many heads finish in every order), or bwd_convert_dq does it after the grid."""
-    import cupy
-
-    from stages.common import check_backward, make_inputs
-    from stages.common.checks import resolve_scale
-    from stages.hopper import flash_v3_backward as fb
-
-    _hopper()
-    q, k, v, do = make_inputs(*shape, D, dtype=bfloat16, xp=cupy, grad=True)
-
-    def backward(q, k, v, o, lse, do, *, causal, scale):
-        plan = fb._plan("ws", np.dtype(q.dtype), q.shape, k.shape[2], causal, resolve_scale(scale, D), fuse_dq=fuse_dq)
-        assert (plan.convert is None) == fuse_dq
-        return plan(q, k, v, o, lse, do)
-
-    check_backward(backward, q, k, v, do, causal=causal)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("version,D", BACKWARD)
-@pytest.mark.parametrize("causal", [False, True])
-def test_backward_at_inputs_times_100(causal, version, D, dtype):
-    """Logits in the thousands: P = exp(scale S - L) must be one rounding of a number near 0, not the difference of
-    two large rounded numbers."""
-    import cupy
-
-    from stages.common import check_backward, make_inputs
-    from stages.hopper import flash_v3_backward
-
-    _hopper()
-    q, k, v, do = make_inputs(1, 2, 128, 128, D, dtype=dtype, xp=cupy, scale=100.0, grad=True)
-    check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, version=version)
-
-
-@pytest.mark.parametrize("version", ["wgmma", "ws"])
-def test_backward_at_large_logits_and_rows_that_see_nothing(version):
-    import cupy
-
-    from stages.common import check_backward, make_inputs
-    from stages.hopper import flash_v3, flash_v3_backward
-
-    _hopper()
-    q, k, v, do = make_inputs(1, 2, 130, 70, 128, dtype=bfloat16, xp=cupy, scale=10.0, grad=True)
-    check_backward(flash_v3_backward.backward, q, k, v, do, causal=True, version=version)  # rows 0..59 see no key
-    o, lse = flash_v3.forward(q, k, v, causal=True)
-    dq, dk, dv = flash_v3_backward.backward(q, k, v, o, lse, do, causal=True, version=version)
-    assert not bool(dq[:, :, :60].any()) and all(bool(cupy.isfinite(x.astype(cupy.float32)).all())
-                                                 for x in (dq, dk, dv))
-
-
-def test_backward_refuses_what_it_does_not_take():
-    import cupy
-
-    from stages.common import make_inputs
-    from stages.hopper import flash_v3_backward
-
-    _hopper()
-    q, k, v = make_inputs(1, 1, 64, 64, 96, dtype=np.float16, xp=cupy)
-    lse = cupy.zeros((1, 1, 64), cupy.float32)
-    with pytest.raises(ValueError, match="head_dim 96"):
-        flash_v3_backward.backward(q, k, v, q, lse, q)
-    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float32, xp=cupy)
-    with pytest.raises(TypeError, match="float16"):
-        flash_v3_backward.backward(q, k, v, q, lse, q)
-    q, k, v = make_inputs(1, 1, 64, 64, 64, dtype=np.float16, xp=cupy)
-    with pytest.raises(TypeError, match="causal"):
-        flash_v3_backward.backward(q, k, v, q, lse, q, causal="no")
-    with pytest.raises(ValueError, match="version 'fast'"):
-        flash_v3_backward.backward(q, k, v, q, lse, q, version="fast")
-    q, k, v = make_inputs(1, 1, 64, 64, 256, dtype=np.float16, xp=cupy)
-    with pytest.raises(ValueError, match="version 'wgmma' takes"):
-        flash_v3_backward.backward(q, k, v, q, lse, q, version="ws")
-    with pytest.raises(TypeError, match="CuPy arrays"):
-        flash_v3_backward.backward(*(cupy.asnumpy(x) for x in (q, k, v, q, lse, q)))
-    with pytest.raises(ValueError, match="lse has shape"):
-        flash_v3_backward.backward(q, k, v, q, lse[:, :, :3], q)
-
-
-@pytest.mark.parametrize("dtype", [bfloat16, np.float32], ids=["bf16", "fp32"])
-def test_a_repeated_call_is_checked_and_planned_like_the_first(dtype):
-    """forward and backward keep each checked call's plan under fast_path.call_key, its tensor maps described once
-    and encoded for each call's arrays. A repeat on the same arrays gives the same o, lse (and dK, dV) bit for bit
-    and its outputs from one allocation; new arrays of the same shapes (new addresses: new maps), a strided view (a
-    copy, then a map of the copy) and other options are right by the rule; bad input is refused after a good call."""
-    import cupy
-
-    from stages.common import check_backward, check_forward, fast_path, make_inputs, to_numpy
-    from stages.hopper import flash_v3, flash_v3_backward
-
-    _hopper()
-    q, k, v, do = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True)
-    o1, lse1 = flash_v3.forward(q, k, v)
-    assert flash_v3.forward.plans.get(fast_path.call_key((q, k, v), {})) is not None
-    o2, lse2 = flash_v3.forward(q, k, v)
-    np.testing.assert_array_equal(to_numpy(o2).view(np.uint8), to_numpy(o1).view(np.uint8))
-    np.testing.assert_array_equal(to_numpy(lse2), to_numpy(lse1))
-    assert o2.data.mem.ptr == lse2.data.mem.ptr  # the kept plan carves o and lse from one allocation
-    for causal, scale in ((True, None), (False, 0.05), (True, 0.3)):
-        for _ in range(2):  # the first call plans, the second goes straight to the kept plan
-            check_forward(flash_v3.forward, q, k, v, causal=causal, scale=scale)
-    q2, k2, v2, do2 = make_inputs(1, 2, 200, 150, 64, dtype=dtype, xp=cupy, grad=True, scale=10.0)
-    check_forward(flash_v3.forward, q2, k2, v2)
-    wide = make_inputs(1, 2, 400, 150, 64, dtype=dtype, xp=cupy)[0]
-    check_forward(flash_v3.forward, wide[:, :, ::2], k2, v2)  # a strided view, the shape (and key) of q
-    with pytest.raises(TypeError, match="CuPy array"):
-        flash_v3.forward(q, cupy.asnumpy(k), v)
-    with pytest.raises(TypeError, match="causal"):
-        flash_v3.forward(q, k, v, causal="no")
-    if dtype == np.float32:  # the backward takes 16-bit inputs only
-        return
-    first = flash_v3_backward.backward(q, k, v, o1, lse1, do)
-    assert flash_v3_backward.backward.plans.get(fast_path.call_key((q, k, v, o1, lse1, do), {})) is not None
-    again = flash_v3_backward.backward(q, k, v, o1, lse1, do)
-    for a, b in zip(first[1:], again[1:]):  # dK, dV: each block owns its keys (dQ: reductions in any order)
-        np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))
-    assert len({x.data.mem.ptr for x in again}) == 1  # dq, dk, dv from one allocation
-    for causal, scale in ((True, None), (False, 0.05), (True, 0.3)):
-        for _ in range(2):
-            check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, scale=scale)
-    check_backward(flash_v3_backward.backward, q2, k2, v2, do2)
-    check_backward(flash_v3_backward.backward, wide[:, :, ::2], k2, v2, do2)
-    with pytest.raises(TypeError, match="CuPy arrays"):
-        flash_v3_backward.backward(q, k, v, o1, lse1, cupy.asnumpy(do))
-    with pytest.raises(TypeError, match="causal"):
-        flash_v3_backward.backward(q, k, v, o1, lse1, do, causal="no")
-
-
-# ---------------------------------------------------------------- stage 06 inside the ring (stage 04) and the GPT (05)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-def test_merge_into_the_running_o_and_lse_of_some_rows(D, dtype, causal):
-    """A ring block: rows 40..289 of q against keys 0..149 and then 150..332 (causal: keys 150..332 alone, the mask
-    aligned bottom-right inside the block), each merged in the kernel's epilogue into the running float32 O, L of
-    those rows; the rows outside stay as they were."""
-    import cupy
-
-    from stages.common import cast, check_forward, make_inputs
-    from stages.common.checks import resolve_scale
-    from stages.hopper import flash_v3
-
-    _hopper()
-    B, H, Lq, Lk = 2, 3, 300, 333
-    q, k, v = make_inputs(B, H, Lq, Lk, D, dtype=dtype, xp=cupy)
-    rows, blocks_of_keys = (40, 290), ([(150, Lk)] if causal else [(0, 150), (150, Lk)])
-    k0 = blocks_of_keys[0][0]
-    outside = {}
-
-    def merged(q_rows, k_seen, v_seen, *, causal, scale):
-        o_run = cupy.zeros((B, H, Lq, D), cupy.float32)
-        lse_run = cupy.full((B, H, Lq), -np.inf, cupy.float32)
-        for keys in blocks_of_keys:
-            flash_v3.merge_into(q, k, v, o_run, lse_run, rows, keys, causal=causal, scale=resolve_scale(scale, D))
-        outside["o"] = bool((o_run[:, :, :rows[0]] == 0).all() and (o_run[:, :, rows[1]:] == 0).all())
-        outside["lse"] = bool(cupy.isneginf(lse_run[:, :, :rows[0]]).all()
-                              and cupy.isneginf(lse_run[:, :, rows[1]:]).all())
-        return cast(o_run[:, :, rows[0]:rows[1]], dtype), lse_run[:, :, rows[0]:rows[1]]
-
-    check_forward(merged, q[:, :, rows[0]:rows[1]], k[:, :, k0:], v[:, :, k0:], causal=causal)
-    assert outside == {"o": True, "lse": True}
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_accumulate_into_the_ring_gradients_of_some_rows_and_keys(D, dtype, causal):
-    """A ring block of the backward: rows 40..289 of q, o, lse, do against keys 0..149 and then 150..332 (causal: keys
-    150..332 alone, the mask aligned bottom-right inside the block), added by the kernel into the ring's float32
-    dQ (rows 40..289) and dK, dV (those keys); rows and keys outside stay 0."""
-    import cupy
-
-    from stages.common import cast, check_backward, make_inputs
-    from stages.common.checks import resolve_scale
-    from stages.hopper import flash_v3_backward
-
-    _hopper()
-    B, H, Lq, Lk = 2, 3, 300, 333
-    q, k, v, do = make_inputs(B, H, Lq, Lk, D, dtype=dtype, xp=cupy, grad=True)
-    (a, b), blocks_of_keys = (40, 290), ([(150, Lk)] if causal else [(0, 150), (150, Lk)])
-    k0 = blocks_of_keys[0][0]
-    outside = {}
-
-    def accumulated(q_rows, k_seen, v_seen, o_rows, lse_rows, do_rows, *, causal, scale):
-        o, lse = cupy.zeros_like(q), cupy.zeros((B, H, Lq), cupy.float32)
-        o[:, :, a:b], lse[:, :, a:b] = o_rows, lse_rows
-        runs = [cupy.zeros((B, H, n, D), cupy.float32) for n in (Lq, Lk, Lk)]
-        for keys in blocks_of_keys:
-            flash_v3_backward.accumulate_into(q, k, v, o, lse, do, *runs, (a, b), keys, causal=causal,
-                                              scale=resolve_scale(scale, D))
-        dq, dk, dv = runs
-        outside["dq"] = not bool(dq[:, :, :a].any() or dq[:, :, b:].any())
-        outside["dk, dv"] = not bool(dk[:, :, :k0].any() or dv[:, :, :k0].any())
-        return cast(dq[:, :, a:b], dtype), cast(dk[:, :, k0:], dtype), cast(dv[:, :, k0:], dtype)
-
-    check_backward(accumulated, q[:, :, a:b], k[:, :, k0:], v[:, :, k0:], do[:, :, a:b], causal=causal)
-    assert outside == {"dq": True, "dk, dv": True}
-
-
-def _spy(monkeypatch, module, name):
-    """Replace module.name by a wrapper that records each call in the returned list, then calls the original."""
-    calls, real = [], getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    return calls
-
-
-def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
-    """On an sm_90 GPU the ring's blocks at the default versions are stage 06's merge_into and accumulate_into (stage
-    02 version tc when named; a ring of one rank: stage 06's backward), and the GPT's flash_v2 attention in bfloat16
-    runs stage 06's forward and backward."""
-    import cupy
-
-    from stages import ring
-    from stages.common import check_backward, check_forward, make_inputs
-    from stages.hopper import flash_v3, flash_v3_backward
-    from stages.train_gpt import attention
-
-    _hopper()
-    calls = _spy(monkeypatch, flash_v3, "merge_into")
-    q, k, v = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy)
-    check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash")
-    assert calls, "the ring's forward blocks did not go through stage 06"
-    calls.clear()
-    check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash", version="tc")
-    assert not calls, "version 'tc' named: the ring must keep stage 02"
-    bwd_calls = _spy(monkeypatch, flash_v3_backward, "accumulate_into")
-    q, k, v, do = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy, grad=True)
-    check_backward(ring.backward, q, k, v, do, causal=True, layout="zigzag", ranks=4, block="flash")
-    assert bwd_calls, "the ring's backward blocks did not go through stage 06"
-    whole = _spy(monkeypatch, flash_v3_backward, "backward")  # a ring of one rank: stage 06's backward itself
-    for causal in (False, True):
-        whole.clear()
-        check_backward(ring.backward, q, k, v, do, causal=causal, layout="contiguous", ranks=1, block="flash")
-        assert whole, f"a ring of one rank (causal={causal}) did not run stage 06's backward"
-    assert attention.StageAttention("flash_v2", 64, bfloat16).fwd is flash_v3.forward
-    assert attention.StageAttention("flash_v2", 64, bfloat16).bwd is flash_v3_backward.backward
-    assert attention.StageAttention("flash_v2", 64, np.float32).fwd is not flash_v3.forward
-    assert attention.StageAttention("flash_v2", 64, np.float32).bwd is not flash_v3_backward.backward

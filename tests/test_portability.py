@@ -208,9 +208,9 @@ def test_resource_usage_reports_a_repeated_compile():
     """The limit checks read ptxas's report. NVRTC 12.9 and later may answer a compile it has already done from its
     cache, and a cached answer carries no report: the same check run twice in one process (or a second test run on
     the same machine) would find no kernel. resource_usage asks NVRTC for a fresh compile, so both calls report."""
-    first = kernels.resource_usage("hopper_blocks.cu", arch="sm_90a")
+    first = kernels.resource_usage("hopper_probes.cu", arch="sm_90a")
     assert first and all(u["registers"] > 0 for u in first.values())
-    assert kernels.resource_usage("hopper_blocks.cu", arch="sm_90a") == first
+    assert kernels.resource_usage("hopper_probes.cu", arch="sm_90a") == first
 
 
 @pytest.mark.parametrize("arch", list(device.ARCHS))

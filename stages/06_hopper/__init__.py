@@ -1,9 +1,31 @@
-"""Stage 06: FlashAttention-3 on Hopper. The CPU part: the shared-memory layouts the copy engine and wgmma agree on
-(layouts.py), the pipeline and ping-pong schedules, simulated (schedules.py), and the backward's tile order in numpy
-(backward_mirror.py). On an sm_90 GPU: the building blocks checked one by one (blocks.py), the forward in three
-versions (flash_v3.py: wgmma, ws, pingpong) and the backward in two (flash_v3_backward.py: wgmma, ws), which the ring
-(stage 04) and the GPT (stage 05) use on Hopper; a float32 forward (fp32x3.py: stage 02's 3xTF32 on wgmma) and a
-forward in e4m3 (fp8.py)."""
-from . import backward_mirror, blocks, flash_v3, flash_v3_backward, fp8, fp32x3, layouts, schedules
+"""Stage 06: FlashAttention-3 on Hopper.
 
-__all__ = ["layouts", "schedules", "backward_mirror", "blocks", "flash_v3", "flash_v3_backward", "fp8", "fp32x3"]
+    from stages import hopper
+    o, lse = hopper.forward(q, k, v, causal=True)                      # flash_v3.forward
+    dq, dk, dv = hopper.backward(q, k, v, o, lse, do, causal=True)     # flash_v3_backward.backward
+
+The CPU part: the shared-memory swizzle and the wgmma descriptor that reads it (swizzle.py), the pipeline and
+ping-pong schedules, simulated (schedules.py), and the backward's tile order in numpy (backward_mirror.py). On an
+sm_90 GPU: probes of the data paths checked one by one (probes.py), the forward in three versions (flash_v3.py:
+wgmma, ws, pingpong) and the backward in two (flash_v3_backward.py: wgmma, ws), which the ring (stage 04) and the GPT
+(stage 05) use on Hopper; a float32 forward (fp32x3.py: stage 02's 3xTF32 on wgmma) and a forward in e4m3 (fp8.py).
+Their plumbing: the sm_90 check and the sm_90a compile (sm90a.py), tensor maps (tensor_maps.py), the kernels'
+parameter structs (params.py). Elsewhere (numpy arrays, another GPU, none) forward and backward raise an error that
+names the stage 02 / 03 versions computing the same attention there.
+"""
+from . import (
+    backward_mirror, flash_v3, flash_v3_backward, fp8, fp32x3, params, probes, schedules, sm90a, swizzle, tensor_maps,
+)
+from .flash_v3 import forward
+from .flash_v3_backward import backward
+
+__all__ = ["forward", "backward", "swizzle", "schedules", "backward_mirror", "probes", "flash_v3",
+           "flash_v3_backward", "fp8", "fp32x3", "sm90a", "tensor_maps", "params", "instantiations"]
+
+
+def instantiations():
+    """[(file, name)]: every kernel instantiation a stage 06 launcher may launch, which CI compiles for sm_90a
+    (dev/compare_cubins_hopper.py compiles them to compare two trees)."""
+    return (probes.instantiations() + [x for v in flash_v3.VERSIONS for x in flash_v3.instantiations(v)]
+            + fp8.instantiations() + fp32x3.instantiations()
+            + [x for v in flash_v3_backward.VERSIONS for x in flash_v3_backward.instantiations(v)])

@@ -13,16 +13,18 @@ Versions, in the order the README teaches them:
             gives its registers to the consumers), two consumer warpgroups compute a 128-row Q tile, and full / empty
             mbarriers per stage order them; K/V tiles of 128 keys where the registers allow.
   pingpong  (kernels/flash_v3_forward_pingpong.cu) the softmax hidden behind the GEMMs: the two consumer warpgroups
-            take turns at the tensor cores (named barriers), and each issues S_j = Q K_j^T with O += P_{j-1} V_{j-1}
-            and waits for the first only (ptxas waits for both before the softmax of S_j: README, version 3);
+            take turns at the tensor cores (named barriers), and each issues S_j = Q K_j^T with O += P_{j-1} V_{j-1};
             without a mask a persistent grid on short keys (persistent_rule), and K/V tiles of 192 keys on long ones
             at D = 128 (wide_rule).
-  fp32x3    (kernels/flash_v3_forward_fp32x3.cu, fp32x3.py) float32: stage 02's 3xTF32 forward on wgmma, the TF32
+  fp32x3    (fp32x3.py, kernels/flash_v3_forward_fp32x3.cu) float32: stage 02's 3xTF32 forward on wgmma, the TF32
             parts of Q_i, K_j and V_j^T in shared memory; two warpgroups share each K/V tile.
-  fp8       (fp8.py, kernels/flash_v3_fp8_quantize.cu) float16 / bfloat16 in and out, multiplied in e4m3: a pre-pass
-            scales each head of q, k, v into e4m3 (v transposed), then version pingpong's kernel on the bytes; d = 128.
+  fp8       (fp8.py, kernels/flash_v3_forward_fp8.cu) float16 / bfloat16 in and out, multiplied in e4m3: a pre-pass
+            scales each head of q, k, v into e4m3 (v transposed), then version pingpong's main loop on the bytes.
+
+forward() checks the inputs and hands them to the version's launcher: forward_16bit here (wgmma, ws, pingpong: the
+configuration, compile and parameter struct in launch_rows), fp32x3.forward, fp8.forward. It is wrapped by the speed
+layer (stages/common/fast_path.py), which replays a repeated call's launch; a reader may skip it.
 """
-import ctypes
 import functools
 from typing import NamedTuple
 
@@ -31,7 +33,10 @@ import numpy as np
 from stages.common import LOG2E, device, fast_path, kernels
 from stages.common.checks import check_causal, resolve_scale
 
-from . import blocks, fp8, fp32x3
+from . import fp8, fp32x3
+from .params import HopperFwdParams
+from .sm90a import CTYPE, ELSEWHERE, ELSEWHERE_FP32, function, require_hopper
+from .tensor_maps import MappedLaunch, heads_map
 
 FILES = {"wgmma": "flash_v3_forward_wgmma.cu", "ws": "flash_v3_forward_ws.cu",
          "pingpong": "flash_v3_forward_pingpong.cu"}
@@ -41,7 +46,7 @@ FP32 = "fp32x3"                 # the float32 version (fp32x3.py)
 FP8 = "fp8"                     # float16 / bfloat16 computed in e4m3 (fp8.py)
 HEAD_DIMS = (64, 128, 256)
 STAGES = 2                      # K/V stages of versions ws and pingpong
-
+WHERE = "flash_v3.forward"
 
 # Version pingpong without a mask: items of at most this many keys run on a persistent grid with K/V tiles of 128
 # keys, longer ones on a block per item, at D = 128 with tiles of WIDE_BC keys (dev/forward_grids.py measures both).
@@ -51,160 +56,137 @@ WIDE_BC = 192
 
 def persistent_rule(version, causal, nk):
     """Whether the forward launches a persistent grid: one block per SM, each striding over the (Q tile, head) items
-    (kernels/flash_v3_forward_pingpong.cu), for version pingpong without a mask and with at most PERSISTENT_MAX_KEYS
-    keys. Under the causal mask the items differ in work and a static stride leaves some blocks much more than
-    others; long items spend little of their time in the once-per-item work the persistent grid overlaps, and the
-    persistent loop's carried stage counters cost each tile a few instructions: one block per item there, balanced
-    by the GPU's block scheduler."""
+    (kernels/hopper_scheduler.cuh), for version pingpong without a mask and with at most PERSISTENT_MAX_KEYS keys.
+    Under the causal mask the items differ in work and a static stride leaves some blocks much more than others; long
+    items spend little of their time in the once-per-item work the persistent grid overlaps (README: version 3)."""
     return version == "pingpong" and not causal and nk <= PERSISTENT_MAX_KEYS
 
 
 def wide_rule(version, D, causal, persistent):
     """Whether K_j and V_j are tiles of WIDE_BC keys instead of 128: version pingpong at D = 128 without a mask on a
-    block per item (long items). Each tile has work that does not grow with its keys: the full / empty barriers, the
-    turn at the tensor cores, the row maxima's shuffles, alpha and rescaling O (64 multiplies a thread); 192 keys a
-    tile spread it over 1.5 times the keys. A consumer then holds S_j (96 registers), P_{j-1} in 16 bits (48) and O
-    (64) at once, within its 240, and the two stages of K_j and V_j take 192 KB of shared memory. On short items the
-    tile's other cost weighs more: fewer, longer tiles leave the pipeline's fill a larger share (the ragged last tile
-    costs little either way: the kernel computes it on its 64-key blocks that hold keys). Under the causal mask the
-    diagonal tiles would mask more keys: 128 there."""
-    return _wide_fits(version, D) and not causal and not persistent
-
-
-def _wide_fits(version, D):
-    """Whether a version's kernel takes K/V tiles of WIDE_BC keys at head dim D: version pingpong at D = 128 (at
-    D = 256 O alone is 128 registers a thread; at D = 64 a key's GEMMs are half as long while its softmax is the same,
-    so the softmax bounds the loop, and a wider tile does not shorten it)."""
-    return version == "pingpong" and D == 128
+    block per item (long items). Each tile's fixed work (the barriers, the turn at the tensor cores, the row maxima,
+    alpha and rescaling O) is spread over 1.5 times the keys; a consumer then holds S_j (96 registers), P_{j-1} (48)
+    and O (64) at once, within its 240. Not at D = 256 (O alone is 128 registers) nor D = 64 (the softmax bounds the
+    loop), not under the causal mask (the diagonal tiles would mask more keys). README: version 3."""
+    return version == "pingpong" and D == 128 and not causal and not persistent
 
 
 class Config(NamedTuple):
-    """A version's tiles for head dim D: Q_i of br rows, K_j / V_j of bc rows, threads per block."""
+    """A version's tiles at a head dim: Q_i of br rows, K_j / V_j of bc rows, threads a block, and the dynamic shared
+    memory: Q_i and STAGES stages of K_j and V_j (wgmma: two stages of 64 x 64), 2 bytes a value, and 1024 bytes to
+    align the first tile to the swizzle's period."""
 
     br: int
     bc: int
     threads: int
+    smem: int
 
 
 def config(version, D, wide=False):
     """wgmma: one warpgroup, 64 x 64 tiles. ws, pingpong: a producer and two consumer warpgroups (384 threads) on a
     128-row Q_i; K_j of 128 keys while a consumer's registers hold S (64 x bc) and O (64 x D) (D <= 128), else 64;
     wide (wide_rule): K_j of WIDE_BC keys."""
-    if wide and not _wide_fits(version, D):
+    if wide and not (version == "pingpong" and D == 128):
         raise ValueError(f"tiles of {WIDE_BC} keys are version pingpong's at D = 128, not {version!r} at D = {D}")
-    if version == "wgmma":
-        return Config(64, 64, 128)
-    return Config(128, WIDE_BC if wide else 128 if D <= 128 else 64, 384)
+    br, bc, threads = (64, 64, 128) if version == "wgmma" else (128, WIDE_BC if wide else 128 if D <= 128 else 64, 384)
+    return Config(br, bc, threads, (br + 2 * STAGES * bc) * D * 2 + 1024)
 
 
-class HopperFwdParams(ctypes.Structure):
-    """struct HopperFwdParams of kernels/hopper_tiles.cuh: o, lse, amax (version fp8), Nq, Nk, scale_log2, causal,
-    o_rows, merge, heads, then three 128-byte tensor maps at offsets 64, 192, 320."""
-    _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("amax", ctypes.c_uint64),
-                ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
-                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("o_rows", ctypes.c_int32),
-                ("merge", ctypes.c_int32), ("heads", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 12),
-                ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16)]
-
-
-def smem_bytes(version, D, wide=False):
-    """Q_i (br rows), K_j and V_j of every stage (bc rows each; wgmma: two stages), 2 bytes a value, and 1024 bytes
-    to align the first tile to the swizzle's period."""
-    br, bc, _ = config(version, D, wide)
-    return (br + 2 * STAGES * bc) * D * 2 + 1024
-
-
-def _name(version, ctype, D, persistent=False, wide=False):
+def instantiation(version, ctype, D, bc, persistent=False):
+    """The kernel's template instantiation (its name expression) for element type ctype at head dim D, K/V tiles of
+    bc keys (config) and, for version pingpong, the grid (persistent_rule)."""
     if version == "wgmma":
         return f"flash_v3_forward_wgmma<{ctype},{D}>"
-    bc = config(version, D, wide).bc
     if version == "pingpong":
         return f"flash_v3_forward_pingpong<{ctype},{D},{bc},{STAGES},{str(persistent).lower()}>"
     return f"flash_v3_forward_{version}<{ctype},{D},{bc},{STAGES}>"
 
 
-def _function(version, ctype, D, persistent=False, wide=False):
-    return blocks.sm90a_function(FILES[version], _name(version, ctype, D, persistent, wide),
-                                 smem_bytes(version, D, wide))
-
-
-@fast_path.remembered  # a plain call seen before goes straight to its planned launch (stages/common/fast_path.py)
-def forward(q, k, v, *, causal=False, scale=None, version=None):
-    """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. version None: DEFAULT for float16 / bfloat16,
-    fp32x3 for float32. Raises device.UnsupportedDevice off sm_90 (naming the stage 02 version to use), TypeError /
-    ValueError for what the kernel does not take."""
-    import cupy
-
+def _check(q, k, v, version):
+    """The version that runs, after every check of forward's inputs (its docstring)."""
     if version is not None and version not in VERSIONS + (FP32, FP8):
-        raise ValueError(f"flash_v3.forward: version {version!r} is not one of {VERSIONS + (FP32, FP8)}")
-    blocks.require_hopper(instead=blocks.ELSEWHERE_FP32 if getattr(q, "dtype", None) == np.float32 else
-                          blocks.ELSEWHERE)
+        raise ValueError(f"{WHERE}: version {version!r} is not one of {VERSIONS + (FP32, FP8)}")
+    fp32 = getattr(q, "dtype", None) == np.float32
+    require_hopper(q, k, v, instead=ELSEWHERE_FP32 if fp32 else ELSEWHERE, where=WHERE)  # numpy, another GPU
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, cupy.ndarray) or x.ndim != 4:
-            raise TypeError(f"flash_v3.forward: {name} must be a 4-D CuPy array (B, H, N, D)")
+        if x.ndim != 4:
+            raise ValueError(f"{WHERE}: {name} has shape {x.shape}; expected (B, H, N, D)")
     fp32 = q.dtype == k.dtype == v.dtype == np.float32
-    if not (fp32 or np.dtype(q.dtype) in blocks.CTYPE and q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"flash_v3.forward: q, k, v must share one dtype, float16, bfloat16 or float32 (got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype})")
+    if not (fp32 or np.dtype(q.dtype) in CTYPE and q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{WHERE}: q, k, v must share one dtype, float16, bfloat16 or float32 (got {q.dtype}, "
+                        f"{k.dtype}, {v.dtype})")
     version = version or (FP32 if fp32 else DEFAULT)
     if fp32 != (version == FP32):
-        raise TypeError(f"flash_v3.forward: version {version!r} takes "
-                        f"{'float32' if version == FP32 else 'float16 or bfloat16'}, got {q.dtype}; float32 runs "
-                        f"in version {FP32!r}, float16 and bfloat16 in {', '.join(FILES)} and {FP8!r}")
+        raise TypeError(f"{WHERE}: version {version!r} takes {'float32' if version == FP32 else 'float16 or bfloat16'}"
+                        f", got {q.dtype}; float32 runs in version {FP32!r}, float16 and bfloat16 in "
+                        f"{', '.join(VERSIONS)} and {FP8!r}")
     B, H, Nq, D = q.shape
     if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
-        raise ValueError(f"flash_v3.forward: k and v must be (B, H, Nk, D) = ({B}, {H}, Nk, {D}); got {k.shape}, "
-                         f"{v.shape}")
+        raise ValueError(f"{WHERE}: k and v must be (B, H, Nk, D) = ({B}, {H}, Nk, {D}); got {k.shape}, {v.shape}")
     dims = fp32x3.HEAD_DIMS if fp32 else fp8.HEAD_DIMS if version == FP8 else HEAD_DIMS
     if D not in dims:
-        raise ValueError(f"flash_v3.forward: head dim {D} is not supported{' in float32' if fp32 else ''}"
+        raise ValueError(f"{WHERE}: head dim {D} is not supported{' in float32' if fp32 else ''}"
                          f"{' in version fp8' if version == FP8 else ''}; use one of {dims} (stage 02 takes any)")
     if B * H > 65535:
-        raise ValueError(f"flash_v3.forward: batch * heads = {B * H} is over the grid limit 65535")
-    causal = check_causal(causal, "flash_v3.forward")
+        raise ValueError(f"{WHERE}: batch * heads = {B * H} is over the grid limit 65535")
+    return version
+
+
+@fast_path.remembered  # the speed layer: a repeated call replays its kept launch (stages/common/fast_path.py)
+def forward(q, k, v, *, causal=False, scale=None, version=None):
+    """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. version None: DEFAULT for float16 / bfloat16,
+    fp32x3 for float32. Raises TypeError for numpy arrays and device.UnsupportedDevice without an sm_90 GPU, both
+    naming the stage 02 / 03 versions that compute the same attention there; TypeError / ValueError for what the
+    kernels do not take."""
+    import cupy
+
+    version = _check(q, k, v, version)
+    causal = check_causal(causal, WHERE)
+    B, H, Nq, D = q.shape
     scale = resolve_scale(scale, D)
-    Nk = k.shape[2]
-    if fp32:
-        if Nq == 0:  # no rows: nothing to launch
-            return cupy.empty_like(q), cupy.empty((B, H, 0), cupy.float32)
-        plan = fp32x3.plan(q.shape, Nk, causal, scale)
-    elif Nq == 0 or Nk == 0:  # no rows, or no key for any row: O = 0, L = -inf (a tensor map has no empty dimension)
+    if Nq == 0 or (k.shape[2] == 0 and version != FP32):  # no rows, or no key for any row: O = 0, L = -inf (a
+        # tensor map has no empty dimension)
         return cupy.zeros_like(q), cupy.full((B, H, Nq), -np.inf, cupy.float32)
-    elif version == FP8:
-        return fp8.forward(q, k, v, causal, scale)
-    else:
-        plan = kernels.ForwardLaunch(_plan(version, np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), causal, scale,
-                                           merge=False), np.dtype(q.dtype))
-    return fast_path.launch(plan, q, k, v)  # o, lse allocated, then the launch on (q, k, v, o, lse)
+    if version == FP32:
+        return fp32x3.forward(q, k, v, causal=causal, scale=scale)
+    if version == FP8:
+        return fp8.forward(q, k, v, causal=causal, scale=scale)
+    return forward_16bit(q, k, v, causal=causal, scale=scale, version=version)
 
 
-@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
-def _plan(version, dtype, q_shape, Lk, rows, keys, causal, scale, merge, persistent=None, wide=None):
-    """The launch on rows (start, stop) of every head of a q of q_shape (B, H, Lq, D) against keys (start, stop) of k,
-    v of Lk rows a head: a MappedLaunch of (q, k, v, then o and lse at those rows). o, lse: the whole outputs (heads of
-    Lq rows), written (merge=False) or merged into (merge=True, float32). persistent: the grid, by persistent_rule
-    when None (True or False to compare the two; only version pingpong walks items); wide: K/V tiles of WIDE_BC keys,
-    by wide_rule when None."""
+def forward_16bit(q, k, v, *, causal, scale, version):
+    """Versions wgmma, ws and pingpong on CuPy q, k, v checked by forward(): o (B, H, Nq, D) in q's dtype, lse."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    launch = launch_rows(version, np.dtype(q.dtype), q.shape, Nk, (0, Nq), (0, Nk), causal, scale, merge=False)
+    return fast_path.launch(kernels.ForwardLaunch(launch, np.dtype(q.dtype)), q, k, v)  # o, lse allocated; launch
+
+
+def launch_rows(version, dtype, q_shape, Lk, rows, keys, causal, scale, *, merge, persistent=None, wide=None):
+    """The launch of rows (start, stop) of every head of a q of q_shape (B, H, Lq, D) against keys (start, stop) of
+    k, v of Lk rows a head: a MappedLaunch on (q, k, v, then o and lse at those rows). o, lse: the whole outputs
+    (heads of Lq rows), written (merge=False) or merged into (merge=True, float32: a ring block). persistent: the
+    grid, by persistent_rule when None (True or False to compare the two; only version pingpong walks items); wide:
+    K/V tiles of WIDE_BC keys, by wide_rule when None."""
     (q0, q1), (k0, k1) = rows, keys
-    if persistent is None:
+    B, H, Lq, D = q_shape
+    if persistent is None:  # the configuration: the grid and the K/V tiles by the rules, or as asked
         persistent = persistent_rule(version, causal, k1 - k0)
     elif persistent and version != "pingpong":
         raise ValueError(f"only version pingpong launches a persistent grid, not {version!r}")
-    B, H, Lq, D = q_shape
     if wide is None:
         wide = wide_rule(version, D, causal, persistent)
     cfg = config(version, D, wide)
+    fn = function(FILES[version], instantiation(version, CTYPE[dtype], D, cfg.bc, persistent), cfg.smem)  # compiled
     params = HopperFwdParams(Nq=q1 - q0, Nk=k1 - k0, scale_log2=scale * LOG2E, causal=int(bool(causal)),
                              o_rows=Lq, merge=int(merge), heads=B * H)
     grid = (-(-(q1 - q0) // cfg.br), B * H)  # one block per (Q tile i, head)
     if persistent:  # one block per SM, each striding over the items
         grid = (min(grid[0] * grid[1], device.device().sm_count), 1)
-    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D, persistent, wide), grid, (cfg.threads,),
-                            smem_bytes(version, D, wide), params)
-    kv_shape = (B, H, Lk, D)
-    return blocks.MappedLaunch.of(launch, map_q=blocks.heads_map(q_shape, dtype, rows=rows),
-                                  map_k=blocks.heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys),
-                                  map_v=blocks.heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys))
+    kv_shape = (B, H, Lk, D)  # the tensor maps: boxes of Q_i's rows and of K_j's, V_j's bc keys, one head each
+    return MappedLaunch.of(kernels.Launch(fn, grid, (cfg.threads,), cfg.smem, params),
+                           map_q=heads_map(q_shape, dtype, rows=rows),
+                           map_k=heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys),
+                           map_v=heads_map(kv_shape, dtype, box_rows=cfg.bc, rows=keys))
 
 
 def takes(dtype, head_dim, *, heads=1, kv_heads=1, batch=1):
@@ -212,11 +194,14 @@ def takes(dtype, head_dim, *, heads=1, kv_heads=1, batch=1):
     HEAD_DIMS, as many K/V heads as query heads (no grouped-query attention yet), B H within the grid. The ring
     (stage 04) and the GPT (stage 05) ask before they pick stage 06 over stage 02."""
     try:
-        blocks.require_hopper()
-    except Exception:  # not an sm_90 GPU (or no CUDA driver, or no cuda-bindings)
+        require_hopper()
+    except device.UnsupportedDevice:  # not an sm_90 GPU, or none
         return False
-    return (np.dtype(dtype) in blocks.CTYPE and head_dim in HEAD_DIMS and heads == kv_heads
-            and batch * heads <= 65535)
+    return np.dtype(dtype) in CTYPE and head_dim in HEAD_DIMS and heads == kv_heads and batch * heads <= 65535
+
+
+# The speed layer's part for the ring: its blocks repeat every step, so their launches are kept per block problem.
+_block_launch = functools.lru_cache(maxsize=fast_path.MAX_PLANS)(launch_rows)
 
 
 def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DEFAULT):
@@ -225,12 +210,13 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DE
     kernel's epilogue into the running float32 O, L of those rows (o_run (B, H, Lq, D), lse_run (B, H, Lq); L = -inf
     where nothing was merged yet). No row is copied: the tensor maps start at the rows' first and step over whole
     heads. Causal: bottom-right aligned within the block. The caller checks the arrays (takes())."""
-    launch = _plan(version, np.dtype(q.dtype), q.shape, k.shape[2], rows, keys, bool(causal), scale, merge=True)
+    launch = _block_launch(version, np.dtype(q.dtype), q.shape, k.shape[2], rows, keys, bool(causal), scale,
+                           merge=True)
     D, q0 = q.shape[3], rows[0]
     launch(q, k, v, o_run.data.ptr + q0 * D * o_run.itemsize, lse_run.data.ptr + 4 * q0)  # o, L from row q0 on
 
 
-def variants(version):
+def launch_choices(version):
     """[(D, persistent, wide)]: every kernel of a version a launch may pick (the grid of persistent_rule, the tiles
     of wide_rule), per 16-bit type."""
     grids = (False, True) if version == "pingpong" else (False,)
@@ -238,6 +224,7 @@ def variants(version):
             if not w or wide_rule(version, D, False, p)]
 
 
-def kernel_names(version):
-    """The instantiations of a version that CI compiles for sm_90a."""
-    return [_name(version, c, D, p, w) for c in blocks.CTYPE.values() for D, p, w in variants(version)]
+def instantiations(version):
+    """[(file, name)]: the instantiations of a version that CI compiles for sm_90a."""
+    return [(FILES[version], instantiation(version, c, D, config(version, D, w).bc, p)) for c in CTYPE.values()
+            for D, p, w in launch_choices(version)]

@@ -20,7 +20,6 @@ Versions, in the order the README teaches them:
          of the copy engine. D = 64, 128.
 version "auto" (the default): ws where it takes the head dim, else wgmma.
 """
-import ctypes
 import functools
 from typing import NamedTuple
 
@@ -30,7 +29,9 @@ from stages.common import empty, fast_path, kernels, load_module
 from stages.common.checks import check_backward_inputs, check_causal, resolve_scale
 from stages.flash_v2_backward import flash_v2_backward as stage03  # its preprocess, dQ conversion and padding
 
-from . import blocks
+from .params import HopperBwdParams
+from .sm90a import CTYPE, function, require_hopper
+from .tensor_maps import MappedLaunch, heads_map
 
 FILES = {"wgmma": "flash_v3_backward_wgmma.cu", "ws": "flash_v3_backward_ws.cu"}
 VERSIONS = tuple(FILES)
@@ -72,20 +73,6 @@ def q_tile_rows(version, D):
     return 128 if version == "ws" and D == 64 else 64
 
 
-class HopperBwdParams(ctypes.Structure):
-    """struct HopperBwdParams of kernels/hopper_bwd_tiles.cuh: dq_acc, dk, dv, lse, delta, dq, done, Nq, Nk, Nq_pad,
-    scale, causal, kv_rows, accumulate, then five 128-byte tensor maps (q, k, v, do; dq_acc in float32) at offsets
-    128, 256, 384, 512, 640."""
-    _fields_ = [("dq_acc", ctypes.c_uint64), ("dk", ctypes.c_uint64), ("dv", ctypes.c_uint64),
-                ("lse", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("dq", ctypes.c_uint64),
-                ("done", ctypes.c_uint64), ("Nq", ctypes.c_int32),
-                ("Nk", ctypes.c_int32), ("Nq_pad", ctypes.c_int32), ("scale", ctypes.c_float),
-                ("causal", ctypes.c_int32), ("kv_rows", ctypes.c_int32), ("accumulate", ctypes.c_int32),
-                ("_pad", ctypes.c_uint8 * 44),
-                ("map_q", ctypes.c_uint64 * 16), ("map_k", ctypes.c_uint64 * 16), ("map_v", ctypes.c_uint64 * 16),
-                ("map_do", ctypes.c_uint64 * 16), ("map_dq", ctypes.c_uint64 * 16)]
-
-
 def resolve_version(version, D):
     """The version that runs ("auto" or one of VERSIONS, as backward checked it): "auto" is ws where it takes D, else
     wgmma."""
@@ -113,50 +100,53 @@ def smem_bytes(version, D):
     return 2 * 128 * D * 2 + 128 * br * 2 + br * D * 4 + STAGES * (2 * br * D * 2 + 2 * br * 4) + 1024
 
 
-def _name(version, ctype, D):
+def instantiation(version, ctype, D):
+    """The main kernel's template instantiation (its name expression) for element type ctype at head dim D."""
     if version == "wgmma":
         return f"flash_v3_backward_wgmma<{ctype},{D},{D // parts(D)}>"
     return f"flash_v3_backward_ws<{ctype},{D},{STAGES},{q_tile_rows(version, D)}>"
 
 
-def _function(version, ctype, D):
-    return blocks.sm90a_function(FILES[version], _name(version, ctype, D), smem_bytes(version, D))
+@fast_path.remembered  # the speed layer: a repeated call replays its kept launches (stages/common/fast_path.py)
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
+    """(dq, dk, dv), shaped like q, k, v and in their dtype: the gradients of sum(O * dO) from the forward's o and lse.
+    Raises TypeError for numpy arrays and device.UnsupportedDevice without an sm_90 GPU, both naming the stage 02 / 03
+    versions that compute the same attention there; TypeError / ValueError for what the kernels do not take."""
+    where = "flash_v3_backward"
+    if version != "auto" and version not in VERSIONS:
+        raise ValueError(f"{where}: version {version!r} is not one of {('auto',) + VERSIONS}")
+    require_hopper(q, k, v, o, lse, do, where=where)  # numpy arrays or another GPU: what to use there
+    _, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, dtypes=tuple(CTYPE),
+                                               head_dims=HEAD_DIMS)
+    if B * H > 65535:
+        raise ValueError(f"{where}: batch * heads = {B * H} is over the grid limit 65535")
+    causal = check_causal(causal, where)
+    scale = resolve_scale(scale, D)
+    plan = launches(resolve_version(version, D), np.dtype(q.dtype), q.shape, Nk, causal, scale)
+    return fast_path.launch(plan, q, k, v, o, lse, do)  # scratch and outputs allocated; the launches
 
 
-@functools.lru_cache(maxsize=None)
-def _pre_function(kernel, ctype):
-    """Stage 03's preprocess or dQ conversion for ctype, from the module stage 03 compiles (one compile for both)."""
-    return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
-
-
-def _pre_launch(ctype, *, Nq, ldq, Nq_pad, D, BH, zero, counters=0):
-    """Stage 03's preprocess (Alg.2 L4) of rows 0..Nq-1 of every head, ldq rows a head apart from the pointers to o,
-    do, lse it is given: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for
-    the padding up to Nq_pad), and, where zero, the float32 dQ accumulator and the first `counters` block counters
-    zeroed (a ring block has no accumulator of its own). Arguments of a call: o, do, lse, delta, lse_pad, the dQ
-    accumulator (or 0), the counters (or 0)."""
-    i32, f32 = np.int32, np.float32
-    return kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                          (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(counters)))
-
-
-def _main_launch(version, dtype, q_shape, k_shape, rows, keys, causal, scale, accumulate, dq_map):
-    """The main kernel on rows (a, b) of every head of q, do (q_shape) against keys (c, m) of k, v (k_shape): a
-    MappedLaunch of (q, k, v, do, the dQ array dq_map describes; then the pointers dq_acc, dk, dv, lse_pad, delta,
-    dq, done: dq and the block counters where the kernel converts dQ itself, else 0, 0).
-    accumulate: add dK, dV into float32 accumulators (the ring's) instead of writing them."""
-    (a, b), (c, m) = rows, keys
-    B, H, _, D = q_shape
-    params = HopperBwdParams(Nq=b - a, Nk=m - c, Nq_pad=-(-(b - a) // PAD) * PAD, scale=scale, causal=int(causal),
-                             kv_rows=k_shape[2], accumulate=int(accumulate))
-    cfg = CONFIGS[version]
-    grid = (-(-(m - c) // cfg.bc), B * H, parts(D))  # one block per (K/V tile j, head, column part)
-    launch = kernels.Launch(_function(version, blocks.CTYPE[dtype], D), grid, (cfg.threads,), smem_bytes(version, D),
-                            params)
-    return blocks.MappedLaunch.of(launch, map_q=blocks.heads_map(q_shape, dtype, rows=rows),
-                                  map_k=blocks.heads_map(k_shape, dtype, rows=keys),
-                                  map_v=blocks.heads_map(k_shape, dtype, rows=keys),
-                                  map_do=blocks.heads_map(q_shape, dtype, rows=rows), map_dq=dq_map)
+def launches(version, dtype, q_shape, Nk, causal, scale, fuse_dq=None):
+    """The launches of one problem, configured and compiled: the BackwardPlan of q, o, do of q_shape (B, H, Nq, D)
+    against Nk keys. fuse_dq: whether the main kernel converts dQ (version ws only); None: fuse_dq_rule decides (True
+    / False: to time both, dev/backward_launches.py)."""
+    B, H, Nq, D = q_shape
+    BH, Nq_pad, ctype = B * H, -(-Nq // PAD) * PAD, CTYPE[dtype]
+    acc_shape = (B, H, Nq, D)
+    fused = fuse_dq_rule(version, Nq, D) if fuse_dq is None else bool(fuse_dq)
+    if fused and version != "ws":
+        raise ValueError(f"flash_v3_backward: version {version!r} does not convert dQ itself (version 'ws' does)")
+    # stage 03's preprocess: D_i, L_i; the dQ accumulator (and the block counters) zeroed
+    pre = _pre_launch(ctype, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH, zero=True, counters=BH if fused else 0)
+    # the main kernel: dK_j, dV_j; dQ_i into the float32 accumulator (a tensor map of it)
+    main = _main_launch(version, dtype, q_shape, (B, H, Nk, D), (0, Nq), (0, Nk), causal, scale, accumulate=False,
+                        dq_map=heads_map(acc_shape, np.float32))
+    n = BH * Nq * D  # stage 03's dQ conversion, unless the main kernel converts: 4 values a step (n is a multiple)
+    convert = None if fused else kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),),
+                                                (256,), 0, (np.float32(1.0), np.int64(n)))
+    scratch = fast_path.out_layout([((BH * Nq_pad,), np.float32), ((BH * Nq_pad,), np.float32),
+                                    (acc_shape, np.float32)] + [((BH,), np.int32)] * fused)
+    return BackwardPlan(pre, main, convert, scratch)
 
 
 class BackwardPlan(NamedTuple):
@@ -165,7 +155,7 @@ class BackwardPlan(NamedTuple):
     (B, H, Nq, D) and, with no conversion launch, the B H block counters, in one allocation; outs: dq, dk, dv carved
     from one allocation (fast_path keeps the plan so), or None. plan(q, k, v, o, lse, do) -> (dq, dk, dv)."""
     pre: kernels.Launch
-    main: blocks.MappedLaunch
+    main: MappedLaunch
     convert: kernels.Launch | None
     scratch: tuple
     outs: tuple | None = None
@@ -192,65 +182,58 @@ class BackwardPlan(NamedTuple):
         return self._replace(outs=fast_path.out_layout([(x.shape, x.dtype) for x in (q, k, v)]))
 
 
-@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
-def _plan(version, dtype, q_shape, Nk, causal, scale, fuse_dq=None):
-    """The BackwardPlan of q, o, do of q_shape (B, H, Nq, D) against Nk keys. fuse_dq: whether the main kernel
-    converts dQ (version ws only); None: fuse_dq_rule decides (True / False: to time both, dev/backward_launches.py)."""
-    B, H, Nq, D = q_shape
-    BH, Nq_pad, ctype = B * H, -(-Nq // PAD) * PAD, blocks.CTYPE[dtype]
-    acc_shape = (B, H, Nq, D)
-    fused = fuse_dq_rule(version, Nq, D) if fuse_dq is None else bool(fuse_dq)
-    if fused and version != "ws":
-        raise ValueError(f"flash_v3_backward: version {version!r} does not convert dQ itself (version 'ws' does)")
-    main = _main_launch(version, dtype, q_shape, (B, H, Nk, D), (0, Nq), (0, Nk), causal, scale, accumulate=False,
-                        dq_map=blocks.heads_map(acc_shape, np.float32))
-    n = BH * Nq * D  # a multiple of 4: the conversion takes 4 values per step
-    convert = None if fused else kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),),
-                                                (256,), 0, (np.float32(1.0), np.int64(n)))
-    scratch = fast_path.out_layout([((BH * Nq_pad,), np.float32), ((BH * Nq_pad,), np.float32),
-                                    (acc_shape, np.float32)] + [((BH,), np.int32)] * fused)
-    pre = _pre_launch(ctype, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH, zero=True, counters=BH if fused else 0)
-    return BackwardPlan(pre, main, convert, scratch)
+def _main_launch(version, dtype, q_shape, k_shape, rows, keys, causal, scale, accumulate, dq_map):
+    """The main kernel on rows (a, b) of every head of q, do (q_shape) against keys (c, m) of k, v (k_shape): a
+    MappedLaunch of (q, k, v, do, the dQ array dq_map describes; then the pointers dq_acc, dk, dv, lse_pad, delta,
+    dq, done: dq and the block counters where the kernel converts dQ itself, else 0, 0).
+    accumulate: add dK, dV into float32 accumulators (the ring's) instead of writing them."""
+    (a, b), (c, m) = rows, keys
+    B, H, _, D = q_shape
+    params = HopperBwdParams(Nq=b - a, Nk=m - c, Nq_pad=-(-(b - a) // PAD) * PAD, scale=scale, causal=int(causal),
+                             kv_rows=k_shape[2], accumulate=int(accumulate))
+    cfg = CONFIGS[version]
+    grid = (-(-(m - c) // cfg.bc), B * H, parts(D))  # one block per (K/V tile j, head, column part)
+    smem = smem_bytes(version, D)
+    fn = function(FILES[version], instantiation(version, CTYPE[dtype], D), smem)  # compiled once
+    return MappedLaunch.of(kernels.Launch(fn, grid, (cfg.threads,), smem, params),
+                           map_q=heads_map(q_shape, dtype, rows=rows), map_k=heads_map(k_shape, dtype, rows=keys),
+                           map_v=heads_map(k_shape, dtype, rows=keys), map_do=heads_map(q_shape, dtype, rows=rows),
+                           map_dq=dq_map)
 
 
-@fast_path.remembered  # a plain call seen before goes straight to its planned launches (stages/common/fast_path.py)
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
-    """(dq, dk, dv), shaped like q, k, v and in their dtype: the gradients of sum(O * dO) from the forward's o and lse.
-    Raises device.UnsupportedDevice off sm_90 (naming the stage 03 version to use), TypeError / ValueError for what the
-    kernel does not take."""
-    import cupy
-
-    where = "flash_v3_backward"
-    if version != "auto" and version not in VERSIONS:
-        raise ValueError(f"{where}: version {version!r} is not one of {('auto',) + VERSIONS}")
-    if not all(isinstance(x, cupy.ndarray) for x in (q, k, v, o, lse, do)):
-        raise TypeError(f"{where}: q, k, v, o, lse, do must be CuPy arrays (stage 06 runs on the GPU only; stage 03's "
-                        "mirror takes numpy)")
-    blocks.require_hopper()
-    _, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, dtypes=tuple(blocks.CTYPE),
-                                               head_dims=HEAD_DIMS)
-    if B * H > 65535:
-        raise ValueError(f"{where}: batch * heads = {B * H} is over the grid limit 65535")
-    causal = check_causal(causal, where)
-    scale = resolve_scale(scale, D)
-    plan = _plan(resolve_version(version, D), np.dtype(q.dtype), q.shape, Nk, causal, scale)
-    return fast_path.launch(plan, q, k, v, o, lse, do)
+def _pre_launch(ctype, *, Nq, ldq, Nq_pad, D, BH, zero, counters=0):
+    """Stage 03's preprocess (Alg.2 L4) of rows 0..Nq-1 of every head, ldq rows a head apart from the pointers to o,
+    do, lse it is given: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for
+    the padding up to Nq_pad), and, where zero, the float32 dQ accumulator and the first `counters` block counters
+    zeroed (a ring block has no accumulator of its own). Arguments of a call: o, do, lse, delta, lse_pad, the dQ
+    accumulator (or 0), the counters (or 0)."""
+    i32, f32 = np.int32, np.float32
+    return kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
+                          (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(counters)))
 
 
+@functools.lru_cache(maxsize=None)
+def _pre_function(kernel, ctype):
+    """Stage 03's preprocess or dQ conversion for ctype, from the module stage 03 compiles (one compile for both)."""
+    return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
+
+
+
+# ----------------------------------------------------------------------------- the ring's blocks (stage 04)
 def takes_block(dtype, head_dim):
     """Whether accumulate_into computes a ring block of this dtype and head dim (version ws's head dims); the ring
     asks flash_v3.takes for the GPU and the heads first."""
-    return np.dtype(dtype) in blocks.CTYPE and head_dim in VERSION_HEAD_DIMS["ws"]
+    return np.dtype(dtype) in CTYPE and head_dim in VERSION_HEAD_DIMS["ws"]
 
 
-@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per block of the ring's schedule
+@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # the speed layer: the ring repeats its blocks every step
 def _block_plan(dtype, q_shape, k_shape, rows, keys, causal, scale):
     """(preprocess, main kernel, scratch layout of D_i and L_i) of one ring block (accumulate_into)."""
     (a, b), B, H, Lq, D = rows, *q_shape
     BH, Nq_pad = B * H, -(-(b - a) // PAD) * PAD
-    pre = _pre_launch(blocks.CTYPE[dtype], Nq=b - a, ldq=Lq, Nq_pad=Nq_pad, D=D, BH=BH, zero=False)
+    pre = _pre_launch(CTYPE[dtype], Nq=b - a, ldq=Lq, Nq_pad=Nq_pad, D=D, BH=BH, zero=False)
     main = _main_launch("ws", dtype, q_shape, k_shape, rows, keys, causal, scale, accumulate=True,
-                        dq_map=blocks.heads_map(q_shape, np.float32, rows=rows))
+                        dq_map=heads_map(q_shape, np.float32, rows=rows))
     return pre, main, fast_path.out_layout([((BH * Nq_pad,), np.float32)] * 2)
 
 
@@ -270,6 +253,6 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
     main(q, k, v, do, dq_run, 0, dk_run.data.ptr + kv, dv_run.data.ptr + kv, lse_pad, delta, 0, 0)
 
 
-def kernel_names(version):
-    """The instantiations of a version that CI compiles for sm_90a."""
-    return [_name(version, c, D) for c in blocks.CTYPE.values() for D in VERSION_HEAD_DIMS[version]]
+def instantiations(version):
+    """[(file, name)]: the instantiations of a version that CI compiles for sm_90a."""
+    return [(FILES[version], instantiation(version, c, D)) for c in CTYPE.values() for D in VERSION_HEAD_DIMS[version]]

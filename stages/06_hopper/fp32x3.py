@@ -8,7 +8,6 @@ reads both from there, O += P V reads P's parts from registers. Two warpgroups (
 buffer; the threads split V_j into its parts while S is computed and K_{j+1} while P V_j is. Head dims 64 and 128;
 any Nq, Nk; causal aligned bottom-right. On another GPU it says so and names stage 02's version fp32x3.
 """
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -16,7 +15,7 @@ import numpy as np
 from stages.common import LOG2E, device, fast_path, kernels
 from stages.common.params import FwdParams
 
-from . import blocks
+from .sm90a import function
 
 FILE = "flash_v3_forward_fp32x3.cu"
 HEAD_DIMS = (64, 128)
@@ -49,27 +48,27 @@ def smem_bytes(D, cfg=None):
     return 4 * D * (2 * cfg.br + 2 * cfg.bc + 3 * cfg.bc) + 1024
 
 
-def name(D, cfg=None):
+def instantiation(D, cfg=None):
+    """The kernel's template instantiation (its name expression) at head dim D."""
     cfg = cfg or CONFIGS[D]
     return f"flash_v3_forward_fp32x3<{D},{cfg.bc},{cfg.nwg}>"
 
 
-def kernel_names():
-    """The instantiations CI compiles for sm_90a."""
-    return [name(D) for D in HEAD_DIMS]
+def instantiations():
+    """[(file, name)]: the instantiations CI compiles for sm_90a."""
+    return [(FILE, instantiation(D)) for D in HEAD_DIMS]
 
 
-@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: nothing below depends on the arrays' values
-def plan(q_shape, Nk, causal, scale):
-    """The forward of float32 q (q_shape: B, H, Nq, D with Nq > 0) against Nk keys, as flash_v3.forward checked it: a
-    kernels.ForwardLaunch, plan(q, k, v) -> (o, lse). scale is a float."""
-    B, H, Nq, D = q_shape
-    cfg = CONFIGS[D]
+def forward(q, k, v, *, causal, scale):
+    """Version fp32x3 on CuPy float32 q, k, v (B, H, N, D) checked by flash_v3.forward (Nq > 0): o (B, H, Nq, D)
+    float32, lse (B, H, Nq)."""
+    B, H, Nq, D = q.shape
+    cfg = CONFIGS[D]  # the named tiles of this head dim
     smem = smem_bytes(D)
     if not device.fits(device.device(), smem):
         raise device.UnsupportedDevice(f"flash_v3.forward version 'fp32x3' needs {smem // 1024} KB of shared memory "
                                        "per block; use stage 02's version fp32x3")
-    fn = blocks.sm90a_function(FILE, name(D), smem)
-    params = FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal)))
+    fn = function(FILE, instantiation(D), smem)  # compiled once
+    params = FwdParams(Nq=Nq, Nk=k.shape[2], scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal)))
     launch = kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem, params)  # one block per (Q_i, head)
-    return kernels.ForwardLaunch(launch, np.dtype(np.float32))
+    return fast_path.launch(kernels.ForwardLaunch(launch, np.dtype(np.float32)), q, k, v)  # o, lse allocated; launch

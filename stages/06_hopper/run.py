@@ -1,17 +1,17 @@
-"""Stage 06, the part that runs anywhere: Hopper's layouts and schedules, shown and checked on the CPU.
+"""Stage 06, the part that runs anywhere: Hopper's shared-memory swizzle and schedules, shown and checked on the CPU.
 
 1. The 128-byte swizzle: where each 16-byte chunk of 8 rows lands, and how many shared-memory passes reading one
    chunk of the 8 rows takes with and without it; then the passes of the ws backward's 8-byte dQ_i stores into its
-   swizzled buffer, in the kernel's lane order and with every lane on one n-block (layouts.dq_store_offsets).
+   swizzled buffer, in the kernel's lane order and with every lane on one n-block (swizzle.dq_store_offsets).
 2. The wgmma matrix descriptor of a K-major tile, and a check that every K step read through it returns the columns
-   the copy engine wrote (layouts.read_operand, for D = 64, 128, 256).
+   the copy engine wrote (swizzle.read_operand, for D = 64, 128, 256).
 3. The mbarrier pipeline: the time of n tiles with 1 to 4 stages, beside the formula
    load + (n - 1) max(load, compute) + compute.
 4. The consumer warpgroups: the tensor cores' busy fraction for one warpgroup, one with GEMM0 issued early, two that
    share the tensor cores, and two in ping-pong (times of one tile from the FlashAttention-3 paper's H100 rates).
 5. The backward's tile order (backward_mirror): its gradients against stage 00's, and how many reductions into dQ
    each version's tiles make (wgmma: 64 keys x 64 rows; ws: 128 keys x 128 rows at D = 64, x 64 rows at D = 128).
-6. Version fp8's key order (layouts.fp8_key_order): P packed lane by lane into the 8-bit A fragment, times V with its
+6. Version fp8's key order (fp8.key_order): P packed lane by lane into the 8-bit A fragment, times V with its
    keys in that order, is P V.
 
     python stages/06_hopper/run.py
@@ -26,9 +26,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the chec
 import numpy as np
 
 from stages.hopper import backward_mirror as M
-from stages.hopper import flash_v3_backward
-from stages.hopper import layouts as L
+from stages.hopper import flash_v3_backward, fp8
 from stages.hopper import schedules as S
+from stages.hopper import swizzle as L
 
 
 def show_swizzle():
@@ -120,11 +120,11 @@ def show_backward(B=1, H=2, Nq=200, Nk=333, D=64):
 
 def show_fp8_key_order():
     print("\n6. version fp8: each lane packs its own P into the 8-bit A fragment, V^T's keys in that order")
-    order = L.fp8_key_order(np.arange(16))
+    order = fp8.key_order(np.arange(16))
     print(f"   position -> key within each 16: {order.tolist()}")
     rng = np.random.default_rng(6)
     p, v = rng.random((16, 32)), rng.standard_normal((32, 8))  # one warp's 16 rows, one K step of 32 keys
-    a = L.fp8_pack_a(p)  # lane t's keys at its positions 4 t .. 4 t + 3 and 16 + 4 t ..
+    a = fp8.pack_a(p)  # lane t's keys at its positions 4 t .. 4 t + 3 and 16 + 4 t ..
     ok = np.allclose(a @ v[np.concatenate([order, 16 + order])], p @ v)
     print(f"   packed P times the reordered V == P V: {ok}")
     return bool(ok)
@@ -138,8 +138,8 @@ def main(argv=None):
     show_warpgroups()
     ok = show_backward() and ok
     ok = show_fp8_key_order() and ok
-    print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: layouts, schedules, the backward's tile order, "
-          "fp8's key order)")
+    print(f"\nSUMMARY 06_hopper {'PASS' if ok else 'FAIL'} (CPU part: the swizzle, schedules, the backward's tile "
+          "order, fp8's key order)")
     return 0 if ok else 1
 
 

@@ -1,17 +1,18 @@
-// hopper_blocks.cu: stage 06's building blocks, each checked alone on an sm_90 GPU against stages/06_hopper/layouts.py
-// before the attention kernels use them (stages/06_hopper/blocks.py launches them; tests/test_06_hopper_gpu.py).
+// hopper_probes.cu: stage 06's probes of Hopper's data paths, each checked alone on an sm_90 GPU against
+// stages/06_hopper/swizzle.py before the attention kernels rely on them (stages/06_hopper/probes.py launches them;
+// tests/test_06_hopper_gpu.py).
 //   tile_bytes   the copy engine loads one box of a tensor map with the 128-byte swizzle; the shared-memory bytes
-//                are copied out as they are, to be compared with layouts.store_tile (the swizzle as the hardware
+//                are copied out as they are, to be compared with swizzle.store_tile (the swizzle as the hardware
 //                does it)
 //   qk_scores    S = Q K^T for one 64-row Q tile and one 64-row K tile: both loaded by the copy engine, multiplied by
-//                wgmma through K-major descriptors (layouts.descriptor), one K step of 16 per instruction
+//                wgmma through K-major descriptors (swizzle.descriptor), one K step of 16 per instruction
 //   pv_product   O = P V for a 64 x 64 P held in registers (the A fragments S's accumulators become) and a 64-key V
-//                tile loaded by the copy engine and read as an MN-major operand (layouts.read_operand_mn)
+//                tile loaded by the copy engine and read as an MN-major operand (swizzle.read_operand_mn)
 #include "hopper.cuh"
 
 // The one argument of the three kernels. Pointer fields first (kernels.Launch writes the arrays of each call there);
-// the tensor maps at a multiple of 64 bytes, as CUtensorMap requires. stages/06_hopper/blocks.py mirrors it.
-struct BlockParams {
+// the tensor maps at a multiple of 64 bytes, as CUtensorMap requires. stages/06_hopper/probes.py mirrors it.
+struct ProbeParams {
     void* out;        // tile_bytes: rows x 128 bytes; qk_scores: S, 64 x 64 float; pv_product: O, 64 x D float
     const void* in;   // pv_product: P, 64 x 64 (the 16-bit input type)
     int rows;         // tile_bytes: rows of the box
@@ -20,7 +21,7 @@ struct BlockParams {
     TensorMap map_b;  // qk_scores: K; pv_product: V
 };
 
-extern "C" __global__ void tile_bytes(const __grid_constant__ BlockParams p) {
+extern "C" __global__ void tile_bytes(const __grid_constant__ ProbeParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 full;  // the mbarrier
     const u32 base = aligned_1024(smem_raw), bar = smem_addr(&full);
@@ -42,7 +43,7 @@ extern "C" __global__ void tile_bytes(const __grid_constant__ BlockParams p) {
 
 // One warpgroup (128 threads). Shared memory: Q's D / 64 panels, then K's, 64 rows x 128 bytes (8 KB) each.
 template <typename T>
-__global__ void __launch_bounds__(128) qk_scores(const __grid_constant__ BlockParams p) {
+__global__ void __launch_bounds__(128) qk_scores(const __grid_constant__ ProbeParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 full;
     const u32 q_base = aligned_1024(smem_raw), bar = smem_addr(&full);
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(128) qk_scores(const __grid_constant__ BlockPa
 
 // One warpgroup. Shared memory: V's D / 64 panels, 64 keys x 128 bytes each. D <= 128 (two 32-register accumulators).
 template <typename T>
-__global__ void __launch_bounds__(128) pv_product(const __grid_constant__ BlockParams p) {
+__global__ void __launch_bounds__(128) pv_product(const __grid_constant__ ProbeParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) u64 full;
     const u32 v_base = aligned_1024(smem_raw), bar = smem_addr(&full);

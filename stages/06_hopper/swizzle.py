@@ -157,36 +157,3 @@ def read_operand_mn(smem, desc, *, n, k_rows=16, elem_dtype=np.uint16):
     addr = addr + (c % (128 // eb)) * eb
     byte = swizzle(addr[..., None] + np.arange(eb), 128)
     return np.ascontiguousarray(smem[byte]).view(elem_dtype).reshape(k_rows, n)
-
-
-def fp8_key_order(L):
-    """The key of a 16-key group that position L (0 .. 15, ints or an array) of V_j^T holds in version fp8.
-
-    The 8-bit wgmma takes P from registers as A fragments of 32 keys: lane 4 g + t holds columns 4 t .. 4 t + 3 and
-    16 + 4 t .. 16 + 4 t + 3 of rows g and g + 8. The accumulator of S = Q K^T leaves lane 4 g + t columns 2 t, 2 t + 1
-    of every 8 (the mma C layout). Rather than move values between lanes, each lane packs its own four values of two
-    8-column blocks, columns 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t, into positions 4 t .. 4 t + 3: position L = 4 t + j holds
-    key 8 (j // 2) + 2 t + j % 2. P V sums over keys in any order, so V_j^T's columns are laid out in the same order
-    (kernels/flash_v3_fp8_quantize.cu) and the product is unchanged."""
-    L = np.asarray(L)
-    return 8 * ((L % 4) // 2) + 2 * (L // 4) + L % 2
-
-
-def fp8_p_fragment_keys(t):
-    """The keys, in A-fragment order, that lane t of a quad packs into one K step (32 keys) of P in version fp8:
-    registers a[0] / a[1] (rows g / g + 8) take columns 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t of S, a[2] / a[3] the same 16
-    keys on (kernels/hopper_tiles.cuh: p_fragments)."""
-    first = [2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t]
-    return np.array(first + [16 + c for c in first])
-
-
-def fp8_pack_a(p):
-    """The A operand of one 8-bit K step (rows x 32 positions) as the lanes of a quad fill it from P (rows x 32 keys,
-    S's columns): lane t puts keys fp8_p_fragment_keys(t) at positions 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3,
-    each row as the others (kernels/hopper_tiles.cuh: p_fragments, one register per row and 16 positions)."""
-    p = np.asarray(p)
-    a = np.zeros_like(p)
-    for t in range(4):
-        for j, key in enumerate(fp8_p_fragment_keys(t)):
-            a[..., 16 * (j // 4) + 4 * t + j % 4] = p[..., key]
-    return a

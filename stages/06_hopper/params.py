@@ -1,0 +1,29 @@
+"""Stage 06's kernel parameter structs in Python: the structs of kernels/hopper_tiles.cuh (the forward's) and
+kernels/hopper_bwd_tiles.cuh (the backward's), field by field, as ctypes structures (tests/test_params.py has NVRTC
+check each offset). Pointer fields first: kernels.Launch writes each call's arrays there. The tensor maps follow at
+multiples of 64 bytes (CUtensorMap's alignment); MappedLaunch (tensor_maps.py) writes them per call."""
+import ctypes
+
+_MAP = ctypes.c_uint64 * 16  # a CUtensorMap's 128 bytes
+
+
+class HopperFwdParams(ctypes.Structure):
+    """struct HopperFwdParams: o, lse, amax (version fp8), Nq, Nk, scale_log2, causal, o_rows, merge, heads, then
+    three tensor maps (q, k, v) at offsets 64, 192, 320."""
+    _fields_ = [("o", ctypes.c_uint64), ("lse", ctypes.c_uint64), ("amax", ctypes.c_uint64),
+                ("Nq", ctypes.c_int32), ("Nk", ctypes.c_int32),
+                ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("o_rows", ctypes.c_int32),
+                ("merge", ctypes.c_int32), ("heads", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 12),
+                ("map_q", _MAP), ("map_k", _MAP), ("map_v", _MAP)]
+
+
+class HopperBwdParams(ctypes.Structure):
+    """struct HopperBwdParams: dq_acc, dk, dv, lse, delta, dq, done, Nq, Nk, Nq_pad, scale, causal, kv_rows,
+    accumulate, then five tensor maps (q, k, v, do; dq_acc in float32) at offsets 128, 256, 384, 512, 640."""
+    _fields_ = [("dq_acc", ctypes.c_uint64), ("dk", ctypes.c_uint64), ("dv", ctypes.c_uint64),
+                ("lse", ctypes.c_uint64), ("delta", ctypes.c_uint64), ("dq", ctypes.c_uint64),
+                ("done", ctypes.c_uint64), ("Nq", ctypes.c_int32),
+                ("Nk", ctypes.c_int32), ("Nq_pad", ctypes.c_int32), ("scale", ctypes.c_float),
+                ("causal", ctypes.c_int32), ("kv_rows", ctypes.c_int32), ("accumulate", ctypes.c_int32),
+                ("_pad", ctypes.c_uint8 * 44),
+                ("map_q", _MAP), ("map_k", _MAP), ("map_v", _MAP), ("map_do", _MAP), ("map_dq", _MAP)]
