@@ -170,12 +170,11 @@ def one_rank(cfg, P, r, D, dev, repeat, mode, trace=None):
     k, v = (_random(dev, (BATCH, cfg.kv_heads, L, D)) for _ in range(2))
     kw = dict(ring=lb, nq=n, nk=n, causal=cfg.causal, layout=cfg.layout, block=dev.block)
     with np.errstate(all="ignore"):  # (mode none: the received blocks are whatever their buffers held)
-        o, lse = ring.ring_forward(q, k, v, **kw)
-        f, f_host = _calls(lambda: ring.ring_forward(q, k, v, **kw), dev, 1, repeat)
-        b, b_host = _calls(lambda: ring.ring_backward(q, k, v, o, lse, do, **kw), dev, 1, repeat)
-        tl_f, tl_b = [], []
-        ring.ring_forward(q, k, v, timeline=tl_f, **kw)
+        tl_f, tl_b = [], []  # the first calls (a warm-up) take the per-step timeline
+        o, lse = ring.ring_forward(q, k, v, timeline=tl_f, **kw)
         ring.ring_backward(q, k, v, o, lse, do, timeline=tl_b, **kw)
+        f, f_host = _calls(lambda: ring.ring_forward(q, k, v, **kw), dev, 0, repeat)
+        b, b_host = _calls(lambda: ring.ring_backward(q, k, v, o, lse, do, **kw), dev, 0, repeat)
         if trace is not None:
             with marks.tracing() as phases:
                 ring.ring_forward(q, k, v, **kw)
@@ -191,26 +190,26 @@ def check(todo, sizes, variants, D, dev):
     Returns the first failure, or None."""
     kinds = sorted({(c.layout, c.causal, c.heads // c.kv_heads) for c in todo})
     T = CHECK_TOKENS["gpu" if dev.gpu else "cpu"]
-    for (layout, causal, group), P, (variant, names) in ((k, P, v) for k in kinds for P in sizes if P > 1
-                                                          for v in variants):
+    for (layout, causal, group), P in ((kind, P) for kind in kinds for P in sizes if P > 1):
         n, Hkv = P * T, 2
         q, k, v, do = (dev.xp.asarray(x) for x in verify_inputs(Hkv * group, Hkv, n, D, dev.dtype))
-        refs, bounds, (o_in, lse_in) = verify.rule(q, k, v, do, causal=causal)
-        o_in, lse_in = dev.xp.asarray(o_in), dev.xp.asarray(lse_in)
+        refs, bounds, (o_in, lse_in) = verify.rule(q, k, v, do, causal=causal)  # once for every variant
         kw = dict(nq=n, nk=n, causal=causal, layout=layout, block=dev.block)
 
         def rank_fn(rg):
             cut = [ring.shard(x, rg.rank, P, layout) for x in (q, k, v, o_in, lse_in, do)]
             return (*ring.ring_forward(*cut[:3], ring=rg, **kw), *ring.ring_backward(*cut, ring=rg, **kw))
 
-        with candidates.trying(*names):
-            _, received = ring.recorded(rank_fn, P)
-            outs = [rank_fn(ring.LoopbackRing(r, P, "replay", received[r])) for r in range(P)]
-        got = [ring.unshard([dev.xp.asnumpy(o[i]) if dev.gpu else o[i] for o in outs], n, layout) for i in range(5)]
-        try:
-            verify.check_outputs(got, refs, bounds)
-        except AssertionError as e:
-            return f"{variant}, P={P}, {layout}, causal={causal}, H/Hkv={group}: {e}"
+        for variant, names in variants:
+            with candidates.trying(*names):
+                _, received = ring.recorded(rank_fn, P)
+                outs = [rank_fn(ring.LoopbackRing(r, P, "replay", received[r])) for r in range(P)]
+            got = [ring.unshard([dev.xp.asnumpy(o[i]) if dev.gpu else o[i] for o in outs], n, layout)
+                   for i in range(5)]
+            try:
+                verify.check_outputs(got, refs, bounds)
+            except AssertionError as e:
+                return f"{variant}, P={P}, {layout}, causal={causal}, H/Hkv={group}: {e}"
     return None
 
 

@@ -154,6 +154,26 @@ def test_bench_rank_runs_on_the_cpu_and_writes_its_csvs(tmp_path):
     assert {("forward", "fill"), ("forward", "compute"), ("backward", "copy-in"), ("backward", "cast")} <= phases
 
 
+def test_bench_rank_check_fails_on_a_rank_that_is_not_the_rings(monkeypatch):
+    """The check before timing fails when a loopback rank does not compute the ring's result: here every array it
+    replays is shifted by four elements (the right bytes in the wrong places)."""
+    import bench_rank
+
+    dev = bench_rank.Device(np, False, np.float32, "naive", "CPU")
+    todo, sizes, _ = bench_rank.problems(bench_rank.parse(["--cpu", "--configs", "8k-causal"]))
+    assert bench_rank.check(todo, sizes, [("base", ())], 16, dev) is None
+    real_init = ring.LoopbackRing.__init__
+
+    def shifted(self, rank, size, mode="copy", received=None):
+        real_init(self, rank, size, mode, received)
+        if received:
+            self.replay = iter([np.roll(x, 4) for x in received])
+
+    monkeypatch.setattr(ring.LoopbackRing, "__init__", shifted)
+    failed = bench_rank.check(todo, sizes, [("base", ())], 16, dev)
+    assert failed and failed.startswith("base, P=2, zigzag, causal=True, H/Hkv=1: ") and "exceeds the bound" in failed
+
+
 def _synthetic_rows(path, a_fwd, a_bwd):
     """A rank-benchmark CSV whose step times are a T^2 (seconds) at T = 4k and 16k, for two problems."""
     cols = ["gpu", "gpus", "tokens_per_gpu", "heads", "kv_heads", "head_dim", "causal", "dtype", "variant",
