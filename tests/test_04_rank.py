@@ -238,3 +238,39 @@ def test_the_committed_link_section_is_what_the_generator_writes():
     text = ring_links.README.read_text()
     assert ring_links.splice(text, ring_links.section(paths, ring_links.LINKS)) == text, \
         "stages/04_ring/README.md's ring-links section is stale: python dev/ring_links.py --write"
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
+def test_gpu_candidates_and_the_loopback_rank(layout, causal):
+    """On the GPU (stage 06's blocks on sm_90, else stages 02/03, bfloat16): the ring under every candidate passes the
+    one-device rule; a rank alone on a replaying loopback gives the ring's result (the rule again: the kernels add
+    with atomics, so not bit for bit); the copy and none modes run the same schedule with device copies or none."""
+    import cupy
+
+    import stages.hopper  # noqa: F401  the caller registers stage 06's kernels
+    from stages.common import bfloat16, verify
+
+    P, n = 2, 512
+    q, k, v, do = make_inputs(1, 2, n, n, 128, dtype=bfloat16, xp=cupy, grad=True)
+    refs, bounds, (o_in, lse_in) = verify.rule(q, k, v, do, causal=causal)
+
+    def body(rg):
+        cut = [ring.shard(x, rg.rank, P, layout) for x in (q, k, v, o_in, lse_in, do)]
+        kw = dict(ring=rg, causal=causal, layout=layout, block="flash")
+        return (*ring.ring_forward(*cut[:3], **kw), *ring.ring_backward(*cut, **kw))
+
+    def gathered(outs):
+        return [ring.unshard([cupy.asnumpy(o[i]) for o in outs], n, layout) for i in range(5)]
+
+    for names in [()] + [(name,) for name in ring.candidates.CANDIDATES]:
+        with ring.candidates.trying(*names):
+            real, received = ring.recorded(body, P)
+            verify.check_outputs(gathered(real), refs, bounds, what=f"candidates {names}: ")
+            alone = [body(ring.LoopbackRing(r, P, "replay", received[r])) for r in range(P)]
+            verify.check_outputs(gathered(alone), refs, bounds, what=f"loopback replay, candidates {names}: ")
+    for mode in ("copy", "none"):
+        outs = [body(ring.LoopbackRing(r, P, mode)) for r in range(P)]
+        cupy.cuda.get_current_stream().synchronize()
+        assert all(o[0].shape == (1, 2, n // P, 128) for o in outs)

@@ -26,12 +26,12 @@ import numpy as np
 from stages.common import array_module, cast, check_attention_inputs, check_backward_inputs, kernels, resolve_scale
 
 from . import gather
-from .comm import simulate
-from .compute import BLOCKS, Compute, backward_accumulators, default_block, forward_accumulators, merge_kernel, \
-    partial_dtype
+from .compute import (BLOCKS, Compute, backward_accumulators, default_block, forward_accumulators, merge_kernel,
+                      partial_dtype)
 from .layout import LAYOUTS, shard, unshard
 from .marks import Marks, one_call
 from .problem import check_api, prologue
+from .threads import simulate
 from .travel import Travel, hop
 
 __all__ = ["plain_ring_forward", "plain_ring_backward", "merge", "ring_forward", "ring_backward", "forward", "backward"]
