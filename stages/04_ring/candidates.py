@@ -18,7 +18,8 @@ import contextlib
 CANDIDATES = {
     "fold": "the forward's float32 O_r is not filled with zeros: its first block writes it (the merge, like the "
             "kernels' epilogue, never reads O where L = -inf); only rows no block covers are zeroed. The backward "
-            "zeroes a travelling half's dK, dV in one fill instead of two",
+            "zeroes a travelling half's dK, dV in one fill instead of two, and casts them in one pass instead of one "
+            "per run of rows",
     "serial-fwd": "the forward's calls of a step one after another on the compute stream (no side streams)",
     "serial-bwd": "the backward's calls of a step one after another on the compute stream (no side streams)",
 }

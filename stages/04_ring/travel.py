@@ -88,10 +88,16 @@ class Travel:
     def gradients(self, k, v):
         """dK_r, dV_r in k's dtype, from the halves (home after the last hop) back into the shard's row order."""
         dk, dv = self.xp.empty(k.shape, k.dtype), self.xp.empty(v.shape, v.dtype)
-        for rows, slot in zip(self.rows, self.slots):
+        for rows, slot, shape in zip(self.rows, self.slots, self.shapes):
+            if candidates.on("fold"):  # dK_h and dV_h (adjacent in the slot) cast in one pass, then placed
+                both = cast(slot["bytes"][:slot["grad_bytes"]].view(self.acc), k.dtype).reshape((2, *shape))
+                parts = both[0], both[1]
             for a, b, at in row_runs(rows):
-                dk[:, :, a:b] = cast(slot["dk"][:, :, at:at + b - a], k.dtype)
-                dv[:, :, a:b] = cast(slot["dv"][:, :, at:at + b - a], v.dtype)
+                if candidates.on("fold"):
+                    dk[:, :, a:b], dv[:, :, a:b] = (x[:, :, at:at + b - a] for x in parts)
+                else:
+                    dk[:, :, a:b] = cast(slot["dk"][:, :, at:at + b - a], k.dtype)
+                    dv[:, :, a:b] = cast(slot["dv"][:, :, at:at + b - a], v.dtype)
         return dk, dv
 
     def arrive(self, h):
