@@ -12,7 +12,7 @@ from .compute import (
     BLOCKS, flash_version, hopper_backward_takes, hopper_takes, one_device_backward, one_device_forward,
 )
 from .gather import SCHEMES, traffic
-from .layout import LAYOUTS, BlockCall, block_calls, halves, positions, shard, shard_len, steps, unshard
+from .shards import LAYOUTS, BlockCall, block_calls, halves, positions, shard, shard_len, steps, unshard
 from .problem import RingMismatch, check_same_everywhere
 from .ring import backward, forward, merge, plain_ring_backward, plain_ring_forward, ring_backward, ring_forward
 from .threads import recorded, simulate

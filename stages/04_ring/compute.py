@@ -1,6 +1,6 @@
 """Stage 04: how a rank computes its block calls: which kernel, side by side on which streams.
 
-A block call (layout.BlockCall) is rows q_start:q_stop of the query shard against keys k_start:k_stop of the block
+A block call (shards.BlockCall) is rows q_start:q_stop of the query shard against keys k_start:k_stop of the block
 the rank holds. Compute runs each call with one of three kinds of kernel:
 
   * fused, the fast path on a GPU: the kernel adds its result into the ring's float32 accumulators itself (forward:

@@ -40,7 +40,7 @@ import numpy as np
 from stages.common import cast
 
 from .compute import partial_dtype
-from .layout import _runs, positions, shard_len
+from .shards import _runs, positions, shard_len
 
 SCHEMES = ("ring", "allgather", "alltoall")
 

@@ -17,7 +17,7 @@ from stages.common import cast, check_attention_inputs, check_backward_inputs, c
 
 from .compute import BLOCKS
 from .gather import check_scheme
-from .layout import block_calls, check_layout, check_ranks, halves, positions, shard_len, steps
+from .shards import block_calls, check_layout, check_ranks, halves, positions, shard_len, steps
 
 __all__ = ["RingMismatch", "check_same_everywhere", "Problem", "prologue", "check_api", "check_block"]
 
@@ -47,7 +47,7 @@ def check_same_everywhere(ring, **facts):
 @functools.lru_cache(maxsize=1024)
 def _step_calls(P, r, nq, nk, layout, causal, window, runs, s, h):
     """(calls, key positions) of this rank's queries against half h (None: all) of the block it holds at step s: the
-    kernel calls (layout.block_calls) and the global positions of the keys. A pure function of the problem's shape, so
+    kernel calls (shards.block_calls) and the global positions of the keys. A pure function of the problem's shape, so
     it is made once per (problem, step, half) and remembered: a repeated ring call splits nothing again."""
     kpos = positions((r - s) % P, P, nk, layout)
     if h is not None:
@@ -67,7 +67,7 @@ def _gathered(P, r, nq, nk, layout, causal, window, runs):
 class Problem:
     """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the shard
     shapes (B, H, Hkv, Lq, Lk, D), the global lengths, the layout, the resolved mask, scale and the options that act
-    on scores or probabilities (softcap, ALiBi, dropout), and the steps with work (layout.steps)."""
+    on scores or probabilities (softcap, ALiBi, dropout), and the steps with work (shards.steps)."""
     P: int
     r: int
     xp: object
@@ -92,7 +92,7 @@ class Problem:
 
     @property
     def key_halves(self):
-        """The rows of a key block in each half it travels in (layout.halves)."""
+        """The rows of a key block in each half it travels in (shards.halves)."""
         return halves(self.Lk, self.P, self.layout)
 
     @property

@@ -11,10 +11,10 @@ Read in this order: plain_ring_forward and plain_ring_backward, the algorithm in
 double buffer, one block call per step; the tests hold the fast ring to them); merge; ring_forward and ring_backward,
 the same loops as a rank runs them fast (any length, the variants, the steps a window leaves, kernels that add into the
 accumulators themselves, the backward's block in halves, the other schemes); forward and backward, the one API of every
-stage (P ranks simulated as threads). The machinery has a file each: layout.py (shards; which keys each query sees, as
-block calls), problem.py (the checks every rank agrees on), compute.py (which kernel computes a call; side streams),
-travel.py (the backward's travelling halves; what a rank holds), marks.py (timing), gather.py (the all-gather and
-all-to-all schemes), comm.py (how bytes move). It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
+stage (P ranks simulated as threads). The machinery has a file each: shards.py (the layouts; which keys each query
+sees, as block calls), problem.py (the checks every rank agrees on), compute.py (which kernel computes a call; side
+streams), travel.py (the backward's travelling halves; what a rank holds), marks.py (timing), gather.py (the
+all-gather and all-to-all schemes), comm.py (how bytes move). It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
 
 One set of defaults for every entry point: layout="zigzag", which gives every rank the same causal work and costs
 nothing without a mask; block=None, the block kernels of the arrays' device: "flash" (stages 02/03, or stage 06's where
@@ -28,7 +28,7 @@ from stages.common import array_module, cast, check_attention_inputs, check_back
 from . import gather
 from .compute import (BLOCKS, Compute, backward_accumulators, default_block, forward_accumulators, merge_kernel,
                       partial_dtype)
-from .layout import LAYOUTS, shard, unshard
+from .shards import LAYOUTS, shard, unshard
 from .marks import Marks, one_call
 from .problem import check_api, prologue
 from .threads import simulate
@@ -40,7 +40,7 @@ __all__ = ["plain_ring_forward", "plain_ring_backward", "merge", "ring_forward",
 # ----------------------------------------------------------------------------- the plain ring: read this first
 def _block_of_step(r, j, L, layout, causal):
     """(query rows, key rows, causal) of rank r's one block call against the block of rank j, or None when no query of
-    rank r sees a key of block j (shards of L rows, no padding; layout.py draws the layouts):
+    rank r sees a key of block j (shards of L rows, no padding; shards.py draws the layouts):
       full attention        every query against every key
       contiguous, causal    j == r: causal (the diagonal block); j < r: every key; j > r: nothing
       zigzag, causal        rank r holds chunks r and 2P-1-r of c = L/2 rows. j == r: causal over the whole shard (chunk

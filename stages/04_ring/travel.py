@@ -7,7 +7,7 @@
 
 The forward sends whole blocks (ring.py double-buffers them). The backward cannot: dK_j, dV_j must travel with K_j,
 V_j, and the rank may send them on only once it has added its part. So the block is cut in two halves by key rows
-(layout.halves): the rank computes with half 0 while half 1 is still arriving, then sends half 0 on while it computes
+(shards.halves): the rank computes with half 0 while half 1 is still arriving, then sends half 0 on while it computes
 with half 1: every transfer hides behind the other half's compute.
 """
 import numpy as np
@@ -16,7 +16,7 @@ from stages.common import cast
 
 from . import candidates
 from .compute import partial_dtype
-from .layout import _runs, steps
+from .shards import _runs, steps
 
 
 def row_runs(rows):
@@ -35,7 +35,7 @@ def hop(todo, idx, P, home):
 
 
 class Travel:
-    """The backward's key block on this rank, in halves (layout.halves): each half one contiguous slot of bytes holding
+    """The backward's key block on this rank, in halves (shards.halves): each half one contiguous slot of bytes holding
     the half's dK, dV accumulators (float32) then its K, V rows. arrive(h) waits for half h; depart(h, hop)
     sends it to rank r + hop while rank r - hop's half h arrives (the gradients only, on the way home). With one rank
     the block is the caller's own k, v and nothing travels.
@@ -123,7 +123,7 @@ class Travel:
 
 
 def schedule(P, nq, nk, *, layout="zigzag", causal=False, window=None, kv_shape=None, dtype=None):
-    """What the ring will do, as a dict: the steps with work (layout.steps) out of P, the hops K, V make (forward
+    """What the ring will do, as a dict: the steps with work (shards.steps) out of P, the hops K, V make (forward
     and backward) and the hops the dK, dV accumulators make (backward; the last one takes them home), and, given
     one rank's K shard shape (B, Hkv, Lk, D) and dtype, the bytes of one hop: K and V, dK and dV (float32).
     Grouped-query k, v travel with their Hkv heads: H / Hkv times fewer bytes than H heads."""

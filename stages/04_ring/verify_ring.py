@@ -11,7 +11,7 @@ import numpy as np
 
 from stages.common import make_inputs, to_numpy, verify
 
-from .layout import shard, unshard
+from .shards import shard, unshard
 from .ring import ring_backward, ring_forward
 
 
