@@ -122,7 +122,8 @@ def registered_for(dtype, D, *, H, Hkv, B, version=None):
 
 
 def hopper_takes(dtype, D, *, H, Hkv, B, version=None):
-    """Whether the flash forward runs registered kernels (stage 06's on sm_90, once imported) for this shape."""
+    """Whether the flash forward runs registered kernels for this shape (so far only stage 06 registers: on an sm_90
+    GPU, once `stages.hopper` is imported; hence the name)."""
     return registered_for(dtype, D, H=H, Hkv=Hkv, B=B, version=version) is not None
 
 
@@ -153,7 +154,7 @@ def one_device_forward(q, k, v, *, version="auto", **kw):
         kernels = registered_for(q.dtype, q.shape[3], H=q.shape[1], Hkv=k.shape[1], B=q.shape[0], version=version)
         if kernels is not None:
             return kernels.forward(q, k, v, **kw)
-    return flash_v2.forward(q, k, v, version=version, **kw)
+    return flash_v2.forward(q, k, v, version=version or "auto", **kw)
 
 
 def one_device_backward(q, k, v, o, lse, do, *, version="auto", **kw):
@@ -163,7 +164,7 @@ def one_device_backward(q, k, v, o, lse, do, *, version="auto", **kw):
         shape = dict(H=q.shape[1], Hkv=k.shape[1], B=q.shape[0])
         if hopper_backward_takes(q.dtype, q.shape[3], version=version, **shape):
             return registered_for(q.dtype, q.shape[3], **shape).backward(q, k, v, o, lse, do, **kw)
-    return flash_v2_backward.backward(q, k, v, o, lse, do, version=version, **kw)
+    return flash_v2_backward.backward(q, k, v, o, lse, do, version=version or "auto", **kw)
 
 
 def lanes(calls, by_rows):
