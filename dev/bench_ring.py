@@ -42,13 +42,14 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # C
 
 import numpy as np  # noqa: E402
 
+import stages.hopper  # noqa: E402, F401  registers stage 06's kernels: the ring's blocks on an sm_90 GPU
 from stages import ring as R  # noqa: E402
 from stages.common import (  # noqa: E402
     PeakMemory, attention_flops, bfloat16, cast, code_version, gpu_name, time_ms, time_queued_ms,
 )
 from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
-from stages.ring.run import check_on_ranks  # noqa: E402
+from stages.ring.verify_ring import check_on_ranks  # noqa: E402
 
 
 class Config(NamedTuple):

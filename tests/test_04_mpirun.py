@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from stages import ring
 from stages.common import bfloat16
 from stages.common.mpirun import mpi_env, mpirun_command
 
@@ -113,8 +114,9 @@ from stages.ring import comm
 fault, bad, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if comm.world().Get_rank() == bad:
     if fault == "mismatch":  # this rank calls the ring with the other mask: the ranks disagree
-        ring_forward = ring.ring_forward
-        ring.ring_forward = lambda *a, **kw: ring_forward(*a, **dict(kw, causal=not kw["causal"]))
+        from stages.ring import verify_ring  # where run.py's check calls the ring
+        ring_forward = verify_ring.ring_forward
+        verify_ring.ring_forward = lambda *a, **kw: ring_forward(*a, **dict(kw, causal=not kw["causal"]))
     else:  # this rank's second block call raises, mid-ring, while the others wait on it
         fwd, bwd = ring.BLOCKS["naive"]
         calls = []
@@ -199,7 +201,7 @@ def test_gpu_mpirun_mpi_backend_four_ranks_one_gpu(layout, causal):
 def test_gpus_in_use_counts_distinct_gpus_over_every_node(monkeypatch):
     """comm.gpus_in_use: ranks on one GPU count once; the same bus id on two hosts is two GPUs; a rank that sees only
     its own GPU (CUDA_VISIBLE_DEVICES per rank: index 0 everywhere) is counted by its bus id, not its index."""
-    from stages.ring import comm
+    from stages.ring import launch
 
     class Fake:  # the ranks' facts, as allgather would gather them
         def __init__(self, facts):
@@ -209,10 +211,10 @@ def test_gpus_in_use_counts_distinct_gpus_over_every_node(monkeypatch):
             return self.facts
 
     def gpus(facts):
-        monkeypatch.setattr(comm, "_host_name", lambda: facts[0][0])
-        monkeypatch.setattr(comm, "_my_gpu", lambda lrank: (0, facts[0][1]))
-        monkeypatch.setattr(comm, "local_rank", lambda c: (0, len(facts)))
-        return comm.gpus_in_use(Fake(facts))
+        monkeypatch.setattr(launch, "_host_name", lambda: facts[0][0])
+        monkeypatch.setattr(launch, "_my_gpu", lambda lrank: (0, facts[0][1]))
+        monkeypatch.setattr(launch, "local_rank", lambda c: (0, len(facts)))
+        return launch.gpus_in_use(Fake(facts))
 
     assert gpus([("a", "0000:01"), ("a", "0000:01"), ("a", "0000:01"), ("a", "0000:01")]) == 1
     assert gpus([("a", "0000:01"), ("a", "0000:02"), ("a", "0000:01"), ("a", "0000:02")]) == 2
@@ -308,7 +310,7 @@ def test_gpu_mpirun_nccl_backend_four_gpus(extra):
     plain = extra[:1] not in (["--heads"], ["--alibi"])  # no variant: stage 06's blocks on an sm_90 GPU
     hopper = plain and flash_v3.takes(bfloat16, 128)
     fwd = "stage 06 (FlashAttention-3 on sm_90)" if hopper else "stage 02 version pipelined"
-    bwd = "stage 06 backward version ws" if hopper else "stage 03 version tc"
+    bwd = "stage 06 (FlashAttention-3 on sm_90) backward" if hopper else "stage 03 version tc"
     assert f"blocks flash ({fwd}, {bwd})" in out, out
     assert "SUMMARY 04_ring PASS 4 ranks nccl" in out, out
 
@@ -322,54 +324,121 @@ def _run_module():
     return mod
 
 
-def test_run_py_blocks_where_the_flash_kernels_cannot_take_the_options(capsys):
+def test_run_py_blocks_where_the_flash_kernels_cannot_take_the_options():
     """run.py's block choice: on the GPU the flash kernels take --kv-heads/--window/--softcap in version pipelined
     (float16 / bfloat16) only, so with float32 (a T4's default) the default blocks are naive ones, with the reason, and
     an explicit --block flash is one clear error; without options, or on the CPU (mirrors), nothing changes."""
+    from stages.ring import run_options as ro
+
     run = _run_module()
     plain, window = run.parse([]), run.parse(["--window", "300", "-1"])
-    assert run._blocks(plain, True, np.float32, False) == ("flash", "")
-    assert run._blocks(window, True, bfloat16, True) == ("flash", "")
-    assert run._blocks(window, False, np.float32, True) == ("naive", "")
-    block, why = run._blocks(window, True, np.float32, True)
+    assert ro.blocks(plain, True, np.float32, False) == ("flash", "")
+    assert ro.blocks(window, True, bfloat16, True) == ("flash", "")
+    assert ro.blocks(window, False, np.float32, True) == ("naive", "")
+    block, why = ro.blocks(window, True, np.float32, True)
     assert block == "naive" and "pipelined" in why and "float32" in why
-    assert run._versions("naive", np.float32, 64, window, 0, True, True) == (None, None)
-    assert run._versions("flash", bfloat16, 64, window, 0, True, True) == ("pipelined", "tc")
-    assert run._versions("flash", np.float32, 64, window, 0, False, True) == ("fp32", "fp32")  # CPU: the mirrors
+    assert ro.versions("naive", np.float32, 64, window, True, True) == (None, None)
+    assert ro.versions("flash", bfloat16, 64, window, True, True) == ("pipelined", "tc")
+    assert ro.versions("flash", np.float32, 64, window, False, True) == ("fp32", "fp32")  # CPU: the mirrors
     explicit = run.parse(["--window", "300", "-1", "--block", "flash"])
-    assert run._blocks(explicit, True, np.float32, True) == ("flash", "")
-    with pytest.raises(SystemExit):
-        run._versions("flash", np.float32, 64, explicit, 0, True, True)
-    assert "--block naive" in capsys.readouterr().err
+    assert ro.blocks(explicit, True, np.float32, True) == ("flash", "")
+    with pytest.raises(ro.Usage, match="--block naive"):
+        ro.versions("flash", np.float32, 64, explicit, True, True)
+
+
+# Each bad option of run.py is a usage error: one line naming the option and what it takes (the CPU's settings here;
+# test_mpirun_a_bad_option_is_one_line_from_one_rank shows the exit under mpirun).
+BAD_OPTIONS = [
+    (["--window", "-5", "3"], 2, r"^--window -5 3: LEFT and RIGHT are key counts >= 0 .* or -1 for unbounded$"),
+    (["--window", "3", "4"], 2, r"^--window 3 4: causal attention sees no key after the diagonal"),
+    (["--dropout", "1.5"], 2, r"^--dropout 1.5: takes a probability in \[0, 1\)$"),
+    (["--softcap", "0"], 2, r"^--softcap 0.0: takes a finite number > 0"),
+    (["--kv-heads", "3", "--heads", "4"], 2, r"^--kv-heads 3: must divide --heads 4"),
+    (["--block", "flash", "--dtype", "bfloat16", "--head-dim", "48"], 2,
+     r"^--head-dim 48: the flash blocks take head dims 64, 128, 256 in bfloat16 \(stage 02 pipelined: 32, 64, 96, "
+     r"128, 256; stage 03 tc: 64, 128, 256\)"),
+    (["--fwd-version", "tc"], 2, r"^--fwd-version/--bwd-version choose stage 02/03 versions; .* add --block flash$"),
+    (["--block", "flash", "--fwd-version", "nope"], 2, r"^--fwd-version nope with --dtype float32: .*unknown version"),
+    (["--scheme", "alltoall", "--heads", "6"], 4,
+     r"^--scheme alltoall gives each of the 4 ranks .* must divide --heads 6"),
+    (["--scheme", "alltoall", "--dropout", "0.1", "--heads", "4"], 2, r"^--scheme alltoall with --dropout"),
+]
+
+
+@pytest.mark.parametrize("argv,P,match", BAD_OPTIONS, ids=[" ".join(a) for a, _, _ in BAD_OPTIONS])
+def test_run_py_bad_options_are_one_line_usage_errors(argv, P, match):
+    from stages.ring import run_options as ro
+
+    run = _run_module()
+    with pytest.raises(ro.Usage, match=match) as e:
+        ro.settings(run.parse(["--quick", *argv]), P, gpu=False, dev="cpu", bf16=False, shared=True,
+                    defaults=run.DEFAULTS)
+    assert "\n" not in str(e.value)
+
+
+def test_run_py_says_when_the_alltoall_changes_the_heads():
+    """--scheme alltoall on 3 ranks with the default heads: H becomes a multiple of 3, and a note says so."""
+    from stages.ring import run_options as ro
+
+    run = _run_module()
+    s = ro.settings(run.parse(["--quick", "--scheme", "alltoall"]), 3, gpu=False, dev="cpu", bf16=False, shared=True,
+                    defaults=run.DEFAULTS)
+    assert s.H == 3 and any("H = 3, not the default 2" in note for note in s.notes), s
+    s = ro.settings(run.parse(["--quick", "--scheme", "alltoall", "--heads", "6"]), 3, gpu=False, dev="cpu",
+                    bf16=False, shared=True, defaults=run.DEFAULTS)
+    assert s.H == 6 and not s.notes
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("argv,says", [
+    (["--backend", "mpi"], "run.py: error: --backend mpi needs a CUDA GPU on every rank"),  # (on this CPU machine)
+    (["--dropout", "1.5"], "run.py: error: --dropout 1.5: takes a probability in [0, 1)"),
+    (["--layout", "striped"], "run.py: error: argument --layout: invalid choice: 'striped'"),
+])
+def test_mpirun_a_bad_option_is_one_line_from_one_rank(argv, says):
+    from stages.common import has_gpu
+
+    if argv[1] == "mpi" and has_gpu():
+        pytest.skip("--backend mpi runs on a GPU machine; this case is the CPU machine's error")
+    rc, out = _launch(2, "--quick", *argv)
+    assert rc == 2, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says), out  # one line, from one rank
 
 
 def test_run_py_times_one_device_with_the_forward_the_ring_blocks_use(monkeypatch):
-    """Where the ring's forward blocks are stage 06's (an sm_90 GPU), one device's forward, the efficiency's
-    yardstick, is stage 06's too; otherwise, with an option stage 06 does not take, or on numpy arrays, stage 02's.
-    run.py and dev/bench_ring.py both time ring.one_device_forward. The call signature is the one run.py's _time
-    uses."""
-    import importlib
-
+    """Where the ring's forward blocks are the registered kernels (stage 06's on an sm_90 GPU), one device's forward,
+    the efficiency's yardstick, is theirs too; otherwise, with an option they do not take, a stage 02 version named,
+    or on numpy arrays, stage 02's. run.py and dev/bench_ring.py both time ring.one_device_forward. The call signature
+    is the one run.py's _time uses."""
     from stages import flash_v2
-    from stages.hopper import flash_v3
+    from stages.common import attention_registry
 
-    ring = importlib.import_module("stages.ring.ring")  # the module whose hopper_takes one_device_forward calls
     run = _run_module()
     assert run._one_device("flash") == (ring.one_device_forward, ring.one_device_backward)
     seen = []
-    monkeypatch.setattr(flash_v3, "forward", lambda q, k, v, **kw: seen.append(("06", kw)) or ("o", "lse"))
     monkeypatch.setattr(flash_v2, "forward", lambda q, k, v, **kw: seen.append(("02", kw)) or ("o", "lse"))
 
     class GpuArray:  # stands for a CuPy array (not numpy)
         shape, dtype = (1, 2, 8, 64), np.dtype(np.float16)
 
+    takes = {"now": True}
+    fake = attention_registry.AttentionKernels(
+        name="a later stage (test)", takes=lambda *a, **kw: takes["now"],
+        forward=lambda q, k, v, **kw: seen.append(("later", kw)) or ("o", "lse"), merge_into=None,
+        takes_backward=lambda *a: False, backward=None, accumulate_into=None)
+    monkeypatch.setattr(attention_registry, "_REGISTERED", {fake.name: fake})
     q, host = GpuArray(), np.zeros((1, 2, 8, 64), np.float16)
-    for on_hopper in (True, False):
-        monkeypatch.setattr(ring, "hopper_takes", lambda *a, on_hopper=on_hopper, **kw: on_hopper)
-        assert ring.one_device_forward(q, q, q, version="pipelined", causal=True) == ("o", "lse")
-    monkeypatch.setattr(ring, "hopper_takes", lambda *a, **kw: True)
-    ring.one_device_forward(q, q, q, version="pipelined", causal=True, softcap=30.0)  # an option: stage 02
-    ring.one_device_forward(host, host, host, version="pipelined", causal=True)  # numpy: stage 02's mirrors
-    assert seen == [("06", {"causal": True}), ("02", {"version": "pipelined", "causal": True}),
+    R = ring
+    for now in (True, False):
+        takes["now"] = now
+        assert R.one_device_forward(q, q, q, version="pipelined", causal=True) == ("o", "lse")
+    takes["now"] = True
+    R.one_device_forward(q, q, q, version="pipelined", causal=True, softcap=30.0)  # an option: stage 02
+    R.one_device_forward(q, q, q, version="tc", causal=True)  # stage 02's tc named: stage 02
+    R.one_device_forward(host, host, host, version="pipelined", causal=True)  # numpy: stage 02's mirrors
+    assert seen == [("later", {"causal": True}), ("02", {"version": "pipelined", "causal": True}),
                     ("02", {"version": "pipelined", "causal": True, "softcap": 30.0}),
-                    ("02", {"version": "pipelined", "causal": True})]
+                    ("02", {"version": "tc", "causal": True}), ("02", {"version": "pipelined", "causal": True})]
+    assert R.hopper_takes(np.float16, 64, H=2, Hkv=2, B=1) and not R.hopper_backward_takes(np.float16, 64, H=2,
+                                                                                             Hkv=2, B=1)

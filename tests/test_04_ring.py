@@ -9,6 +9,7 @@ options and arrays, in the caller's terms. gpu: the same simulation on CuPy with
 import numpy as np
 import pytest
 
+import stages.hopper  # noqa: F401  the caller registers stage 06's kernels: the GPU tests below run them on sm_90
 from stages import naive, ring
 from stages.common import bfloat16, check_backward, check_forward, make_inputs
 from tests.conftest import CASE_IDS, CASES, DROPOUT_CASES, VARIANT_CASES, variant_inputs
@@ -47,7 +48,7 @@ def test_ring_simulated_cases(case, layout):
 def test_ring_backward_rotating_its_halves_in_place(layout, causal, monkeypatch):
     """The backward's low-memory way to move a half (no spare: each half rotates in place, comm.rotate) gives the same
     gradients as the default (a spare half the arriving one lands in)."""
-    monkeypatch.setattr(ring.ring._Travel, "SPARE", False)
+    monkeypatch.setattr(ring.travel.Travel, "SPARE", False)
     q, k, v, do = make_inputs(1, 2, 67, 67, 32, dtype=np.float32, grad=True)
     _check_ring(q, k, v, do, causal, layout=layout, ranks=4)
 
@@ -121,7 +122,7 @@ def test_dropout_grid_check_on_the_block_calls(layout):
     the block calls: 384 tokens put every call of every rank on the grid for 2, 3 and 4 ranks, causal, full, or with a
     right window side; 100 tokens on 3 ranks do not, nor does a left side off the 16 grid (a band's calls start one key
     apart), and the error names the call."""
-    from stages.ring.ring import Problem, check_dropout_tiles
+    from stages.ring.problem import Problem, check_dropout_tiles
 
     def problem(n, P, r, causal, window):
         L = ring.shard_len(n, P, layout)
@@ -170,7 +171,7 @@ def test_ranks_that_disagree_fail_on_every_rank():
     seen = []
 
     def body(comm):
-        L = 8 if comm.rank != 1 else 9  # rank 1 has a different shard
+        L = 8 if comm.rank != 1 else 10  # rank 1 has a different shard (each a valid zigzag shard on its own)
         x = np.zeros((1, 1, L, 4), np.float32)
         try:
             ring.ring_forward(x, x, x, ring=comm, block="naive")
@@ -181,7 +182,7 @@ def test_ranks_that_disagree_fail_on_every_rank():
     with pytest.raises(ring.RingMismatch, match=r"ranks \[1\] disagree with rank 0"):
         ring.simulate(body, 3)
     assert sorted(r for r, _ in seen) == [0, 1, 2]  # every rank got the error, not just the odd one
-    assert all("rank 1: k=(1, 1, 9, 4)" in msg for _, msg in seen)
+    assert all("rank 1: k=(1, 1, 10, 4)" in msg for _, msg in seen)
 
 
 def test_a_bad_input_on_one_rank_is_an_error_on_every_rank():
@@ -215,7 +216,7 @@ def test_an_error_on_one_rank_ends_every_rank():
 def test_lanes_never_share_a_row():
     """The forward's calls run side by side on the GPU only in lanes whose query rows are disjoint (each merge rewrites
     its rows of O_r, L_r); a call that overlaps two lanes joins them. Every call is in one lane, in its order."""
-    from stages.ring.ring import _lanes
+    from stages.ring.compute import lanes as _lanes
 
     C = ring.BlockCall
     calls = [C(0, 10, 0, 5), C(10, 20, 0, 5), C(30, 40, 0, 5), C(5, 15, 5, 9), C(35, 38, 5, 9)]

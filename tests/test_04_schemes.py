@@ -10,6 +10,7 @@ with 4 ranks on one GPU (mpi backend) and, with two GPUs, over NCCL.
 import numpy as np
 import pytest
 
+import stages.hopper  # noqa: F401  the caller registers stage 06's kernels: the GPU tests below run them on sm_90
 from stages import naive, ring
 from stages.common import bfloat16, make_inputs
 from tests.conftest import CASE_IDS, CASES, DROPOUT_CASES, VARIANT_CASES, variant_inputs

@@ -32,12 +32,15 @@ call); it pays where K, V are small (grouped-query attention, Llama 3's 8 kv hea
 K, V of the whole sequence (and their float32 gradients in the backward) on every rank. The ring holds one and a
 half blocks and hides its hops, which is what lets it scale to any P when each step's compute outlasts a hop.
 
-This file holds the two schemes' data movement. The block calls, the merge and the checks are the ring's (ring.py
-calls these functions with them); nothing here knows a kernel.
+This file holds the two schemes' data movement and their forward and backward (ring_forward and ring_backward call
+them with scheme=); the block calls are the ring's (compute.py), the checks too (problem.py).
 """
 import numpy as np
 
-from .layout import _runs, positions, shard_len
+from stages.common import cast
+
+from .compute import partial_dtype
+from .shards import _runs, positions, shard_len
 
 SCHEMES = ("ring", "allgather", "alltoall")
 
@@ -169,3 +172,82 @@ def sequence_to_heads(ring, arrays, n, layout, xp):
         for o, x in zip(out, landing):
             _heads(o, (r - s) % P, P)[...] = x
     return out
+
+
+# ----------------------------------------------------------------------------- the schemes' forward and backward
+def gathered_forward(ring, prob, compute, q, k, v, o_run, lse_run, marks):
+    """scheme "allgather": K, V of the whole sequence gathered in order, then this rank's queries against all of them
+    in a few long calls, merged into O_r, L_r as the ring merges its blocks."""
+    t0 = marks.mark()
+    k_all, v_all = gather_sequence(ring, [k, v], prob.nk, prob.layout, prob.xp)  # (B, Hkv, P Lk, D)
+    t1 = marks.mark()
+    calls, kpos = prob.gathered_calls()
+    compute.forward_step(q, k_all, v_all, o_run, lse_run, calls, kpos)
+    marks.add(0, (t1, marks.mark()), (t0, t1))  # computed, after waiting for the gather
+
+
+def _head_options(prob):
+    """The options of scheme "alltoall"'s one call: the whole problem's mask and options, for this rank's heads."""
+    out = {"causal": prob.causal}
+    if prob.window is not None:
+        out["window"] = prob.window
+    if prob.softcap is not None:
+        out["softcap"] = prob.softcap
+    if prob.alibi_slopes is not None:
+        h = prob.H // prob.P
+        out["alibi_slopes"] = prob.alibi_slopes[..., prob.r * h:(prob.r + 1) * h]  # (H,) or (B, H): our heads
+    return out
+
+
+def alltoall_forward(ring, prob, compute, q, k, v, marks):
+    """scheme "alltoall": this rank's H/P heads over the whole sequence (heads_to_sequence), one single-device call,
+    and O, L back to the token shards."""
+    xp, layout = prob.xp, prob.layout
+    t0 = marks.mark()
+    q_h, = heads_to_sequence(ring, [q], prob.nq, layout, xp)  # (B, H/P, nq, D)
+    k_h, v_h = heads_to_sequence(ring, [k, v], prob.nk, layout, xp)  # (B, Hkv/P, nk, D)
+    t1 = marks.mark()
+    o_h, lse_h = compute.fwd(q_h, k_h, v_h, scale=prob.scale, version=compute.version, **_head_options(prob))
+    del q_h, k_h, v_h  # (memory back to the pool before the way back)
+    t2 = marks.mark()
+    o, lse = sequence_to_heads(ring, [o_h, lse_h], prob.nq, layout, xp)  # (B, H, Lq, D), (B, H, Lq)
+    marks.add(0, (t1, t2), (t0, t1))
+    marks.add(0, None, (t2, marks.mark()))  # the transfer back: no compute beside it
+    return o, lse
+
+
+def gathered_backward(ring, prob, compute, q, k, v, o, lse, do, dq_run, marks):
+    """scheme "allgather": K, V gathered again, dK, dV of every key added into float32 accumulators of the whole
+    sequence, then reduce-scattered (scatter_sum); returns a function that makes dK_r, dV_r."""
+    xp = prob.xp
+    t0 = marks.mark()
+    k_all, v_all = gather_sequence(ring, [k, v], prob.nk, prob.layout, xp)
+    t1 = marks.mark()
+    dk_all, dv_all = (xp.zeros(k_all.shape, partial_dtype(k.dtype)) for _ in range(2))
+    calls, kpos = prob.gathered_calls()
+    compute.backward_step(q, k_all, v_all, o, lse, do, dq_run, dk_all, dv_all, calls, kpos)
+    t2 = marks.mark()
+    del k_all, v_all
+    dk, dv = scatter_sum(ring, [dk_all, dv_all], prob.nk, prob.layout, xp)  # this rank's keys, summed
+    marks.add(0, (t1, t2), (t0, t1))
+    marks.add(0, None, (t2, marks.mark()))  # the reduce-scatter
+    return lambda: (cast(dk, k.dtype), cast(dv, v.dtype))
+
+
+def alltoall_backward(ring, prob, compute, q, k, v, o, lse, do, marks):
+    """scheme "alltoall": q, k, v, o, L, dO of this rank's heads over the whole sequence, one single-device backward,
+    and dQ, dK, dV back to the token shards."""
+    xp, layout = prob.xp, prob.layout
+    t0 = marks.mark()
+    q_h, o_h, do_h, lse_h = heads_to_sequence(ring, [q, o, do, lse], prob.nq, layout, xp)
+    k_h, v_h = heads_to_sequence(ring, [k, v], prob.nk, layout, xp)
+    t1 = marks.mark()
+    dq_h, dk_h, dv_h = compute.bwd(q_h, k_h, v_h, o_h, lse_h, do_h, scale=prob.scale, version=compute.version,
+                                   **_head_options(prob))
+    del q_h, k_h, v_h, o_h, lse_h, do_h
+    t2 = marks.mark()
+    dq, = sequence_to_heads(ring, [dq_h], prob.nq, layout, xp)
+    dk, dv = sequence_to_heads(ring, [dk_h, dv_h], prob.nk, layout, xp)
+    marks.add(0, (t1, t2), (t0, t1))
+    marks.add(0, None, (t2, marks.mark()))  # the transfer back
+    return dq, dk, dv

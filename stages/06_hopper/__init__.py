@@ -18,6 +18,13 @@ from . import (
 )
 from .flash_v3 import forward
 from .flash_v3_backward import backward
+from stages.common import attention_registry
+
+# Offer the ring (stage 04) these kernels for its blocks on sm_90: it may not import this later stage itself.
+attention_registry.register(attention_registry.AttentionKernels(
+    name="stage 06 (FlashAttention-3 on sm_90)", takes=flash_v3.takes, forward=flash_v3.forward,
+    merge_into=flash_v3.merge_into, takes_backward=flash_v3_backward.takes_block, backward=flash_v3_backward.backward,
+    accumulate_into=flash_v3_backward.accumulate_into))
 
 __all__ = ["forward", "backward", "swizzle", "schedules", "backward_mirror", "probes", "flash_v3",
            "flash_v3_backward", "fp8", "fp32x3", "sm90a", "tensor_maps", "params", "instantiations"]
