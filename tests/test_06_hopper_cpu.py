@@ -189,7 +189,7 @@ def test_schedules_refuse_bad_input():
 @pytest.mark.parametrize("what", ["blocks", "wgmma", "ws", "pingpong", "fp32x3", "backward wgmma", "backward ws",
                                   "fp8", "fp8 pre-pass"])
 def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
-    from stages.common import device, kernels
+    from stages.common import device, kernel_resources
     from stages.hopper import blocks, flash_v3, flash_v3_backward, fp8, fp32x3
 
     if what == "blocks":
@@ -214,7 +214,7 @@ def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
         # Q_i and the K/V stages fit the H100's shared memory at every head dim, the wide tiles too
         assert all(flash_v3.smem_bytes(what, D, w) <= device.emulate("sm_90").smem_optin
                    for D, _, w in flash_v3.variants(what))
-    usage = kernels.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
+    usage = kernel_resources.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
     for name in names:
         u = usage[name]
         assert u["spill"] == 0, f"{name} spills {u['spill']} bytes"
