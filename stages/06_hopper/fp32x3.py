@@ -70,6 +70,6 @@ def plan(q_shape, Nk, causal, scale):
         raise device.UnsupportedDevice(f"flash_v3.forward version 'fp32x3' needs {smem // 1024} KB of shared memory "
                                        "per block; use stage 02's version fp32x3")
     fn = blocks.sm90a_function(FILE, name(D), smem)
-    params = FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal)))
+    params = FwdParams(Nq=Nq, Nk=Nk, scale=scale, exp2_scale=scale * LOG2E, causal=int(bool(causal)))
     launch = kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem, params)  # one block per (Q_i, head)
     return kernels.ForwardLaunch(launch, np.dtype(np.float32))
