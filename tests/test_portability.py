@@ -202,7 +202,7 @@ def test_ptxas_reports_what_nvrtcs_own_compile_reports(monkeypatch):
     assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {a: names for a in archs}) == want
     assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names[:1]}) == {
         "sm_86": {names[0]: want["sm_86"][names[0]]}}  # --entry: only the kernels asked for
-    monkeypatch.setattr(kernels, "ptxas", lambda: None)
+    monkeypatch.setattr(kernel_resources, "ptxas", lambda: None)
     assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names}) == {"sm_86": want["sm_86"]}
 
 

@@ -11,14 +11,14 @@ import os
 import re
 from pathlib import Path
 
-from .kernels import KERNELS_DIR, _compile, _cuda_include_dirs, _define_options
+from . import kernels
 
 def resource_usage(filename, *, arch, defines=None, name_expressions=()):
     """Compile like compile_only, with ptxas reporting; return {kernel: {"registers", "static_smem", "spill",
     "wgmma_serialized"}} for every kernel of the module (spill: bytes of spill stores; wgmma_serialized: ptxas warned
     that it serializes the kernel's wgmma instructions, each waiting for the one before), keyed by the name expression
     (extern "C" kernels: by their own name)."""
-    _, log, lowered = _compile(filename, arch, _define_options(defines), name_expressions, verbose=True)
+    _, log, lowered = kernels._compile(filename, arch, kernels._define_options(defines), name_expressions, verbose=True)
     return _ptxas_report(log, lowered)
 
 
@@ -67,11 +67,11 @@ def arch_tests(filename):
     __CUDA_ARCH__ is used otherwise than in such a test or in `defined(__CUDA_ARCH__)` (compared with a macro, say),
     or where no CUDA include folder is found (cuda_bf16.hpp's tests could not be read): then which architectures
     compile alike is not known from the text."""
-    cuda_dirs = _cuda_include_dirs()
+    cuda_dirs = kernels._cuda_include_dirs()
     if not cuda_dirs:
         return None
-    search = [KERNELS_DIR, Path(cuda_dirs[0])]
-    tests, seen, todo = set(), set(), [KERNELS_DIR / filename]
+    search = [kernels.KERNELS_DIR, Path(cuda_dirs[0])]
+    tests, seen, todo = set(), set(), [kernels.KERNELS_DIR / filename]
     while todo:
         path = todo.pop()
         if path in seen:
@@ -152,14 +152,15 @@ def resource_usages(filename, names_by_arch, *, defines=None):
     import subprocess
     import tempfile
 
-    tool, options = ptxas(), _define_options(defines)
+    tool, options = ptxas(), kernels._define_options(defines)
     if tool is None:
         return {a: resource_usage(filename, arch=a, defines=defines, name_expressions=names)
                 for a, names in names_by_arch.items()}
     out = {}
     for family in ptx_families(filename, list(names_by_arch)):
         names = sorted({n for a in family for n in names_by_arch[a]})
-        ptx, _, lowered = _compile(filename, "compute_" + _arch_digits(family[0]), options, names, verbose=False)
+        virtual = "compute_" + _arch_digits(family[0])
+        ptx, _, lowered = kernels._compile(filename, virtual, options, names, verbose=False)
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "module.ptx")
             with open(src, "wb") as fh:
