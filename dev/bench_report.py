@@ -1042,8 +1042,8 @@ def _versions():
     def fp32(dev, D):
         if D not in v2.head_dims("fp32"):
             return "-"
-        c = v2.fp32_config(D, dev)
-        return f"{c.br}x{v2.FP32_BC}" + ("s" if c.share_kv else "")
+        c = v2.fp32.config("fp32", D, dev)
+        return f"{c.br}x{v2.fp32.BC}" + ("s" if c.share_kv else "")
 
     def tc_tiles(version):
         def f(dev, D):

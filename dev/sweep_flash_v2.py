@@ -1,13 +1,15 @@
-"""Tuning sweep of stage 02's forward on a GPU: the fp32 kernel's tile configurations, and every version beside
+"""Tuning sweep of stage 02's forward on a GPU: the CUDA-core kernels' tile configurations, and every version beside
 torch SDPA in the same run. Each configuration is checked against the fp64 oracle (tolerance rule, on a small
 problem) before it is timed; a configuration that fails is reported and not timed.
 
     python dev/sweep_flash_v2.py                                   # default configs, d=64 and 128
-    python dev/sweep_flash_v2.py --configs 8,4,1,1 4,8,1,0 --head-dims 64
+    python dev/sweep_flash_v2.py --configs 8,4,1,1 4,8,0,0 --head-dims 64
     python dev/sweep_flash_v2.py --torch --versions fp32 pipelined  # ours beside torch SDPA
 
-A config is TM,NWARPS[,ASYNC_V[,PREFETCH_K]] (flash_v2.forward's config=; Br = 4 * NWARPS * TM). TM = 8 spills
-registers above d = 64. torch: fp32 against its EFFICIENT_ATTENTION backend, fp16/bf16 against FLASH_ATTENTION.
+A config is TM,NWARPS[,ASYNC_V[,PREFETCH_K]] (Br = 4 * NWARPS * TM): PREFETCH_K 1 (the default) is version
+fp32_overlap with config (TM, NWARPS, ASYNC_V), PREFETCH_K 0 version fp32 (the paper's loop, ASYNC_V 0) with config
+(TM, NWARPS) (flash_v2.forward's config=). TM = 8 spills registers above d = 64. torch: fp32 against its
+EFFICIENT_ATTENTION backend, fp16/bf16 against FLASH_ATTENTION.
 """
 import argparse
 import pathlib
@@ -22,11 +24,12 @@ from stages import flash_v2
 from stages.common import attention_flops, bfloat16, check_forward, gpu_name, has_gpu, make_inputs, time_ms
 from stages.common.cli import positive_int
 
-CONFIGS = ("8,4,1,1", "8,4,1,0", "8,4,0,0", "4,8,1,1", "4,8,1,0", "4,4,1,1")  # TM,NWARPS,ASYNC_V,PREFETCH_K
+CONFIGS = ("8,4,1,1", "8,4,0,1", "8,4,0,0", "4,8,1,1", "4,8,0,0", "4,4,1,1")  # TM,NWARPS,ASYNC_V,PREFETCH_K
 SHAPE = (4, 16, 4096)  # B, H, N timed
 CHECK_SHAPE = (1, 2, 500)  # B, H, N of each configuration's check
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": bfloat16}
-VERSION_DTYPES = {"fp32": ("fp32",), "tc": ("fp16", "bf16"), "pipelined": ("fp16", "bf16"), "fp32x3": ("fp32",)}
+VERSION_DTYPES = {"fp32": ("fp32",), "fp32_overlap": ("fp32",), "tc": ("fp16", "bf16"), "pipelined": ("fp16", "bf16"),
+                  "fp32x3": ("fp32",)}
 
 
 def config_type(text):
@@ -37,7 +40,16 @@ def config_type(text):
     if not 2 <= len(cfg) <= 4 or cfg[0] not in (4, 8) or cfg[1] not in (4, 8) or any(x not in (0, 1) for x in cfg[2:]):
         raise argparse.ArgumentTypeError(f"expected TM,NWARPS[,ASYNC_V[,PREFETCH_K]] with TM and NWARPS in 4, 8 and "
                                          f"the flags 0 or 1, got {text!r}")
+    if cfg[2:] == (1, 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: ASYNC_V is version fp32_overlap's (PREFETCH_K 1); version fp32 "
+                                         "(PREFETCH_K 0) loads V_j synchronously")
     return cfg
+
+
+def version_and_config(cfg):
+    """(version, config) of a TM,NWARPS[,ASYNC_V[,PREFETCH_K]] tuple: PREFETCH_K (default 1) is fp32_overlap."""
+    tm, nwarps, async_v, prefetch_k = (*cfg, 1, 1)[:4]
+    return ("fp32_overlap", (tm, nwarps, async_v)) if prefetch_k else ("fp32", (tm, nwarps))
 
 
 def torch_ms(dt, B, H, N, D, causal, repeat):
@@ -87,7 +99,8 @@ def main(argv=None):
     if not has_gpu():
         raise SystemExit("sweep_flash_v2.py times CUDA kernels: no GPU found (CuPy sees no device)")
     B, H, N = args.shape
-    rows = [("fp32", "fp32", dict(version="fp32", config=c), f"config {','.join(map(str, c))}") for c in args.configs]
+    rows = [(ver, "fp32", dict(version=ver, config=c2), f"config {','.join(map(str, c))}")
+            for c in args.configs for ver, c2 in [version_and_config(c)]]
     rows += [(v, dt, dict(version=v), "default") for v in args.versions for dt in VERSION_DTYPES[v]]
     print(f"== stage 02 forward sweep on {gpu_name()}: B={B} H={H} N={N}, median of {args.repeat}")
     print(f"{'version':>9} {'dtype':>5} {'what':>16} {'D':>4} {'causal':>6} | {'ms':>8} {'TFLOP/s':>8}"

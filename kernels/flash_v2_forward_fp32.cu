@@ -1,4 +1,4 @@
-// flash_v2_forward_fp32.cu: FlashAttention-2 forward, version "fp32": float32 on CUDA cores.
+// flash_v2_forward_fp32.cu: FlashAttention-2 forward, version "fp32": float32 on CUDA cores, the paper's loop.
 //
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 1 and Section 3. Block (i, bh) of grid (Tr, B*H):
 //   load Q_i; O_i = 0, l_i = 0, m_i = -inf on chip                                           (Alg.1 L4-L5)
@@ -6,13 +6,15 @@
 //     m_new = max(m_i, rowmax S_ij), P~_ij = exp(S_ij - m_new), l_i = e^(m_i-m_new) l_i + rowsum P~_ij   (L9)
 //     O_i = diag(e^(m_i - m_new)) O_i + P~_ij V_j                                            (L10, not normalised)
 //   O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) -> HBM                                       (L12-L15)
-// What changes from stage 01 (FlashAttention v1), and why:
+// What changes from stage 01 (FlashAttention v1), and why that is faster:
 //   * loops swapped, one block per (Q tile, head): O_i, l_i, m_i stay in registers, Tr*B*H blocks fill the GPU;
 //   * warps split the rows of Q_i (FA2 Sec. 3.3): softmax and P~ V need __syncwarp, not a block barrier;
 //   * the division by l_i is deferred to the end (FA2 Sec. 3.1): one per row, not one per tile;
 //   * register tiling: a lane computes TM x 8 of S_ij from float4 reads, so each shared read feeds several FMAs;
-//   * exp2 with log2(e) folded into the scale: one ex2 instruction per element;
-//   * loads overlap compute: V_j by cp.async during S_ij (ASYNC_V), K_{j+1} into registers during P~ V (PREFETCH_K).
+//   * exp2 with log2(e) folded into the scale: one ex2 instruction per element.
+// Each step loads K_j and V_j, waits for them at a barrier, then computes: loads and math take turns (version
+// "fp32_overlap" overlaps them). SHARE_KV, for GPUs with little shared memory, loads V_j into K_j's buffer once
+// S_ij is done: one buffer less, two barriers more.
 // Layout: lane = 8 rg + cg owns rows wr0 + 0..TM-1 (wr0 = 4TM warp + TM rg) and keys / O_i columns 4cg + 32t + e;
 // a row's 8 lanes reduce by shuffles. Shared: Q_i^T [DP][Br], K_j^T [DP][Bc], V_j [Bc][DP], P~_ij^T [Bc][Br+4]
 // (transposed Q, K: 4 rows are one float4; P~^T rows padded by 4: no bank conflicts); DP = D rounded up to 32.
@@ -37,20 +39,8 @@
 #define DT (DP / 32)                       // float4 column groups of O_i per lane
 #define LDP (BR + 4)                       // padded row of P~_ij^T
 #define VEC (HEAD_DIM % 4 == 0)            // rows of q, k, v, o are float4-aligned
-#ifndef ASYNC_V
-#define ASYNC_V VEC  // 1: V_j comes in by cp.async while S_ij is computed (needs 16-byte aligned rows)
-#endif
-#if ASYNC_V && !VEC
-#error "ASYNC_V needs HEAD_DIM % 4 == 0 (16-byte cp.async of whole float4)"
-#endif
-#ifndef PREFETCH_K
-#define PREFETCH_K 1  // 1: K_{j+1} is read from HBM into registers while P~_ij V_j is computed
-#endif
 #ifndef SHARE_KV
 #define SHARE_KV 0  // 1: V_j is loaded into K_j's buffer once S_ij is done (one buffer less: small shared memory)
-#endif
-#if SHARE_KV && (PREFETCH_K || ASYNC_V)
-#error "SHARE_KV loads V_j after S_ij: it needs PREFETCH_K=0 and ASYNC_V=0"
 #endif
 #define KN (BC * (DP / 4) / NTHREADS)     // float4 of K_j each thread carries from HBM to shared memory
 static_assert((BC * (DP / 4)) % NTHREADS == 0, "K_j splits evenly over the threads");
@@ -104,25 +94,18 @@ __device__ __forceinline__ void store_kt(float* Kt, const float4 (&x)[KN]) {
         Kt[(4 * dq + 3) * BC + r] = x[it].w;
     }
 }
-// V_j [BC][DP] in shared memory, as stored in HBM (consecutive threads: consecutive float4 of a row). With
-// ASYNC_V by cp.async (rows past n and columns past HEAD_DIM zero-filled): it lands while the block computes.
+// V_j [BC][DP] in shared memory, as stored in HBM (consecutive threads: consecutive float4 of a row); rows past n
+// and columns past HEAD_DIM are zeros.
 __device__ __forceinline__ void load_v(float* Vs, const float* __restrict__ v, int row0, int n) {
     for (int e = threadIdx.x; e < BC * (DP / 4); e += NTHREADS) {
         const int c = e / (DP / 4), dq = e % (DP / 4);
         const bool ok = row0 + c < n && 4 * dq < HEAD_DIM;
-#if ASYNC_V
-        cp_async_16(&Vs[c * DP + 4 * dq], ok ? v + (size_t)(row0 + c) * HEAD_DIM + 4 * dq : v, ok);
-#else
         *reinterpret_cast<float4*>(&Vs[c * DP + 4 * dq]) = load4(v + (size_t)(row0 + c) * HEAD_DIM, 4 * dq, ok);
-#endif
     }
-#if ASYNC_V
-    cp_async_commit();
-#endif
 }
 
 // q (B,H,Nq,D), k, v (B,H,Nk,D), o (B,H,Nq,D), lse (B,H,Nq); float32, contiguous. Grid (Tr, B*H).
-// scale_log2 = scale * log2(e): S_ij is kept in base-2 units, so exp(scale s - m) = exp2(s scale_log2 - m').
+// exp2_scale = scale * log2(e): S_ij is kept in base-2 units, so exp(scale s - m) = exp2(s exp2_scale - m').
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
     const float* __restrict__ q = static_cast<const float*>(p.q);
@@ -131,7 +114,7 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
     float* __restrict__ o = static_cast<float*>(p.o);
     float* __restrict__ lse = p.lse;
     const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
-    const float scale_log2 = p.scale_log2;
+    const float exp2_scale = p.exp2_scale;
     extern __shared__ __align__(16) float smem[];
     float* Qt = smem;            // Q_i^T   [DP][BR]
     float* Kt = Qt + DP * BR;    // K_j^T   [DP][BC]
@@ -155,14 +138,6 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
 
     load_transposed<BR>(Qt, q, row0, Nq);  // Alg.1 L4
     float4 kx[KN];                         // K_j on its way from HBM to shared memory
-#if PREFETCH_K
-    if (Tc > 0) {  // Alg.1 L7 for j = 0; later tiles are fetched one step ahead, below
-        load_v(Vs, v, 0, Nk);
-        fetch_k(kx, k, 0, Nk);
-        store_kt(Kt, kx);
-    }
-    __syncthreads();  // Q_i and K_0 (and V_0 without ASYNC_V) are in shared memory before any warp reads them
-#endif
 
     // Alg.1 L5: O_i, l_i, m_i on chip. l_i is this lane's partial row sum over its 8 keys of every tile (all
     // lanes of a row rescale by the same e^(m_i - m_new)): the 8-lane reduction waits until the end.
@@ -176,15 +151,13 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
     }
 
     for (int j = 0; j < Tc; ++j) {  // Alg.1 L6: inner loop over K_j, V_j
-#if !PREFETCH_K
         __syncthreads();  // every warp is done reading K_{j-1}, V_{j-1} before they are overwritten
 #if !SHARE_KV
-        load_v(Vs, v, j * BC, Nk);  // Alg.1 L7 (V_j is only needed by P~_ij V_j: with ASYNC_V it lands meanwhile)
+        load_v(Vs, v, j * BC, Nk);  // Alg.1 L7
 #endif
-        fetch_k(kx, k, j * BC, Nk);
+        fetch_k(kx, k, j * BC, Nk);  // K_j^T through registers (version fp32_overlap reads it one step ahead)
         store_kt(Kt, kx);
         __syncthreads();  // all of K_j (and Q_i, at j = 0) is in shared memory before any warp reads it
-#endif
 
         // Alg.1 L8: S_ij = Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
         float s[TM][8];
@@ -218,7 +191,7 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
         for (int r = 0; r < TM; ++r)
 #pragma unroll
             for (int c = 0; c < 8; ++c) {
-                s[r][c] *= scale_log2;
+                s[r][c] *= exp2_scale;
                 if (need_mask) {
                     const int R = row0 + wr0 + r, C = j * BC + 32 * (c / 4) + 4 * cg + c % 4;
                     if (C >= Nk || (causal && C > R + shift)) s[r][c] = -INF;
@@ -258,13 +231,6 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
                 *reinterpret_cast<float4*>(&Pt[(32 * (c / 4) + 4 * cg + c % 4) * LDP + wr0 + 4 * r4]) =
                     make_float4(s[4 * r4][c], s[4 * r4 + 1][c], s[4 * r4 + 2][c], s[4 * r4 + 3][c]);
         __syncwarp();  // all of this warp's P~_ij rows are written before its lanes read them
-#if PREFETCH_K
-        if (j + 1 < Tc) fetch_k(kx, k, (j + 1) * BC, Nk);  // Alg.1 L7 for j + 1: in flight during P~_ij V_j
-#endif
-#if ASYNC_V
-        cp_async_wait<0>();  // this thread's part of V_j has landed ...
-        __syncthreads();     // ... and so has every other thread's: all of V_j is there for every warp
-#endif
 #if SHARE_KV
         __syncthreads();  // every warp is done reading K_j (S_ij): V_j may take its buffer
         load_v(Vs, v, j * BC, Nk);  // Alg.1 L7 for V_j
@@ -292,14 +258,6 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
                 }
             }
         }
-#if PREFETCH_K
-        if (j + 1 < Tc) {  // the same for the whole block: the barriers are reached by every thread
-            __syncthreads();  // every warp is done reading K_j (S_ij) and V_j (P~_ij V_j): they may be overwritten
-            load_v(Vs, v, (j + 1) * BC, Nk);  // with ASYNC_V it lands while S_{i,j+1} is computed
-            store_kt(Kt, kx);
-            __syncthreads();  // K_{j+1} (and V_{j+1} without ASYNC_V) is in shared memory before any warp reads it
-        }
-#endif
     }
 
     // Alg.1 L12-L15: O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i), written once. m_i is in base-2 units:

@@ -69,7 +69,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
     float* __restrict__ o = static_cast<float*>(p.o);
     float* __restrict__ lse = p.lse;
     const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
-    const float scale_log2 = p.scale_log2;
+    const float exp2_scale = p.exp2_scale;  // scale log2(e)
     constexpr int BR = 16 * MT * NWARPS;  // Br: rows of Q_i
     constexpr int NT = NWARPS * 32;       // threads
     constexpr int LDQ = D + 8;            // padded row of Q_i (floats)
@@ -176,7 +176,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
             // Masking: the tile holding Nk's tail and tiles crossing the causal diagonal.
             if (MASKED) mask_scores<MT, BC>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
             // Alg.1 L9-10 (first half): m_ij, P_ij, l_ij; O_i = diag(e^{m_i - m_ij}) O_i (attention_tiles.cuh)
-            online_softmax_fp32<MT, BC, D>(s, m_i, l_i, acc_o, scale_log2, MASKED);
+            online_softmax_fp32<MT, BC, D>(s, m_i, l_i, acc_o, exp2_scale, MASKED);
             // Alg.1 L10 (second half): O_i += P_ij V_j, keys 8kk..8kk+7 per k step.
 #pragma unroll
             for (int kk = 0; kk < BC / 8; ++kk) {

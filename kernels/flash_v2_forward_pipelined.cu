@@ -1,7 +1,7 @@
-// flash_v2_forward_pipelined.cu: FlashAttention-2 forward, version 3 "pipelined" (fp16 / bf16 in, fp32 accumulate).
+// flash_v2_forward_pipelined.cu: FlashAttention-2 forward, version "pipelined" (fp16 / bf16 in, fp32 accumulate).
 // Paper: Dao, "FlashAttention-2" (arXiv 2307.08691), Algorithm 1, work split of Section 3.3: one block per
 // (Q tile i, head), looping over K/V tiles j; warp w owns rows 16 MT w .. 16 MT (w + 1) - 1 of Q_i, so a warp's
-// softmax is its own. What changed from version 2 (tc), and why each is faster:
+// softmax is its own. What changed from version "tc", and why each is faster:
 //   * K_j, V_j double-buffered with cp.async: tile j + 1 is in flight while tile j is computed;
 //   * shared rows padded by 16 bytes: the 8 rows of one ldmatrix phase fall in 8 different bank groups;
 //   * softmax in base 2 with log2(e) folded into the scale: one FMUL, FADD and MUFU.EX2 per score;
@@ -62,7 +62,7 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
     const Drop drop(p, rows.hd);
     const int2 jr = mask.template kv_tiles<BR, BC>(row0, Nq);  // K/V tiles j_first <= j < n_tiles (Alg.1 L6)
     const int j_first = jr.x, n_tiles = jr.y;
-    const float scale_log2 = p.scale_log2;
+    const float exp2_scale = p.exp2_scale;  // scale log2(e), or log2(e) after ModScore (kernels/params.cuh)
 
     // cp.async a [rows][D] tile (rows r0.. of a [n][D] matrix) into padded shared memory, 16 bytes per thread per
     // step; rows >= n are zero-filled (masked out of S; zeros keep P V free of NaN). Thread tid copies chunk
@@ -161,7 +161,7 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
                     mask.template apply<MT, SUB>(s, row0 + wrow, col0, g, t);
                 // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij),
                 //           l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
-                // In base 2, with log2(e) folded into the scale: exp2(s * scale_log2 - m), m the row max of the
+                // In base 2, with log2(e) folded into the scale: exp2(s * exp2_scale - m), m the row max of the
                 // scaled scores. __fmul_rn keeps the product out of an FFMA, so the row max gives exactly exp2(0) = 1.
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
@@ -169,7 +169,7 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
                         const float mx = row_max<SUB>(s[m], h);  // m~_ij of row g + 8 h (raw scores)
-                        const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
+                        const float m_new = fmaxf(m_i[m][h], mx * exp2_scale);
                         m_use[h] = MASKED && m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
                         alpha[h] = fast_exp2(m_i[m][h] - m_use[h]);  // e^{m_i - m_ij}: 0 when m_i = -inf
                         m_i[m][h] = m_new;
@@ -190,8 +190,8 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
                         float rs = 0.f;
 #pragma unroll
                         for (int n = 0; n < SUB / 8; ++n) {
-                            s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], scale_log2) - m_use[h]);
-                            s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use[h]);
+                            s[m][n][2 * h] = fast_exp2(__fmul_rn(s[m][n][2 * h], exp2_scale) - m_use[h]);
+                            s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], exp2_scale) - m_use[h]);
                             rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
                         }
                         l_i[m][h] = l_i[m][h] * alpha[h] + rs;  // the quad's 4 partial sums add up at the end

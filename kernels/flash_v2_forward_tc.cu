@@ -1,7 +1,7 @@
 // flash_v2_forward_tc.cu: FlashAttention-2 forward, version "tc": tensor cores, fp16/bf16 in, fp32 accumulate.
 //
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 1 (as in flash_v2_forward_fp32.cu), Section 3.3.
-// What changes from version "fp32", and why:
+// What changes from the CUDA-core versions ("fp32", "fp32_overlap"), and why:
 //   * S_ij = Q_i K_j^T and O_i += P_ij V_j on mma.sync m16n8k16 (inline PTX), fp32 accumulators: one instruction
 //     does a 16x8x16 product, 2048 FMAs on CUDA cores; ldmatrix moves fragments out of shared memory (8x8 tiles);
 //   * Q_i's A fragments are loaded once into registers and reused for every K/V tile;

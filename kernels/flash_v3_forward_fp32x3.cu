@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) flash_v3_forward_fp32x3(const __
     const float* __restrict__ v = static_cast<const float*>(p.v);
     float* __restrict__ o = static_cast<float*>(p.o);
     const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
-    const float scale_log2 = p.scale_log2;
+    const float scale_log2 = p.exp2_scale;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 base = aligned_1024(smem_raw);  // Q big, Q small, K big, K small, V hi, V mid, V lo

@@ -19,8 +19,9 @@ struct FwdParams {
     int Nq, Nk;        // query rows and key rows of one head
     int ldq, ldk;      // rows per head of q, o, lse and of k, v: Nq, Nk, or a ring block's larger shard and block
     float scale;       // softmax scale (1 / sqrt(d) by default)
-    float scale_log2;  // scale * log2(e): exp(scale s - m) = exp2(s scale_log2 - m'); log2(e) when a score hook
-                       // has already applied the scale (scores in natural units)
+    float exp2_scale;  // what the loop multiplies a score by before exp2 (base-2 softmax: exp(x) = exp2(x log2 e)):
+                       // scale log2(e) for raw scores Q_i K_j^T; log2(e) for scores a Score hook has already
+                       // scaled (kernels/variants.cuh's ModScore: softcap and ALiBi act in natural units)
     int causal;        // 1: query r sees key c iff c <= r + Nk - Nq (bottom-right)
     int head_group;    // causal block order: heads per group (longest Q tiles first inside a group)
     int H, group;      // query heads; query heads per k/v head (grouped-query attention; 1 for plain)

@@ -5,7 +5,7 @@
 //            CausalMask  keys < Nk, and with causal, keys on or left of the row's diagonal (plain attention);
 //            WindowMask  keys inside a window (left, right) around the diagonal; also runs packed batches.
 //   Score  what happens to S_ij before the softmax:
-//            PlainScore  nothing (the scale is folded into exp2's argument: FwdParams.scale_log2);
+//            PlainScore  nothing (the scale is folded into exp2's argument: FwdParams.exp2_scale);
 //            ModScore    x = scale S_ij, then softcap x -> c tanh(x / c), then ALiBi x -> x - slope |diag - c|.
 //   Drop   dropout on P~_ij before P~_ij V_j:
 //            NoDropout, PhiloxDropout (dropout.cuh).
@@ -115,7 +115,7 @@ struct PlainScore {
     __device__ void apply(float (&)[MT][NC / 8][4], int, int, int, int) const {}
 };
 
-// The scores in natural units (FwdParams.scale_log2 is then log2(e)). hd: the (batch, head) of the ALiBi slope;
+// The scores in natural units (FwdParams.exp2_scale is then log2(e)). hd: the (batch, head) of the ALiBi slope;
 // shift: Nk - Nq, moved by a_off for a ring block (ALiBi's diagonal is the whole problem's).
 struct ModScore {
     float scale, softcap, slope;

@@ -1,10 +1,10 @@
-"""Stage 02: FlashAttention-2 forward, versions fp32, tc, pipelined, fp32x3.
+"""Stage 02: FlashAttention-2 forward, versions fp32, fp32_overlap, tc, pipelined, fp32x3.
 
 CPU (CI): the numpy tile mirror of every version and dtype against the fp64 oracle over the case list, its
-loop order and skipped tiles, fp32 against stage 01, the 3xTF32 split; every kernel compiled with NVRTC for
-sm_80 and sm_90; bad inputs. GPU (marker gpu): every version x dtype x supported head dim over the full case
-list against the oracle and against the version before it (fp32 against stage 01, tc against fp32, pipelined
-against tc, fp32x3 against fp32). Outputs are NaN-poisoned before every launch (conftest's autouse fixture)."""
+loop order and skipped tiles, fp32 against stage 01, the 3xTF32 split; bad inputs (every kernel is compiled with
+NVRTC in tests/test_portability.py). GPU (marker gpu): every version x dtype x supported head dim over the full case
+list against the oracle; the speed layer's replay of a call against the plain launcher, bit for bit. Outputs are
+NaN-poisoned before every launch (conftest's autouse fixture)."""
 import numpy as np
 import pytest
 
@@ -15,8 +15,10 @@ from stages.common import (
 from tests.conftest import CASE_IDS, CASES, case_inputs
 
 LOW = {"fp16": np.dtype(np.float16), "bf16": bfloat16}
-# (version, dtype name) pairs the mirror runs: fp32 takes float32, the tensor-core versions fp16 and bf16
+# (version, dtype name) pairs the mirror runs: fp32 takes float32, the tensor-core versions fp16 and bf16 (the mirror
+# of fp32_overlap is fp32's, same tiles and arithmetic: test_mirror_of_fp32_overlap_is_fp32s)
 MIRROR_RUNS = [("fp32", "fp32")] + [(v, d) for v in ("tc", "pipelined") for d in LOW] + [("fp32x3", "fp32")]
+FP32_CUDA_CORES = ("fp32", "fp32_overlap")  # the versions on CUDA cores, any head dim 1..128
 DTYPE = {"fp32": np.dtype(np.float32), **LOW}
 FP32_DIMS = (32, 64, 128)  # every CASES row runs at these on the GPU; 80 and odd dims on a smaller list
 FP32_ODD_DIMS = (1, 7, 16, 80, 100)
@@ -50,6 +52,16 @@ def test_mirror_fp32_head_dims(D):
     """Any head dim 1..128 (stage 01's forward passes the same rule on the same inputs: tests/test_01)."""
     q, k, v = make_inputs(2, 2, 100, 77, D, dtype=np.float32)
     _check(q, k, v, True, "fp32")
+
+
+def test_mirror_of_fp32_overlap_is_fp32s():
+    """Versions fp32 and fp32_overlap compute the same thing on the same tiles (the overlap moves loads, not math):
+    their mirror results are equal bit for bit, and the tiles equal."""
+    q, k, v = make_inputs(1, 2, 150, 130, 48, dtype=np.float32)
+    assert flash_v2.tiles("fp32", 48) == flash_v2.tiles("fp32_overlap", 48)
+    for a, b in zip(flash_v2.forward(q, k, v, causal=True, version="fp32"),
+                    flash_v2.forward(q, k, v, causal=True, version="fp32_overlap")):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("version", flash_v2.VERSIONS)
@@ -148,11 +160,11 @@ def test_bad_inputs_raise_clear_errors():
         flash_v2.forward(*make_inputs(1, 1, 8, 8, 80, dtype=np.float32), version="fp32x3")
     with pytest.raises(TypeError, match="version 'fp32x3' takes float32, got float16"):
         flash_v2.forward(*h, version="fp32x3")
-    with pytest.raises(ValueError, match="head_dim 160 is not supported by the fp32 kernel.*1 to 128"):
+    with pytest.raises(ValueError, match="head_dim 160 is not supported by the fp32_overlap kernel.*1 to 128"):
         flash_v2.forward(*make_inputs(1, 1, 8, 8, 160, dtype=np.float32))
     q256 = make_inputs(1, 1, 8, 8, 256, dtype=np.float32)  # d = 256: float32 says which version takes it
     with pytest.raises(ValueError, match="fp32 kernel.*1 to 128; version 'pipelined' takes head_dim 256"):
-        flash_v2.forward(*q256)
+        flash_v2.forward(*q256, version="fp32")
     with pytest.raises(ValueError, match="fp32x3 kernel.*version 'pipelined' takes head_dim 256"):
         flash_v2.forward(*q256, version="fp32x3")
     with pytest.raises(ValueError, match=r"\(version 'tc'\): use 32, 64, 96, 128.*'pipelined' takes head_dim 256"):
@@ -163,23 +175,18 @@ def test_bad_inputs_raise_clear_errors():
         flash_v2.forward(q, k, v, scale=-1.0)
     with pytest.raises(TypeError, match="numpy or CuPy"):
         flash_v2.forward(q.tolist(), k, v)
-    assert flash_v2.resolve_version("auto", np.float32) == "fp32"
+    with pytest.raises(ValueError, match="config= sets the CUDA-core kernels' tiles"):
+        flash_v2.forward(q, k, v, version="fp32", config=(4, 4))  # numpy: the mirror has no config
+    assert flash_v2.resolve_version("auto", np.float32) == "fp32_overlap"
     assert flash_v2.resolve_version("auto", bfloat16) == "pipelined"
 
 
 def test_backward_is_stage_03():
-    """Stage 02 is forward only: backward hands over to stage 03 (or says that stage 03 is missing)."""
+    """Stage 02 is the forward only and imports no later stage: its backward is an error that names stage 03."""
     q, k, v, do = make_inputs(1, 1, 40, 40, 32, dtype=np.float32, grad=True)
     o, lse = flash_v2.forward(q, k, v, causal=True)
-    try:
-        grads = flash_v2.backward(q, k, v, o, lse, do, causal=True)
-    except NotImplementedError as e:
-        assert "stage 03" in str(e)
-        return
-    ref = naive.backward(*(x.astype(np.float64) for x in (q, k, v, o)), lse.astype(np.float64),
-                         do.astype(np.float64), causal=True)
-    for g, r in zip(grads, ref):
-        assert g.shape == r.shape and max_error(g, r) < 1e-4
+    with pytest.raises(NotImplementedError, match="stage 03.*flash_v2_backward.backward"):
+        flash_v2.backward(q, k, v, o, lse, do, causal=True)
 
 
 # ---------------------------------------------------------------- the kernels (GPU)
@@ -192,23 +199,36 @@ def _cupy():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", FP32_CUDA_CORES)
 @pytest.mark.parametrize("D", FP32_DIMS)
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_gpu_fp32_against_oracle(case, D):
+def test_gpu_fp32_against_oracle(case, D, version):
     (q, k, v), causal = case_inputs(case, xp=_cupy(), D=D, grad=False)
-    _check(q, k, v, causal, "fp32")
+    _check(q, k, v, causal, version)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", FP32_CUDA_CORES)
 @pytest.mark.parametrize("D", FP32_ODD_DIMS)
 @pytest.mark.parametrize("Nq,Nk,causal", [(1, 1, False), (100, 77, True), (77, 300, False), (1000, 999, True)])
-def test_gpu_fp32_odd_head_dims(Nq, Nk, causal, D):
+def test_gpu_fp32_odd_head_dims(Nq, Nk, causal, D, version):
     cp = _cupy()
     q, k, v = make_inputs(2, 3, Nq, Nk, D, dtype=np.float32, xp=cp)
-    check_forward(flash_v2.forward, q, k, v, causal=causal, version="fp32")
-    o, lse = flash_v2.forward(q, k, v, causal=causal, version="fp32")
-    o_m, lse_m = flash_v2.forward(*(x.get() for x in (q, k, v)), causal=causal, version="fp32")  # the mirror
+    check_forward(flash_v2.forward, q, k, v, causal=causal, version=version)
+    o, lse = flash_v2.forward(q, k, v, causal=causal, version=version)
+    o_m, lse_m = flash_v2.forward(*(x.get() for x in (q, k, v)), causal=causal, version=version)  # the mirror
     assert max_error(o, o_m) < 1e-5 and max_error(lse, lse_m) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(4, 2, True), (4, 4, False)], ids=["share_kv", "two-buffers"])
+def test_gpu_fp32_tiles_of_small_gpus(config):
+    """Version fp32's other configurations, which a GPU with less shared memory picks (SHARE_KV: V_j in K_j's
+    buffer), on any GPU through config=: right by the rule, at an odd head dim and at d = 128."""
+    cp = _cupy()
+    for D in (7, 128):
+        q, k, v = make_inputs(2, 3, 300, 257, D, dtype=np.float32, xp=cp)
+        check_forward(flash_v2.forward, q, k, v, causal=True, version="fp32", config=config)
 
 
 @pytest.mark.gpu
@@ -229,7 +249,7 @@ def _tc_dims():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", ["fp32", "fp32x3"])
+@pytest.mark.parametrize("version", ["fp32", "fp32_overlap", "fp32x3"])
 def test_gpu_float32_lse_at_inputs_x10(version):
     """A case from a check with inputs the suite does not draw: float32, one head of 129 queries and keys, d = 64,
     scale 0.125, q and k drawn x10 (scores of a few hundred, where a float32 ulp is ~3e-5, so the S roundings of the
@@ -243,19 +263,28 @@ def test_gpu_float32_lse_at_inputs_x10(version):
 
 @pytest.mark.gpu
 def test_gpu_auto_runs_fp32x3_for_float32_where_it_runs(monkeypatch):
-    """version="auto" in float32 runs fp32x3 on a GPU with TF32 tensor cores (sm_80 on) at its head dims, and fp32
-    otherwise: at head dim 80, with an fp32 config=, on older GPUs (as under ATTN_ARCH=sm_75). Each result is
-    right by the rule."""
+    """version="auto" in float32 runs fp32x3 on a GPU with TF32 tensor cores (sm_80 on) at its head dims, and
+    fp32_overlap otherwise: at head dim 80, with a config=, on older GPUs (as under ATTN_ARCH=sm_75); fp32 where
+    fp32_overlap's tiles do not fit (a T4 at d > 64). Each result is right by the rule."""
     from stages.common import device
 
     cp = _cupy()
-    calls, real = [], flash_v2.fp32x3.plan_forward
-    monkeypatch.setattr(flash_v2.fp32x3, "plan_forward", lambda q, *a, **kw: (calls.append(q.shape[3]),
-                                                                               real(q, *a, **kw))[1])
-    for D, kw in ((64, {}), (80, {}), (128, {"config": flash_v2.fp32_config(128, device.device())})):
-        q, k, v = make_inputs(1, 1, 77, 91, D, xp=cp)  # a shape no other test plans (fast_path keeps plans)
+    dev = device.device()
+    flash_v2.forward.plans.clear()  # every call below takes the plain path, which picks the version
+    calls = []
+    for mod, name in ((flash_v2.fp32x3, "forward"), (flash_v2.fp32, "forward_fp32"),
+                      (flash_v2.fp32, "forward_fp32_overlap")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda q, *a, _n=name, _f=real, **kw: (calls.append((_n, q.shape[3])),
+                                                                              _f(q, *a, **kw))[1])
+    for D, kw in ((64, {}), (80, {}), (128, {"config": flash_v2.fp32.config("fp32_overlap", 128, dev)})):
+        q, k, v = make_inputs(1, 1, 77, 91, D, xp=cp)
         check_forward(flash_v2.forward, q, k, v, causal=True, **kw)
-    assert calls == ([64] if device.tf32_tensor_cores(device.device()) else [])
+    fp32x3_here = device.tf32_tensor_cores(dev)
+    expected = [("forward" if fp32x3_here else "forward_fp32_overlap", 64)]
+    expected += [("forward_fp32_overlap" if flash_v2.fp32.overlap_fits(D, dev) else "forward_fp32", D)
+                 for D in (80, 128)]
+    assert calls == expected
 
 
 @pytest.mark.gpu
@@ -300,6 +329,54 @@ def test_gpu_a_repeated_call_is_checked_and_planned_like_the_first(dt):
         flash_v2.forward(q, k, v, out_dtype=np.float16)
     with pytest.raises(TypeError, match="share one dtype"):
         flash_v2.forward(q, k.astype(np.float16), v)
+
+
+# every version at its dtypes, plain and causal, float32 o from 16 bits (the ring's partial results), and the
+# variants through version pipelined's hooks (a window; softcap, ALiBi slopes as a tuple, dropout; grouped-query)
+REPLAYS = ([(v, "fp32", {}) for v in ("fp32", "fp32_overlap", "fp32x3")]
+           + [(v, d, {}) for v in ("tc", "pipelined") for d in LOW]
+           + [(v, "bf16", {"out_dtype": np.float32}) for v in ("tc", "pipelined")]
+           + [("pipelined", "fp16", {"window": (45, 0)}),
+              ("pipelined", "bf16", {"softcap": 20.0, "alibi_slopes": (0.5, 0.25, 0.125, 0.0625), "dropout_p": 0.2,
+                                     "seed": 7}),
+              ("pipelined", "fp16", {"kv_heads": 2})])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version,dt,kw", REPLAYS, ids=[f"{v}-{d}-{'-'.join(kw) or 'plain'}" for v, d, kw in REPLAYS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_fast_path_replays_the_plain_launch_bit_for_bit(version, dt, kw, causal):
+    """The speed layer (stages/common/fast_path.py) is speed only: the first call of a key (which it records), and
+    the calls after it (which replay the kept plan: joint outputs, no checks), give o and lse bit for bit equal to
+    the plain launcher's (forward.__wrapped__, which keeps nothing), on new arrays of the same key too."""
+    from stages.common import device
+
+    cp = _cupy()
+    dev = device.device()
+    if (version == "fp32x3" and not device.tf32_tensor_cores(dev)) or (dt == "bf16" and not dev.arch.bf16):
+        pytest.skip(f"version {version} in {dt} does not run on {dev.name}")
+    kw = dict(kw)
+    groups = kw.pop("kv_heads", 4)
+
+    def inputs():  # fresh draws: q (2, 4, 333, 64), k and v (2, groups, 290, 64)
+        q, k, v = make_inputs(2, 4, 333, 290, 64, dtype=DTYPE[dt], xp=cp)
+        return q, k[:, :groups].copy(), v[:, :groups].copy()
+
+    q, k, v = inputs()
+    call = dict(causal=causal, version=version, **kw)
+    flash_v2.forward.plans.clear()
+    plain = flash_v2.forward.__wrapped__(q, k, v, **call)
+    assert not flash_v2.forward.plans  # the plain launcher keeps nothing
+    recorded = flash_v2.forward(q, k, v, **call)
+    assert flash_v2.forward.plans.get(fast_path.call_key((q, k, v), call)) is not None
+    replayed = flash_v2.forward(q, k, v, **call)
+    for got in (recorded, replayed):
+        for a, b in zip(got, plain):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))
+    q2, k2, v2 = inputs()  # new arrays, the same key: the kept plan on new values
+    for a, b in zip(flash_v2.forward(q2, k2, v2, **call), flash_v2.forward.__wrapped__(q2, k2, v2, **call)):
+        np.testing.assert_array_equal(to_numpy(a).view(np.uint8), to_numpy(b).view(np.uint8))
 
 
 @pytest.mark.gpu

@@ -343,11 +343,12 @@ def test_ring_blocks_choose_flash_only_where_stages_02_03_take_the_head_dim_and_
     assert T.ring_blocks(None, dtype=bfloat16, head_dim=128, **gpu) == (
         "flash", "flash (stage 02 version pipelined, stage 03 version tc)")
     assert T.ring_blocks(None, dtype=np.float32, head_dim=32, **gpu)[0] == "flash"  # fp32 / fp32 take 32
-    # float32: "auto" runs the TF32 tensor-core versions on sm_80 and newer at their head dims, fp32 elsewhere
+    # float32: "auto" runs the TF32 tensor-core versions on sm_80 and newer at their head dims, the CUDA-core ones
+    # elsewhere (stage 02: fp32_overlap)
     assert T.ring_blocks(None, dtype=np.float32, head_dim=64, **gpu)[1] == (
         "flash (stage 02 version fp32x3, stage 03 version fp32x3)")
     assert T.ring_blocks(None, dtype=np.float32, head_dim=64, gpu=True, sm80=False)[1] == (
-        "flash (stage 02 version fp32, stage 03 version fp32)")
+        "flash (stage 02 version fp32_overlap, stage 03 version fp32)")
     block, text = T.ring_blocks(None, dtype=bfloat16, head_dim=32, **gpu)
     assert (block, f"ring blocks {text}") == ("naive", RING_FALLBACK)
     block, text = T.ring_blocks(None, dtype=bfloat16, head_dim=64, gpu=True, sm80=False)  # a T4

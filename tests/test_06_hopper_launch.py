@@ -28,13 +28,13 @@ COMPILED = {  # what: (instantiations, threads a block, dynamic shared memory of
 @pytest.mark.slow  # up to a minute each: started first (conftest.py)
 @pytest.mark.parametrize("what", list(COMPILED))
 def test_every_stage_06_kernel_compiles_for_sm90a_within_limits(what):
-    from stages.common import kernels
+    from stages.common import kernel_resources
 
     items, threads, smems = COMPILED[what]
     (file,) = {f for f, _ in items}
     names = [n for _, n in items]
     assert all(s <= H100.smem_optin for s in smems)  # Q_i and the K/V stages fit, the wide tiles too
-    usage = kernels.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
+    usage = kernel_resources.resource_usage(file, arch="sm_90a", name_expressions=[n for n in names if "<" in n])
     for name in names:
         u = usage[name]
         assert u["spill"] == 0, f"{name} spills {u['spill']} bytes"

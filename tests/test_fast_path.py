@@ -1,7 +1,9 @@
-"""stages/common/fast_path.py on a CPU: which calls share a key, and which plans a @remembered function keeps.
+"""stages/common/fast_path.py on a CPU: which calls share a key, which plans a @remembered function keeps (the run
+step's keep), and what launch.run_forward hands it.
 
-The GPU side (a repeat gives the same bits, bad input after a good call is still refused) is in the stages' gpu
-tests: test_02_flash_v2.py and test_03_flash_v2_backward.py, test_gpu_a_repeated_call_is_checked_and_planned_....
+The GPU side (a replay gives the plain launcher's bits, bad input after a good call is still refused) is in the
+stages' gpu tests: test_02_flash_v2.py (test_gpu_fast_path_replays_the_plain_launch_bit_for_bit) and
+test_03_flash_v2_backward.py, test_gpu_a_repeated_call_is_checked_and_planned_....
 """
 import sys
 import types
@@ -9,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from stages.common import device, fast_path
+from stages.common import device, fast_path, launch
 
 
 class FakeArray:  # stands in for cupy.ndarray on a machine without a GPU
@@ -125,3 +127,61 @@ def test_a_call_that_raises_keeps_nothing(fake_cupy):
 def test_joint_outputs_layout_aligns_each_array_to_256_bytes():
     layout, nbytes = fast_path.out_layout([((3, 5), np.float16), ((7,), np.float32)])
     assert layout == (((3, 5), np.dtype(np.float16), 0), ((7,), np.dtype(np.float32), 256)) and nbytes == 512
+
+
+def test_keep_keeps_the_plan_of_the_calls_own_arrays_only(fake_cupy):
+    """The run step's keep(plan, *arrays) keeps plan for the call's key when the arrays are the call's own objects,
+    in order (q is k is v included: positions, not values); a run step on other arrays (a copy, a reshaped input,
+    the order changed) keeps nothing, and neither does a second run step of the same call."""
+    log = []
+
+    @fast_path.remembered
+    def forward(q, k, v, *, mode="own"):
+        log.append("checked")
+        if mode == "copy":
+            q = FakeArray(q.shape)  # what a launcher that copies or reshapes an input hands on
+        if mode == "swap":
+            q, k = k, q
+        out = fast_path.keep(Plan(log), q, k, v)(q, k, v)
+        if mode == "twice":
+            fast_path.keep(Plan(log), q, k, v)  # the first run step of a call decides
+        return out
+
+    a, b, c = FakeArray(SHAPE), FakeArray(SHAPE), FakeArray(SHAPE)
+    for mode in ("copy", "swap"):
+        forward(a, b, c, mode=mode)
+        forward(a, b, c, mode=mode)
+    assert forward.plans == {} and log.count("checked") == 4
+    forward(a, a, a)  # one array three times: kept, by position
+    forward(a, b, c, mode="twice")
+    assert len(forward.plans) == 2
+    log.clear()
+    forward(c, b, a)
+    forward(b, c, a, mode="twice")
+    assert log == [("run", True), ("run", True)]  # both replayed: the same keys, new arrays
+
+
+def test_run_forward_hands_keep_its_plan_with_joint_outputs(fake_cupy, monkeypatch):
+    """launch.run_forward, the last step of every forward launcher, keeps a ForwardLaunch of its launch, the outputs'
+    dtype, the arrays after lse and whether the kernel merges, with o (B, H, Nq, D) and lse (B, H, Nq) float32 laid
+    out in one allocation; a replay runs that plan without the launcher."""
+    runs = []
+    monkeypatch.setattr(launch.ForwardLaunch, "__call__", lambda self, q, k, v: runs.append(self) or ("o", "lse"))
+    calls = []
+
+    @fast_path.remembered
+    def forward(q, k, v, *, causal=False):
+        calls.append(causal)
+        return launch.run_forward("the launch", q, k, v, np.float16, "slopes", launch.NULL, merges=causal)
+
+    q, k = FakeArray((2, 3, 100, 64), np.float16), FakeArray((2, 3, 70, 64), np.float16)
+    assert forward(q, k, k, causal=True) == ("o", "lse") and forward(q, k, k, causal=True) == ("o", "lse")
+    assert calls == [True] and runs[0] is runs[1]  # the second call ran the kept plan, without the launcher
+    plan = runs[0]
+    assert (plan.launch, plan.odtype, plan.extra, plan.merges) == ("the launch", np.float16, ("slopes", launch.NULL),
+                                                                   True)
+    (o_shape, o_dtype, o_at), (l_shape, l_dtype, l_at) = plan.outs[0]
+    assert (o_shape, o_dtype, l_shape, l_dtype) == ((2, 3, 100, 64), np.float16, (2, 3, 100), np.float32)
+    assert o_at == 0 and l_at == 2 * 3 * 100 * 64 * 2 and plan.outs[1] == l_at + 2560  # 2400 bytes of lse, to 256
+    launch.run_forward("the launch", q, k, k, np.float16)  # outside a remembered call: runs, keeps nothing
+    assert runs[-1].outs is None and len(forward.plans) == 1

@@ -11,7 +11,8 @@ import pytest
 from stages import flash_v2, flash_v2_backward
 from stages.common import bfloat16, kernels, make_inputs, verify
 
-FORWARD = [("fp32", np.float32), ("fp32x3", np.float32), ("tc", np.float16), ("pipelined", bfloat16)]
+FORWARD = [("fp32", np.float32), ("fp32_overlap", np.float32), ("fp32x3", np.float32), ("tc", np.float16),
+           ("pipelined", bfloat16)]
 BACKWARD = [("fp32", np.float32), ("fp32x3", np.float32), ("tc", np.float16), ("tc", bfloat16)]
 HOPPER = [np.float16, bfloat16, np.float32]
 

@@ -10,6 +10,7 @@ from stages import flash_v1, flash_v2, naive
 from stages.common import bfloat16, make_inputs, to_numpy
 
 RUNS = [("naive", None, np.float32), ("flash_v1", None, np.float32), ("flash_v2", "fp32", np.float32),
+        ("flash_v2", "fp32_overlap", np.float32),
         ("flash_v2", "tc", np.float16), ("flash_v2", "tc", bfloat16), ("flash_v2", "pipelined", np.float16),
         ("flash_v2", "pipelined", bfloat16), ("flash_v2", "fp32x3", np.float32)]
 IDS = [f"{s}-{v or 'only'}-{np.dtype(d).name}" for s, v, d in RUNS]

@@ -5,13 +5,13 @@ For each architecture in stages.common.device.ARCHS, every kernel instantiation 
 the problem decides, every one it can reach) is compiled for that architecture, and ptxas's own report is held to
 the architecture's limits: static + dynamic shared memory within the opt-in limit per block, static shared memory
 within 48 KB, registers x threads within the 64K registers of a block. NVRTC makes the PTX once per family of
-architectures that compile alike (kernels.ptx_families: sm_80, sm_86 and sm_89 take the same side of every
-__CUDA_ARCH__ test), and ptxas assembles it for the family's first member, every kernel the family needs
-(kernels.resource_usages). The other members share what the checks read from that report: static shared memory is
-the PTX's own __shared__ arrays (test_ptxas_reports_what_nvrtcs_own_compile_reports compares the members), and a
-member's registers can break the block's 64K only above 65536 / 255 = 257 threads (ptxas gives a thread at most 255),
-so ptxas assembles a member's kernels itself only where it launches more. On a GPU, the same plans are what the gpu
-suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
+architectures that compile alike (kernel_resources.ptx_families: sm_80, sm_86 and sm_89 take the same side of
+every __CUDA_ARCH__ test), and ptxas assembles it for the family's first member, every kernel the family needs
+(kernel_resources.resource_usages). The other members share what the checks read from that report: static shared
+memory is the PTX's own __shared__ arrays (test_ptxas_reports_what_nvrtcs_own_compile_reports compares the
+members), and a member's registers can break the block's 64K only above 65536 / 255 = 257 threads (ptxas gives a
+thread at most 255), so ptxas assembles a member's kernels itself only where it launches more. On a GPU, the same
+plans are what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
 """
 from typing import NamedTuple
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from stages import flash_v1, flash_v2, flash_v2_backward
-from stages.common import device, kernels
+from stages.common import device, kernel_resources, kernels
 
 
 def _plans(dev):
@@ -69,7 +69,7 @@ def _jobs(plans_by_arch):
             modules.setdefault((p.file, tuple(sorted(p.defines.items()))), {}).setdefault(arch, []).append(p)
     jobs = []
     for (file, defines), by_arch in modules.items():
-        for family in kernels.ptx_families(file, list(by_arch)):
+        for family in kernel_resources.ptx_families(file, list(by_arch)):
             names = sorted({p.name for a in family for p in by_arch[a]})
             for i in range(0, len(names), CHUNK):
                 chunk = set(names[i:i + CHUNK])
@@ -81,7 +81,7 @@ def _jobs(plans_by_arch):
 
 def _check(job):
     """[(arch, plan, what is wrong)] after compiling the job's plans."""
-    usage = kernels.resource_usages(job.file, job.assemble(), defines=dict(job.defines))
+    usage = kernel_resources.resource_usages(job.file, job.assemble(), defines=dict(job.defines))
     bad = []
     for arch, ps in job.by_arch.items():
         dev = device.emulate(arch)
@@ -130,7 +130,7 @@ def test_every_architecture_has_plans():
 def test_the_limit_check_fails_on_a_plan_over_the_limit():
     """The check above is not vacuous: a pipelined d=128 plan at Br = 128 (102 KB) is refused on sm_86 (99 KB)."""
     big = flash_v2.tc.Config(4, 2, 64, 64, 2, True)
-    name = flash_v2.tc._name("pipelined", "__half", 128, big)
+    name = flash_v2.tc.instantiation("pipelined", "__half", "__half", 128, big)
     plan = device.KernelPlan("flash_v2_forward_pipelined.cu", {}, name, flash_v2.tc.smem_bytes("pipelined", 128, big),
                              0, big.threads)
     problems = _problems({"sm_86": [plan]})
@@ -153,9 +153,9 @@ def test_architectures_of_one_ptx_family_get_the_same_ptx():
     """What sharing the PTX rests on. The families split where the sources and the CUDA headers test __CUDA_ARCH__
     (sm_75 | sm_80, sm_86, sm_89 | sm_90: cuda_bf16.hpp tests sm_90), and NVRTC's PTX for the members of a family is
     the same but for its .target line: here for a module of stage 02."""
-    assert kernels.ptx_families("flash_v2_forward_tc.cu", list(device.ARCHS)) == [
+    assert kernel_resources.ptx_families("flash_v2_forward_tc.cu", list(device.ARCHS)) == [
         ["sm_75"], ["sm_80", "sm_86", "sm_89"], ["sm_90"]]
-    assert (">=", 800) in kernels.arch_tests("flash_v2_forward_tc.cu")
+    assert (">=", 800) in kernel_resources.arch_tests("flash_v2_forward_tc.cu")
     name = ["flash_v2_forward_tc<__half,__half,64,64,4>"]
     ptx = {a: kernels._compile("flash_v2_forward_tc.cu", a, (), name, verbose=False)[0]
            for a in ("compute_80", "compute_86", "compute_89")}
@@ -169,20 +169,20 @@ def test_an_unknown_architecture_test_gives_each_architecture_its_own_ptx(tmp_pa
     (tmp_path / "odd.cu").write_text('#include "odd.cuh"\n')
     (tmp_path / "odd.cuh").write_text("#define NEW 1000\n#if __CUDA_ARCH__ >= NEW\n#endif\n")
     monkeypatch.setattr(kernels, "KERNELS_DIR", tmp_path)
-    kernels.arch_tests.cache_clear()
+    kernel_resources.arch_tests.cache_clear()
     try:
-        assert kernels.arch_tests("odd.cu") is None
-        assert kernels.ptx_families("odd.cu", ["sm_86", "sm_80"]) == [["sm_80"], ["sm_86"]]
+        assert kernel_resources.arch_tests("odd.cu") is None
+        assert kernel_resources.ptx_families("odd.cu", ["sm_86", "sm_80"]) == [["sm_80"], ["sm_86"]]
         (tmp_path / "odd.cuh").write_text('// __CUDA_ARCH__ in a comment\nconst char* s = "__CUDA_ARCH__";\n'
                                           "#if __CUDA_ARCH__ >= 860\n#endif\n")
-        kernels.arch_tests.cache_clear()
-        assert kernels.arch_tests("odd.cu") == ((">=", 860),)
-        assert kernels.ptx_families("odd.cu", ["sm_89", "sm_80", "sm_86"]) == [["sm_80"], ["sm_86", "sm_89"]]
+        kernel_resources.arch_tests.cache_clear()
+        assert kernel_resources.arch_tests("odd.cu") == ((">=", 860),)
+        assert kernel_resources.ptx_families("odd.cu", ["sm_89", "sm_80", "sm_86"]) == [["sm_80"], ["sm_86", "sm_89"]]
         monkeypatch.setattr(kernels, "_cuda_include_dirs", lambda: [])  # the CUDA headers' tests unread: unknown
-        kernels.arch_tests.cache_clear()
-        assert kernels.arch_tests("odd.cu") is None
+        kernel_resources.arch_tests.cache_clear()
+        assert kernel_resources.arch_tests("odd.cu") is None
     finally:
-        kernels.arch_tests.cache_clear()
+        kernel_resources.arch_tests.cache_clear()
 
 
 @pytest.mark.slow  # eight compiles
@@ -192,25 +192,27 @@ def test_ptxas_reports_what_nvrtcs_own_compile_reports(monkeypatch):
     same."""
     names = ["flash_v2_forward_tc<__half,__half,64,64,4>", "flash_v2_forward_tc<__half,float,128,64,4>"]
     archs = ("sm_80", "sm_86", "sm_89")
-    want = {a: kernels.resource_usage("flash_v2_forward_tc.cu", arch=a, name_expressions=names) for a in archs}
+    want = {a: kernel_resources.resource_usage("flash_v2_forward_tc.cu", arch=a, name_expressions=names)
+            for a in archs}
     for n in names:  # what the members of a family share (the limit check reads it from the first member's report)
         assert want["sm_80"][n]["static_smem"] > 0
         assert want["sm_86"][n]["static_smem"] == want["sm_89"][n]["static_smem"] == want["sm_80"][n]["static_smem"]
-    assert kernels.ptxas() is not None, "no ptxas of NVRTC's release (requirements.txt: nvidia-cuda-nvcc-cu12)"
-    assert kernels.resource_usages("flash_v2_forward_tc.cu", {a: names for a in archs}) == want
-    assert kernels.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names[:1]}) == {
+    assert kernel_resources.ptxas() is not None, ("no ptxas of NVRTC's release (requirements.txt: "
+                                                  "nvidia-cuda-nvcc-cu12)")
+    assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {a: names for a in archs}) == want
+    assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names[:1]}) == {
         "sm_86": {names[0]: want["sm_86"][names[0]]}}  # --entry: only the kernels asked for
-    monkeypatch.setattr(kernels, "ptxas", lambda: None)
-    assert kernels.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names}) == {"sm_86": want["sm_86"]}
+    monkeypatch.setattr(kernel_resources, "ptxas", lambda: None)
+    assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names}) == {"sm_86": want["sm_86"]}
 
 
 def test_resource_usage_reports_a_repeated_compile():
     """The limit checks read ptxas's report. NVRTC 12.9 and later may answer a compile it has already done from its
     cache, and a cached answer carries no report: the same check run twice in one process (or a second test run on
     the same machine) would find no kernel. resource_usage asks NVRTC for a fresh compile, so both calls report."""
-    first = kernels.resource_usage("hopper_probes.cu", arch="sm_90a")
+    first = kernel_resources.resource_usage("hopper_probes.cu", arch="sm_90a")
     assert first and all(u["registers"] > 0 for u in first.values())
-    assert kernels.resource_usage("hopper_probes.cu", arch="sm_90a") == first
+    assert kernel_resources.resource_usage("hopper_probes.cu", arch="sm_90a") == first
 
 
 @pytest.mark.parametrize("arch", list(device.ARCHS))
@@ -219,7 +221,10 @@ def test_each_architecture_gets_plans_that_fit_it(arch):
     versions whose instructions arch lacks have none."""
     dev = device.emulate(arch)
     for D in flash_v2.head_dims("fp32"):
-        assert device.fits(dev, flash_v2.fp32_smem_bytes(D, flash_v2.fp32_config(D, dev)))
+        cfg = flash_v2.fp32.config("fp32", D, dev)
+        assert device.fits(dev, cfg.smem_bytes(D))
+        assert flash_v2.fp32.overlap_fits(D, dev) or cfg.share_kv  # "auto": fp32_overlap, else fp32's SHARE_KV tiles
+    assert all(flash_v2.fp32.overlap_fits(D, dev) for D in (1, 64, 128)) == (arch != "sm_75")  # a T4 at d = 128
     # the 16-bit tensor-core versions run on every architecture (fp16 from sm_75, bf16 from sm_80); only a T4's
     # 64 KB leaves out d = 256
     small = dev.smem_optin < 99 * 1024

@@ -1,122 +1,51 @@
-"""Stage 02 launcher: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), four versions.
+"""Stage 02: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), five versions. The public functions: they
+check the inputs and hand them to the version's launcher (fp32.py, tc.py, fp32x3.py) or, for numpy inputs, to the
+tile mirror (mirror.py).
 
     o, lse = forward(q, k, v, causal=False, scale=None, version="auto")   # numpy -> mirror.py, CuPy -> kernel
     o, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)          # packed sequences of different lengths
 
 Versions (all runnable, each checked against the one before it):
-    fp32       float32, CUDA cores: kernels/flash_v2_forward_fp32.cu, any head_dim 1..128
-    tc         float16 / bfloat16, mma.sync tensor cores: kernels/flash_v2_forward_tc.cu (tc.py launches it)
-    pipelined  float16 / bfloat16, cp.async double buffering, tuned tiles: kernels/flash_v2_forward_pipelined.cu
-    fp32x3     float32, mma.sync TF32 tensor cores with the 3xTF32 split (fp32-level accuracy):
-               kernels/flash_v2_forward_fp32x3.cu (fp32x3.py launches it), head dims 32, 64, 96, 128
-    auto       pipelined for float16 / bfloat16; for float32 fp32x3 on a GPU with TF32 tensor cores (sm_80 on; plain
-               attention at its head dims), fp32 elsewhere (the CPU mirror, older GPUs, other head dims)
+    fp32          float32, CUDA cores, the paper's loop: kernels/flash_v2_forward_fp32.cu, any head_dim 1..128
+    fp32_overlap  fp32 with its loads overlapping its math (K_{j+1} prefetched, V_j by cp.async):
+                  kernels/flash_v2_forward_fp32_overlap.cu, any head_dim 1..128
+    tc            float16 / bfloat16, mma.sync tensor cores: kernels/flash_v2_forward_tc.cu
+    pipelined     float16 / bfloat16, cp.async double buffering, tuned tiles: kernels/flash_v2_forward_pipelined.cu
+    fp32x3        float32, mma.sync TF32 tensor cores with the 3xTF32 split (fp32-level accuracy):
+                  kernels/flash_v2_forward_fp32x3.cu, head dims 32, 64, 96, 128
+    auto          pipelined for float16 / bfloat16; for float32 fp32x3 on a GPU with TF32 tensor cores (sm_80 on;
+                  plain attention at its head dims), else fp32_overlap, or fp32 where its tiles do not fit the GPU
 numpy inputs run the tile mirror (mirror.py) with the chosen version's tiles and rounding (fp32x3: the TF32
 split emulated); CuPy inputs run the kernel. Any Nq and Nk, causal aligned bottom-right, lse float32 (B, H, Nq)
 in natural log.
 
-Stage 02 is the FORWARD pass only; the FlashAttention-2 backward is stage 03. `backward` is here only so
-that every stage has the same API: it hands over to stage 03.
+Stage 02 is the FORWARD pass only; the FlashAttention-2 backward is stage 03 (stages/03_flash_v2_backward).
+`forward` is wrapped by the speed layer (stages/common/fast_path.py), which replays a repeated call's launch; a
+reader may skip it (forward.__wrapped__ is the same function without it).
 """
-import functools
-from typing import NamedTuple
-
 import numpy as np
 
 from stages.common import (
-    LOG2E, bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, fast_path, kernels, load_module,
-    resolve_scale, variants, varlen,
+    bfloat16, check_attention_inputs, check_causal, check_out_dtype, device, fast_path, resolve_scale, variants,
+    varlen,
 )
+from stages.common.launch import row_major
 
-from stages.common.params import FwdParams
+from . import fp32, fp32x3, mirror, tc
 
-from . import fp32x3, mirror, tc  # the launchers of the other versions (tc: both tensor-core versions)
-
-VERSIONS = ("fp32", "tc", "pipelined", "fp32x3")
-DTYPES = {"fp32": (np.dtype(np.float32),), "tc": (np.dtype(np.float16), bfloat16),
-          "pipelined": (np.dtype(np.float16), bfloat16), "fp32x3": (np.dtype(np.float32),)}
-ALL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), bfloat16)  # what some version takes
-FP32_VERSIONS = ("fp32", "fp32x3")  # the versions that take float32
-FP32_MAX_HEAD_DIM = 128  # a lane keeps head_dim/8 columns of 4 or 8 rows of O_i in registers
-FP32_BC = 64  # Bc of the fp32 kernel: 8 column groups x 8 keys per lane (fixed by its thread layout)
-
-
-class Fp32Config(NamedTuple):
-    """Launch configuration of the fp32 kernel: TM rows of Q_i per lane and NWARPS warps (Br = NWARPS * 4 * TM);
-    ASYNC_V: V_j by cp.async while S_ij is computed (sm_80+, head_dim % 4 == 0); PREFETCH_K: K_{j+1} read into
-    registers during P~_ij V_j; SHARE_KV: V_j loaded into K_j's buffer after S_ij (one buffer less)."""
-    tm: int
-    nwarps: int
-    async_v: bool = True
-    prefetch_k: bool = True
-    share_kv: bool = False
-
-    @property
-    def br(self):
-        return self.nwarps * 4 * self.tm
-
-    @property
-    def threads(self):
-        return 32 * self.nwarps
-
-    def defines(self, D):
-        return {"HEAD_DIM": D, "TM": self.tm, "NWARPS": self.nwarps, "ASYNC_V": int(self.async_v),
-                "PREFETCH_K": int(self.prefetch_k), "SHARE_KV": int(self.share_kv)}
-
-
-def fp32_candidates(D, dev=None):
-    """The fp32 kernel's configurations at head dim D, first choice first. d <= 64: TM = 8 with 4 warps (each lane's
-    TM x 8 block of S_ij reuses every value it reads 8 times); d > 64: TM = 4 with 8 warps (O_i's TM x d/8 block per
-    lane grows with d, and TM = 8 would not fit in the registers). Then smaller Q tiles for GPUs with less shared
-    memory (Br = 64, Br = 32) and, last, Br = 32 with V_j in K_j's buffer (a T4 at d > 64). ASYNC_V where the
-    architecture has cp.async (dev None: assumed) and rows are 16-byte aligned. `python dev/sweep_flash_v2.py`
-    times the alternatives."""
-    async_v = D % 4 == 0 and (dev is None or dev.arch.cp_async)
-    first = Fp32Config(8, 4, async_v) if D <= 64 else Fp32Config(4, 8, async_v)
-    return [first, Fp32Config(4, 4, async_v), Fp32Config(4, 2, async_v), Fp32Config(4, 2, False, False, True)]
-
-
-def fp32_smem_bytes(D, config=None):
-    """Shared memory of the fp32 kernel: Q_i^T, K_j^T, V_j (head dim padded to 32; V_j in K_j's buffer with
-    SHARE_KV) and P~_ij^T (rows + 4)."""
-    cfg = _fp32_cfg(D, config)
-    dp = -(-D // 32) * 32
-    return 4 * (dp * cfg.br + (1 if cfg.share_kv else 2) * dp * FP32_BC + FP32_BC * (cfg.br + 4))
-
-
-def _fp32_cfg(D, config):
-    """config as an Fp32Config: None -> the first candidate; a tuple (TM, NWARPS[, ASYNC_V[, PREFETCH_K[,
-    SHARE_KV]]]) -> with the kernel's defaults for the missing fields."""
-    if config is None:
-        return fp32_candidates(D)[0]
-    return config if isinstance(config, Fp32Config) else Fp32Config(*config)
-
-
-def fp32_config(D, dev=None, blocks=None):
-    """The fp32 kernel's configuration at head dim D on device dev (None: the first candidate). blocks(cfg): the
-    problem's block count; when the choice leaves SMs idle (blocks < SM count), the next smaller Q tile that fits
-    is taken (twice the blocks)."""
-    cands = fp32_candidates(D, dev)
-    if dev is None:
-        return cands[0]
-    cfg = device.pick(cands, lambda c: fp32_smem_bytes(D, c), dev, what=f"flash_v2 version 'fp32' d={D}")
-    n = cands.index(cfg)
-    if blocks is not None and blocks(cfg) < dev.sm_count and n + 1 < len(cands) - 1:
-        cfg = cands[n + 1]  # never the SHARE_KV fallback: it is for shared memory, not for SM count
-    return cfg
-
-
-def fp32_reachable(D, dev):
-    """Every configuration fp32_config can return on dev."""
-    cands = fp32_candidates(D, dev)
-    first = cands.index(device.pick(cands, lambda c: fp32_smem_bytes(D, c), dev, what=""))
-    return cands[first:first + 2] if first + 1 < len(cands) - 1 else cands[first:first + 1]
+VERSIONS = ("fp32", "fp32_overlap", "tc", "pipelined", "fp32x3")
+F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
+DTYPES = {"fp32": (F32,), "fp32_overlap": (F32,), "tc": (F16, bfloat16), "pipelined": (F16, bfloat16),
+          "fp32x3": (F32,)}
+ALL_DTYPES = (F32, F16, bfloat16)  # what some version takes
+FP32_VERSIONS = ("fp32", "fp32_overlap", "fp32x3")  # the versions that take float32
+VARIANT_VERSIONS = tc.VARIANT_VERSIONS  # the kernels that take the variant options (every version's mirror does)
 
 
 def tiles(version, D, causal=False):
     """(Br, Bc) of a version at head dim D: the kernel's tiles, which the mirror uses too."""
-    if version == "fp32":
-        return fp32_config(D).br, FP32_BC
+    if version in fp32.VERSIONS:
+        return fp32.config(version, D).br, fp32.BC
     if version == "fp32x3":
         return fp32x3.tiles(D, causal)
     return tc.tiles(version, D, causal)
@@ -124,31 +53,35 @@ def tiles(version, D, causal=False):
 
 def head_dims(version):
     """The head dims a version supports."""
-    if version == "fp32":
-        return tuple(range(1, FP32_MAX_HEAD_DIM + 1))
+    if version in fp32.VERSIONS:
+        return tuple(range(1, fp32.MAX_HEAD_DIM + 1))
     return tuple(fp32x3.HEAD_DIMS) if version == "fp32x3" else tuple(tc.HEAD_DIMS[version])
 
 
 def resolve_version(version, dtype):
-    """The version to run for this dtype ("auto": fp32 for float32, pipelined for 16-bit), or a clear error."""
+    """The version a name asks for with this dtype, or a clear error. "auto": pipelined for 16-bit, fp32_overlap for
+    float32 (forward then takes fp32x3 where it runs, and fp32 where fp32_overlap's tiles do not fit the GPU)."""
     dtype = np.dtype(dtype)
     if version == "auto":
-        version = "fp32" if dtype == np.float32 else "pipelined"
+        version = "fp32_overlap" if dtype == np.float32 else "pipelined"
     if version not in VERSIONS:
         raise ValueError(f"flash_v2.forward: unknown version {version!r}; choose one of {VERSIONS} or 'auto'")
     if dtype not in DTYPES[version]:
         fix = ("use version='tc' or 'pipelined' for float16/bfloat16" if version in FP32_VERSIONS else
-               "use version='fp32' or 'fp32x3' for float32, or cast the inputs to float16/bfloat16")
+               "use version='fp32', 'fp32_overlap' or 'fp32x3' for float32, or cast the inputs to float16/bfloat16")
         raise TypeError(f"flash_v2.forward: version {version!r} takes "
                         f"{'/'.join(d.name for d in DTYPES[version])}, got {dtype}; {fix}")
     return version
 
 
-def _fp32x3_runs(xp, opts, config, D):
-    """Whether version="auto" runs fp32x3 for float32 (resolve_version's fp32 otherwise): on a GPU with TF32 tensor
-    cores (sm_80 on; not the CPU mirror), for plain attention at its head dims, with no fp32 config asked for."""
-    return (xp is not np and opts is None and config is None and D in fp32x3.HEAD_DIMS
-            and device.tf32_tensor_cores(device.device()))
+def _auto_fp32(opts, config, D):
+    """The float32 version "auto" runs on this GPU: fp32x3 on a GPU with TF32 tensor cores (sm_80 on) for plain
+    attention at its head dims with no config asked for, else fp32_overlap, or fp32 (its SHARE_KV tiles) where
+    fp32_overlap does not fit the GPU's shared memory."""
+    dev = device.device()
+    if opts is None and config is None and D in fp32x3.HEAD_DIMS and device.tf32_tensor_cores(dev):
+        return "fp32x3"
+    return "fp32_overlap" if config is not None or fp32.overlap_fits(D, dev) else "fp32"
 
 
 def _elsewhere(D):
@@ -159,16 +92,16 @@ def _elsewhere(D):
 
 
 def _check_head_dim(version, D):
-    if version == "fp32":
-        if D > FP32_MAX_HEAD_DIM:
-            raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the fp32 kernel: it takes any "
-                             f"head_dim from 1 to {FP32_MAX_HEAD_DIM}{_elsewhere(D)}")
+    if version in fp32.VERSIONS:
+        if D > fp32.MAX_HEAD_DIM:
+            raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the {version} kernel: it takes any "
+                             f"head_dim from 1 to {fp32.MAX_HEAD_DIM}{_elsewhere(D)}")
         return
     if version == "fp32x3":
         dims = fp32x3.HEAD_DIMS
         if D not in dims:
             raise ValueError(f"flash_v2.forward: head_dim {D} is not supported by the fp32x3 kernel: use "
-                             f"{', '.join(map(str, dims))}, or version='fp32' (any head_dim 1 to {FP32_MAX_HEAD_DIM})"
+                             f"{', '.join(map(str, dims))}, or version='fp32' (any head_dim 1 to {fp32.MAX_HEAD_DIM})"
                              f"{_elsewhere(D)}")
         return
     dims = tc.HEAD_DIMS[version]
@@ -178,18 +111,16 @@ def _check_head_dim(version, D):
                          f"{_elsewhere(D)}")
 
 
-VARIANT_VERSIONS = tc.VARIANT_VERSIONS  # the kernels that take the variant options (every version's mirror does)
-
-
-@fast_path.remembered  # a plain GPU call seen before goes straight to its planned launch (stages/common/fast_path.py)
+@fast_path.remembered  # the speed layer: a repeated call replays its kept launch (stages/common/fast_path.py)
 def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None, config=None, window=None,
             alibi_slopes=None, softcap=None, dropout_p=0.0, seed=0, origin=None):
     """FlashAttention-2 forward. Returns o (B, H, Nq, D) and lse (B, H, Nq) float32.
 
     o is in the inputs' dtype, or in float32 with out_dtype=np.float32: O_i = diag(l_i)^-1 O_i straight from
     the float32 accumulators, not rounded to 16 bits (the ring merges such partial results).
-    config: the fp32 CUDA kernel only, an Fp32Config or (TM, NWARPS[, ASYNC_V[, PREFETCH_K[, SHARE_KV]]]) instead
-    of the device's choice (dev/sweep_flash_v2.py times several); None: the device's choice.
+    config: the CUDA-core kernels' tiles instead of the device's choice (dev/sweep_flash_v2.py times several): for
+    version fp32 an fp32.Fp32Config or (TM, NWARPS[, SHARE_KV]), for fp32_overlap an fp32.OverlapConfig or (TM,
+    NWARPS[, ASYNC_V]); None: the device's choice.
     Variants (stages/common/variants.py): k, v with fewer heads (grouped-query), window=(left, right),
     alibi_slopes, softcap, dropout_p with seed, and origin (a block of a larger problem: the ring). The mirrors take
     them all; on the GPU version 'pipelined' takes them all too (dropout draws the same bits as the mirrors: same
@@ -205,31 +136,33 @@ def forward(q, k, v, *, causal=False, scale=None, version="auto", out_dtype=None
         opts = None if opts.plain else opts
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
     asked, version = version, resolve_version(version, q.dtype)
-    if asked == "auto" and version == "fp32" and _fp32x3_runs(xp, opts, config, D):  # fast float32 where it runs
-        version = "fp32x3"
+    if asked == "auto" and version == "fp32_overlap" and xp is not np:
+        version = _auto_fp32(opts, config, D)
     _check_head_dim(version, D)
     scale = resolve_scale(scale, D)
-    if config is not None and (version != "fp32" or xp is np):
-        raise ValueError(f"flash_v2.forward: config= sets the fp32 CUDA kernel's tiles (version 'fp32' on CuPy "
-                         f"arrays); got version {version!r} on {xp.__name__} arrays")
+    if config is not None and (version not in fp32.VERSIONS or xp is np):
+        raise ValueError(f"{where}: config= sets the CUDA-core kernels' tiles (version 'fp32' or 'fp32_overlap' on "
+                         f"CuPy arrays); got version {version!r} on {xp.__name__} arrays")
     if xp is np:  # the CPU mirror, with this version's tiles
         br, bc = tiles(version, D, causal)
         return mirror.forward(q, k, v, causal=causal, scale=scale, br=br, bc=bc, tf32x3=version == "fp32x3",
                               out_dtype=out_dtype, opts=opts)
-    if opts is not None:
+    if opts is not None:  # the variants: version pipelined's hooks
         if version not in VARIANT_VERSIONS:
             raise ValueError(f"{where}: on the GPU, grouped-query k/v, window, softcap, alibi_slopes and dropout run "
                              f"in version {' / '.join(VARIANT_VERSIONS)} (float16 / bfloat16); every version's CPU "
                              f"mirror (numpy inputs) takes them all. Got version {version!r}")
         variants.check_kernel_origin(opts, where)
-        return tc.forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype, opts=opts)
+        return tc.forward_pipelined(q, k, v, causal=causal, scale=scale, out_dtype=out_dtype, opts=opts)
+    if version == "fp32":
+        return fp32.forward_fp32(q, k, v, causal=causal, scale=scale, config=config)
+    if version == "fp32_overlap":
+        return fp32.forward_fp32_overlap(q, k, v, causal=causal, scale=scale, config=config)
     if version == "fp32x3":
-        plan = fp32x3.plan_forward(q, k, v, causal=causal, scale=scale)
-    elif version != "fp32":
-        plan = tc.plan_forward(q, k, v, causal=causal, scale=scale, version=version, out_dtype=out_dtype)
-    else:
-        plan = fp32_plan_forward(q, k, v, causal=causal, scale=scale, config=config)
-    return fast_path.launch(plan, q, k, v)
+        return fp32x3.forward(q, k, v, causal=causal, scale=scale)
+    if version == "tc":
+        return tc.forward_tc(q, k, v, causal=causal, scale=scale, out_dtype=out_dtype)
+    return tc.forward_pipelined(q, k, v, causal=causal, scale=scale, out_dtype=out_dtype)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
@@ -259,71 +192,37 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, ma
         raise ValueError(f"{where}: on the GPU packed batches run in version {' / '.join(VARIANT_VERSIONS)} "
                          f"(float16 / bfloat16); got version {version!r} ({q.dtype}). The CPU mirror (numpy inputs) "
                          "takes every version")
-    qb, kb, vb = (kernels.row_major(varlen.as_batch(x)) for x in (q, k, v))  # (1, H, total, D)
+    qb, kb, vb = (row_major(varlen.as_batch(x)) for x in (q, k, v))  # (1, H, total, D)
     D = q.shape[2]
     _check_head_dim(version, D)
     causal = check_causal(causal, where)
     opts = variants.check(qb, kb, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
                           dropout_p=dropout_p, seed=seed, where=where)
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
-    o, lse = tc.forward(qb, kb, vb, causal=causal, scale=resolve_scale(scale, D), version=version,
-                           out_dtype=out_dtype, opts=opts, varlen=cu + (int(np.diff(cq).max()),))
-    return cupy.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]
+    o, lse = tc.forward_pipelined(qb, kb, vb, causal=causal, scale=resolve_scale(scale, D), out_dtype=out_dtype,
+                                  opts=opts, varlen=cu + (int(np.diff(cq).max()),))
+    return cupy.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]  # (total_q, H, D), (H, total_q)
 
 
-def fp32_plan_forward(q, k, v, *, causal, scale, config=None):
-    """The kernels.ForwardLaunch of the fp32 kernel for CuPy float32 q, k, v checked by forward. config: a tuple
-    overriding the device's choice (tuning runs), or None."""
-    B, H, Nq, D = q.shape
-    launch = _fp32_launch(B, H, Nq, k.shape[2], D, bool(causal), scale, None if config is None else tuple(config),
-                          device.device())
-    return kernels.ForwardLaunch(launch, np.dtype(np.float32))
-
-
-@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
-def _fp32_launch(B, H, Nq, Nk, D, causal, scale, config, dev):
-    """The fp32 kernel's launch for one problem on dev: configuration, compiled kernel, grid, parameters."""
-    cfg = (_fp32_cfg(D, config) if config is not None else
-           fp32_config(D, dev, blocks=lambda c: B * H * -(-Nq // c.br)))
-    if cfg.async_v and not dev.arch.cp_async:
-        raise device.UnsupportedDevice(f"flash_v2 fp32: ASYNC_V needs cp.async (sm_80+); {dev.name} is "
-                                       f"{dev.arch.name}")
-    smem = fp32_smem_bytes(D, cfg)
-    # one NVRTC module per (head dim, configuration), compiled once and cached
-    fn = kernels.function(load_module("flash_v2_forward_fp32.cu", defines=cfg.defines(D)), "flash_v2_forward_fp32",
-                          smem)
-    return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
-                          FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(causal)))
-
-
-# Head dims CI compiles the fp32 kernel at: each candidate configuration's range, odd dims, non-multiples of 4.
-FP32_COMPILE_DIMS = (1, 7, 16, 32, 64, 80, 100, 128)
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto"):
+    """Not in stage 02: stage 02 is the forward pass only, and the FlashAttention-2 backward is stage 03. The name is
+    here so that a caller going through every stage's API gets this answer instead of an AttributeError."""
+    raise NotImplementedError("flash_v2.backward: stage 02 is the FlashAttention-2 forward only; its backward is "
+                              "stage 03: from stages import flash_v2_backward; "
+                              "flash_v2_backward.backward(q, k, v, o, lse, do, causal=..., scale=...)")
 
 
 def kernel_plans(dev):
-    """[device.KernelPlan] of every kernel stage 02 may launch on dev (the fp32 kernel at FP32_COMPILE_DIMS)."""
-    out = [device.KernelPlan("flash_v2_forward_fp32.cu", cfg.defines(D), "flash_v2_forward_fp32",
-                             fp32_smem_bytes(D, cfg), 0, cfg.threads)
-           for D in FP32_COMPILE_DIMS for cfg in fp32_reachable(D, dev)]
-    return out + tc.kernel_plans(dev) + fp32x3.kernel_plans(dev)
+    """[device.KernelPlan] of every kernel stage 02 may launch on dev (the CUDA-core kernels at fp32.COMPILE_DIMS)."""
+    return fp32.kernel_plans(dev) + tc.kernel_plans(dev) + fp32x3.kernel_plans(dev)
 
 
 def kernel_sources():
     """(file, defines, name expressions) of every kernel stage 02 may launch on any architecture, for the NVRTC
     compile tests."""
-    plans = {p for a in device.ARCHS for p in kernel_plans(device.emulate(a))}
-    out = sorted({(p.file, tuple(sorted(p.defines.items()))) for p in plans if p.file.endswith("fp32.cu")})
+    plans = {p for a in device.ARCHS for p in fp32.kernel_plans(device.emulate(a))}
+    out = sorted({(p.file, tuple(sorted(p.defines.items()))) for p in plans})
     out = [(f, dict(d), ()) for f, d in out]
     out += [(f, {}, tuple(names)) for f, names in tc.kernel_sources()]
     out += [(f, {}, tuple(names)) for f, names in fp32x3.kernel_sources()]
     return out
-
-
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="auto"):
-    """Not part of stage 02 (forward only): the FlashAttention-2 backward lives in stage 03."""
-    try:
-        from stages import flash_v2_backward
-    except ImportError as e:
-        raise NotImplementedError("stage 02 is the forward pass only; the backward is stage 03 "
-                                  f"(stages/03_flash_v2_backward), which does not import here: {e}") from e
-    return flash_v2_backward.backward(q, k, v, o, lse, do, causal=causal, scale=scale, version=version)

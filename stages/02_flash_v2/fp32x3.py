@@ -1,19 +1,21 @@
-"""Stage 02, version "fp32x3" of the FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1): launcher.
+"""Stage 02, version "fp32x3" of the FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1): its launcher, called by
+flash_v2.forward once it has checked the inputs:
 
-    o, lse = call(q, k, v, causal=False, scale=scale)(q, k, v)   # CuPy float32 arrays only
+    o, lse = forward(q, k, v, causal=causal, scale=scale)   # CuPy float32 (B, H, N, D)
 
-Called by flash_v2.forward (which validates the inputs); kernel kernels/flash_v2_forward_fp32x3.cu: float32 in and
+Kernel kernels/flash_v2_forward_fp32x3.cu: float32 in and
 out, S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k8 TF32) with the 3xTF32 split (each operand =
 big + small TF32 parts, three mma per product, V in three parts: close to fp32 accuracy), each K/V tile split
 once per block into shared memory while the next lands by cp.async. Head dims 32, 64, 96, 128; any Nq, Nk; causal
 aligned bottom-right (query i sees key j iff j <= i + Nk - Nq).
 """
-import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, device, fast_path, kernels, load_module
+from stages.common import LOG2E, device, load_module
+from stages.common.kernels import function
+from stages.common.launch import Launch, run_forward
 from stages.common.params import FwdParams
 
 HEAD_DIMS = (32, 64, 96, 128)
@@ -101,26 +103,21 @@ def kernel_sources():
     return [(FILE, sorted({p.name for a in device.ARCHS for p in kernel_plans(device.emulate(a))}))]
 
 
-def plan_forward(q, k, v, *, causal=False, scale, cfg=None):
-    """The kernels.ForwardLaunch of CuPy float32 q, k, v checked by flash_v2.forward; scale is a float. cfg: a Config
-    to override the device's choice (tuning runs)."""
+def forward(q, k, v, *, causal, scale, cfg=None):
+    """Version fp32x3 on CuPy float32 q, k, v checked by flash_v2.forward: o (B, H, Nq, D), lse (B, H, Nq). cfg: a
+    Config in place of the device's choice (tuning runs)."""
     B, H, Nq, D = q.shape
-    launch = _launch(B, H, Nq, k.shape[2], D, bool(causal), scale, None if cfg is None else tuple(cfg),
-                     device.device())
-    return kernels.ForwardLaunch(launch, np.dtype(np.float32))
-
-
-@functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # once per problem: the choices below depend on nothing else
-def _launch(B, H, Nq, Nk, D, causal, scale, cfg, dev):
-    """The launch of one problem on dev: device check, configuration, compiled kernel, grid, parameters."""
+    Nk = k.shape[2]
+    dev = device.device()
     device.require(dev, device.TF32_FEATURES, what="flash_v2 version 'fp32x3' (TF32 tensor cores)",
                    instead="On this GPU use version 'fp32' (CUDA cores, float32 accuracy)")
-    cfg = Config(*cfg) if cfg is not None else config(D, causal, dev)
     if B * H > 65535:
         raise ValueError(f"flash_v2 version 'fp32x3': batch * heads = {B * H} is over the grid limit 65535; "
                          "split the batch into several calls")
+    cfg = Config(*cfg) if cfg is not None else config(D, causal, dev)  # the named configuration that fits this GPU
     expr = name(D, cfg)
     smem = smem_bytes(D, causal, cfg)
-    fn = kernels.function(load_module(FILE, name_expressions=(expr,)), expr, smem)  # compiled once per instantiation
-    return kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem,  # one block per (Q tile i, head)
-                          FwdParams(Nq=Nq, Nk=Nk, scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal))))
+    fn = function(load_module(FILE, name_expressions=(expr,)), expr, smem)  # compiled once per instantiation
+    params = FwdParams(Nq=Nq, Nk=Nk, scale=scale, exp2_scale=scale * LOG2E, causal=int(causal))
+    grid = (-(-Nq // cfg.br), B * H)  # one block per (Q tile i, head)
+    return run_forward(Launch(fn, grid, (cfg.threads,), smem, params), q, k, v, np.float32)  # o, lse; the launch

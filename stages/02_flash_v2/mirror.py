@@ -116,7 +116,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
     if opts is not None and opts.group > 1:  # grouped-query: query head h reads kv head h // group
         k, v = (np.repeat(x, opts.group, axis=1) for x in (k, v))
     qf, kf, vf = (x.astype(f32) for x in (q, k, v))  # exact: every 16-bit value is a float32
-    scale_log2 = f32(scale * LOG2E)
+    exp2_scale = f32(scale * LOG2E)  # FwdParams.exp2_scale: what a score is multiplied by before exp2
     transform = opts is not None and (opts.softcap or opts.alibi_slopes is not None)
     slopes = None if opts is None else variants.slopes_bh(opts, B, H)  # (B, H) float32 or None
     ashift = variants.alibi_shift(opts, Nq, Nk)  # ALiBi's diagonal: Nk - Nq, or that of the block's origin
@@ -125,7 +125,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
         keep = variants.dropout_keep(B, H, Nq, Nk, opts.dropout_p, opts.seed,  # Z, drawn per tile
                                      variants.dropout_origin(opts)).astype(f32)
     if transform:
-        scale_log2 = f32(LOG2E)  # S is scaled (and capped, biased) in natural units before the base-2 softmax
+        exp2_scale = f32(LOG2E)  # S is scaled (and capped, biased) in natural units before the base-2 softmax
     out_dtype = np.dtype(out_dtype or q.dtype)
     o = empty(np, (B, H, Nq, D), out_dtype)  # (B, H, Nq, D): every row is written below
     lse = empty(np, (B, H, Nq), f32)  # (B, H, Nq)
@@ -149,7 +149,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
                 if slopes is not None:
                     S = S + variants.alibi_bias(slopes, Nq, Nk, np, np.arange(rows.start, rows.stop),
                                                 np.arange(cols.start, cols.stop), ashift)
-            S = S * scale_log2  # base 2
+            S = S * exp2_scale  # base 2
             masked = needs_mask(i, j, Nq, Nk, br, bc, causal, opts)
             if trace is not None:
                 trace.append((i, j, masked))

@@ -1,4 +1,4 @@
-"""Stage 02: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), four versions, checked then timed.
+"""Stage 02: FlashAttention-2 forward (arXiv 2307.08691, Algorithm 1), five versions, checked then timed.
 
 1. Checks every version, in each dtype it takes, against the fp64 oracle (stage 00 in float64) by the
    tolerance rule (stages.common.check_forward).
@@ -6,7 +6,8 @@
 
 Versions (kernels/flash_v2_forward_<version>.cu; --version):
   fp32       loops swapped (one block per Q tile), warps split Q_i's rows, normalisation deferred, register-
-             tiled FFMA, exp2, causal tiles skipped, V_j by cp.async and K_{j+1} prefetched. Any head dim 1..128.
+             tiled FFMA, exp2, causal tiles skipped. Any head dim 1..128.
+  fp32_overlap  fp32 with its loads overlapping its math: V_j by cp.async, K_{j+1} prefetched.
   tc         fp16/bf16 on tensor cores: mma.sync m16n8k16 + ldmatrix.
   pipelined  tc + cp.async double buffering, padded shared memory, tiles tuned per head dim, mask-free interior
              tiles.
@@ -40,7 +41,8 @@ BENCH_DIMS = (64, 128)  # head dims of the GPU timings (the CPU times the check'
 QUICK = {"check": (1, 2, 200), "gpu": (1, 4, 1024), "cpu": (1, 2, 256)}  # --quick shapes
 REPEAT = 10  # timed repeats on the GPU (median); 2 on the CPU
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": bfloat16}
-VERSION_DTYPES = {"fp32": ("fp32",), "tc": ("fp16", "bf16"), "pipelined": ("fp16", "bf16"), "fp32x3": ("fp32",)}
+VERSION_DTYPES = {"fp32": ("fp32",), "fp32_overlap": ("fp32",), "tc": ("fp16", "bf16"), "pipelined": ("fp16", "bf16"),
+                  "fp32x3": ("fp32",)}
 
 
 def parse(argv):

@@ -56,6 +56,8 @@ class StageAttention:
         self.mod = _stage(name)
         # flash_v2 on an sm_90 GPU in 16 bits: the forward and the backward are stage 06's (FlashAttention-3)
         self.fwd, self.bwd = self.mod.forward, self.mod.backward
+        if name == "flash_v2":  # stage 02 is the forward; its backward is stage 03
+            self.bwd = _stage("flash_v2_backward").backward
         self.kernels = None  # what runs instead of the stage named, for the run's header
         if name == "flash_v2":
             v3 = _stage("hopper.flash_v3")
@@ -113,7 +115,7 @@ def _flash_versions(dtype, head_dim=None, tf32=False):
     dtype = np.dtype(dtype)
     fwd, bwd = _stage("flash_v2"), _stage("flash_v2_backward")
     vf, vb = fwd.resolve_version("auto", dtype), bwd.resolve_version("auto", dtype)
-    if tf32 and vf == "fp32" and head_dim in fwd.head_dims("fp32x3"):
+    if tf32 and vf == "fp32_overlap" and head_dim in fwd.head_dims("fp32x3"):
         vf = "fp32x3"
     if tf32 and vb == "fp32" and head_dim in bwd.HEAD_DIMS["fp32x3"]:
         vb = "fp32x3"

@@ -69,6 +69,6 @@ def forward(q, k, v, *, causal, scale):
         raise device.UnsupportedDevice(f"flash_v3.forward version 'fp32x3' needs {smem // 1024} KB of shared memory "
                                        "per block; use stage 02's version fp32x3")
     fn = function(FILE, instantiation(D), smem)  # compiled once
-    params = FwdParams(Nq=Nq, Nk=k.shape[2], scale=scale, scale_log2=scale * LOG2E, causal=int(bool(causal)))
+    params = FwdParams(Nq=Nq, Nk=k.shape[2], scale=scale, exp2_scale=scale * LOG2E, causal=int(bool(causal)))
     launch = kernels.Launch(fn, (-(-Nq // cfg.br), B * H), (cfg.threads,), smem, params)  # one block per (Q_i, head)
     return fast_path.launch(kernels.ForwardLaunch(launch, np.dtype(np.float32)), q, k, v)  # o, lse allocated; launch

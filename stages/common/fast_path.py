@@ -1,20 +1,53 @@
-"""The launchers' speed plumbing, kept apart from what they teach.
+"""The speed layer: what makes a repeated launcher call cost a few microseconds of host time, kept apart from the
+launchers. A reader may skip this module: nothing of the algorithms is here, and every call computes the same
+without it.
 
-A launcher (flash_v2.forward, flash_v2_backward.backward) reads top-down: check the inputs, pick the configuration,
-compile, launch. On a GPU that is a few tens of microseconds of Python per call, as long as a small kernel runs. A
-training loop calls it with the same shapes and options every step, so everything the checks and the choices
-decide can be kept from the first call and replayed:
+A launcher reads top-down: check the inputs, pick the named configuration, compile, fill the kernel's parameter
+struct, allocate the outputs and launch (stage 02's `flash_v2.forward` and the version launchers it calls). That is
+some tens of microseconds of Python per call, as long as a small kernel runs. A training loop calls it with the same
+shapes and options every step, so what the checks and the choices decide can be kept from the first such call and
+replayed. This module does that from outside the launchers:
 
-    @fast_path.remembered          # the public function: a call seen before skips straight to its launches
+    @fast_path.remembered             # on the public function
     def forward(q, k, v, *, causal=False, ...):
-        ...checks, configuration, compile...
-        return fast_path.launch(plan, q, k, v)   # runs plan(q, k, v), and keeps plan for the next such call
+        ...checks; the version's launcher: configuration, compile, params; it ends in the run step
+        return launch.run_forward(Launch(fn, grid, block, smem, params), q, k, v, odtype)
 
-The key of a call (call_key) is everything the checks and the plan look at: each array's type, shape and dtype,
-every other argument with its name and type, and the device. A call whose key was seen runs the kept plan on its
-arrays: a few microseconds. A plan is kept only where the launcher hands it to `launch`: its plain GPU path; the CPU
-mirrors and calls with per-call options (a dropout seed, ALiBi slopes as an array) always take the whole path.
-Kept plans allocate their outputs together (joint_outputs): one trip to CuPy's memory pool per call.
+1. Call keys (call_key). The key of a call is everything its checks and its plan look at: each array's type, shape
+   and dtype, every other argument with its name, value and type, and the device.
+2. Recording. A call whose key is new runs the whole plain path with its key's slot open. The run step a launcher
+   ends in (launch.run_forward for a forward) hands its plan to keep(plan, *arrays) before it runs it: the plan is
+   everything of the call but its arrays (compiled kernels, grids, parameter structs, the outputs' shapes and
+   dtypes). keep stores it under the key, if the arrays are the call's own (a launcher that reshaped or copied its
+   inputs first, as a packed batch's does, is not replayable and keeps nothing).
+3. Replay. A call whose key was seen runs the kept plan on its arrays: no checks, no configuration, no compile
+   lookup; a few microseconds.
+4. Joint outputs. A kept plan allocates its outputs together (out_layout, empties): one trip to CuPy's memory pool
+   a call, where each cupy.empty is one.
+5. Prepacked launches (stages/common/launch.py's Launch, which the plain path uses too): a plan's parameter struct
+   is written once; a call writes only the arrays' device addresses before cuLaunchKernel.
+6. Block calls. The ring's block hook (stage 02's tc.merge_into) is no public call to key; the ring repeats the same
+   blocks every step, so their launches are kept per block problem (functools.lru_cache of MAX_PLANS), marked so
+   where it is applied.
+
+Never kept: numpy calls (the mirrors), and calls with an argument that cannot be part of a key (an array option,
+such as ALiBi slopes given as an array). tests/test_02_flash_v2.py holds every replayed result bit-identical to the
+plain path's.
+
+A launcher of several kernels a call follows the same pattern. Stage 03's backward, say:
+
+    def backward_tc(q, k, v, o, lse, do, *, causal, scale):       # the plain launcher, top-down
+        cfg = ...                                                  # the named tiles
+        pre = Launch(function(...), grid, block, 0, BwdParams(...))       # D_i = rowsum(dO_i * O_i)
+        main = Launch(function(...), grid, block, smem, BwdParams(...))   # dK_j, dV_j (and dQ_i)
+        last = Launch(...)                                         # the dQ pass, or None
+        return run_backward(BackwardPlan(pre, main, last, scratch, odtype), q, k, v, o, lse, do)
+
+Its run step does what launch.run_forward does: plan = fast_path.keep(plan, q, k, v, o, lse, do), then
+plan(q, k, v, o, lse, do). The plan object needs two methods: plan(*arrays) -> outputs (allocating the scratch and
+the outputs, zeroing what must start at zero, launching in order), and plan.with_joint_outputs(*arrays) -> the same
+plan with its outputs from one allocation (its scratch stays an allocation of its own, returned to the pool when
+the call ends). Nothing else of the speed layer goes into the launcher.
 """
 import functools
 import math
@@ -23,11 +56,10 @@ import threading
 
 import numpy as np
 
-from . import device
-from .verify import POISON_OUTPUTS
+from . import device, verify
 
 MAX_PLANS = 512  # plans kept per launcher (a run with many shapes starts over when full)
-_pending = threading.local()  # the key of the call now inside a @remembered function's whole path, per thread
+_pending = threading.local()  # the slot of the call now inside a @remembered function's plain path, per thread
 
 
 def call_key(arrays, kwargs):
@@ -50,7 +82,9 @@ def call_key(arrays, kwargs):
 
 
 def remembered(fn):
-    """fn(*arrays, **options), with the plans of its plain GPU calls kept per call_key (module docstring)."""
+    """fn(*arrays, **options), a public launcher, with the plans of its GPU calls kept per call_key: a call whose key
+    was seen runs its kept plan; any other runs fn with its key's slot open (keep fills it). fn.__wrapped__ is the
+    plain launcher (functools.wraps), which keeps nothing."""
     plans = {}
 
     @functools.wraps(fn)
@@ -59,7 +93,7 @@ def remembered(fn):
         plan = plans.get(key) if key is not None else None
         if plan is not None:
             return plan(*arrays)
-        outer, _pending.slot = getattr(_pending, "slot", None), (plans, key)
+        outer, _pending.slot = getattr(_pending, "slot", None), (plans, key, arrays)
         try:
             return fn(*arrays, **options)
         finally:
@@ -69,18 +103,29 @@ def remembered(fn):
     return call
 
 
-def launch(plan, *arrays):
-    """plan(*arrays); inside a @remembered function's first call with its key, plan (with joint outputs) is kept for
-    the calls that follow with the same key."""
+def keep(plan, *arrays):
+    """Called by a run step (launch.run_forward) with its plan and arrays, just before it runs them; returns the plan
+    to run. Inside a @remembered call being recorded, whose arrays these are (the same objects, in order), plan with
+    joint outputs is kept for the calls that follow with the call's key, and returned (the first call allocates as
+    its repeats do); otherwise plan itself. The first run step of a call decides: a launcher that calls another
+    keeps only its own plan, and a run step on other arrays (an input reshaped or copied) keeps nothing."""
     slot = getattr(_pending, "slot", None)
-    if slot is not None and slot[1] is not None:
-        plans, key = slot
-        _pending.slot = None  # one plan per call: a launcher calling another keeps only its own
-        plan = plan.with_joint_outputs(*arrays)
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plans[key] = plan
-    return plan(*arrays)
+    if slot is None or slot[1] is None:
+        return plan
+    plans, key, called = slot
+    _pending.slot = None
+    if len(arrays) != len(called) or any(a is not b for a, b in zip(arrays, called)):
+        return plan
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan = plan.with_joint_outputs(*arrays)
+    return plan
+
+
+def launch(plan, *arrays):
+    """keep(plan, *arrays)(*arrays): for a launcher that hands its plan over itself instead of ending in a run step
+    (stages 03 and 06)."""
+    return keep(plan, *arrays)(*arrays)
 
 
 def out_layout(specs):
@@ -102,6 +147,6 @@ def empties(layout, nbytes):
     import cupy
 
     mem = cupy.cuda.alloc(nbytes)
-    if POISON_OUTPUTS:
+    if verify.POISON_OUTPUTS:  # read at the call: the tests switch it on after import
         mem.memset_async(0xFF, nbytes)
     return [cupy.ndarray(shape, dtype, memptr=mem + off) for shape, dtype, off in layout]

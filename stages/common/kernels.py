@@ -1,33 +1,30 @@
-"""Loading kernels/*.cu: cupy.RawModule on a GPU (cached), or NVRTC compile-only with no GPU.
+"""Compiling kernels/*.cu: cupy.RawModule on a GPU (cached), or NVRTC compile-only with no GPU.
+
+    fn = function(load_module("flash_v2_forward_tc.cu", name_expressions=(name,)), name, smem)
+
+load_module compiles a kernel file once per (file, defines, template instantiations) and keeps the module; function
+looks up one kernel in it. Launching what is compiled is stages/common/launch.py's; what a compiled kernel uses
+(registers, shared memory, spills, per architecture: the portability report CI checks) is kernel_resources.py's.
 
 The compile-only path is what CI runs: every kernel configuration a launcher can pick is compiled for each
-architecture from sm_75 to sm_90 (resource_usage reports its registers and shared memory; resource_usages makes one
-PTX with NVRTC for the architectures that compile alike and assembles it with ptxas for each), so a kernel that does
-not compile or does not fit never lands, even though CI has no GPU.
+architecture from sm_75 to sm_90, so a kernel that does not compile or does not fit never lands, even though CI has
+no GPU.
 """
-import ctypes
 import functools
 import hashlib
-import operator
 import os
-import re
-import struct
-import sys
-import threading
 from pathlib import Path
-from typing import NamedTuple
-
-import numpy as np
 
 from . import device
-from .fast_path import empties, out_layout
-from .verify import empty
+from .launch import ForwardLaunch, Launch, row_major, run_forward, scalar_slot  # noqa: F401 (see below)
+
+# Launch, ForwardLaunch, run_forward, row_major and scalar_slot are stages/common/launch.py's; they are reachable
+# here too (kernels.Launch, ...) because stages 03 and 06 import them from this module.
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 # -default-device: functions without __device__ are device functions, as NVRTC compiles device code only; it lets a
 # kernel use generic lambdas ([&](auto w) { .. }), whose call operators are templates without an execution space.
 BASE_OPTIONS = ("-std=c++17", "-default-device")
-
 
 def _headers_digest(kernels_dir):
     """sha256 (16 hex digits) of every header in kernels_dir: name and contents, in name order."""
@@ -116,165 +113,14 @@ class _TargetModule:
         return self._module.get_function(self._lowered.get(name, name))
 
 
+@functools.lru_cache(maxsize=None)
 def function(module, name, smem):
-    """module.get_function(name), allowed smem bytes of dynamic shared memory (above 48 KB a kernel must opt in)."""
+    """module.get_function(name), allowed smem bytes of dynamic shared memory (above 48 KB a kernel must opt in);
+    looked up once per (module, name, smem), as the module is compiled once."""
     fn = module.get_function(name)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     return fn
-
-
-def scalar_slot(x):
-    """The 8-byte kernel-parameter slot of a numpy scalar argument (int32, uint32, float32, int64, uint64, ...): its
-    bytes, little-endian, zero-padded to 8. The driver reads as many bytes from the slot as the kernel's parameter
-    has (4 for int and float, 8 for a pointer or long long), so one 8-byte slot holds any of them."""
-    if not isinstance(x, np.generic) or x.dtype.itemsize > 8:
-        raise TypeError(f"a kernel's scalar argument must be a numpy scalar of at most 8 bytes (np.int32(n), "
-                        f"np.float32(x), ...), got {type(x).__name__}")
-    return int.from_bytes(x.tobytes().ljust(8, b"\0"), "little")
-
-
-class Launch:
-    """One kernel launch as a launcher plans it: the compiled function, grid, block, dynamic shared memory, and the
-    kernel's arguments. launch(*arrays) runs it on the current stream; an array is a CuPy array or a device address
-    (an int, np.uint64(0) for a null pointer).
-
-    The arguments are either a parameter struct (stages/common/params.py: the kernel takes one `FwdParams p`), whose
-    leading pointer fields the arrays of each call fill in order, or a tuple of numpy scalars that follow the arrays
-    (a kernel that takes its arguments one by one).
-
-    How a launch reaches the GPU: cuLaunchKernel takes kernelParams, an array of one pointer per kernel parameter,
-    each pointing at that parameter's value. A plan's scalars are the same on every call, so they are written once:
-    into the struct, or into 8-byte slots after the arrays' slots (scalar_slot). A call writes only the arrays' device
-    addresses and launches: a few microseconds of host time, where a general launcher (cupy.RawKernel) converts every
-    argument again on every call. The lock keeps two threads from writing one plan's values at once; the driver
-    copies them when the launch is queued, so they are free again as soon as cuLaunchKernel returns."""
-
-    def __init__(self, fn, grid, block, smem, args):
-        self.fn, self.smem = fn, int(smem)
-        self.params = args if isinstance(args, ctypes.Structure) else None
-        self.scalars = () if self.params is not None else tuple(args)
-        self.grid, self.block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-        self.dims = (*self.grid, *self.block, self.smem)  # cuLaunchKernel's grid, block and shared-memory arguments
-        self._slots = {}  # number of arrays -> _slots_for(number)
-        self._lock = threading.Lock()
-
-    def with_scalars(self, scalars):
-        """The same launch with other scalar arguments (a call's dropout seed)."""
-        return Launch(self.fn, self.grid, self.block, self.smem, scalars)
-
-    def with_fields(self, **fields):
-        """The same launch with some fields of its parameter struct changed (a call's dropout seed)."""
-        params = type(self.params).from_buffer_copy(self.params)
-        for name, value in fields.items():
-            setattr(params, name, value)
-        return Launch(self.fn, self.grid, self.block, self.smem, params)
-
-    def _slots_for(self, n):
-        """(values, pointer array, its address, a packer of the n array addresses into values) for a call with n
-        arrays. Struct: values is the struct, the pointer array has its one address, and the packer writes the
-        addresses into its first n (pointer) fields. Scalars: values holds n + len(scalars) slots, the pointer array
-        one address per slot."""
-        hit = self._slots.get(n)
-        if hit is None:
-            if self.params is not None:
-                values = self.params
-                pointers = np.array([ctypes.addressof(values)], np.uint64)
-            else:
-                values = np.zeros(n + len(self.scalars), np.uint64)
-                values[n:] = [scalar_slot(x) for x in self.scalars]
-                pointers = values.ctypes.data + 8 * np.arange(values.size, dtype=np.uint64)
-            hit = self._slots[n] = (values, pointers, int(pointers.ctypes.data), struct.Struct(f"<{n}Q").pack_into)
-        return hit
-
-    def __call__(self, *arrays, fields=()):
-        """fields: (byte offset, bytes) pairs written into the parameter struct with the arrays' addresses, for what
-        changes with the arrays beside their addresses (stage 06's tensor maps)."""
-        ndarray, driver, current_stream = _cuda()
-        values, _, params, pack = self._slots.get(len(arrays)) or self._slots_for(len(arrays))
-        ptrs = [a.data.ptr if isinstance(a, ndarray) else int(a) for a in arrays]
-        if fields and self.params is None:
-            raise TypeError("Launch: fields go into a parameter struct; this launch takes its arguments one by one")
-        for attempt in (0, 1):
-            with self._lock:
-                pack(values, 0, *ptrs)
-                for offset, data in fields:
-                    ctypes.memmove(ctypes.addressof(values) + offset, data, len(data))
-                try:
-                    # fn is a cupy.RawKernel; fn.kernel, its compiled function on the current device
-                    driver.launchKernel(self.fn.kernel.ptr, *self.dims, current_stream().ptr, params, 0)
-                    return
-                except driver.CUDADriverError as e:
-                    if e.status != _CUDA_ERROR_INVALID_CONTEXT or attempt:
-                        raise
-            # a host thread whose CUDA context was never made current: the runtime makes the device's (once per thread)
-            import cupy
-
-            cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
-
-
-@functools.cache
-def _cuda():
-    """(cupy.ndarray, CuPy's CUDA driver module, cupy.cuda.get_current_stream), imported on the first launch."""
-    import cupy
-    from cupy_backends.cuda.api import driver
-
-    return cupy.ndarray, driver, cupy.cuda.get_current_stream
-
-
-_CUDA_ERROR_INVALID_CONTEXT = 201
-
-
-class ForwardLaunch(NamedTuple):
-    """A forward as its launcher planned it: plan(q, k, v) returns o (in odtype) and lse (float32) through
-    run_forward, with the extra arrays after lse (ALiBi slopes, a packed batch's bounds). merges: the kernel merges its
-    result into the (o, lse) it is given (version pipelined with float32 o: lse starts at -inf, "nothing merged
-    yet"). outs: o and lse carved from one allocation (fast_path.out_layout), or None: two allocations."""
-    launch: Launch
-    odtype: np.dtype
-    extra: tuple = ()
-    merges: bool = False
-    outs: tuple | None = None
-
-    def __call__(self, q, k, v):
-        return run_forward(self.launch, q, k, v, self.odtype, *self.extra, outs=self.outs, merges=self.merges)
-
-    def with_joint_outputs(self, q, k, v):
-        """This plan with o and lse from one allocation for inputs shaped like q (fast_path keeps it so): the pair is
-        what a forward saves for its backward, so the two live as long as each other anyway."""
-        B, H, Nq, D = q.shape
-        return self._replace(outs=out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nq), np.float32)]))
-
-
-def row_major(x, dtype=None):
-    """x as the kernels read it: C-contiguous, and (CuPy) starting on a 16-byte boundary, since their vector loads,
-    cp.async copies and tensor maps move 16 bytes at a time from the start of a row; a view that starts inside an
-    allocation (flat[1:].reshape(...)) may not. x itself when it already is so, otherwise a copy. numpy arrays (the CPU
-    mirrors): C-contiguous only."""
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x, dtype=dtype)
-    y = sys.modules["cupy"].ascontiguousarray(x, dtype=dtype)  # x is a CuPy array: cupy is imported
-    return y if y.data.ptr % 16 == 0 else y.copy()  # a fresh allocation starts on a 256-byte boundary
-
-
-def run_forward(launch, q, k, v, odtype, *extra, outs=None, merges=False):
-    """o, lse of a forward launch: q, k, v made row-major (B, H, N, D) (row_major: a copy only for other layouts),
-    o (B, H, Nq, D) in odtype and lse (B, H, Nq) float32 allocated (NaN-poisoned under the tests, so an element the
-    kernel does not write fails the check), from one allocation when outs is given, and the launch on the current
-    stream with arguments (q, k, v, o, lse, *extra)."""
-    import cupy
-
-    q, k, v = row_major(q), row_major(k), row_major(v)  # each x itself when it is already row-major
-    if outs is not None:
-        o, lse = empties(*outs)
-    else:
-        B, H, Nq, D = q.shape
-        o = empty(cupy, (B, H, Nq, D), odtype)
-        lse = empty(cupy, (B, H, Nq), np.float32)
-    if merges:
-        lse.fill(-np.inf)
-    launch(q, k, v, o, lse, *extra)
-    return o, lse
 
 
 def _cuda_include_dirs():
@@ -301,167 +147,6 @@ def compile_only(filename, *, arch="sm_90", defines=None, name_expressions=()):
     """
     return _compile(filename, arch, _define_options(defines), name_expressions, verbose=False)[0]
 
-
-def resource_usage(filename, *, arch, defines=None, name_expressions=()):
-    """Compile like compile_only, with ptxas reporting; return {kernel: {"registers", "static_smem", "spill",
-    "wgmma_serialized"}} for every kernel of the module (spill: bytes of spill stores; wgmma_serialized: ptxas warned
-    that it serializes the kernel's wgmma instructions, each waiting for the one before), keyed by the name expression
-    (extern "C" kernels: by their own name)."""
-    _, log, lowered = _compile(filename, arch, _define_options(defines), name_expressions, verbose=True)
-    return _ptxas_report(log, lowered)
-
-
-def _ptxas_report(log, lowered):
-    """resource_usage's answer from ptxas's -v report (log) and {name expression: lowered name}."""
-    names = {v: k for k, v in lowered.items()}
-    out, cur, serialized = {}, None, set()
-    for line in log.splitlines():
-        # ptxas may report the serialization before it names the function it compiles, so the warning's own name
-        if m := re.search(r"wgmma\.mma_async instructions are serialized .* in the function '([\w$]+)'", line):
-            serialized.add(names.get(m.group(1), m.group(1)))
-            continue
-        m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
-        if m:
-            cur = names.get(m.group(1), m.group(1))
-            out.setdefault(cur, {"registers": 0, "static_smem": 0, "spill": 0})
-        if cur is None:
-            continue
-        if m := re.search(r"Used (\d+) registers", line):
-            out[cur]["registers"] = int(m.group(1))
-        if m := re.search(r"(\d+) bytes smem", line):
-            out[cur]["static_smem"] = int(m.group(1))
-        if m := re.search(r"(\d+) bytes spill stores", line):
-            out[cur]["spill"] = max(out[cur]["spill"], int(m.group(1)))
-    for name in out:
-        out[name]["wgmma_serialized"] = name in serialized
-    return out
-
-
-# What the preprocessor may test about the architecture it compiles for: __CUDA_ARCH__ against a number, and libcu++'s
-# NV_PROVIDES_SM_XX (__CUDA_ARCH__ >= XX0) and NV_IS_EXACTLY_SM_XX (== XX0), which cuda_bf16.hpp uses.
-_ARCH_TEST = re.compile(r"__CUDA_ARCH__\s*(>=|<=|==|!=|>|<)\s*(\d+)|NV_(PROVIDES|IS_EXACTLY)_SM_(\d+)")
-_ARCH_SEEN = re.compile(r"__CUDA_ARCH__(?!_)|NV_(?:PROVIDES|IS_EXACTLY)_SM_")
-_ARCH_DEFINED = re.compile(r"defined\s*\(?\s*__CUDA_ARCH__|#\s*if(?:n)?def\s+__CUDA_ARCH__")
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.M)
-_COMMENT_OR_STRING = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"', re.S)
-_COMPARE = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
-            "<": operator.lt}
-
-
-@functools.lru_cache(maxsize=None)
-def arch_tests(filename):
-    """The tests on the architecture in kernels/<filename> and every header it includes from kernels/ and the CUDA
-    include folder (NVRTC's built-in headers, such as <nv/target>, are not files to read): ((op, N), ...) for each
-    `__CUDA_ARCH__ op N`, NV_PROVIDES_SM_XX as (">=", XX0), NV_IS_EXACTLY_SM_XX as ("==", XX0). None where
-    __CUDA_ARCH__ is used otherwise than in such a test or in `defined(__CUDA_ARCH__)` (compared with a macro, say),
-    or where no CUDA include folder is found (cuda_bf16.hpp's tests could not be read): then which architectures
-    compile alike is not known from the text."""
-    cuda_dirs = _cuda_include_dirs()
-    if not cuda_dirs:
-        return None
-    search = [KERNELS_DIR, Path(cuda_dirs[0])]
-    tests, seen, todo = set(), set(), [KERNELS_DIR / filename]
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        text = path.read_text(errors="replace")
-        code = _COMMENT_OR_STRING.sub(lambda m: m[0] if m[0][0] == '"' else " ", text)  # without comments
-        bare = _COMMENT_OR_STRING.sub(lambda m: '""' if m[0][0] == '"' else " ", text)  # and without strings
-        found = _ARCH_TEST.findall(bare)
-        if len(found) + len(_ARCH_DEFINED.findall(bare)) != len(_ARCH_SEEN.findall(bare)):
-            return None
-        for op, n, nv, sm in found:
-            tests.add((op, int(n)) if op else (">=" if nv == "PROVIDES" else "==", int(sm) * 10))
-        for name in _INCLUDE.findall(code):
-            for folder in [path.parent] + search:
-                if (folder / name).is_file():
-                    todo.append((folder / name).resolve())
-                    break
-    return tuple(sorted(tests))
-
-
-def ptx_families(filename, archs):
-    """archs (sm_XX) grouped by the PTX NVRTC makes for them from kernels/<filename>: [[arch, ...]] in order, the
-    members of a group taking the same side of every test in arch_tests(filename). NVRTC's PTX depends on the
-    architecture through those tests, so a group's members share one PTX, the one made for its first (oldest)
-    member (tests/test_portability.py checks this on a module). Each architecture alone where arch_tests is None."""
-    tests = arch_tests(filename)
-    order = sorted(archs, key=_arch_number)
-    if tests is None:
-        return [[a] for a in order]
-    groups = {}
-    for a in order:
-        groups.setdefault(tuple(_COMPARE[op](_arch_number(a), n) for op, n in tests), []).append(a)
-    return list(groups.values())
-
-
-def _arch_digits(arch):
-    """What names an architecture's number: "86" of sm_86, "90a" of sm_90a (its virtual architecture: compute_86,
-    compute_90a)."""
-    return arch.split("_", 1)[1]
-
-
-def _arch_number(arch):
-    """__CUDA_ARCH__ for sm_XX (and its arch-specific sm_XXa): XX0."""
-    return int(_arch_digits(arch).rstrip("af")) * 10
-
-
-@functools.lru_cache(maxsize=None)
-def ptxas():
-    """The path of a ptxas of NVRTC's own release, or None: the nvidia-cuda-nvcc wheel's (requirements.txt), else a CUDA
-    toolkit's. The report of one is the report NVRTC's compile gives."""
-    import subprocess
-
-    from cupy_backends.cuda.libs import nvrtc
-
-    release = "release {}.{},".format(*nvrtc.getVersion())
-    candidates = []
-    try:
-        import nvidia.cuda_nvcc as wheel
-
-        candidates += [os.path.join(p, "bin", "ptxas") for p in wheel.__path__]
-    except ImportError:
-        pass
-    candidates += [os.path.join(p, "bin", "ptxas") for p in (os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
-    for path in candidates:
-        if os.access(path, os.X_OK):
-            if release in subprocess.run([path, "--version"], capture_output=True, text=True).stdout:
-                return path
-    return None
-
-
-def resource_usages(filename, names_by_arch, *, defines=None):
-    """resource_usage for several architectures: {arch: {kernel: usage}} for names_by_arch {arch: [name expression,
-    ...]} (an empty list: every kernel of the module). The front end of a compile (parsing, template instantiation,
-    NVVM's optimizer: about half its time) is the same for the architectures of one PTX family (ptx_families): NVRTC
-    makes the family's PTX once, with every member's kernels, and ptxas compiles it for each member, that member's
-    kernels only (--entry). Without a ptxas of NVRTC's release: one NVRTC compile per architecture."""
-    import subprocess
-    import tempfile
-
-    tool, options = ptxas(), _define_options(defines)
-    if tool is None:
-        return {a: resource_usage(filename, arch=a, defines=defines, name_expressions=names)
-                for a, names in names_by_arch.items()}
-    out = {}
-    for family in ptx_families(filename, list(names_by_arch)):
-        names = sorted({n for a in family for n in names_by_arch[a]})
-        ptx, _, lowered = _compile(filename, "compute_" + _arch_digits(family[0]), options, names, verbose=False)
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "module.ptx")
-            with open(src, "wb") as fh:
-                fh.write(ptx if isinstance(ptx, bytes) else ptx.encode())
-            for arch in family:
-                entries = [lowered[n] for n in names_by_arch[arch]]
-                run = subprocess.run([tool, "-v", f"-arch={arch}", "-o", os.path.join(tmp, f"{arch}.cubin"), src]
-                                     + (["--entry", ",".join(entries)] if entries else []),
-                                     capture_output=True, text=True)
-                if run.returncode:
-                    raise RuntimeError(f"{filename} does not compile for {arch} (ptxas):\n{run.stdout}{run.stderr}")
-                out[arch] = _ptxas_report(run.stdout + run.stderr, {n: lowered[n] for n in names_by_arch[arch]})
-    return out
 
 
 def _whole_elf(cubin):

@@ -17,7 +17,7 @@ class FwdParams(ctypes.Structure):
         ("q", _PTR), ("k", _PTR), ("v", _PTR), ("o", _PTR), ("lse", _PTR),
         ("slopes", _PTR), ("cu_q", _PTR), ("cu_k", _PTR),
         ("Nq", _INT), ("Nk", _INT), ("ldq", _INT), ("ldk", _INT),
-        ("scale", _FLOAT), ("scale_log2", _FLOAT),
+        ("scale", _FLOAT), ("exp2_scale", _FLOAT),
         ("causal", _INT), ("head_group", _INT), ("H", _INT), ("group", _INT),
         ("left", _INT), ("right", _INT), ("softcap", _FLOAT),
         ("a_off", _INT), ("q_off", _INT), ("k_off", _INT),
