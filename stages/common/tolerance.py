@@ -14,6 +14,10 @@ that is ill-conditioned (two nearly tied scores at large logits) widens only its
 oracle is stage 00 in float64 from the o and lse the backward is given (verify.backward_start rounds the exact ones
 to the inputs' dtype and to float32): their rounding is the start's, not the backward's.
 
+The reference. Stage 00 (naive attention) is both the oracle (in float64) and the yardstick (in the inputs' dtype).
+stages.common imports no stage: stage 00 hands its forward, backward and scores to register_reference() when it is
+imported, and the rule reads them from there (reference() says what to import when nothing is registered).
+
 The yardstick is naive attention (stage 00) computed the way the kernels compute:
   float32 inputs:        everything in float32;
   float16 / bfloat16:    matmuls accumulated in float32, S and dP kept in float32, and only P, dS and the
@@ -26,21 +30,45 @@ computed in the same precision. Taken row by row, one yardstick's error is a sam
 happen to cancel it is near zero, while a correct kernel's are not. Two kinds of a-priori knowledge make the bound
 of every row hold on its own:
 
-  first_order: the roundings the softmax amplifies, each falling the worst way (to first order). A kernel sums
-    S_ij = scale sum_d Q_id K_jd in its own order: S_ij + delta_ij with
-        |delta_ij| <= sqrt(D) u M_ij,   M_ij = |scale| sum_d |Q_id K_jd|,   u = 2^-24 (float32 accumulation),
-    the probabilistic bound of an inner product (Higham & Mary, SIAM J. Sci. Comput. 2019, lambda = 1): D
-    roundings of random sign, each at most u times a partial sum, and no partial sum exceeds M. Then
+  first_order: the roundings the softmax amplifies, to first order. Three sums of D products nearly cancel or are
+    amplified: S_ij = scale sum_d Q_id K_jd (through exp), and dP_ij = dO_i . V_j and D_i = dO_i . O_i (dS_ij =
+    P_ij (dP_ij - D_i), and dP_ij - D_i is ~0 where row i is one-hot). How far a kernel's sum of n terms t_d may
+    land from the exact T = sum_d t_d is what the rule must know, for a summation order it has not seen.
+
+    One sum. Summed in float32 in some order (a loop over d with FMA, an mma's chunks, a BLAS's lanes), the
+    error is  e = sum_k delta_k s_k  (+ sum_d delta'_d t_d where a product is rounded on its own), s_k the k-th
+    partial sum of the kernel's order, |delta| <= u = 2^-24. In the model of Higham & Mary ("A new approach to
+    probabilistic rounding error analysis", SIAM J. Sci. Comput. 2019: the delta independent, of mean zero) e is a
+    martingale, and by Azuma-Hoeffding
+        P( |e| > lambda u sqrt(sum_k s_k^2 + sum_d t_d^2) ) <= 2 exp(-lambda^2 / 2).
+    The order is the kernel's, not the rule's. The inputs are drawn at random, their head-dim columns alike, so the
+    partial sums of any fixed order are those of a uniformly random order, whose mean is exact: with sigma^2 =
+    sum t^2 / n - (T / n)^2 (drawing k of the n terms without replacement),
+        E s_k^2 = (k T / n)^2 + k (n - k) / (n - 1) sigma^2,      sum_k E s_k^2 = (n + 1) (sum_d t_d^2 + 2 T^2) / 6.
+    So the rule takes, for a sum of n terms,
+            rounding(t) = lambda u sqrt(W),     W = (n + 1) (sum_d t_d^2 + 2 T^2) / 6 + sum_d t_d^2,     lambda = 3,
+    with sum_d t_d^2 one matmul of squares: scale^2 (Q o Q) (K o K)^T for S. It is tighter than Higham & Mary's
+    bound sqrt(n) u sum_d |t_d| (which takes every partial sum as large as sum |t|), most where the terms' signs are
+    random: there a partial sum of k terms is ~sqrt(k) terms, not k, as in dP_ij - D_i. With FACTOR 2 the rule
+    grants 2 lambda u sqrt(W): a round-to-nearest delta spreads over [-u, u] (variance <= u^2 / 3), so that is
+    ~10 standard deviations of e for an order whose sum s_k^2 is its mean, and room for the orders whose sum is a
+    few times it. Tensor cores accumulate an mma (k = 16) with one rounding of up to 2u toward zero (Fasi, Higham,
+    Mikaitis & Pranesh, "Numerical behavior of NVIDIA tensor cores", 2021): D/16 roundings of at most 2u |s_16m|,
+    in sum at most 2u sqrt(D / 16) sqrt(sum_m s_16m^2); every 16th partial sum carries on average 1/16 of sum_k
+    s_k^2, so that is 2u sqrt(D) sqrt(W) / 16, within 2 lambda u sqrt(W) up to D = 2304.
+
+    Through the softmax. With delta_ij = rounding(scale Q_i o K_j) (0 for a hidden key; + u |bias| with ALiBi):
         d L_i  = sum_j P_ij delta_ij
         d O_id = sum_j P_ij delta_ij (V_jd - O_id)   <= sqrt(sum_j P_ij delta_ij^2) sqrt(sum_j P_ij (V_jd - O_id)^2)
     (a row whose P is one-hot cannot move O at all: V_j - O = 0). The backward recomputes S and applies the given
-    L, so P_ij becomes P_ij (1 + delta_ij); and dP_ij = dO_i . V_j and D_i = dO_i . O_i, two sums of D products
-    that nearly cancel where row i is one-hot, are off by eps2_ij <= sqrt(D) u (sum_d |dO_id V_jd| + sum_d |dO_id
-    O_id|). So
+    L, so P_ij becomes P_ij (1 + delta_ij); and dP_ij - D_i is off by eps2_ij = lambda u sqrt(W(dO_i o V_j) +
+    W(dO_i o O_i)): a kernel rounds the two sums on their own, in orders of their own, and their errors are
+    independent, or alike where one order sums the same products (a one-hot row, O_i = V_j), which cancel; they
+    never oppose, so the variances add. So
         d dS_ij = P_ij delta_ij |dP_ij - D_i| + P_ij eps2_ij,        d dV_jd = sum_i P_ij delta_ij |dO_id|,
         d dQ_id = scale sum_j d dS_ij |K_jd|,                         d dK_jd = scale sum_i d dS_ij |Q_id|.
-    At inputs x100 (|S| ~ 1e4, M ~ 5e4) delta is ~0.02: this term is what a correct kernel's lse, and the P of a
-    near-tie row, may be off by; at inputs x1 it is far below the rest.
+    At inputs x100 (|S| ~ 1e4) delta is ~1e-2: this term is what a correct kernel's lse, and the P of a near-tie
+    row, may be off by; at inputs x1 it is far below the rest.
   G * magnitude: everything else (the accumulation of P V, dS K, dS^T Q, P^T dO; exp, log, the normalisation; the
     16-bit roundings of P, dS and the outputs) rounds relative to the magnitude of what is summed:
         o: sum_j (P_ij + d P_ij) |V_jd|,   lse: |L_i| + 1 (L_i = m_i + log l_i rounds relative to |L_i|, and a
@@ -51,27 +79,17 @@ of every row hold on its own:
     worst row to every row, scaled by that row's own magnitude.
 
 FACTOR 2 is the room FlashAttention's rule gives a kernel over the yardstick (other orders, the online softmax's
-rescaling, tiles), on all of it. Nothing else widens the bound: no factor per dtype. The mirrors round to nearest as
-numpy does; a GPU's tensor cores accumulate an mma's products with truncation (Fasi, Higham, Mikaitis & Pranesh,
-"Numerical behavior of NVIDIA tensor cores", 2021), but an S of D terms goes through D/16 mma steps (m16n8k16), and
-even a full ulp lost in each, D/16 * 2u M, is within FACTOR sqrt(D) u M up to D = 256.
-Everything is a function of the inputs: no sampling, no count chosen by failure rates.
+rescaling, tiles), on all of it. Nothing else widens the bound: no factor per dtype, no count chosen by failure rates;
+everything is a function of the inputs.
 
-What each input scale guarantees (measured by dev/catch_rates.py, results/catch_rates.csv; docs/DESIGN.md has the
-table, tests/test_checks_catch_mistakes.py holds every check to it):
-  x1, x10:  o x 0.95, lse + 0.01, dq x 0.9, dq = 0, dk x 0.9, dv x 0.95 are caught in every draw, while the stage
-            01-03 mirrors pass; a bound is about twice the yardstick's rounding, at most about one rounding of a
-            16-bit output. At x10 a problem so small that every row is saturated (7 keys, scores ~100 apart) can
-            have its exact dq, dk below the dP - D term (~1e-3): 191-199 of 200 draws catch those mistakes.
-  x100:     softmax rows are one-hot. lse and P are held to 2 sqrt(D) u M ~ 0.05, and lse + 0.01 passes: correct
-            kernels' S roundings reach 5.5 u M (0.016; ~0.01 even in the row whose M is smallest), so no bound that
-            holds for every summation order resolves 0.01. The exact dq, dk vanish below rounding except on rows whose
-            two largest scores nearly tie, so their mistakes are caught only in draws with such a row. o, dv and
-            every mistake that moves a one-hot row are caught.
+What the rule catches, and what no rule that passes correct kernels could, is measured: dev/catch_rates.py feeds the
+real checks correct stages and wrong ones at inputs x1, x10 and x100 (results/catch_rates.csv; the tables in
+README.md and docs/DESIGN.md are generated from it), and tests/test_checks_catch_mistakes.py holds the checks to it.
+dev/check_margins.py measures the correct GPU kernels' largest error / bound.
 """
 import functools
 import hashlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -79,6 +97,7 @@ from .inputs import to_numpy
 
 SLACK = 1e-5
 FACTOR = 2.0
+LAMBDA = 3.0  # lambda of rounding(): how many u sqrt(W) a sum of D products may be off by (see the docstring)
 NAMES_FORWARD = ("o", "lse")
 NAMES_BACKWARD = ("dq", "dk", "dv")
 
@@ -142,10 +161,11 @@ def _contents(x):
     return type(x).__name__, x
 
 
-def _last_call(f):
+def last_call(f):
     """f remembering its last call, keyed on its arguments' values (_contents): a check of the forward and one of
     the backward on the same inputs (verify.check_forward, then check_backward; verify.rule) share the oracle's
-    forward and S's roundings instead of computing them twice. The arrays it returns are read-only, since every
+    forward and S's roundings instead of computing them twice, and checks of several answers on the same inputs
+    share the whole rule (verify.forward_rule, backward_rule). The arrays it returns are read-only, since every
     caller of those arguments gets the same ones."""
     last = {}
 
@@ -162,10 +182,30 @@ def _last_call(f):
     return remembered
 
 
-def _naive():
-    from stages import naive  # late import: stages.common must not depend on a stage at import time
+class Reference(NamedTuple):
+    """What the rule compares with and measures by: stage 00's forward(q, k, v, *, causal, scale, **opts) -> (o, lse),
+    backward(q, k, v, o, lse, do, *, causal, scale, **opts) -> (dq, dk, dv) and scores(q, k, scale, opts, xp) -> S,
+    in float64 for float64 inputs (the oracle) and as the kernels compute for the others (the yardstick)."""
+    forward: Callable
+    backward: Callable
+    scores: Callable
 
-    return naive
+
+_REFERENCE = []  # [Reference] once stage 00 is imported
+
+
+def register_reference(forward, backward, scores):
+    """Stage 00 (stages/00_naive/__init__.py) hands the rule its naive attention when it is imported."""
+    _REFERENCE[:] = [Reference(forward, backward, scores)]
+
+
+def reference():
+    """The registered Reference; an error that says what to import when there is none."""
+    if not _REFERENCE:
+        raise RuntimeError("the tolerance rule measures against stage 00 (naive attention), which is not imported: "
+                           "`from stages import naive` first (stage 00 registers itself with "
+                           "stages.common.tolerance when imported)")
+    return _REFERENCE[0]
 
 
 def _orders(D):
@@ -173,11 +213,11 @@ def _orders(D):
     return [np.arange(D), np.arange(D)[::-1]]
 
 
-@_last_call
+@last_call
 def oracle(q, k, v, do=None, *, causal=False, scale=None, **opts):
     """Stage 00 in float64 on the host: (o, lse) or, with do, (o, lse, dq, dk, dv). opts: the variant options
     (window, softcap, alibi_slopes, dropout_p, seed; stages/common/variants.py), passed to stage 00."""
-    naive = _naive()
+    naive = reference()
     q64, k64, v64 = (to_numpy(x).astype(np.float64) for x in (q, k, v))
     opts = _host(opts)
     o, lse = naive.forward(q64, k64, v64, causal=causal, scale=scale, **opts)
@@ -190,7 +230,7 @@ def oracle(q, k, v, do=None, *, causal=False, scale=None, **opts):
 def backward_oracle(q, k, v, o, lse, do, *, causal=False, scale=None, **opts):
     """(dq, dk, dv): stage 00's backward in float64 on the host from the o and lse given (the exact gradients a
     backward started from them must compute; their own rounding is no error of that backward)."""
-    naive = _naive()
+    naive = reference()
     q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
     return naive.backward(q64, k64, v64, o64, to_numpy(lse).astype(np.float64), do64, causal=causal, scale=scale,
                           **_host(opts))
@@ -207,7 +247,7 @@ def forward_yardsticks(q, k, v, *, causal=False, scale=None, yardstick=None, **o
     """[(o, lse), ...]: stage 00 in the inputs' dtype (host arrays), one per summation order. yardstick: another
     forward(q, k, v, causal=, scale=, **opts) on host arrays in stage 00's place, for a version whose roundings are
     not the inputs' dtype (stage 06's fp8: fp8.yardstick)."""
-    forward = yardstick or _naive().forward
+    forward = yardstick or reference().forward
     q, k, v = (to_numpy(x) for x in (q, k, v))
     opts = _host(opts)
     out = []
@@ -219,7 +259,7 @@ def forward_yardsticks(q, k, v, *, causal=False, scale=None, yardstick=None, **o
 def backward_yardsticks(q, k, v, o, lse, do, *, causal=False, scale=None, **opts):
     """[(dq, dk, dv), ...]: stage 00's backward in the inputs' dtype from the given o, lse (host arrays), one per
     summation order of S; dq, dk come back in the natural column order."""
-    naive = _naive()
+    naive = reference()
     q, k, v, o, lse, do = (to_numpy(x) for x in (q, k, v, o, lse, do))
     opts = _host(opts)
     out = []
@@ -236,21 +276,30 @@ def _unit(dtype):
     return 2.0 ** -53 if np.dtype(dtype) == np.float64 else 2.0 ** -24
 
 
-def _dot_rounding(mag, n, dtype, out=None):
-    """The rounding a kernel may make in a sum of n products of magnitude sum mag: sqrt(n) u mag, the
-    probabilistic bound of an inner product (Higham & Mary, "A new approach to probabilistic rounding error
-    analysis", SIAM J. Sci. Comput. 2019, at lambda = 1), whatever the summation order. out: where to write it (mag
-    itself, when mag is not needed after)."""
-    return np.multiply(np.sqrt(n) * _unit(dtype), mag, out=out)
+def spread(squares, total, n, out=None):
+    """W = (n + 1) (squares + 2 total^2) / 6 + squares: the mean, over summation orders, of the sum of squared
+    partial sums of n terms t_d (squares = sum_d t_d^2, total = sum_d t_d), and the products' own roundings (see the
+    module docstring). Arrays of sums at once; out: where to write it (total itself, when it is not needed after;
+    never squares, which is read after total is squared)."""
+    w = np.multiply(total, total, out=out)  # T^2
+    w *= 2.0
+    w += squares
+    w *= (n + 1) / 6.0
+    w += squares  # products rounded on their own (no FMA)
+    return w
 
 
-@_last_call
+def rounding(w, dtype):
+    """lambda u sqrt(w), in place: how far a kernel's sum may land from the exact one, w its spread() (or the sum of
+    the spreads of sums whose roundings add)."""
+    return np.multiply(np.sqrt(w, out=w), LAMBDA * _unit(dtype), out=w)
+
+
+@last_call
 def _s_rounding(q, k, causal, scale, opts=None):
-    """(P, delta, scale, zk, lse): P in float64 (B, H, Nq, Nk); delta_ij = sqrt(D) u M_ij, M_ij = |scale| sum_d
-    |Q_id K_jd| (+ |ALiBi bias|), the rounding a kernel may make in S_ij (0 for a hidden key); zk = Z / (1 - p) of
-    dropout (B, H, Nq, Nk), or 1.0 without; lse in float64 (B, H, Nq). Grouped-query attention: S with k expanded
-    to q's heads."""
-    naive = _naive()
+    """(P, delta, scale, zk, lse): P in float64 (B, H, Nq, Nk); delta_ij = rounding(scale Q_i o K_j) (+ u |ALiBi
+    bias|), the rounding a kernel may make in S_ij (0 for a hidden key); zk = Z / (1 - p) of dropout (B, H, Nq,
+    Nk), or 1.0 without; lse in float64 (B, H, Nq). Grouped-query attention: S with k expanded to q's heads."""
     from . import variants
 
     q, k = (to_numpy(x) for x in (q, k))
@@ -260,16 +309,17 @@ def _s_rounding(q, k, causal, scale, opts=None):
     k = np.repeat(k, vopts.group, axis=1) if vopts.group > 1 else k
     vopts = vopts._replace(group=1)
     q64, k64 = q.astype(np.float64), k.astype(np.float64)
-    s64 = naive.scores(q64, k64, scale, vopts, np)  # (B, H, Nq, Nk)
-    mag = abs(scale) * np.abs(q64) @ np.abs(k64).swapaxes(-1, -2)
-    if vopts.alibi_slopes is not None:  # the bias adds one more rounding, of at most u |S| <= u (M + |bias|)
-        B, H, Nq, Nk = mag.shape
-        mag = mag + np.abs(variants.alibi_bias(variants.slopes_bh(vopts, B, H, np, np.float64), Nq, Nk))
-    delta = _dot_rounding(mag, D, q.dtype, out=mag)
+    # The arrays below are (B, H, Nq, Nk), each reused in place where its value before is not needed again.
+    total = scale * q64 @ k64.swapaxes(-1, -2)  # S_ij before softcap and bias: the sum the kernel rounds
+    delta = rounding(spread(scale * scale * (q64 * q64) @ (k64 * k64).swapaxes(-1, -2), total, D, out=total), q.dtype)
+    if vopts.alibi_slopes is not None:  # the bias adds one more rounding, of at most u |S + bias|
+        B, H, Nq, Nk = delta.shape
+        delta += _unit(q.dtype) * np.abs(variants.alibi_bias(variants.slopes_bh(vopts, B, H, np, np.float64), Nq, Nk))
+    s64 = reference().scores(q64, k64, scale, vopts, np)  # (B, H, Nq, Nk)
     np.copyto(delta, 0.0, where=np.isinf(s64))  # a hidden key adds no term
     m = s64.max(axis=-1, keepdims=True)
     m = np.where(np.isinf(m), 0.0, m)
-    p = np.exp(np.subtract(s64, m, out=s64), out=s64)  # P_ij unnormalised, in S's place (the arrays are Nq x Nk)
+    p = np.exp(np.subtract(s64, m, out=s64), out=s64)  # P_ij unnormalised, in S's place
     l = p.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(l))[..., 0]
@@ -334,13 +384,14 @@ def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None, **opts):
     dropout = not np.isscalar(zk)  # else zk = 1
     # The arrays below are (B, H, Nq, Nk) but d_i, each updated in place where its value before is not needed again.
     dp = do64 @ v64.swapaxes(-1, -2)  # dP = dO V^T
-    mag = np.abs(do64) @ np.abs(v64).swapaxes(-1, -2)  # dP_ij - D_i: two sums of D products
+    # dP_ij - D_i: two sums of D products, each rounded on its own (only where P_ij > 0 does it matter)
+    eps2 = spread((do64 * do64) @ (v64 * v64).swapaxes(-1, -2), dp, D)  # W of dP_ij
     if dropout:  # dP = Z / (1 - p) dO V^T
         dp *= zk
-        mag *= zk
+        eps2 *= zk * zk
     d_i = (do64 * o64).sum(axis=-1, keepdims=True)  # (B, H, Nq, 1)
-    mag += (np.abs(do64) * np.abs(o64)).sum(axis=-1, keepdims=True)
-    eps2 = _dot_rounding(mag, D, dtype, out=mag)  # its rounding (only where P_ij > 0 does it matter)
+    eps2 += spread((do64 * do64 * o64 * o64).sum(axis=-1, keepdims=True), d_i, D)  # + W of D_i
+    eps2 = rounding(eps2, dtype)  # in place
     pw = p * delta  # first-order |d P_ij|: P_ij (1 + delta_ij) for S rounded by delta_ij
     dp -= d_i  # dP_ij - D_i
     w = np.abs(dp)
