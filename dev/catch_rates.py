@@ -1,6 +1,6 @@
 """What the checks catch, what they could, and that they pass right answers: results/catch_rates.csv.
 
-    python dev/catch_rates.py --out results/catch_rates.csv          # the committed table (about half an hour)
+    python dev/catch_rates.py --out results/catch_rates.csv          # the committed table (long: not for CI)
     python dev/catch_rates.py --draws 3 --scales 100 --dtypes float32  # a quick look, printed
 
 Each draw (q, k, v and dO from make_inputs(seed=[base seed, scale, dtype, shape, draw]): q, k, v at inputs x1, x10
@@ -346,17 +346,38 @@ def draw(shape, dtype, scale_in, seed, mistakes=MISTAKES):
     return result
 
 
+# ----------------------------------------------------------------------------- the rounding the rule grants a sum
+def rounding_tail(n, sums, seed, chunk=50_000):
+    """(largest |e| / (u sqrt(W)), the sum's index): e the error of a plain loop's float32 sum (loop_dot's order, one
+    rounding per product) of n products of random-sign terms, W its spread (tolerance.spread), over `sums` sums.
+    The rule grants FACTOR LAMBDA u sqrt(W): this measures how much of it a plain loop, the order with the largest
+    partial sums a kernel takes, uses."""
+    rng = np.random.default_rng(seed)
+    worst, at = 0.0, 0
+    for start in range(0, sums, chunk):
+        m = min(chunk, sums - start)
+        t = (rng.standard_normal((m, n)).astype(np.float32).astype(np.float64)
+             * rng.standard_normal((m, n)).astype(np.float32).astype(np.float64))  # exact products of float32s
+        exact = t.sum(axis=-1)
+        s = np.zeros(m, np.float32)
+        for d in range(n):
+            s = (s + t[:, d]).astype(np.float32)
+        w = tolerance.spread((t * t).sum(axis=-1), exact.copy(), n)
+        z = np.abs(s - exact) / (2.0 ** -24 * np.sqrt(w))
+        i = int(np.argmax(z))
+        if z[i] > worst:
+            worst, at = float(z[i]), start + i
+    return worst, at
+
+
 # ----------------------------------------------------------------------------- the table
-def seed_of(base, c_i, t_i, s_i, d):
-    return [base, c_i, t_i, s_i, d]
-
-
 def _seed_text(seed):
     return "-".join(str(x) for x in seed)
 
 
-def run(shapes, dtypes, scales, draws, base_seed, log=None):
-    """The rows of results/catch_rates.csv: one per (scale, dtype, mistake or correct stage)."""
+def run(shapes, dtypes, scales, draws, base_seed, rounding_sums=0, head_dims=(64, 128, 256), log=None):
+    """The rows of results/catch_rates.csv: one per (scale, dtype, mistake or correct stage), then one per head dim
+    for the plain loop's rounding over rounding_sums sums (rounding_tail; its ratio: the share of the rule's grant)."""
     commit = code_version()
     rows = []
     for c_i, scale_in in enumerate(scales):
@@ -366,8 +387,8 @@ def run(shapes, dtypes, scales, draws, base_seed, log=None):
             limits = {}  # (direction, output) -> (ratio, stage, seed)
             for s_i, (sname, shape) in enumerate(shapes.items()):
                 for d in range(draws):
-                    seed = seed_of(base_seed, SCALES.index(scale_in), list(DTYPES).index(dname),
-                                   list(SHAPES).index(sname) if sname in SHAPES else s_i, d)
+                    seed = [base_seed, SCALES.index(scale_in), list(DTYPES).index(dname),
+                            list(SHAPES).index(sname) if sname in SHAPES else s_i, d]
                     res = draw(shape, dtype, scale_in, seed)
                     for key, val in res.items():
                         if key[0] == "ratios":
@@ -397,11 +418,22 @@ def run(shapes, dtypes, scales, draws, base_seed, log=None):
                 rows.append(row)
             if log:
                 log(f"[{time.perf_counter() - t0:.0f} s] x{scale_in:g} {dname}: {len(shapes)} shapes x {draws} draws")
+    for n in head_dims if rounding_sums else ():
+        worst, at = rounding_tail(n, rounding_sums, [base_seed, n])
+        share = worst / (tolerance.FACTOR * tolerance.LAMBDA)
+        rows.append({**{k: "" for k in rows[0]}, "kind": "rounding", "name": f"plain loop sum of {n} products",
+                     "dtype": "float32", "draws": rounding_sums, "passed": int(share < 1), "ratio": f"{share:.3g}",
+                     "ratio_seed": f"{base_seed}-{n}-{at}", "base_seed": base_seed, "git_commit": commit})
     return rows
 
 
 def print_table(rows):
-    """caught / resolvable / draws per mistake, and passed / draws per correct stage, one column per scale x dtype."""
+    """caught / resolvable / draws per mistake, and passed / draws per correct stage, one column per scale x dtype;
+    then the plain loop's largest rounding, as a share of what the rule grants a sum."""
+    for r in rows:
+        if r["kind"] == "rounding":
+            print(f"{r['name']}: the largest rounding of {r['draws']} sums is {r['ratio']} of the rule's grant")
+    rows = [r for r in rows if r["kind"] != "rounding"]
     cols = list(dict.fromkeys((r["scale"], r["dtype"]) for r in rows))
     at = {(r["kind"], r["direction"], r["name"], r["scale"], r["dtype"]): r for r in rows}
     lines = list(dict.fromkeys((r["kind"], r["direction"], r["name"]) for r in rows))
@@ -422,15 +454,17 @@ def print_table(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draws", type=int, default=30, help="draws per shape, scale and dtype (default 30)")
+    ap.add_argument("--draws", type=int, default=60, help="draws per shape, scale and dtype (default 60)")
     ap.add_argument("--seed", type=int, default=0, help="base seed of every draw")
     ap.add_argument("--scales", type=float, nargs="+", default=list(SCALES), choices=SCALES)
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--rounding-sums", type=int, default=2_000_000,
+                    help="sums per head dim for the plain loop's rounding (rounding_tail; 0: none)")
     ap.add_argument("--out", default=None, help="CSV to write (results/catch_rates.csv for the committed table)")
     args = ap.parse_args(argv)
     rows = run({n: SHAPES[n] for n in args.shapes}, {n: DTYPES[n] for n in args.dtypes}, args.scales, args.draws,
-               args.seed, log=lambda s: print(s, file=sys.stderr, flush=True))
+               args.seed, rounding_sums=args.rounding_sums, log=lambda s: print(s, file=sys.stderr, flush=True))
     print_table(rows)
     if args.out:
         with open(args.out, "w", newline="") as f:

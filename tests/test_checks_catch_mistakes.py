@@ -215,4 +215,6 @@ def test_the_table_covers_every_mistake_and_stage():
                 for name in catch.correct_stages(direction, dtype):
                     row = table[("stage", direction, name) + col]
                     assert int(row["passed"]) == int(row["draws"]) >= 200, row
-    assert {r["git_commit"] for r in table.values()} and all(r["git_commit"] for r in table.values())
+    rounding = [r for r in table.values() if r["kind"] == "rounding"]
+    assert rounding and all(float(r["ratio"]) < 1 for r in rounding), rounding  # the rule's grant covers a plain loop
+    assert all(r["git_commit"] for r in table.values())

@@ -46,25 +46,27 @@ of every row hold on its own:
     sum t^2 / n - (T / n)^2 (drawing k of the n terms without replacement),
         E s_k^2 = (k T / n)^2 + k (n - k) / (n - 1) sigma^2,      sum_k E s_k^2 = (n + 1) (sum_d t_d^2 + 2 T^2) / 6.
     So the rule takes, for a sum of n terms,
-            rounding(t) = lambda u sqrt(W),     W = (n + 1) (sum_d t_d^2 + 2 T^2) / 6 + sum_d t_d^2,     lambda = 3,
+        rounding(t) = lambda u sqrt(W),     W = (n + 1) (sum_d t_d^2 + 2 T^2) / 6 + sum_d t_d^2,     lambda = 3,
     with sum_d t_d^2 one matmul of squares: scale^2 (Q o Q) (K o K)^T for S. It is tighter than Higham & Mary's
     bound sqrt(n) u sum_d |t_d| (which takes every partial sum as large as sum |t|), most where the terms' signs are
     random: there a partial sum of k terms is ~sqrt(k) terms, not k, as in dP_ij - D_i. With FACTOR 2 the rule
     grants 2 lambda u sqrt(W): a round-to-nearest delta spreads over [-u, u] (variance <= u^2 / 3), so that is
     ~10 standard deviations of e for an order whose sum s_k^2 is its mean, and room for the orders whose sum is a
-    few times it. Tensor cores accumulate an mma (k = 16) with one rounding of up to 2u toward zero (Fasi, Higham,
-    Mikaitis & Pranesh, "Numerical behavior of NVIDIA tensor cores", 2021): D/16 roundings of at most 2u |s_16m|,
-    in sum at most 2u sqrt(D / 16) sqrt(sum_m s_16m^2); every 16th partial sum carries on average 1/16 of sum_k
-    s_k^2, so that is 2u sqrt(D) sqrt(W) / 16, within 2 lambda u sqrt(W) up to D = 2304.
+    few times it (dev/catch_rates.py measures how much of it a plain loop's sum takes, the largest over millions of
+    sums: results/catch_rates.csv, kind "rounding"). Tensor cores accumulate an mma (k = 16) with one rounding of
+    up to 2u toward zero (Fasi, Higham, Mikaitis & Pranesh, "Numerical behavior of NVIDIA tensor cores", 2021):
+    D/16 roundings of at most 2u |s_16m|, in sum at most 2u sqrt(D / 16) sqrt(sum_m s_16m^2); every 16th partial
+    sum carries on average 1/16 of sum_k s_k^2, so that is 2u sqrt(D) sqrt(W) / 16, within 2 lambda u sqrt(W) up
+    to D = 2304.
 
     Through the softmax. With delta_ij = rounding(scale Q_i o K_j) (0 for a hidden key; + u |bias| with ALiBi):
         d L_i  = sum_j P_ij delta_ij
         d O_id = sum_j P_ij delta_ij (V_jd - O_id)   <= sqrt(sum_j P_ij delta_ij^2) sqrt(sum_j P_ij (V_jd - O_id)^2)
     (a row whose P is one-hot cannot move O at all: V_j - O = 0). The backward recomputes S and applies the given
     L, so P_ij becomes P_ij (1 + delta_ij); and dP_ij - D_i is off by eps2_ij = lambda u sqrt(W(dO_i o V_j) +
-    W(dO_i o O_i)): a kernel rounds the two sums on their own, in orders of their own, and their errors are
-    independent, or alike where one order sums the same products (a one-hot row, O_i = V_j), which cancel; they
-    never oppose, so the variances add. So
+    W(dO_i o O_i)): a kernel rounds the two sums on their own, in orders of their own, so their errors are
+    independent, or equal and cancelling where one order sums the same products (a one-hot row, O_i = V_j); never
+    opposed: the variances add. So
         d dS_ij = P_ij delta_ij |dP_ij - D_i| + P_ij eps2_ij,        d dV_jd = sum_i P_ij delta_ij |dO_id|,
         d dQ_id = scale sum_j d dS_ij |K_jd|,                         d dK_jd = scale sum_i d dS_ij |Q_id|.
     At inputs x100 (|S| ~ 1e4) delta is ~1e-2: this term is what a correct kernel's lse, and the P of a near-tie
