@@ -197,6 +197,24 @@ def test_the_plain_loop_sums_one_product_at_a_time():
     assert catch.loop_dot(a, b)[0, 0] == 0.0 and float(a.astype(np.float64).sum()) == 2.0 ** -23
 
 
+def test_a_16_bit_output_may_round_to_the_far_side():
+    """A correct kernel's value a little off the oracle's may round to the far side of it: the rule grants every
+    entry its output's rounding (half an ulp), so the far neighbour passes where the yardstick rounded to the near
+    one exactly, and two ulps off does not."""
+    from stages.common import tolerance
+
+    x = np.array([[[[2.47023, 3.1, -1.7]]]])  # (B, H, N, D): one row, float64 oracle
+    near = x.astype(np.float16)  # the yardstick: the oracle rounded to nearest, nothing else
+    ulp = np.spacing(np.abs(near)).astype(np.float64)
+    far = (near.astype(np.float64) + np.where(near > x, -ulp, ulp)).astype(np.float16)  # the other neighbour
+    terms = (tolerance.Terms(np.zeros_like(x), np.abs(x)),)
+    (bound,) = tolerance.bounds((x,), [(near,)], terms)
+    err = tolerance.row_errors(far, x)
+    assert (err > 2 * tolerance.row_errors(near, x)).all() and (err <= bound).all()  # far side passes
+    two = (near.astype(np.float64) + np.where(near > x, 2, -2) * ulp).astype(np.float16)
+    assert (tolerance.row_errors(two, x) > bound).all()
+
+
 def test_the_table_covers_every_mistake_and_stage():
     """results/catch_rates.csv has a row for every mistake and correct stage at every scale and dtype; every correct
     stage passed every one of at least 200 draws; every mistake caught in fewer than 95 % of its resolvable draws
@@ -218,3 +236,13 @@ def test_the_table_covers_every_mistake_and_stage():
     rounding = [r for r in table.values() if r["kind"] == "rounding"]
     assert rounding and all(float(r["ratio"]) < 1 for r in rounding), rounding  # the rule's grant covers a plain loop
     assert all(r["git_commit"] for r in table.values())
+
+
+def test_check_margins_runs_on_the_mirrors():
+    """dev/check_margins.py (the GPU kernels' largest error / bound) runs end to end on the CPU mirrors (--cpu): every
+    stage 01-03 version it lists runs in its dtypes, and passes."""
+    margins = _load("check_margins")
+    rows = margins.run(1, [100.0], [64], 0, cpu=True, log=lambda s: None)
+    kernels = {(r["stage"], r["kernel"]) for r in rows}
+    assert {("01", "forward"), ("02", "pipelined"), ("03", "tc deterministic"), ("03", "fp32x3")} <= kernels
+    assert all(r["status"] == "ok" and int(r["checks"]) == 2 and float(r["worst_err_over_bound"]) < 1 for r in rows)

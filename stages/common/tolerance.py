@@ -7,7 +7,7 @@ Each output is checked row by row: o, lse and dq per query row (b, h, i), dk and
 
     Y_row  the yardstick's own error in the row, in two summation orders of the head dim (natural and reversed: the
            columns of q and k permuted alike, the same Q K^T, other roundings);
-    A_row  the largest, over the row's entries, of  first_order + G * magnitude  (below).
+    A_row  the largest, over the row's entries, of  first_order + u_out |x_oracle| + G * magnitude  (below).
 
 NaN never passes, and an entry that is -inf in the oracle (the lse of a row that sees no key) must be -inf. A row
 that is ill-conditioned (two nearly tied scores at large logits) widens only its own bound. For the backward the
@@ -71,14 +71,19 @@ of every row hold on its own:
         d dQ_id = scale sum_j d dS_ij |K_jd|,                         d dK_jd = scale sum_i d dS_ij |Q_id|.
     At inputs x100 (|S| ~ 1e4) delta is ~1e-2: this term is what a correct kernel's lse, and the P of a near-tie
     row, may be off by; at inputs x1 it is far below the rest.
+  u_out |x_oracle|: the output's own rounding, half an ulp of its dtype (u_out = 2^-11 float16, 2^-8 bfloat16,
+    2^-24 float32): a kernel's value off the oracle's by e rounds to within e + u_out |x| of it, to the far side of
+    the oracle's value where e crosses a midpoint, which the yardstick's roundings need not show in the row (a row
+    with a handful of large entries, whose roundings happen to be small, would otherwise bound a 16-bit output below
+    half an ulp).
   G * magnitude: everything else (the accumulation of P V, dS K, dS^T Q, P^T dO; exp, log, the normalisation; the
     16-bit roundings of P, dS and the outputs) rounds relative to the magnitude of what is summed:
         o: sum_j (P_ij + d P_ij) |V_jd|,   lse: |L_i| + 1 (L_i = m_i + log l_i rounds relative to |L_i|, and a
         relative error of l_i is an absolute one of log l_i),   dq: scale sum_j (|dS_ij| + d dS_ij) |K_jd|,
         dk: scale sum_i (|dS_ij| + d dS_ij) |Q_id|,   dv: sum_i (P_ij + d P_ij) |dO_id|.
     G is how large the yardstick's own such error is per unit of magnitude, at its worst over every entry of the
-    output and both orders: G = max (|y - y_oracle| - first_order - SLACK)+ / magnitude. It carries the yardstick's
-    worst row to every row, scaled by that row's own magnitude.
+    output and both orders: G = max (|y - y_oracle| - first_order - u_out |x_oracle| - SLACK)+ / magnitude. It
+    carries the yardstick's worst row to every row, scaled by that row's own magnitude.
 
 FACTOR 2 is the room FlashAttention's rule gives a kernel over the yardstick (other orders, the online softmax's
 rescaling, tiles), on all of it. Nothing else widens the bound: no factor per dtype, no count chosen by failure rates;
@@ -278,6 +283,17 @@ def _unit(dtype):
     return 2.0 ** -53 if np.dtype(dtype) == np.float64 else 2.0 ** -24
 
 
+OUTPUT_UNITS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+
+
+def _output_unit(dtype):
+    """The unit roundoff of an output stored in this dtype: |fl(x) - x| <= u |x| (OUTPUT_UNITS)."""
+    name = np.dtype(dtype).name
+    if name not in OUTPUT_UNITS:
+        raise ValueError(f"the tolerance rule knows the rounding of outputs in {', '.join(OUTPUT_UNITS)}, not {name}")
+    return OUTPUT_UNITS[name]
+
+
 def spread(squares, total, n, out=None):
     """W = (n + 1) (squares + 2 total^2) / 6 + squares: the mean, over summation orders, of the sum of squared
     partial sums of n terms t_d (squares = sum_d t_d^2, total = sum_d t_d), and the products' own roundings (see the
@@ -443,9 +459,12 @@ def bounds(refs, yardsticks, terms=None, *, factor=FACTOR, slack=SLACK):
                 "infinite or NaN error against the oracle, so the rule would pass anything")
         bound = rows(np.max(errs, axis=0))
         if terms is not None:
-            t = terms[n]
-            g = _plain_rounding(errs, t, slack)
-            bound = np.maximum(bound, rows(t.first_order + g * t.magnitude))
+            # a-priori: the first-order terms and the output's own rounding, half an ulp of its dtype (the
+            # yardstick's) at the entry: a kernel's value a little off the oracle's may round to its far side
+            known = terms[n].first_order + _output_unit(yardsticks[0][n].dtype) * np.abs(
+                np.where(np.isfinite(ref), ref, 0.0))
+            g = _plain_rounding(errs, Terms(known, terms[n].magnitude), slack)
+            bound = np.maximum(bound, rows(known + g * terms[n].magnitude))
         out.append(factor * bound + slack)
     return out
 
