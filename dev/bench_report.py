@@ -1157,8 +1157,8 @@ def _catch(results_dir):
     rows = read_rows(pathlib.Path(results_dir) / CATCH_CSV)
     mistakes = [r for r in rows if r["kind"] == "mistake"]
     stages = [r for r in rows if r["kind"] == "stage"]
-    scales = list(dict.fromkeys(r["scale"] for r in rows))
-    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    scales = list(dict.fromkeys(r["scale"] for r in mistakes + stages))
+    dtypes = list(dict.fromkeys(r["dtype"] for r in mistakes + stages))
     commits = sorted({r["git_commit"] for r in rows})
     return mistakes, stages, scales, dtypes, ", ".join(commits)
 
@@ -1189,7 +1189,8 @@ def _shortfalls(mistakes):
 
 def _stages_line(stages):
     worst = max(stages, key=lambda r: float(r["ratio"]))
-    names = ", ".join(dict.fromkeys(f"{r['name']} ({r['direction']})" for r in stages))
+    names = "; ".join(", ".join(dict.fromkeys(r["name"] for r in stages if r["direction"] == d)) + f" ({d})"
+                      for d in dict.fromkeys(r["direction"] for r in stages))
     fewest = min(int(r["draws"]) for r in stages)
     failed = sum(int(r["draws"]) - int(r["passed"]) for r in stages)
     return (f"Correct stages ({names}): {'every one passes every draw' if not failed else f'{failed} failed draws'}, "

@@ -121,6 +121,8 @@ def test_binomial_helpers():
 @pytest.mark.parametrize("scale_in", catch.SCALES, ids=[f"x{s:g}" for s in catch.SCALES])
 @pytest.mark.parametrize("dtype_name", list(catch.DTYPES))
 def test_checks_catch_mistakes(dtype_name, scale_in, request):
+    """Every shape of the table, DRAWS fresh draws each: the correct stages pass; the resolvable mistakes are caught
+    as often as results/catch_rates.csv measured (see the module docstring)."""
     dtype = catch.DTYPES[dtype_name]
     table = _table()
     col = (f"x{scale_in:g}", dtype_name)
