@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from stages import flash_v1, flash_v2, flash_v2_backward, naive, ring  # noqa: E402
-from stages.common import bfloat16, cast, code_version, make_inputs, resolve_scale, tolerance, verify  # noqa: E402
+from stages.common import bfloat16, cast, code_version, make_inputs, resolve_scale, rounding, tolerance, verify  # noqa: E402
 
 SCALES = (1.0, 10.0, 100.0)
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": bfloat16}
@@ -349,7 +349,7 @@ def draw(shape, dtype, scale_in, seed, mistakes=MISTAKES):
 # ----------------------------------------------------------------------------- the rounding the rule grants a sum
 def rounding_tail(n, sums, seed, chunk=50_000):
     """(largest |e| / (u sqrt(W)), the sum's index): e the error of a plain loop's float32 sum (loop_dot's order, one
-    rounding per product) of n products of random-sign terms, W its spread (tolerance.spread), over `sums` sums.
+    rounding per product) of n products of random-sign terms, W its spread (rounding.spread), over `sums` sums.
     The rule grants FACTOR LAMBDA u sqrt(W): this measures how much of it a plain loop, the order with the largest
     partial sums a kernel takes, uses."""
     rng = np.random.default_rng(seed)
@@ -362,7 +362,7 @@ def rounding_tail(n, sums, seed, chunk=50_000):
         s = np.zeros(m, np.float32)
         for d in range(n):
             s = (s + t[:, d]).astype(np.float32)
-        w = tolerance.spread((t * t).sum(axis=-1), exact.copy(), n)
+        w = rounding.spread((t * t).sum(axis=-1), exact.copy(), n)
         z = np.abs(s - exact) / (2.0 ** -24 * np.sqrt(w))
         i = int(np.argmax(z))
         if z[i] > worst:
@@ -420,7 +420,7 @@ def run(shapes, dtypes, scales, draws, base_seed, rounding_sums=0, head_dims=(64
                 log(f"[{time.perf_counter() - t0:.0f} s] x{scale_in:g} {dname}: {len(shapes)} shapes x {draws} draws")
     for n in head_dims if rounding_sums else ():
         worst, at = rounding_tail(n, rounding_sums, [base_seed, n])
-        share = worst / (tolerance.FACTOR * tolerance.LAMBDA)
+        share = worst / (tolerance.FACTOR * rounding.LAMBDA)
         rows.append({**{k: "" for k in rows[0]}, "kind": "rounding", "name": f"plain loop sum of {n} products",
                      "dtype": "float32", "draws": rounding_sums, "passed": int(share < 1), "ratio": f"{share:.3g}",
                      "ratio_seed": f"{base_seed}-{n}-{at}", "base_seed": base_seed, "git_commit": commit})

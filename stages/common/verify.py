@@ -13,6 +13,7 @@ import numpy as np
 
 from . import tolerance
 from .inputs import cast
+from .memo import last_call
 
 # When True, launchers fill outputs with NaN before the kernel runs, so an element the
 # kernel forgets to write fails every check. Tests switch it on; ATTN_POISON=1 does too.
@@ -70,7 +71,7 @@ def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None
     return res if with_bounds else {n: e for n, (e, _) in res.items()}
 
 
-@tolerance.last_call
+@last_call
 def forward_rule(q, k, v, causal, scale, opts, yardstick=None):
     """(refs, bounds) of the forward on these inputs: the oracle's (o, lse) and one bound per row of each
     (tolerance.bounds), remembered for the last inputs, so that checks of several forwards share them."""
@@ -80,7 +81,7 @@ def forward_rule(q, k, v, causal, scale, opts, yardstick=None):
     return refs, tolerance.bounds(refs, ys, tolerance.forward_s_terms(q, k, v, **kw))
 
 
-@tolerance.last_call
+@last_call
 def backward_rule(q, k, v, do, causal, scale, opts):
     """(refs, bounds, start) of the backward on these inputs: the exact (dq, dk, dv) from start, one bound per row
     of each, and start = (o, lse) a backward under test starts from (backward_start); remembered for the last
