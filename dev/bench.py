@@ -445,6 +445,7 @@ class _Small:
     needs (the fp64 oracle's outputs and the bound of each output)."""
 
     def __init__(self, cfg, direction, cupy):
+        from stages import naive  # noqa: F401  (stage 00: the tolerance rule's reference, registered on import)
         from stages.common import bfloat16, cast, tolerance, verify
         import numpy as np
 

@@ -86,6 +86,7 @@ def main(argv=None):
 
     import bench
     from stages.common import bfloat16, make_inputs
+    from stages import naive  # noqa: F401  (stage 00: the tolerance rule's reference, registered on import)
     from stages.hopper import fp8
 
     cupy, torch, prov = bench.hopper_session("dev/bench_fp8.py")

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 import bench  # noqa: E402  (timing, provenance, DLPack helpers)
 
-from stages import flash_v2  # noqa: E402
+from stages import flash_v2, naive  # noqa: E402, F401  (naive: stage 00: the tolerance rule's reference, registered on import)
 from stages.common import attention_flops, bfloat16, check_forward, make_inputs  # noqa: E402
 from stages.hopper import flash_v3  # noqa: E402
 

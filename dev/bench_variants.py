@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "dev"))
 
 import bench  # noqa: E402  (timing, provenance, DLPack helpers)
 
-from stages import flash_v2, flash_v2_backward  # noqa: E402
+from stages import flash_v2, flash_v2_backward, naive  # noqa: E402  (naive: stage 00, also the tolerance rule's reference)
 from stages.common import bfloat16, check_backward, check_forward, make_inputs  # noqa: E402
 
 
@@ -124,8 +124,6 @@ def main(argv=None):
     add("plain", plain_full, "sdpa flash", timed(sdpa(False), clock_t), diff(ours(q, k, v, False)(), sdpa(False)()))
 
     # sliding windows, against FlexAttention
-    from stages import naive
-
     for W in args.windows:
         gate({"window": (W // 8 - 1, 0)}, True)  # the same option at N = 1024 (a window of N / 8)
         torch._dynamo.reset()  # a fresh compile per mask: a cached graph must not keep another window's mask_mod

@@ -21,6 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the chec
 import numpy as np
 
 from stages import flash_v2
+from stages import naive  # noqa: F401  (stage 00: the tolerance rule's reference, registered on import)
 from stages.common import attention_flops, bfloat16, check_forward, gpu_name, has_gpu, make_inputs, time_ms
 from stages.common.cli import positive_int
 

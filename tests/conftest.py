@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from stages.common import bfloat16, gpu_status, make_inputs, seed_everything, verify
+from stages import naive  # noqa: F401  (stage 00 registers itself as the tolerance rule's reference)
 
 # The case list every stage's tests cover: (B, H, Nq, Nk, D, causal, input scale).
 # Sequence lengths that are not tile multiples (1, 7, 100, 1000, 4097), Nq != Nk both ways,

@@ -286,6 +286,33 @@ def test_every_results_csv_has_a_source():
         assert s["gpu"] and s["command"] and s["code"], s
 
 
+def test_every_results_csv_names_the_commits_and_gpus_of_its_rows():
+    """Each sources.csv row names every commit (git_commit / commit column) and every GPU (gpu column) its CSV's rows
+    carry (dev/bench_report.py's provenance_problems; --check runs it too)."""
+    problems = report.provenance_problems(ROOT / "results")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_provenance_check_catches_a_row_that_names_other_code_or_gpus(tmp_path):
+    """A sources.csv row that names another commit or GPU than its rows carry fails; a short hash names a full one;
+    a -dirty commit must be said; a row's GPU may add words after the model (an emulated architecture)."""
+    def problems(code, gpu, note="", commit="abc1234def5678"):
+        (tmp_path / "x.csv").write_text(f"gpu,git_commit,ms\nNVIDIA H200 running the sm_75 configurations (ATTN_ARCH),"
+                                        f"{commit},1.0\nNVIDIA H200,{commit},2.0\n")
+        with open(tmp_path / "sources.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["file", "what", "gpu", "software", "command", "code", "note"])
+            w.writeheader()
+            w.writerow(dict(file="x.csv", what="w", gpu=gpu, software="s", command="c", code=code, note=note))
+        return report.provenance_problems(tmp_path)
+
+    assert problems("commit abc1234", "NVIDIA H200") == []
+    assert problems("commit abc1234", "4 x NVIDIA H200") == []
+    assert problems("commit 1111111", "NVIDIA H200") != []  # another commit
+    assert problems("commit abc1234", "NVIDIA H100 80GB HBM3") != []  # another GPU
+    assert problems("commit abc1234", "NVIDIA H200", commit="abc1234-dirty") != []  # changes not said
+    assert problems("commit abc1234", "NVIDIA H200", note="rows read abc1234-dirty: ...", commit="abc1234-dirty") == []
+
+
 def test_generator_check_mode_catches_a_stale_readme(tmp_path):
     """--check's comparison fails on an edited number inside the generated section."""
     import shutil
@@ -294,6 +321,8 @@ def test_generator_check_mode_catches_a_stale_readme(tmp_path):
     for stage in ("04_ring", "05_train_gpt", "06_hopper"):  # the stage READMEs with generated tables
         (tmp_path / "stages" / stage).mkdir(parents=True)
         shutil.copy(ROOT / "stages" / stage / "README.md", tmp_path / "stages" / stage / "README.md")
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "DESIGN.md", tmp_path / "docs" / "DESIGN.md")  # its catch table is generated too
     text = (ROOT / "README.md").read_text()
     begin, end = report.MARKERS["results"]
     inside = text.split(begin, 1)[1].split(end, 1)[0]

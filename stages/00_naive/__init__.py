@@ -5,3 +5,7 @@ from .naive import (
 
 __all__ = ["forward", "backward", "forward_varlen", "backward_varlen", "check_cu_seqlens", "causal_mask",
            "score_matrix_bytes", "scores"]
+
+from stages.common import tolerance  # noqa: E402
+
+tolerance.register_reference(forward, backward, scores)  # the tolerance rule's oracle (float64) and yardstick

@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the chec
 import numpy as np
 
 from stages import flash_v2
+from stages import naive  # noqa: F401  (stage 00: the tolerance rule's reference, registered on import)
 from stages.common import attention_flops, bfloat16, check_forward, gpu_name, make_inputs, run_devices, time_ms
 from stages.common.verify import errors_and_bounds
 from stages.common.cli import check_head_dim, positive_int

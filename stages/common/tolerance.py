@@ -7,12 +7,16 @@ Each output is checked row by row: o, lse and dq per query row (b, h, i), dk and
 
     Y_row  the yardstick's own error in the row, in two summation orders of the head dim (natural and reversed: the
            columns of q and k permuted alike, the same Q K^T, other roundings);
-    A_row  the largest, over the row's entries, of  first_order + G * magnitude  (below).
+    A_row  the largest, over the row's entries, of  first_order + u_out |x_oracle| + G * magnitude  (below).
 
 NaN never passes, and an entry that is -inf in the oracle (the lse of a row that sees no key) must be -inf. A row
 that is ill-conditioned (two nearly tied scores at large logits) widens only its own bound. For the backward the
 oracle is stage 00 in float64 from the o and lse the backward is given (verify.backward_start rounds the exact ones
 to the inputs' dtype and to float32): their rounding is the start's, not the backward's.
+
+The reference. Stage 00 (naive attention) is both the oracle (in float64) and the yardstick (in the inputs' dtype).
+stages.common imports no stage: stage 00 hands its forward, backward and scores to register_reference() when it is
+imported, and the rule reads them from there (reference() says what to import when nothing is registered).
 
 The yardstick is naive attention (stage 00) computed the way the kernels compute:
   float32 inputs:        everything in float32;
@@ -23,59 +27,44 @@ The yardstick is naive attention (stage 00) computed the way the kernels compute
 
 Why Y alone is not enough. FlashAttention's own tests bound a kernel's error by twice the error of a reference
 computed in the same precision. Taken row by row, one yardstick's error is a sample: in a row where its roundings
-happen to cancel it is near zero, while a correct kernel's are not. Two kinds of a-priori knowledge make the bound
-of every row hold on its own:
+happen to cancel it is near zero, while a correct kernel's are not. Three kinds of a-priori knowledge make the
+bound of every row hold on its own:
 
-  first_order: the roundings the softmax amplifies, each falling the worst way (to first order). A kernel sums
-    S_ij = scale sum_d Q_id K_jd in its own order: S_ij + delta_ij with
-        |delta_ij| <= sqrt(D) u M_ij,   M_ij = |scale| sum_d |Q_id K_jd|,   u = 2^-24 (float32 accumulation),
-    the probabilistic bound of an inner product (Higham & Mary, SIAM J. Sci. Comput. 2019, lambda = 1): D
-    roundings of random sign, each at most u times a partial sum, and no partial sum exceeds M. Then
-        d L_i  = sum_j P_ij delta_ij
-        d O_id = sum_j P_ij delta_ij (V_jd - O_id)   <= sqrt(sum_j P_ij delta_ij^2) sqrt(sum_j P_ij (V_jd - O_id)^2)
-    (a row whose P is one-hot cannot move O at all: V_j - O = 0). The backward recomputes S and applies the given
-    L, so P_ij becomes P_ij (1 + delta_ij); and dP_ij = dO_i . V_j and D_i = dO_i . O_i, two sums of D products
-    that nearly cancel where row i is one-hot, are off by eps2_ij <= sqrt(D) u (sum_d |dO_id V_jd| + sum_d |dO_id
-    O_id|). So
-        d dS_ij = P_ij delta_ij |dP_ij - D_i| + P_ij eps2_ij,        d dV_jd = sum_i P_ij delta_ij |dO_id|,
-        d dQ_id = scale sum_j d dS_ij |K_jd|,                         d dK_jd = scale sum_i d dS_ij |Q_id|.
-    At inputs x100 (|S| ~ 1e4, M ~ 5e4) delta is ~0.02: this term is what a correct kernel's lse, and the P of a
-    near-tie row, may be off by; at inputs x1 it is far below the rest.
+  first_order: the roundings the softmax amplifies, to first order: the sums S_ij = scale Q_i . K_j (through exp)
+    and dP_ij - D_i (two sums of the same products on a one-hot row, which nearly cancel), each landing up to
+    LAMBDA u sqrt(W) off whatever the kernel's summation order (W: the mean over orders of the sum of its squared
+    partial sums), carried through the softmax to o, lse, dq, dk and dv. stages/common/rounding.py derives it.
+  u_out |x_oracle|: the output's own rounding, half an ulp of its dtype (u_out = 2^-11 float16, 2^-8 bfloat16,
+    2^-24 float32): a kernel's value off the oracle's by e rounds to within e + u_out |x| of it, to the far side of
+    the oracle's value where e crosses a midpoint, which the yardstick's roundings need not show in the row (a row
+    with a handful of large entries, whose roundings happen to be small, would otherwise bound a 16-bit output below
+    half an ulp).
   G * magnitude: everything else (the accumulation of P V, dS K, dS^T Q, P^T dO; exp, log, the normalisation; the
-    16-bit roundings of P, dS and the outputs) rounds relative to the magnitude of what is summed:
+    16-bit roundings of P and dS) rounds relative to the magnitude of what is summed:
         o: sum_j (P_ij + d P_ij) |V_jd|,   lse: |L_i| + 1 (L_i = m_i + log l_i rounds relative to |L_i|, and a
         relative error of l_i is an absolute one of log l_i),   dq: scale sum_j (|dS_ij| + d dS_ij) |K_jd|,
         dk: scale sum_i (|dS_ij| + d dS_ij) |Q_id|,   dv: sum_i (P_ij + d P_ij) |dO_id|.
     G is how large the yardstick's own such error is per unit of magnitude, at its worst over every entry of the
-    output and both orders: G = max (|y - y_oracle| - first_order - SLACK)+ / magnitude. It carries the yardstick's
-    worst row to every row, scaled by that row's own magnitude.
+    output and both orders: G = max (|y - y_oracle| - first_order - u_out |x_oracle| - SLACK)+ / magnitude. It
+    carries the yardstick's worst row to every row, scaled by that row's own magnitude.
 
 FACTOR 2 is the room FlashAttention's rule gives a kernel over the yardstick (other orders, the online softmax's
-rescaling, tiles), on all of it. Nothing else widens the bound: no factor per dtype. The mirrors round to nearest as
-numpy does; a GPU's tensor cores accumulate an mma's products with truncation (Fasi, Higham, Mikaitis & Pranesh,
-"Numerical behavior of NVIDIA tensor cores", 2021), but an S of D terms goes through D/16 mma steps (m16n8k16), and
-even a full ulp lost in each, D/16 * 2u M, is within FACTOR sqrt(D) u M up to D = 256.
-Everything is a function of the inputs: no sampling, no count chosen by failure rates.
+rescaling, tiles), on all of it. Nothing else widens the bound: no factor per dtype, no count chosen by failure rates;
+everything is a function of the inputs.
 
-What each input scale guarantees (measured by dev/catch_rates.py, results/catch_rates.csv; docs/DESIGN.md has the
-table, tests/test_checks_catch_mistakes.py holds every check to it):
-  x1, x10:  o x 0.95, lse + 0.01, dq x 0.9, dq = 0, dk x 0.9, dv x 0.95 are caught in every draw, while the stage
-            01-03 mirrors pass; a bound is about twice the yardstick's rounding, at most about one rounding of a
-            16-bit output. At x10 a problem so small that every row is saturated (7 keys, scores ~100 apart) can
-            have its exact dq, dk below the dP - D term (~1e-3): 191-199 of 200 draws catch those mistakes.
-  x100:     softmax rows are one-hot. lse and P are held to 2 sqrt(D) u M ~ 0.05, and lse + 0.01 passes: correct
-            kernels' S roundings reach 5.5 u M (0.016; ~0.01 even in the row whose M is smallest), so no bound that
-            holds for every summation order resolves 0.01. The exact dq, dk vanish below rounding except on rows whose
-            two largest scores nearly tie, so their mistakes are caught only in draws with such a row. o, dv and
-            every mistake that moves a one-hot row are caught.
+What the rule catches, and what no rule that passes correct kernels could, is measured: dev/catch_rates.py feeds the
+real checks correct stages and wrong ones at inputs x1, x10 and x100 (results/catch_rates.csv; the tables in
+README.md and docs/DESIGN.md are generated from it), and tests/test_checks_catch_mistakes.py holds the checks to it.
+dev/check_margins.py measures the correct GPU kernels' largest error / bound.
 """
-import functools
-import hashlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
+from . import rounding
 from .inputs import to_numpy
+from .memo import last_call
+from .rounding import Terms, host_options
 
 SLACK = 1e-5
 FACTOR = 2.0
@@ -129,43 +118,30 @@ def worst_row(x, ref, bound):
     return float(err[i]), float(b[i]), tuple(int(x) for x in i)
 
 
-def _contents(x):
-    """A key for x by value: an array (numpy or CuPy) by its shape, dtype and a hash of its bytes; a dict, tuple or
-    list by its items; anything else as it is."""
-    if isinstance(x, dict):
-        return tuple(sorted((name, _contents(v)) for name, v in x.items()))
-    if isinstance(x, (tuple, list)):
-        return tuple(_contents(v) for v in x)
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        a = np.ascontiguousarray(to_numpy(x))
-        return a.shape, str(a.dtype), hashlib.blake2b(a.tobytes(), digest_size=16).digest()
-    return type(x).__name__, x
+class Reference(NamedTuple):
+    """What the rule compares with and measures by: stage 00's forward(q, k, v, *, causal, scale, **opts) -> (o, lse),
+    backward(q, k, v, o, lse, do, *, causal, scale, **opts) -> (dq, dk, dv) and scores(q, k, scale, opts, xp) -> S,
+    in float64 for float64 inputs (the oracle) and as the kernels compute for the others (the yardstick)."""
+    forward: Callable
+    backward: Callable
+    scores: Callable
 
 
-def _last_call(f):
-    """f remembering its last call, keyed on its arguments' values (_contents): a check of the forward and one of
-    the backward on the same inputs (verify.check_forward, then check_backward; verify.rule) share the oracle's
-    forward and S's roundings instead of computing them twice. The arrays it returns are read-only, since every
-    caller of those arguments gets the same ones."""
-    last = {}
-
-    @functools.wraps(f)
-    def remembered(*args, **kw):
-        key = _contents((args, kw))
-        if last.get("key") != key:
-            out = f(*args, **kw)
-            for x in out:
-                if isinstance(x, np.ndarray):
-                    x.flags.writeable = False
-            last.update(key=key, out=out)
-        return last["out"]
-    return remembered
+_REFERENCE = []  # [Reference] once stage 00 is imported
 
 
-def _naive():
-    from stages import naive  # late import: stages.common must not depend on a stage at import time
+def register_reference(forward, backward, scores):
+    """Stage 00 (stages/00_naive/__init__.py) hands the rule its naive attention when it is imported."""
+    _REFERENCE[:] = [Reference(forward, backward, scores)]
 
-    return naive
+
+def reference():
+    """The registered Reference; an error that says what to import when there is none."""
+    if not _REFERENCE:
+        raise RuntimeError("the tolerance rule measures against stage 00 (naive attention), which is not imported: "
+                           "`from stages import naive` first (stage 00 registers itself with "
+                           "stages.common.tolerance when imported)")
+    return _REFERENCE[0]
 
 
 def _orders(D):
@@ -173,13 +149,13 @@ def _orders(D):
     return [np.arange(D), np.arange(D)[::-1]]
 
 
-@_last_call
+@last_call
 def oracle(q, k, v, do=None, *, causal=False, scale=None, **opts):
     """Stage 00 in float64 on the host: (o, lse) or, with do, (o, lse, dq, dk, dv). opts: the variant options
     (window, softcap, alibi_slopes, dropout_p, seed; stages/common/variants.py), passed to stage 00."""
-    naive = _naive()
+    naive = reference()
     q64, k64, v64 = (to_numpy(x).astype(np.float64) for x in (q, k, v))
-    opts = _host(opts)
+    opts = host_options(opts)
     o, lse = naive.forward(q64, k64, v64, causal=causal, scale=scale, **opts)
     if do is None:
         return o, lse
@@ -190,26 +166,19 @@ def oracle(q, k, v, do=None, *, causal=False, scale=None, **opts):
 def backward_oracle(q, k, v, o, lse, do, *, causal=False, scale=None, **opts):
     """(dq, dk, dv): stage 00's backward in float64 on the host from the o and lse given (the exact gradients a
     backward started from them must compute; their own rounding is no error of that backward)."""
-    naive = _naive()
+    naive = reference()
     q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
     return naive.backward(q64, k64, v64, o64, to_numpy(lse).astype(np.float64), do64, causal=causal, scale=scale,
-                          **_host(opts))
-
-
-def _host(opts):
-    """The options with ALiBi slopes as a float64 host array (they may come as CuPy or float32)."""
-    if opts.get("alibi_slopes") is not None:
-        opts = dict(opts, alibi_slopes=to_numpy(opts["alibi_slopes"]).astype(np.float64))
-    return opts
+                          **host_options(opts))
 
 
 def forward_yardsticks(q, k, v, *, causal=False, scale=None, yardstick=None, **opts):
     """[(o, lse), ...]: stage 00 in the inputs' dtype (host arrays), one per summation order. yardstick: another
     forward(q, k, v, causal=, scale=, **opts) on host arrays in stage 00's place, for a version whose roundings are
     not the inputs' dtype (stage 06's fp8: fp8.yardstick)."""
-    forward = yardstick or _naive().forward
+    forward = yardstick or reference().forward
     q, k, v = (to_numpy(x) for x in (q, k, v))
-    opts = _host(opts)
+    opts = host_options(opts)
     out = []
     for perm in _orders(q.shape[-1]):
         out.append(forward(q[..., perm], k[..., perm], v, causal=causal, scale=scale, **opts))  # same Q K^T
@@ -219,9 +188,9 @@ def forward_yardsticks(q, k, v, *, causal=False, scale=None, yardstick=None, **o
 def backward_yardsticks(q, k, v, o, lse, do, *, causal=False, scale=None, **opts):
     """[(dq, dk, dv), ...]: stage 00's backward in the inputs' dtype from the given o, lse (host arrays), one per
     summation order of S; dq, dk come back in the natural column order."""
-    naive = _naive()
+    naive = reference()
     q, k, v, o, lse, do = (to_numpy(x) for x in (q, k, v, o, lse, do))
-    opts = _host(opts)
+    opts = host_options(opts)
     out = []
     for perm in _orders(q.shape[-1]):
         inv = np.argsort(perm)
@@ -230,135 +199,26 @@ def backward_yardsticks(q, k, v, o, lse, do, *, causal=False, scale=None, **opts
     return out
 
 
-def _unit(dtype):
-    """The unit roundoff u of the precision a kernel computes in for inputs of this dtype: float32 (u = 2^-24) for
-    float32 and 16-bit inputs, float64 for float64."""
-    return 2.0 ** -53 if np.dtype(dtype) == np.float64 else 2.0 ** -24
+OUTPUT_UNITS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
 
-def _dot_rounding(mag, n, dtype, out=None):
-    """The rounding a kernel may make in a sum of n products of magnitude sum mag: sqrt(n) u mag, the
-    probabilistic bound of an inner product (Higham & Mary, "A new approach to probabilistic rounding error
-    analysis", SIAM J. Sci. Comput. 2019, at lambda = 1), whatever the summation order. out: where to write it (mag
-    itself, when mag is not needed after)."""
-    return np.multiply(np.sqrt(n) * _unit(dtype), mag, out=out)
-
-
-@_last_call
-def _s_rounding(q, k, causal, scale, opts=None):
-    """(P, delta, scale, zk, lse): P in float64 (B, H, Nq, Nk); delta_ij = sqrt(D) u M_ij, M_ij = |scale| sum_d
-    |Q_id K_jd| (+ |ALiBi bias|), the rounding a kernel may make in S_ij (0 for a hidden key); zk = Z / (1 - p) of
-    dropout (B, H, Nq, Nk), or 1.0 without; lse in float64 (B, H, Nq). Grouped-query attention: S with k expanded
-    to q's heads."""
-    naive = _naive()
-    from . import variants
-
-    q, k = (to_numpy(x) for x in (q, k))
-    D = q.shape[-1]
-    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
-    vopts = variants.check(q, k, causal=causal, where="tolerance", **_host(opts or {}))
-    k = np.repeat(k, vopts.group, axis=1) if vopts.group > 1 else k
-    vopts = vopts._replace(group=1)
-    q64, k64 = q.astype(np.float64), k.astype(np.float64)
-    s64 = naive.scores(q64, k64, scale, vopts, np)  # (B, H, Nq, Nk)
-    mag = abs(scale) * np.abs(q64) @ np.abs(k64).swapaxes(-1, -2)
-    if vopts.alibi_slopes is not None:  # the bias adds one more rounding, of at most u |S| <= u (M + |bias|)
-        B, H, Nq, Nk = mag.shape
-        mag = mag + np.abs(variants.alibi_bias(variants.slopes_bh(vopts, B, H, np, np.float64), Nq, Nk))
-    delta = _dot_rounding(mag, D, q.dtype, out=mag)
-    np.copyto(delta, 0.0, where=np.isinf(s64))  # a hidden key adds no term
-    m = s64.max(axis=-1, keepdims=True)
-    m = np.where(np.isinf(m), 0.0, m)
-    p = np.exp(np.subtract(s64, m, out=s64), out=s64)  # P_ij unnormalised, in S's place (the arrays are Nq x Nk)
-    l = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        lse = (m + np.log(l))[..., 0]
-    zk = 1.0
-    if vopts.dropout_p:
-        B, H, Nq, Nk = p.shape
-        zk = variants.dropout_keep(B, H, Nq, Nk, vopts.dropout_p, vopts.seed) / (1.0 - vopts.dropout_p)
-    p /= np.where(l == 0, 1.0, l)
-    return p, delta, scale, zk, lse
-
-
-def _expand(x, group):
-    return np.repeat(x, group, axis=1) if group > 1 else x
-
-
-def _sum_groups(x, group):
-    if group == 1:
-        return x
-    B, H, N, D = x.shape
-    return x.reshape(B, H // group, group, N, D).sum(axis=2)
-
-
-class Terms(NamedTuple):
-    """What the rule knows of one output a priori, entry by entry (arrays shaped like the output, float64):
-    first_order, the worst first-order effect of the roundings that the softmax amplifies (S, and dP - D in the
-    backward); magnitude, the sum of magnitudes of the terms the output's last sum adds (its plain roundings are
-    relative to it)."""
-    first_order: np.ndarray
-    magnitude: np.ndarray
+def _output_unit(dtype):
+    """The unit roundoff of an output stored in this dtype: |fl(x) - x| <= u |x| (OUTPUT_UNITS)."""
+    name = np.dtype(dtype).name
+    if name not in OUTPUT_UNITS:
+        raise ValueError(f"the tolerance rule knows the rounding of outputs in {', '.join(OUTPUT_UNITS)}, not {name}")
+    return OUTPUT_UNITS[name]
 
 
 def forward_s_terms(q, k, v, *, causal=False, scale=None, **opts):
-    """(Terms of o, Terms of lse): see the module docstring."""
-    p, delta, _, zk, lse = _s_rounding(q, k, causal, scale, opts)
-    v64 = _expand(to_numpy(v).astype(np.float64), q.shape[1] // k.shape[1])
-    dropout = not np.isscalar(zk)  # else zk = 1
-    o = (p * zk if dropout else p) @ v64  # (B, H, Nq, D); dropout: Z / (1 - p) multiplies V
-    pd = p * delta  # (B, H, Nq, Nk): first-order |d P_ij| before normalisation
-    if not dropout:
-        # d O_id = sum_j P_ij delta_ij (V_jd - O_id) <= sqrt(sum_j P_ij delta_ij^2) sqrt(sum_j P_ij (V_jd - O_id)^2)
-        spread = np.sqrt(np.maximum(p @ (v64 * v64) - o * o, 0.0))
-        o_first = np.sqrt((pd * delta).sum(axis=-1, keepdims=True)) * spread
-    else:  # dropout: d O_id = sum_j P_ij delta_ij (Z_ij V_jd / (1 - p) - O_id)
-        o_first = (pd * zk) @ np.abs(v64) + np.abs(o) * pd.sum(axis=-1, keepdims=True)
-    pp = p + pd  # P_ij + |d P_ij|
-    o_mag = (pp * zk if dropout else pp) @ np.abs(v64)
-    finite = np.isfinite(lse)
-    lse_mag = np.where(finite, np.abs(np.where(finite, lse, 0.0)) + 1.0, 0.0)  # m_i + log l_i: |L_i|, and 1 for log
-    return Terms(o_first, o_mag), Terms(pd.sum(axis=-1), lse_mag)
+    """(Terms of o, Terms of lse): the a-priori terms (stages/common/rounding.py) with stage 00's scores."""
+    return rounding.forward_s_terms(q, k, v, reference().scores, causal=causal, scale=scale, **opts)
 
 
 def backward_s_terms(q, k, v, o, do, *, causal=False, scale=None, **opts):
-    """(Terms of dq, dk, dv): see the module docstring. o: the forward output the backward starts from (D_i =
-    rowsum(dO_i * O_i) is computed from it). Grouped-query attention: the terms of dK, dV sum over each group's
-    query heads, as the gradients do."""
-    p, delta, scale, zk, _ = _s_rounding(q, k, causal, scale, opts)
-    dtype = to_numpy(q).dtype
-    D = q.shape[-1]
-    group = q.shape[1] // k.shape[1]
-    k, v = _expand(to_numpy(k), group), _expand(to_numpy(v), group)
-    q64, k64, v64, o64, do64 = (to_numpy(x).astype(np.float64) for x in (q, k, v, o, do))
-    dropout = not np.isscalar(zk)  # else zk = 1
-    # The arrays below are (B, H, Nq, Nk) but d_i, each updated in place where its value before is not needed again.
-    dp = do64 @ v64.swapaxes(-1, -2)  # dP = dO V^T
-    mag = np.abs(do64) @ np.abs(v64).swapaxes(-1, -2)  # dP_ij - D_i: two sums of D products
-    if dropout:  # dP = Z / (1 - p) dO V^T
-        dp *= zk
-        mag *= zk
-    d_i = (do64 * o64).sum(axis=-1, keepdims=True)  # (B, H, Nq, 1)
-    mag += (np.abs(do64) * np.abs(o64)).sum(axis=-1, keepdims=True)
-    eps2 = _dot_rounding(mag, D, dtype, out=mag)  # its rounding (only where P_ij > 0 does it matter)
-    pw = p * delta  # first-order |d P_ij|: P_ij (1 + delta_ij) for S rounded by delta_ij
-    dp -= d_i  # dP_ij - D_i
-    w = np.abs(dp)
-    w *= pw
-    w += np.multiply(p, eps2, out=eps2)  # first-order |d dS_ij| = P_ij delta_ij |dP_ij - D_i| + P_ij eps2_ij
-    ds = np.abs(np.multiply(p, dp, out=dp), out=dp)
-    ds += w  # |dS_ij| and its perturbation: the magnitudes dS K, dS^T Q sum
-    w *= scale  # dQ = scale dS K, dK = scale dS^T Q
-    ds *= scale
-    absk, absq, absdo = np.abs(k64), np.abs(q64), np.abs(do64)
-    dq = Terms(w @ absk, ds @ absk)
-    dk = Terms(_sum_groups(w.swapaxes(-1, -2) @ absq, group), _sum_groups(ds.swapaxes(-1, -2) @ absq, group))
-    pp = np.add(p, pw, out=w)  # P_ij + |d P_ij| (w is not needed again)
-    if dropout:
-        pw *= zk
-        pp *= zk
-    dv = Terms(_sum_groups(pw.swapaxes(-1, -2) @ absdo, group), _sum_groups(pp.swapaxes(-1, -2) @ absdo, group))
-    return dq, dk, dv
+    """(Terms of dq, dk, dv) from the o the backward starts from: the a-priori terms (stages/common/rounding.py)
+    with stage 00's scores."""
+    return rounding.backward_s_terms(q, k, v, o, do, reference().scores, causal=causal, scale=scale, **opts)
 
 
 def _plain_rounding(errs, terms, slack):
@@ -390,9 +250,12 @@ def bounds(refs, yardsticks, terms=None, *, factor=FACTOR, slack=SLACK):
                 "infinite or NaN error against the oracle, so the rule would pass anything")
         bound = rows(np.max(errs, axis=0))
         if terms is not None:
-            t = terms[n]
-            g = _plain_rounding(errs, t, slack)
-            bound = np.maximum(bound, rows(t.first_order + g * t.magnitude))
+            # a-priori: the first-order terms and the output's own rounding, half an ulp of its dtype (the
+            # yardstick's) at the entry: a kernel's value a little off the oracle's may round to its far side
+            known = terms[n].first_order + _output_unit(yardsticks[0][n].dtype) * np.abs(
+                np.where(np.isfinite(ref), ref, 0.0))
+            g = _plain_rounding(errs, Terms(known, terms[n].magnitude), slack)
+            bound = np.maximum(bound, rows(known + g * terms[n].magnitude))
         out.append(factor * bound + slack)
     return out
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import tolerance
 from .inputs import cast
+from .memo import last_call
 
 # When True, launchers fill outputs with NaN before the kernel runs, so an element the
 # kernel forgets to write fails every check. Tests switch it on; ATTN_POISON=1 does too.
@@ -53,10 +54,8 @@ def check_forward(forward, q, k, v, *, causal=False, scale=None, opts=None, with
     opts = opts or {}
     o, lse = forward(q, k, v, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_FORWARD, (o, lse), (q, np.empty(q.shape[:3], np.float32)))
-    refs = tolerance.oracle(q, k, v, causal=causal, scale=scale, **opts)
-    ys = tolerance.forward_yardsticks(q, k, v, causal=causal, scale=scale, yardstick=yardstick, **opts)
-    terms = tolerance.forward_s_terms(q, k, v, causal=causal, scale=scale, **opts)
-    res = tolerance.check(tolerance.NAMES_FORWARD, (o, lse), refs, ys, terms, what=what)
+    refs, bounds = forward_rule(q, k, v, causal, scale, opts, yardstick)
+    res = tolerance.assert_within(tolerance.NAMES_FORWARD, (o, lse), refs, bounds, what=what)
     return res if with_bounds else {n: e for n, (e, _) in res.items()}
 
 
@@ -65,14 +64,33 @@ def check_backward(backward, q, k, v, do, *, causal=False, scale=None, opts=None
     rule, row by row, against the exact gradients from that o and lse; return {name: err} at each output's worst row
     ({name: (err, bound)} with_bounds)."""
     opts = opts or {}
-    o_in, lse_in = backward_start(q, *tolerance.oracle(q, k, v, causal=causal, scale=scale, **opts))
+    refs, bounds, (o_in, lse_in) = backward_rule(q, k, v, do, causal, scale, opts)
     grads = backward(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts, **kw)
     _check_like(tolerance.NAMES_BACKWARD, grads, (q, k, v))
-    refs = tolerance.backward_oracle(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts)
-    ys = tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, causal=causal, scale=scale, **opts)
-    terms = tolerance.backward_s_terms(q, k, v, o_in, do, causal=causal, scale=scale, **opts)
-    res = tolerance.check(tolerance.NAMES_BACKWARD, grads, refs, ys, terms)
+    res = tolerance.assert_within(tolerance.NAMES_BACKWARD, grads, refs, bounds)
     return res if with_bounds else {n: e for n, (e, _) in res.items()}
+
+
+@last_call
+def forward_rule(q, k, v, causal, scale, opts, yardstick=None):
+    """(refs, bounds) of the forward on these inputs: the oracle's (o, lse) and one bound per row of each
+    (tolerance.bounds), remembered for the last inputs, so that checks of several forwards share them."""
+    kw = dict(causal=causal, scale=scale, **opts)
+    refs = tolerance.oracle(q, k, v, **kw)
+    ys = tolerance.forward_yardsticks(q, k, v, yardstick=yardstick, **kw)
+    return refs, tolerance.bounds(refs, ys, tolerance.forward_s_terms(q, k, v, **kw))
+
+
+@last_call
+def backward_rule(q, k, v, do, causal, scale, opts):
+    """(refs, bounds, start) of the backward on these inputs: the exact (dq, dk, dv) from start, one bound per row
+    of each, and start = (o, lse) a backward under test starts from (backward_start); remembered for the last
+    inputs."""
+    kw = dict(causal=causal, scale=scale, **opts)
+    o_in, lse_in = backward_start(q, *tolerance.oracle(q, k, v, **kw))
+    refs = tolerance.backward_oracle(q, k, v, o_in, lse_in, do, **kw)
+    ys = tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, **kw)
+    return refs, tolerance.bounds(refs, ys, tolerance.backward_s_terms(q, k, v, o_in, do, **kw)), (o_in, lse_in)
 
 
 def rule(q, k, v, do=None, *, causal=False, scale=None, opts=None):
@@ -80,17 +98,12 @@ def rule(q, k, v, do=None, *, causal=False, scale=None, opts=None):
     oracle's (o, lse[, dq, dk, dv]) (the gradients from start), bounds the matching bounds (one per row), and start =
     (o, lse) a backward under test must start from (backward_start), or None without do. opts: variant options, as
     check_forward takes them."""
-    kw = dict(causal=causal, scale=scale, **(opts or {}))
-    o64, lse64 = tolerance.oracle(q, k, v, **kw)
-    bounds = tolerance.bounds((o64, lse64), tolerance.forward_yardsticks(q, k, v, **kw),
-                              tolerance.forward_s_terms(q, k, v, **kw))
+    opts = opts or {}
+    refs, bounds = forward_rule(q, k, v, causal, scale, opts)
     if do is None:
-        return (o64, lse64), bounds, None
-    o_in, lse_in = backward_start(q, o64, lse64)
-    grads = tolerance.backward_oracle(q, k, v, o_in, lse_in, do, **kw)
-    bounds += tolerance.bounds(grads, tolerance.backward_yardsticks(q, k, v, o_in, lse_in, do, **kw),
-                               tolerance.backward_s_terms(q, k, v, o_in, do, **kw))
-    return (o64, lse64, *grads), bounds, (o_in, lse_in)
+        return refs, list(bounds), None
+    grads, grad_bounds, start = backward_rule(q, k, v, do, causal, scale, opts)
+    return (*refs, *grads), [*bounds, *grad_bounds], start
 
 
 def errors_and_bounds(errs):
