@@ -41,8 +41,8 @@ def kernels(hopper):
     v2, v3 = flash_v2.forward, flash_v2_backward.backward
     out = [("01", "forward", "forward", f32, (64, 128), flash_v1.forward),
            ("01", "backward", "backward", f32, (64, 128), flash_v1.backward)]
-    for ver, dts, dims in (("fp32", f32, (64, 128)), ("fp32x3", f32, (64, 128)), ("tc", b16, (64, 128)),
-                           ("pipelined", b16, (64, 128, 256))):
+    for ver, dts, dims in (("fp32", f32, (64, 128)), ("fp32_overlap", f32, (64, 128)), ("fp32x3", f32, (64, 128)),
+                           ("tc", b16, (64, 128)), ("pipelined", b16, (64, 128, 256))):
         out.append(("02", ver, "forward", dts, dims, lambda *a, _v=ver, **kw: v2(*a, version=_v, **kw)))
     for ver, dts, dims in (("fp32", f32, (64, 128)), ("fp32x3", f32, (64, 128)), ("tc", b16, (64, 128, 256))):
         for det in (False, True) if ver != "fp32x3" else (False,):
