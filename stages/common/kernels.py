@@ -432,18 +432,20 @@ def ptxas():
     return None
 
 
-def resource_usages(filename, names_by_arch, *, defines=None):
+def resource_usages(filename, names_by_arch, *, defines=None, nvrtc_options=(), ptxas_options=()):
     """resource_usage for several architectures: {arch: {kernel: usage}} for names_by_arch {arch: [name expression,
     ...]} (an empty list: every kernel of the module). The front end of a compile (parsing, template instantiation,
     NVVM's optimizer: about half its time) is the same for the architectures of one PTX family (ptx_families): NVRTC
     makes the family's PTX once, with every member's kernels, and ptxas compiles it for each member, that member's
-    kernels only (--entry). Without a ptxas of NVRTC's release: one NVRTC compile per architecture."""
+    kernels only (--entry). Without a ptxas of NVRTC's release: one NVRTC compile per architecture. nvrtc_options and
+    ptxas_options are added to each compiler's command line (the default: the optimized build a GPU runs)."""
     import subprocess
     import tempfile
 
-    tool, options = ptxas(), _define_options(defines)
+    tool, options = ptxas(), _define_options(defines) + tuple(nvrtc_options)
     if tool is None:
-        return {a: resource_usage(filename, arch=a, defines=defines, name_expressions=names)
+        return {a: _ptxas_report(*_compile(filename, a, options + tuple(f"--ptxas-options={o}" for o in ptxas_options),
+                                           names, verbose=True)[1:])
                 for a, names in names_by_arch.items()}
     out = {}
     for family in ptx_families(filename, list(names_by_arch)):
@@ -455,7 +457,8 @@ def resource_usages(filename, names_by_arch, *, defines=None):
                 fh.write(ptx if isinstance(ptx, bytes) else ptx.encode())
             for arch in family:
                 entries = [lowered[n] for n in names_by_arch[arch]]
-                run = subprocess.run([tool, "-v", f"-arch={arch}", "-o", os.path.join(tmp, f"{arch}.cubin"), src]
+                cubin = os.path.join(tmp, f"{arch}.cubin")
+                run = subprocess.run([tool, "-v", *ptxas_options, f"-arch={arch}", "-o", cubin, src]
                                      + (["--entry", ",".join(entries)] if entries else []),
                                      capture_output=True, text=True)
                 if run.returncode:
