@@ -81,11 +81,13 @@ def _lines(path):
 def _split(args):
     """shlex tokens of a command's arguments, brackets of optional parts dropped: up to where the sentence goes on
     (", " or ". "), or an unbalanced quote (where a string of the surrounding code ends)."""
-    args = re.split(r",\s|\.\s|\.$", args)[0].replace("[", " ").replace("]", " ")
+    def sentence(text):
+        return re.split(r",\s|\.\s|\.$", text.strip())[0].replace("[", " ").replace("]", " ")
+
     try:
-        return tuple(shlex.split(args))
+        return tuple(shlex.split(sentence(args)))
     except ValueError:
-        return tuple(shlex.split(re.split(r"[\"']", args)[0]))
+        return tuple(shlex.split(sentence(re.split(r"[\"']", args)[0])))
 
 
 def documented_commands():
@@ -135,26 +137,40 @@ for _cmd in COMMANDS:
 # shown). The test fails when one of them parses, so the list shrinks as they are fixed.
 KNOWN_DEAD = set()
 
-# The child (tests/test_entry_scripts.py's uninstalled interpreter): runs the script as `python script` does, with
-# argparse's parsing replaced by a hook. At the script's first parse the hook checks each documented argument list
-# against the script's parser (check_arguments, passed as source), prints the parser's usage and the problems as JSON,
-# and ends the process: nothing else of the script runs.
+# The child (tests/test_entry_scripts.py's uninstalled interpreter) runs every script in turn, as `python script`
+# does, with argparse's parsing replaced by a hook. At a script's first parse the hook checks each documented argument
+# list against the script's parser (check_arguments, passed as source) and ends the script with a SystemExit (which
+# the ring's error handling lets through): nothing else of the script runs. Between scripts, sys.path is reset and
+# every module loaded from the checkout is forgotten, so each script must find `stages` by itself; the installed
+# packages stay loaded, so the whole list costs about one script's imports.
 CHILD = UNINSTALLED + """
 import argparse, os, runpy
-check_source, script, docs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+check_source, root, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 exec(check_source)
 
+class Parsed(SystemExit):
+    pass
+
 def hand_back(parser, *args, **kwargs):
-    print(json.dumps({"usage": parser.format_usage(),
-                      "problems": [check_arguments(parser, args) for args in docs]}), flush=True)
-    os._exit(0)  # not an exception: a script may catch every exception (the ring's run.py aborts MPI on one)
+    raise Parsed(parser)
 
 argparse.ArgumentParser.parse_known_args = hand_back
 argparse.ArgumentParser.parse_known_intermixed_args = hand_back
-sys.argv = [script]
-sys.path.insert(0, os.path.dirname(script))  # as `python script` does
-runpy.run_path(script, run_name="__main__")
-print(json.dumps({"error": "the script finished without parsing its arguments with argparse"}))
+base_path, answers = list(sys.path), {}
+for script, docs in jobs:
+    sys.argv, sys.path[:] = [script], [os.path.dirname(script)] + base_path  # as `python script` sets them
+    try:
+        runpy.run_path(script, run_name="__main__")
+        answers[script] = {"error": "the script finished without parsing its arguments with argparse"}
+    except Parsed as p:
+        parser = p.args[0]
+        answers[script] = {"usage": parser.format_usage(), "problems": [check_arguments(parser, a) for a in docs]}
+    except BaseException as e:
+        answers[script] = {"error": f"{type(e).__name__}: {e}"}
+    for name, module in list(sys.modules.items()):
+        if os.path.abspath(getattr(module, "__file__", None) or "/").startswith(root + os.sep):
+            del sys.modules[name]
+print(json.dumps(answers))
 """
 
 
@@ -252,22 +268,31 @@ def test_every_shell_script_shown_is_known():
     assert {c.script for c in COMMANDS if c.script.endswith(".sh")} <= set(SHELL_OPTIONS)
 
 
-@pytest.mark.parametrize("script", sorted(set(SCRIPTS) | set(BY_SCRIPT)))
-def test_runs_without_an_install_and_takes_its_documented_options(script, tmp_path):
+ALL_SCRIPTS = sorted(set(SCRIPTS) | set(BY_SCRIPT))
+
+
+@pytest.fixture(scope="session")
+def parsed_scripts(tmp_path_factory):
+    """{script: the child's answer} for ALL_SCRIPTS, from one child run (once per test process)."""
+    jobs = [(str(ROOT / s), [list(c.args) for c in BY_SCRIPT.get(s, [])]) for s in ALL_SCRIPTS]
+    out = _python(CHILD, _check_source(), str(ROOT), json.dumps(jobs), cwd=tmp_path_factory.mktemp("elsewhere"),
+                  timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and lines, f"the uninstalled run of the scripts failed:\n{out.stderr[-3000:]}"
+    return {pathlib.Path(k).relative_to(ROOT).as_posix(): v for k, v in json.loads(lines[-1]).items()}
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
+def test_runs_without_an_install_and_takes_its_documented_options(script, parsed_scripts):
     """The script reaches its argument parsing from an uninstalled checkout (tests/test_entry_scripts.py), and its
     parser takes every command the documentation shows for it."""
-    cmds = BY_SCRIPT.get(script, [])
-    out = _python(CHILD, _check_source(), str(ROOT / script), json.dumps([list(c.args) for c in cmds]),
-                  cwd=tmp_path, timeout=120)
-    lines = out.stdout.strip().splitlines()
-    assert out.returncode == 0 and lines, f"{script} from an uninstalled checkout:\n{out.stderr[-3000:]}"
-    result = json.loads(lines[-1])
-    assert "error" not in result, f"{script}: {result['error']}"
+    cmds, result = BY_SCRIPT.get(script, []), parsed_scripts[script]
+    assert "error" not in result, f"{script} from an uninstalled checkout: {result['error']}"
     assert "usage" in result["usage"]
-    bad = [(c, why) for c, why in zip(cmds, result["problems"]) if why]
-    dead = [f"{c.where}: {c.text}\n    {why}" for c, why in bad if (c.where, c.text) not in KNOWN_DEAD]
-    fixed = [(c.where, c.text) for c, why in zip(cmds, result["problems"])
-             if not why and (c.where, c.text) in KNOWN_DEAD]
+    problems = result["problems"]
+    dead = [f"{c.where}: {c.text}\n    {why}" for c, why in zip(cmds, problems) if why and (c.where, c.text)
+            not in KNOWN_DEAD]
+    fixed = [(c.where, c.text) for c, why in zip(cmds, problems) if not why and (c.where, c.text) in KNOWN_DEAD]
     assert not dead, "documented options the script does not take:\n" + "\n".join(dead)
     assert not fixed, f"now parses: remove from KNOWN_DEAD: {fixed}"
 

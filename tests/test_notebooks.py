@@ -2,6 +2,7 @@
 (GPU cells say they fell back to the CPU mirror); the committed notebooks carry their outputs; and the
 figure check itself fails when a figure is missing."""
 import copy
+import os
 import pathlib
 
 import nbclient
@@ -46,7 +47,11 @@ def check_outputs(nb, name):
 
 @pytest.mark.slow  # up to half a minute each: started first (conftest.py)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
+    # the kernel (a process of its own) imports this checkout's `stages`, whichever checkout an installed package
+    # points at
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT)] + [p for p in os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep) if p]))
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:  # run from scratch: the committed outputs must not count
         if cell.cell_type == "code":
