@@ -62,6 +62,16 @@ def test_notebook_runs(path, monkeypatch):
     check_outputs(nb, path.stem)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_on_a_t4(path, monkeypatch):
+    """On a GPU (test_notebook_runs runs them there with the GPU in view), each notebook again as a T4 would run it
+    (ATTN_ARCH=sm_75: no bfloat16, no cp.async, no TF32 tensor cores, 64 KB of shared memory): what the GPU lacks is
+    left out, the cells pass."""
+    monkeypatch.setenv("ATTN_ARCH", "sm_75")
+    test_notebook_runs(path, monkeypatch)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_committed_notebook_is_executed(path):
     """Notebooks are committed executed (regenerate with scripts/run_notebooks.py), so the figures show on GitHub."""
