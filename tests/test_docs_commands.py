@@ -12,11 +12,13 @@ Checks:
   * the script exists;
   * every option of the command is one of the script's argparse options, spelled out in full, with as many values
     as the option takes, each of its type and among its choices. The options are read from the script's own parser:
-    one process per script runs the script with argparse's parsing replaced by a hook that hands the parser back
-    (nothing else of the script runs). ./scripts/tutorial.sh's options are run_all.py's; ./scripts/mpirun and
-    mpirun's own options come before the Python command that is checked; ./scripts/test.sh's and ./scripts/lab.sh's
-    go to pytest and JupyterLab and are not checked. A value in capitals (D, N, DIR, FILE) or in brackets ([--out
-    DIR]) is a placeholder the reader fills in: its type is not checked.
+    one uninstalled interpreter runs every script in turn with argparse's parsing replaced by a hook that hands the
+    parser back (nothing else of a script runs). ./scripts/tutorial.sh's options are run_all.py's; ./scripts/mpirun
+    and mpirun's own options come before the Python command that is checked; a script quoted with its options in
+    prose (`dev/bench.py --rounds 3`; `run.py --scheme allgather` in a stage's README) is checked as a command;
+    ./scripts/test.sh's and ./scripts/lab.sh's options go to pytest and JupyterLab and are not checked. Brackets
+    mark optional parts ([--out DIR]: checked as if written out); a value in capitals (D, N, DIR, FILE) or braces
+    ({n}) is a placeholder the reader fills in, whose type is not checked.
   * the cheap commands run: each command of the stages' run.py that needs neither mpirun nor a GPU runs in this
     process with --quick and --device cpu added (seconds each), and the README's ring command runs as shown through
     ./scripts/mpirun.
@@ -56,6 +58,10 @@ PYTHON_COMMAND = re.compile(r"""
     (?P<script>(?:\./)?(?:stages/\w+/\w+\.py|dev/\w+\.py|scripts/\w+\.py))
     (?P<args>[^`#;|&()\n]*)""", re.X)
 SHELL_COMMAND = re.compile(r"(?<![\w/.])\./(?P<script>scripts/(?!mpirun\b)[\w.]+)(?P<args>[^`#;|&()\n]*)")
+# A script and its options quoted in prose, without the interpreter: `dev/bench.py --rounds 3`, or in a stage's
+# README `run.py --scheme allgather` (that stage's run.py).
+QUOTED_OPTIONS = re.compile(r"`(?P<script>(?:stages/\w+/\w+\.py|dev/\w+\.py|scripts/\w+\.py)|run\.py|train\.py)"
+                            r"(?P<args>\s+-[^`]*)`")
 SOURCES = (".md", ".ipynb", ".py", ".sh", ".cu", ".cuh")
 
 
@@ -104,6 +110,13 @@ def documented_commands():
                                    m[0].strip()))
             for m in SHELL_COMMAND.finditer(line):
                 out.append(Command(where, (), m["script"], _split(m["args"]), m[0].strip()))
+            for m in QUOTED_OPTIONS.finditer(line):
+                script = m["script"]
+                if "/" not in script:  # run.py, train.py: the stage's own, in a stage's folder
+                    if not re.match(r"stages/\w+/", f):
+                        continue
+                    script = str(pathlib.PurePosixPath(f).parent / script)
+                out.append(Command(where, (), script, _split(m["args"]), m[0].strip("`")))
     return out
 
 
@@ -180,7 +193,8 @@ def check_arguments(parser, args):
     positionals only where the parser has some. Placeholders (D, N, DIR, ...) pass any type check."""
     import re as _re
 
-    placeholder = _re.compile(r"^[A-Z][A-Z0-9_]*$|^\.\.\.$|^\$")  # D, N, DIR, ..., "$@" (a shell's arguments)
+    # D, N, DIR, ..., "$@" (a shell's arguments), {n} (a template's field)
+    placeholder = _re.compile(r"^[A-Z][A-Z0-9_]*$|^\.\.\.$|^\$|^\{\w*\}$")
     options = parser._option_string_actions
     positionals = [a for a in parser._actions if not a.option_strings]
 
