@@ -131,13 +131,24 @@ for line in sys.stdin:
     _lock = threading.Lock()
 
     @classmethod
+    def _close(cls):
+        """End the child (its input closed, it returns) and wait for it, so that its CPU time counts as this
+        process's children's."""
+        cls._proc.stdin.close()
+        try:
+            cls._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            cls._proc.kill()
+            cls._proc.wait()
+
+    @classmethod
     def usages(cls, file, names_by_arch, defines):
         with cls._lock:
             if cls._proc is None:
                 root = str(pathlib.Path(__file__).resolve().parents[1])
                 cls._proc = subprocess.Popen([sys.executable, "-c", cls.CHILD, root, json.dumps(FAST_BUILD)],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                atexit.register(cls._proc.kill)
+                atexit.register(cls._close)
             cls._proc.stdin.write(json.dumps([file, names_by_arch, defines]) + "\n")
             cls._proc.stdin.flush()
             line = cls._proc.stdout.readline()

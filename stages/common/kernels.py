@@ -366,20 +366,28 @@ def arch_tests(filename):
         if path in seen:
             continue
         seen.add(path)
-        text = path.read_text(errors="replace")
-        code = _COMMENT_OR_STRING.sub(lambda m: m[0] if m[0][0] == '"' else " ", text)  # without comments
-        bare = _COMMENT_OR_STRING.sub(lambda m: '""' if m[0][0] == '"' else " ", text)  # and without strings
-        found = _ARCH_TEST.findall(bare)
-        if len(found) + len(_ARCH_DEFINED.findall(bare)) != len(_ARCH_SEEN.findall(bare)):
+        found, known, includes = _arch_scan(path.read_text(errors="replace"))
+        if not known:
             return None
-        for op, n, nv, sm in found:
-            tests.add((op, int(n)) if op else (">=" if nv == "PROVIDES" else "==", int(sm) * 10))
-        for name in _INCLUDE.findall(code):
+        tests.update(found)
+        for name in includes:
             for folder in [path.parent] + search:
                 if (folder / name).is_file():
                     todo.append((folder / name).resolve())
                     break
     return tuple(sorted(tests))
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_scan(text):
+    """arch_tests' reading of one file's text: (its tests, whether __CUDA_ARCH__ appears only in such tests and in
+    defined(__CUDA_ARCH__), the names it includes). Kept per text: every kernel includes the same CUDA headers."""
+    code = _COMMENT_OR_STRING.sub(lambda m: m[0] if m[0][0] == '"' else " ", text)  # without comments
+    bare = _COMMENT_OR_STRING.sub(lambda m: '""' if m[0][0] == '"' else " ", text)  # and without strings
+    found = _ARCH_TEST.findall(bare)
+    known = len(found) + len(_ARCH_DEFINED.findall(bare)) == len(_ARCH_SEEN.findall(bare))
+    tests = {(op, int(n)) if op else (">=" if nv == "PROVIDES" else "==", int(sm) * 10) for op, n, nv, sm in found}
+    return frozenset(tests), known, tuple(_INCLUDE.findall(code))
 
 
 def ptx_families(filename, archs):
