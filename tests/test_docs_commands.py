@@ -154,8 +154,9 @@ KNOWN_DEAD = set()
 # does, with argparse's parsing replaced by a hook. At a script's first parse the hook checks each documented argument
 # list against the script's parser (check_arguments, passed as source) and ends the script with a SystemExit (which
 # the ring's error handling lets through): nothing else of the script runs. Between scripts, sys.path is reset and
-# every module loaded from the checkout is forgotten, so each script must find `stages` by itself; the installed
-# packages stay loaded, so the whole list costs about one script's imports.
+# every module loaded from the checkout is forgotten (not those of an environment inside it, such as .venv: numpy
+# cannot load twice), so each script must find `stages` by itself; the installed packages stay loaded, so the whole
+# list costs about one script's imports.
 CHILD = UNINSTALLED + """
 import argparse, os, runpy
 check_source, root, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -180,8 +181,9 @@ for script, docs in jobs:
         answers[script] = {"usage": parser.format_usage(), "problems": [check_arguments(parser, a) for a in docs]}
     except BaseException as e:
         answers[script] = {"error": f"{type(e).__name__}: {e}"}
-    for name, module in list(sys.modules.items()):
-        if os.path.abspath(getattr(module, "__file__", None) or "/").startswith(root + os.sep):
+    for name, module in list(sys.modules.items()):  # the checkout's modules (not an environment's inside it)
+        path = os.path.abspath(getattr(module, "__file__", None) or "/")
+        if path.startswith(root + os.sep) and not path.startswith(sys.prefix + os.sep) and "site-packages" not in path:
             del sys.modules[name]
 print(json.dumps(answers))
 """
