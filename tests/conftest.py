@@ -7,6 +7,7 @@ printed in the header, and a failing test's report says how to replay it. A test
 seed and its id, so they are the same whichever pytest-xdist worker runs it (`-n auto`, as test.sh does).
 """
 import os
+import time
 
 import numpy as np
 import pytest
@@ -126,8 +127,11 @@ class _SeedToWorkers:
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker: this process prints
+        config.pluginmanager.register(_Progress(config))
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_SeedToWorkers())
+        config.pluginmanager.register(_GpuNotRunFromWorkers())
 
 
 def pytest_report_header(config):
@@ -191,12 +195,23 @@ def pytest_collection_modifyitems(config, items):
     ok, why = _gpu(config)
     if ok:
         return
-    for item in items:
-        if "gpu" in item.keywords:
-            if ok is None:  # broken: fail with the error
+    if ok is None:  # a GPU that CuPy cannot use: every gpu test fails with the error
+        for item in items:
+            if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.usefixtures("_broken_gpu"))
-            else:
-                item.add_marker(pytest.mark.skip(reason=f"gpu test: {why}"))
+        return
+    # No GPU: the gpu tests are left out of the run (deselected), and the summary says how many per file and why,
+    # in one line, instead of a skip mark and a SKIPPED line for each.
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if "gpu" not in item.keywords]
+    per_file = {}
+    for item in gpu:
+        per_file[item.nodeid.split("::")[0]] = per_file.get(item.nodeid.split("::")[0], 0) + 1
+    config._attn_gpu_not_run = per_file
+    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: the controller prints the summary
+        config.workeroutput["attn_gpu_not_run"] = per_file
 
 
 @pytest.fixture
@@ -204,8 +219,19 @@ def _broken_gpu(request):
     pytest.fail(_gpu(request.config)[1], pytrace=False)
 
 
+class _GpuNotRunFromWorkers:
+    """pytest-xdist: the workers collect and deselect; the controller takes their count of gpu tests left out (every
+    worker collects the same tests: one worker's count is the run's)."""
+
+    def pytest_testnodedown(self, node, error):
+        per_file = getattr(node, "workeroutput", {}).get("attn_gpu_not_run")
+        if per_file is not None:
+            node.config._attn_gpu_not_run = per_file
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Say how many gpu tests ran: a run that skipped them all must not read as a GPU pass."""
+    """Say how many gpu tests ran and, without a GPU, how many were left out, file by file, in one line: a run that
+    left them all out must not read as a GPU pass."""
     ran = skipped = 0
     for key in ("passed", "failed", "error", "skipped"):
         for rep in terminalreporter.stats.get(key, []):
@@ -214,11 +240,69 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                     skipped += 1
                 elif rep.when == "call" or key == "error":
                     ran += 1
-    terminalreporter.write_line(f"gpu tests: {ran} ran, {skipped} skipped ({_gpu(config)[1]}); "
+    not_run = getattr(config, "_attn_gpu_not_run", {})
+    left_out = f", {sum(not_run.values())} not run here" if not_run else ""
+    terminalreporter.write_line(f"gpu tests: {ran} ran, {skipped} skipped{left_out} ({_gpu(config)[1]}); "
                                 f"base seed {_base_seed(config)}")
+    if not_run:
+        terminalreporter.write_line("  not run, per file: " + ", ".join(
+            f"{path.removeprefix('tests/')} {n}" for path, n in sorted(not_run.items())))
 
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
     """Every test runs with NaN-poisoned output buffers: an unwritten element fails the check."""
     monkeypatch.setattr(verify, "POISON_OUTPUTS", True)
+
+
+# ---------------------------------------------------------------- what the run is doing
+# The slow groups that run first (the `slow` tests, started first on every core), each announced when the run starts
+# and reported at half and at its end, so that a learner watching a quiet terminal knows what it is waiting for.
+PHASES = [
+    ("kernel compiles", "every kernel configuration compiled and held to its GPU's limits, sm_75 to sm_90",
+     ("tests/test_portability.py::test_every_plan_compiles",
+      "tests/test_06_hopper_cpu.py::test_every_stage_06_kernel_compiles")),
+    ("notebooks", "every notebook executed on the CPU", ("tests/test_notebooks.py::test_notebook_runs",)),
+]
+
+
+class _Progress:
+    """Prints the phases in the process that owns the terminal (pytest-xdist's controller, or the only process)."""
+
+    def __init__(self, config):
+        self.config, self.total, self.done = config, None, {}
+        self.started = time.monotonic()
+
+    @staticmethod
+    def phase(nodeid):
+        return next((name for name, _, prefixes in PHASES if nodeid.startswith(prefixes)), None)
+
+    def write(self, line):
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(line)
+
+    def announce(self, nodeids):
+        if self.total is not None:
+            return
+        self.total = {name: sum(self.phase(i) == name for i in nodeids) for name, _, _ in PHASES}
+        self.done = dict.fromkeys(self.total, 0)
+        first = "; ".join(f"{what} ({self.total[name]} tests)" for name, what, _ in PHASES if self.total[name])
+        if first:
+            self.write(f"[test] first, on every core: {first}; then every stage's CPU tests")
+
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        self.announce(ids)
+
+    def pytest_collection_finish(self, session):
+        if not getattr(self.config.option, "numprocesses", None):  # without pytest-xdist: this process collected
+            self.announce([item.nodeid for item in session.items])
+
+    def pytest_runtest_logreport(self, report):
+        name = self.phase(report.nodeid)
+        if name is None or self.total is None or report.when != "teardown":
+            return
+        self.done[name] += 1
+        if self.done[name] in (self.total[name] // 2, self.total[name]) and self.total[name] >= 4:
+            self.write(f"[test] {name}: {self.done[name]} of {self.total[name]} done, "
+                       f"{time.monotonic() - self.started:.0f} s into the run")

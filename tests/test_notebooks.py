@@ -2,7 +2,9 @@
 (GPU cells say they fell back to the CPU mirror); the committed notebooks carry their outputs; and the
 figure check itself fails when a figure is missing."""
 import copy
+import os
 import pathlib
+import sys
 
 import nbclient
 import nbformat
@@ -46,7 +48,11 @@ def check_outputs(nb, name):
 
 @pytest.mark.slow  # up to half a minute each: started first (conftest.py)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
+    # the kernel (a process of its own) imports this checkout's `stages`, whichever checkout an installed package
+    # points at
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT)] + [p for p in os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep) if p]))
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:  # run from scratch: the committed outputs must not count
         if cell.cell_type == "code":
@@ -55,6 +61,34 @@ def test_notebook_runs(path):
                                      resources={"metadata": {"path": str(ROOT / "notebooks")}})
     client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
     check_outputs(nb, path.stem)
+
+
+GPU_ARCHS = ["sm_75", "this GPU"]  # a T4 (no bfloat16, no cp.async, no TF32 tensor cores, 64 KB) and this GPU
+
+
+@pytest.fixture(scope="module")
+def notebooks_on_the_gpu():
+    """{(notebook, arch): CompletedProcess} of scripts/run_notebooks.py --gpu --dry-run for every notebook, on this GPU
+    and as a T4 (ATTN_ARCH=sm_75), all started together."""
+    from tests.test_runners import as_gpu, run_at_once
+
+    envs = {arch: as_gpu(arch) for arch in GPU_ARCHS}
+    runs = {(path.name, arch): ([sys.executable, "scripts/run_notebooks.py", path.stem, "--gpu", "--dry-run"],
+                                dict(envs[arch], PYTHONPATH=str(ROOT)))
+            for path in NOTEBOOKS for arch in GPU_ARCHS if envs[arch] is not None}
+    return run_at_once(runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_on_the_gpu(path, arch, notebooks_on_the_gpu):
+    """Each notebook with the GPU in view, on this GPU and as a T4 runs it: what the GPU lacks is left out, the cells
+    pass (scripts/run_notebooks.py exits non-zero, naming the cell, when one raises)."""
+    if (path.name, arch) not in notebooks_on_the_gpu:
+        pytest.skip(f"this GPU cannot stand in for {arch}")
+    out = notebooks_on_the_gpu[(path.name, arch)]
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

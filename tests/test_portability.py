@@ -9,10 +9,27 @@ architectures that compile alike (kernel_resources.ptx_families: sm_80, sm_86 an
 every __CUDA_ARCH__ test), and ptxas assembles it for the family's first member, every kernel the family needs
 (kernel_resources.resource_usages). The other members share what the checks read from that report: static shared
 memory is the PTX's own __shared__ arrays (test_ptxas_reports_what_nvrtcs_own_compile_reports compares the
-members), and a member's registers can break the block's 64K only above 65536 / 255 = 257 threads (ptxas gives a
-thread at most 255), so ptxas assembles a member's kernels itself only where it launches more. On a GPU, the same
-plans are what the gpu suite runs (ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
+members), and a member's registers can break the block's 64K only above 256 threads (ptxas gives a thread at most
+255 registers, and allocates them per warp in steps of 8: 256 threads x 256 = 65536), so ptxas assembles a
+member's kernels itself only where it launches more. On a GPU, the same plans are what the gpu suite runs
+(ATTN_ARCH=sm_XX picks another architecture's plans on a newer GPU).
+
+How much each compile optimizes follows from what the check reads (OPTIMIZED_ABOVE_THREADS). A plan whose registers
+can break the block's 64K (more than 256 threads) is compiled as a GPU builds it, NVVM and ptxas optimizing, and its
+registers are checked. A plan of at most 256 threads cannot break it (ptxas gives a thread at most 255 registers, and
+256 x 256 = 65536), so the check reads only that it compiles and its shared memory: those compile with NVRTC's
+--Ofast-compile=max and ptxas -O0. Such a compile still runs the front end (every template instantiated, every
+static_assert), makes the family's PTX and assembles it for the architecture, whose instructions ptxas checks; its
+static shared memory is the kernel's __shared__ arrays, which optimizing can only shrink (an unused one removed), so
+the shared-memory check is, if anything, stricter. The optimizers are most of a compile's time and decide nothing the
+check reads. test_ptxas_reports_what_nvrtcs_own_compile_reports compares the two builds' shared memory on a module.
 """
+import atexit
+import json
+import pathlib
+import subprocess
+import sys
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +48,10 @@ CHUNK = 16  # instantiated kernels per NVRTC compile at most: a module of many t
 # pipelined's variants) is compiled in pieces, each instantiating only its own kernels, one test each
 
 
+OPTIMIZED_ABOVE_THREADS = device.REGISTERS_PER_BLOCK // 256  # 256: above it a block's registers can pass 64K
+FAST_BUILD = {"nvrtc_options": ("--Ofast-compile=max",), "ptxas_options": ("-O0",)}  # the build of the other plans
+
+
 class Job(NamedTuple):
     """One compile: a module (file and -D defines), a PTX family of architectures, and the plans of each member
     that it instantiates."""
@@ -40,18 +61,23 @@ class Job(NamedTuple):
     id: str
 
     @property
+    def optimized(self):
+        """Whether the job is compiled as a GPU builds it: some plan's registers can break the 64K of a block."""
+        return any(p.threads > OPTIMIZED_ABOVE_THREADS for ps in self.by_arch.values() for p in ps)
+
+    @property
     def first(self):
         """The family's first (oldest) member: the PTX is made for it."""
         return next(iter(self.by_arch))
 
     def assemble(self):
         """{arch: [name expressions]} for ptxas: the family's first member, every kernel of the job (its PTX is the
-        family's); another member only where its registers can break the block's 64K (over 257 threads). An empty
+        family's); another member only where its registers can break the block's 64K (over 256 threads). An empty
         list: every kernel of the module (a file of one kernel, with no template)."""
         names = {a: [p.name for p in ps if "<" in p.name] for a, ps in self.by_arch.items()}
         out = {self.first: sorted({n for ns in names.values() for n in ns})}
         out.update({a: names[a] for a, ps in self.by_arch.items() if a != self.first and any(
-            p.threads * device.MAX_REGISTERS_PER_THREAD > device.REGISTERS_PER_BLOCK for p in ps)})
+            p.threads > OPTIMIZED_ABOVE_THREADS for p in ps)})
         return out
 
     def cost(self):
@@ -79,9 +105,67 @@ def _jobs(plans_by_arch):
     return sorted(jobs, key=lambda job: (-job.cost(), job.id))
 
 
+class FastBuilds:
+    """kernel_resources.resource_usages(..., **FAST_BUILD) in a process of its own, started on first use (one per
+    test worker).
+
+    NVRTC carries state from one compile to the next within a process: after a compile with --Ofast-compile (or -G),
+    a default compile of the same source makes other PTX, with other register counts (NVRTC 12.9;
+    test_a_fast_build_leaves_this_processs_compiles_as_they_were). Here the fast builds run in the child, so the
+    optimized compiles of the test process (this file's other tests, stage 06's register and spill checks) stay the
+    ones a GPU makes."""
+
+    CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from stages.common import kernel_resources
+build = json.loads(sys.argv[2])
+for line in sys.stdin:
+    file, names_by_arch, defines = json.loads(line)
+    try:
+        answer = {"usage": kernel_resources.resource_usages(file, names_by_arch, defines=defines, **build)}
+    except Exception as e:  # a kernel that does not compile: the message goes back to the test
+        answer = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(answer), flush=True)
+"""
+    _proc = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def _close(cls):
+        """End the child (its input closed, it returns) and wait for it, so that its CPU time counts as this
+        process's children's."""
+        cls._proc.stdin.close()
+        try:
+            cls._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            cls._proc.kill()
+            cls._proc.wait()
+
+    @classmethod
+    def usages(cls, file, names_by_arch, defines):
+        with cls._lock:
+            if cls._proc is None:
+                root = str(pathlib.Path(__file__).resolve().parents[1])
+                cls._proc = subprocess.Popen([sys.executable, "-c", cls.CHILD, root, json.dumps(FAST_BUILD)],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                atexit.register(cls._close)
+            cls._proc.stdin.write(json.dumps([file, names_by_arch, defines]) + "\n")
+            cls._proc.stdin.flush()
+            line = cls._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fast-build process ended (exit code {cls._proc.poll()})")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer["usage"]
+
+
 def _check(job):
     """[(arch, plan, what is wrong)] after compiling the job's plans."""
-    usage = kernel_resources.resource_usages(job.file, job.assemble(), defines=dict(job.defines))
+    names, defines = job.assemble(), dict(job.defines)
+    usage = kernel_resources.resource_usages(job.file, names, defines=defines) if job.optimized else \
+        FastBuilds.usages(job.file, names, defines)
     bad = []
     for arch, ps in job.by_arch.items():
         dev = device.emulate(arch)
@@ -96,7 +180,7 @@ def _check(job):
                 bad.append((arch, p, f"shared memory {smem} B > {dev.smem_optin} B"))
             if u["static_smem"] > device.STATIC_SMEM_LIMIT:
                 bad.append((arch, p, f"static shared memory {u['static_smem']} B > 48 KB"))
-            if arch in usage and u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
+            if job.optimized and arch in usage and u["registers"] * p.threads > device.REGISTERS_PER_BLOCK:
                 bad.append((arch, p, f"{u['registers']} registers x {p.threads} threads > 65536"))
     return bad
 
@@ -127,6 +211,15 @@ def test_every_architecture_has_plans():
     assert all(PLANS.values()) and set(PLANS) == set(device.ARCHS)
 
 
+def test_each_job_is_built_as_its_plans_threads_need():
+    """A job with a plan of more than 256 threads (registers that can break 64K) is the optimized build, and its
+    registers are checked; a job of smaller plans is the fast build. One thread more is enough."""
+    plan = next(p for p in PLANS["sm_80"] if p.file == "flash_v2_forward_tc.cu")
+    small = _jobs({"sm_80": [plan]})
+    big = _jobs({"sm_80": [plan._replace(threads=OPTIMIZED_ABOVE_THREADS + 1)]})
+    assert [job.optimized for job in small + big] == [False, True]
+
+
 def test_the_limit_check_fails_on_a_plan_over_the_limit():
     """The check above is not vacuous: a pipelined d=128 plan at Br = 128 (102 KB) is refused on sm_86 (99 KB)."""
     big = flash_v2.tc.Config(4, 2, 64, 64, 2, True)
@@ -137,7 +230,7 @@ def test_the_limit_check_fails_on_a_plan_over_the_limit():
     assert problems and "shared memory" in problems[0][2]
 
 
-def test_the_register_check_reads_each_architectures_own_report_above_257_threads():
+def test_the_register_check_reads_each_architectures_own_report_above_256_threads():
     """Registers x threads is checked against each member's own ptxas report where it can bind: the same kernel
     (over 128 registers a thread) claimed at 512 threads breaks the 64K registers of a block on sm_80 and on sm_86,
     which shares sm_80's PTX; at 128 threads it is within them on both."""
@@ -189,7 +282,7 @@ def test_an_unknown_architecture_test_gives_each_architecture_its_own_ptx(tmp_pa
 def test_ptxas_reports_what_nvrtcs_own_compile_reports(monkeypatch):
     """resource_usages through ptxas (one PTX for sm_80, sm_86, sm_89) and without it (an NVRTC compile each) give
     resource_usage's report for every architecture, kernel by kernel; the members' static shared memory is the
-    same."""
+    same, and so is the fast build's (FAST_BUILD), which the limit check reads for plans of at most 256 threads."""
     names = ["flash_v2_forward_tc<__half,__half,64,64,4>", "flash_v2_forward_tc<__half,float,128,64,4>"]
     archs = ("sm_80", "sm_86", "sm_89")
     want = {a: kernel_resources.resource_usage("flash_v2_forward_tc.cu", arch=a, name_expressions=names)
@@ -202,8 +295,19 @@ def test_ptxas_reports_what_nvrtcs_own_compile_reports(monkeypatch):
     assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {a: names for a in archs}) == want
     assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names[:1]}) == {
         "sm_86": {names[0]: want["sm_86"][names[0]]}}  # --entry: only the kernels asked for
+    fast = FastBuilds.usages("flash_v2_forward_tc.cu", {"sm_80": names}, {})["sm_80"]
+    assert {n: fast[n]["static_smem"] for n in names} == {n: want["sm_80"][n]["static_smem"] for n in names}
     monkeypatch.setattr(kernel_resources, "ptxas", lambda: None)
     assert kernel_resources.resource_usages("flash_v2_forward_tc.cu", {"sm_86": names}) == {"sm_86": want["sm_86"]}
+
+
+def test_a_fast_build_leaves_this_processs_compiles_as_they_were():
+    """The fast builds run in FastBuilds' process: this process's optimized PTX of a kernel (one whose PTX and registers
+    change after an in-process fast compile, with NVRTC 12.9) is the same after a fast build as before it."""
+    name = ["flash_v2_forward_tc<__half,__half,64,64,4>"]
+    before = kernels._compile("flash_v2_forward_tc.cu", "compute_86", (), name, verbose=False)[0]
+    assert FastBuilds.usages("flash_v2_forward_tc.cu", {"sm_86": name}, {})["sm_86"][name[0]]["static_smem"] > 0
+    assert kernels._compile("flash_v2_forward_tc.cu", "compute_86", (), name, verbose=False)[0] == before
 
 
 def test_resource_usage_reports_a_repeated_compile():

@@ -77,20 +77,28 @@ def arch_tests(filename):
         if path in seen:
             continue
         seen.add(path)
-        text = path.read_text(errors="replace")
-        code = _COMMENT_OR_STRING.sub(lambda m: m[0] if m[0][0] == '"' else " ", text)  # without comments
-        bare = _COMMENT_OR_STRING.sub(lambda m: '""' if m[0][0] == '"' else " ", text)  # and without strings
-        found = _ARCH_TEST.findall(bare)
-        if len(found) + len(_ARCH_DEFINED.findall(bare)) != len(_ARCH_SEEN.findall(bare)):
+        found, known, includes = _arch_scan(path.read_text(errors="replace"))
+        if not known:
             return None
-        for op, n, nv, sm in found:
-            tests.add((op, int(n)) if op else (">=" if nv == "PROVIDES" else "==", int(sm) * 10))
-        for name in _INCLUDE.findall(code):
+        tests.update(found)
+        for name in includes:
             for folder in [path.parent] + search:
                 if (folder / name).is_file():
                     todo.append((folder / name).resolve())
                     break
     return tuple(sorted(tests))
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_scan(text):
+    """arch_tests' reading of one file's text: (its tests, whether __CUDA_ARCH__ appears only in such tests and in
+    defined(__CUDA_ARCH__), the names it includes). Kept per text: every kernel includes the same CUDA headers."""
+    code = _COMMENT_OR_STRING.sub(lambda m: m[0] if m[0][0] == '"' else " ", text)  # without comments
+    bare = _COMMENT_OR_STRING.sub(lambda m: '""' if m[0][0] == '"' else " ", text)  # and without strings
+    found = _ARCH_TEST.findall(bare)
+    known = len(found) + len(_ARCH_DEFINED.findall(bare)) == len(_ARCH_SEEN.findall(bare))
+    tests = {(op, int(n)) if op else (">=" if nv == "PROVIDES" else "==", int(sm) * 10) for op, n, nv, sm in found}
+    return frozenset(tests), known, tuple(_INCLUDE.findall(code))
 
 
 def ptx_families(filename, archs):
@@ -143,18 +151,21 @@ def ptxas():
     return None
 
 
-def resource_usages(filename, names_by_arch, *, defines=None):
+def resource_usages(filename, names_by_arch, *, defines=None, nvrtc_options=(), ptxas_options=()):
     """resource_usage for several architectures: {arch: {kernel: usage}} for names_by_arch {arch: [name expression,
     ...]} (an empty list: every kernel of the module). The front end of a compile (parsing, template instantiation,
     NVVM's optimizer: about half its time) is the same for the architectures of one PTX family (ptx_families): NVRTC
     makes the family's PTX once, with every member's kernels, and ptxas compiles it for each member, that member's
-    kernels only (--entry). Without a ptxas of NVRTC's release: one NVRTC compile per architecture."""
+    kernels only (--entry). Without a ptxas of NVRTC's release: one NVRTC compile per architecture. nvrtc_options and
+    ptxas_options are added to each compiler's command line (the default: the optimized build a GPU runs)."""
     import subprocess
     import tempfile
 
-    tool, options = ptxas(), kernels._define_options(defines)
+    tool, options = ptxas(), kernels._define_options(defines) + tuple(nvrtc_options)
     if tool is None:
-        return {a: resource_usage(filename, arch=a, defines=defines, name_expressions=names)
+        return {a: _ptxas_report(*kernels._compile(filename, a, options + tuple(f"--ptxas-options={o}"
+                                                                                for o in ptxas_options),
+                                                   names, verbose=True)[1:])
                 for a, names in names_by_arch.items()}
     out = {}
     for family in ptx_families(filename, list(names_by_arch)):
@@ -167,7 +178,8 @@ def resource_usages(filename, names_by_arch, *, defines=None):
                 fh.write(ptx if isinstance(ptx, bytes) else ptx.encode())
             for arch in family:
                 entries = [lowered[n] for n in names_by_arch[arch]]
-                run = subprocess.run([tool, "-v", f"-arch={arch}", "-o", os.path.join(tmp, f"{arch}.cubin"), src]
+                cubin = os.path.join(tmp, f"{arch}.cubin")
+                run = subprocess.run([tool, "-v", *ptxas_options, f"-arch={arch}", "-o", cubin, src]
                                      + (["--entry", ",".join(entries)] if entries else []),
                                      capture_output=True, text=True)
                 if run.returncode:
