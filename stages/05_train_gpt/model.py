@@ -13,7 +13,7 @@ where the gradients of the two branches add: dx = dx_from_above + dx_through_the
 Every token is processed on its own except in attention. That is what makes sequence parallelism cheap:
 with the sequence cut into shards over P ranks, a rank runs this very code on its own tokens (their
 global positions select the rows of wpe), only attention talks to the other ranks (stage 04's ring), and
-the parameter gradients of the P ranks are summed at the end (train.py).
+the parameter gradients of the P ranks are summed at the end (loop.py).
 """
 from dataclasses import asdict, dataclass
 
