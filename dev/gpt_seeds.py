@@ -2,9 +2,11 @@
 seeds 0-7, one after the other in one process (on a GPU the kernels compile once), one CSV row per seed.
 
     python dev/gpt_seeds.py                                     # CPU, float32, naive: results/gpt_seeds_cpu.csv
-    python dev/gpt_seeds.py --device gpu                        # GPU, bfloat16 on sm_80+: results/gpt_seeds_<gpu>.csv
-    python dev/gpt_seeds.py --device gpu --attention flash_v2 --seeds 0 1 2 3 --out /tmp/seeds.csv
+    python dev/gpt_seeds.py --device gpu --attention naive flash_v2   # GPU, bfloat16 (sm_80+): gpt_seeds_<gpu>.csv
+    python dev/gpt_seeds.py --device gpu --dtype float32 --seeds 0 1 2 3 --out /tmp/seeds.csv
     python dev/gpt_seeds.py --device cpu -- --steps 600         # after --, any train.py option (the same checks)
+
+Several --attention and --dtype values run every pair of them, one after the other, in the same process.
 
 Columns: commit, device, dtype, attention, seed, steps, final_loss, final_accuracy (the last step's batch, what
 train.py prints as "final accuracy"), learned (train.py's verdict: the loss clearly fell), seconds (the training
@@ -63,8 +65,8 @@ def run_seed(args, seed, xp, log):
                       lr=args.lr, seed=seed, dtype=prep["dtype"], xp=xp)
     seconds = time.perf_counter() - t0
     ok = loop.learned(hist["loss"], prep["data"].chance_loss)[0]
-    log(f"seed {seed}: final loss {hist['loss'][-1]:.4f}, final accuracy {hist['acc'][-1]:.3f}, "
-        f"{'learned' if ok else 'did not learn'}, {seconds:.1f} s")
+    log(f"{args.attention} {prep['dtype']} seed {seed}: final loss {hist['loss'][-1]:.4f}, final accuracy "
+        f"{hist['acc'][-1]:.3f}, {'learned' if ok else 'did not learn'}, {seconds:.1f} s")
     return hist["loss"][-1], hist["acc"][-1], ok, seconds, prep["dtype"]
 
 
@@ -74,39 +76,48 @@ def main(argv=None):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="default cpu")
-    ap.add_argument("--dtype", default=None, choices=sorted(loop.DTYPES),
+    ap.add_argument("--dtype", nargs="+", default=[None], choices=sorted(loop.DTYPES),
                     help="activations (default: train.py's, bfloat16 on an sm_80+ GPU, float32 on the CPU)")
-    ap.add_argument("--attention", default="naive", choices=("naive", "flash_v1", "flash_v2"), help="default naive")
+    ap.add_argument("--attention", nargs="+", default=["naive"], choices=("naive", "flash_v1", "flash_v2"),
+                    help="default naive")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(8)), help="default 0 1 2 3 4 5 6 7")
     ap.add_argument("--min-accuracy", type=float, default=0.95,
                     help="exit status 1 if a seed's final accuracy is below this (default 0.95)")
     ap.add_argument("--out", default=None, help="the CSV (default results/gpt_seeds_<device>.csv)")
     args = ap.parse_args(argv)
-    run_args = train_script.parse(["--device", args.device, "--attention", args.attention,
-                                   *(["--dtype", args.dtype] if args.dtype else []), *extra])
-    xp = train_script._device_xp(run_args.device)
+    runs = [train_script.parse(["--device", args.device, "--attention", attention,
+                                *(["--dtype", dtype] if dtype else []), *extra])
+            for dtype in args.dtype for attention in args.attention]
+    xp = train_script._device_xp(runs[0].device)
     if xp.__name__ == "numpy":
         speed.reuse_freed_memory()  # as train.py's CPU runs do
     device = device_name(xp)
     out = pathlib.Path(args.out or ROOT / "results" / f"gpt_seeds_{short_name(device)}.csv")
-    print(f"stage 05 default config ({run_args.steps} steps, batch {run_args.batch}, context {run_args.context}, lr "
-          f"{run_args.lr}), attention {args.attention}, on {device}, seeds {args.seeds} -> {out}", flush=True)
+    first = runs[0]
+    print(f"stage 05 default config ({first.steps} steps, batch {first.batch}, context {first.context}, lr "
+          f"{first.lr}), attention {' and '.join(args.attention)}, on {device}, seeds {args.seeds} -> {out}",
+          flush=True)
     commit, rows = code_version(), []
-    for seed in args.seeds:
-        loss, acc, ok, seconds, dtype = run_seed(run_args, seed, xp, lambda s: print(s, flush=True))
-        rows.append({"commit": commit, "device": device, "dtype": dtype, "attention": args.attention, "seed": seed,
-                     "steps": run_args.steps, "final_loss": f"{loss:.4f}", "final_accuracy": f"{acc:.4f}",
-                     "learned": ok, "seconds": f"{seconds:.1f}",
-                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
+    for run_args in runs:
+        warm = train_script.prepare(run_args, None, xp)  # two steps first: a GPU's kernels compile outside the timing
+        loop.train(warm["cfg"], warm["data"], attention=run_args.attention, steps=2, batch=2, dtype=warm["dtype"],
+                   xp=xp)
+        for seed in args.seeds:
+            loss, acc, ok, seconds, dtype = run_seed(run_args, seed, xp, lambda s: print(s, flush=True))
+            rows.append({"commit": commit, "device": device, "dtype": dtype, "attention": run_args.attention,
+                         "seed": seed, "steps": run_args.steps, "final_loss": f"{loss:.4f}",
+                         "final_accuracy": f"{acc:.4f}", "learned": ok, "seconds": f"{seconds:.3f}",
+                         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    low = [r["seed"] for r in rows if float(r["final_accuracy"]) < args.min_accuracy]
+    low = [f"{r['attention']} {r['dtype']} seed {r['seed']}" for r in rows
+           if float(r["final_accuracy"]) < args.min_accuracy]
     print(f"wrote {out}; final accuracy {min(float(r['final_accuracy']) for r in rows):.3f} to "
-          f"{max(float(r['final_accuracy']) for r in rows):.3f} over {len(rows)} seeds; "
-          + (f"below {args.min_accuracy}: seeds {low}" if low else f"every seed >= {args.min_accuracy}"))
+          f"{max(float(r['final_accuracy']) for r in rows):.3f} over {len(rows)} runs; "
+          + (f"below {args.min_accuracy}: {', '.join(low)}" if low else f"every run >= {args.min_accuracy}"))
     return 1 if low else 0
 
 

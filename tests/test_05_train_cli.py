@@ -173,7 +173,8 @@ def test_gpt_seeds_writes_one_row_per_seed_with_its_provenance(tmp_path):
     cmd = [sys.executable, str(ROOT / "dev" / "gpt_seeds.py"), "--seeds", "0", "3", "--out", str(out), "--",
            "--steps", "2", "--context", "16", "--layers", "1", "--batch", "4"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "below 0.95: seeds [0, 3]" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "below 0.95: naive float32 seed 0, naive float32 seed 3" in p.stdout, p.stdout
     rows = list(csv.DictReader(open(out)))
     assert [r["seed"] for r in rows] == ["0", "3"] and all(r["steps"] == "2" for r in rows), rows
     assert all(r["commit"] and "cores" in r["device"] and r["dtype"] == "float32" and r["attention"] == "naive"
