@@ -42,7 +42,7 @@ from stages.train_gpt.loop import DTYPES, device_facts, learned, loss_window, sh
 QUICK = dict(context=32, n_layer=1, d_model=64, n_head=2, batch=32, steps=250, lr=3e-3, n_values=8)
 # ---- the default config: a longer context, more values; head dim 64, which every stage takes in float32 and in
 # bfloat16 (stage 03's tensor-core backward does not take 32), so the same command runs on the CPU and on a GPU.
-# lr: the README's "Why these defaults" (a higher rate makes the plateau before the jump long, or endless)
+# lr, and W_Q, W_K's start (model.QK_GAIN): the README's "Why these defaults" (the plateau before the jump)
 DEFAULT = dict(context=64, n_layer=2, d_model=64, n_head=1, batch=32, steps=400, lr=1.5e-3, n_values=16)
 
 
