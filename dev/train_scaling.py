@@ -29,8 +29,8 @@ for each ring size P = 1, 2, 4 in one launch: the first P ranks form the ring (a
      table among them has one row per token of the context.
 
 Why. Splitting the sequence splits the attention and the activations over the GPUs, but every step also sums the
-parameter gradients over the ranks (train.py: the ring's allreduce_sum, one NCCL all-reduce on the GPUs), a cost
-that does not shrink with P; the speedup says whether the split pays at this context.
+parameter gradients over the ranks (stage 05's loop.py: the ring's allreduce_sum, one NCCL all-reduce on the GPUs), a
+cost that does not shrink with P; the speedup says whether the split pays at this context.
 
     mpirun -n 4 python dev/train_scaling.py --out results/train_gpt_scaling.csv       # 4 GPUs: P = 1, 2, 4
     mpirun -n 2 python dev/train_scaling.py --context 16384 --no-search                # quicker, P = 1, 2

@@ -112,11 +112,13 @@ def forward(q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, where=where, gqa=True)
     opts = _options(q, k, causal, window, alibi_slopes, softcap, dropout_p, seed, origin, where)
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
-    scale = resolve_scale(scale, D)
+    scale = resolve_scale(scale, D, where)
     cd = _compute_dtype(q.dtype)
     s, _ = _scores(q, k, scale, opts, xp)  # (B, H, Nq, Nk)
     m = s.max(axis=-1, keepdims=True)  # (B, H, Nq, 1) row max
-    m = xp.where(xp.isinf(m), 0.0, m)  # a fully masked row has m = -inf: use 0, its p is 0 anyway
+    # a fully masked row has m = -inf: use 0, its p is 0 anyway. m = +inf (an infinite input) stays: exp(inf - inf)
+    # = NaN, as in every kernel (NaN in, NaN out)
+    m = xp.where(xp.isneginf(m), 0.0, m)
     p = xp.exp(s - m)  # (B, H, Nq, Nk) in (0, 1]: exp never overflows
     l = p.sum(axis=-1, keepdims=True)  # (B, H, Nq, 1) row sum, before dropout
     keep = _keep(opts, B, H, Nq, Nk, xp)
@@ -150,7 +152,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, window=None, alib
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, gqa=True)
     opts = _options(q, k, causal, window, alibi_slopes, softcap, dropout_p, seed, origin, where)
     out_dtype = check_out_dtype(out_dtype, q.dtype, where)
-    scale = resolve_scale(scale, D)
+    scale = resolve_scale(scale, D, where)
     cd = _compute_dtype(q.dtype)
     s, t = _scores(q, k, scale, opts, xp)  # (B, H, Nq, Nk)
     lse = cast(lse, cd)[..., None]  # (B, H, Nq, 1)

@@ -79,7 +79,7 @@ def forward(q, k, v, *, causal=False, scale=None, version="paper"):
     xp, B, H, Nq, Nk, D = check_attention_inputs(q, k, v, dtypes=DTYPES, where="flash_v1.forward")
     causal = check_causal(causal, "flash_v1.forward")
     _check_common(D, version, "flash_v1.forward")
-    scale = resolve_scale(scale, D)
+    scale = resolve_scale(scale, D, "flash_v1.forward")
     if xp is np:
         return mirror.forward(q, k, v, causal=causal, scale=scale)
     q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
@@ -102,7 +102,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version="paper"):
     xp, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, dtypes=DTYPES, where="flash_v1.backward")
     causal = check_causal(causal, "flash_v1.backward")
     _check_common(D, version, "flash_v1.backward")
-    scale = resolve_scale(scale, D)
+    scale = resolve_scale(scale, D, "flash_v1.backward")
     lse = lse.astype(np.float32, copy=False)  # (B, H, Nq)
     if xp is np:
         return mirror.backward(q, k, v, o, lse, do, causal=causal, scale=scale)

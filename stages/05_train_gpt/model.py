@@ -13,7 +13,7 @@ where the gradients of the two branches add: dx = dx_from_above + dx_through_the
 Every token is processed on its own except in attention. That is what makes sequence parallelism cheap:
 with the sequence cut into shards over P ranks, a rank runs this very code on its own tokens (their
 global positions select the rows of wpe), only attention talks to the other ranks (stage 04's ring), and
-the parameter gradients of the P ranks are summed at the end (train.py).
+the parameter gradients of the P ranks are summed at the end (loop.py).
 """
 from dataclasses import asdict, dataclass
 
@@ -47,6 +47,9 @@ class GPTConfig:
         return asdict(self)
 
 
+QK_GAIN = 2.0  # W_Q and W_K start at N(0, (QK_GAIN * 0.02)^2): init_params says why
+
+
 def param_shapes(cfg):
     """Every parameter's name and shape, in a fixed order (the same order the PyTorch twin uses)."""
     C, V = cfg.d_model, cfg.vocab_size
@@ -63,7 +66,12 @@ def param_shapes(cfg):
 def init_params(cfg, seed, dtype=np.float32, xp=np):
     """GPT-2's initialisation, drawn in float64 on the host from `seed` (the same numbers on every device and
     every rank): weights N(0, 0.02), the two projections into the residual stream N(0, 0.02 / sqrt(2L)) so
-    the stream's variance does not grow with depth, biases 0, LayerNorm gains 1."""
+    the stream's variance does not grow with depth, biases 0, LayerNorm gains 1.
+
+    One change from GPT-2: the query and key projections W_Q, W_K (the first 2C columns of qkv_w) start QK_GAIN
+    times larger. A score S_ij = q_i . k_j is a product of the two, and the gradient of each is proportional to the
+    other, so from two small matrices the scores stay nearly flat for long: the plateau before the recall task's
+    jump (README, "Why these defaults"), which then comes late, or not within a short run."""
     rng = np.random.default_rng(seed)
     params = {}
     for name, shape in param_shapes(cfg).items():
@@ -75,6 +83,8 @@ def init_params(cfg, seed, dtype=np.float32, xp=np):
         else:
             std = 0.02 / np.sqrt(2 * cfg.n_layer) if leaf in ("proj_w", "fcproj_w") else 0.02
             a = rng.standard_normal(shape) * std
+            if leaf == "qkv_w":
+                a[:, :2 * cfg.d_model] *= QK_GAIN  # (C, 3C): the columns of W_Q and W_K; W_V keeps 0.02
         params[name] = xp.asarray(a.astype(dtype))
     return params
 

@@ -2,7 +2,7 @@
 
 Same parameters (model.init_params, copied into torch), same layout of every weight (y = x W + b with W stored
 (in, out)), same data order (data.py's batches), same AdamW and the same learning-rate schedule and gradient
-clipping as train.py. Attention is torch's scaled_dot_product_attention ("sdpa": the backend torch picks;
+clipping as loop.py. Attention is torch's scaled_dot_product_attention ("sdpa": the backend torch picks;
 "sdpa_math": its plain math backend, a second trusted implementation that sums in another order), or our stage
 02/03 kernels through the autograd.Function of torch_attention.py ("ours"): the drop-in of a kernel into a PyTorch
 model.
@@ -12,7 +12,7 @@ attention in bfloat16, LayerNorm and the loss in float32, as our layers do.
 import numpy as np
 
 from . import model as M
-from .train import lr_at
+from .loop import lr_at
 
 
 def _torch():

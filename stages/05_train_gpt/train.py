@@ -24,11 +24,9 @@ weights (layers.py). The last line of --quick is `SUMMARY 05_train_gpt PASS|FAIL
 """
 import argparse
 import csv
-import math
 import os
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # before numpy loads its BLAS:
@@ -36,162 +34,16 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # b
 
 import numpy as np  # noqa: E402
 
-from stages.common import bfloat16, to_numpy  # noqa: E402
-
 from stages import train_gpt as T  # noqa: E402
+from stages.train_gpt.loop import DTYPES, device_facts, learned, loss_window, shard_positions, train  # noqa: E402
 
-DTYPES = {"float64": np.float64, "float32": np.float32, "bfloat16": bfloat16}
-
-# ---- the tiny config of --quick (the tutorial's last step, and a test): must learn the recall task on the CPU
-QUICK = dict(context=32, n_layer=2, d_model=64, n_head=2, batch=32, steps=300, lr=3e-3, n_values=8)
+# ---- the tiny config of --quick (the tutorial's last step, and a test under several seeds): must learn the recall
+# task on the CPU in a few seconds, whatever the seed; one layer is enough for it (the query reads one pair token)
+QUICK = dict(context=32, n_layer=1, d_model=64, n_head=2, batch=32, steps=250, lr=3e-3, n_values=8)
 # ---- the default config: a longer context, more values; head dim 64, which every stage takes in float32 and in
-# bfloat16 (stage 03's tensor-core backward does not take 32), so the same command runs on the CPU and on a GPU
-DEFAULT = dict(context=64, n_layer=2, d_model=64, n_head=1, batch=32, steps=400, lr=3e-3, n_values=16)
-
-
-def lr_at(step, lr, warmup):
-    """Linear warm-up over the first `warmup` steps, then constant (step counts from 0)."""
-    return lr * min(1.0, (step + 1) / max(1, warmup))
-
-
-def single_thread_blas():
-    """Ask the BLAS numpy already loaded for one thread (what OMP_NUM_THREADS=1 does before numpy is imported).
-
-    The tiny CPU configs multiply 64 x 64 matrices: a second BLAS thread only adds synchronisation, and on a
-    loaded 2-core machine it can make a step ten times slower. Best effort: nothing happens if no OpenBLAS is
-    found (the result is the same either way; only the time changes)."""
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as f:
-            libs = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
-    except OSError:
-        return False
-    for lib in libs:
-        try:
-            handle = ctypes.CDLL(lib)
-        except OSError:
-            continue
-        for sym in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                    "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(handle, sym, None)
-            if fn is not None:
-                fn(ctypes.c_int(1))
-                return True
-    return False
-
-
-# --------------------------------------------------------------------------- sequence parallel plumbing
-def shard_positions(n, ring, layout):
-    """Global positions of this rank's tokens (all of 0..n-1 on one device), or a clear error if n does not split."""
-    if ring is None:
-        return np.arange(n)
-    from stages import ring as R
-
-    P = ring.size
-    unit = P if layout == "contiguous" else 2 * P
-    if n % unit:
-        raise ValueError(f"--context {n} does not split over {P} ranks with layout {layout}: it must be a multiple "
-                         f"of {unit} ({'P' if layout == 'contiguous' else '2P'})")
-    return R.positions(ring.rank, P, n, layout)
-
-
-# --------------------------------------------------------------------------- training
-def device_facts(xp):
-    """What the ring's block choice needs to know about the device: {"gpu": bool, "sm80": bool}."""
-    if xp is np:
-        return {"gpu": False, "sm80": False}
-    from stages.common import device
-
-    return {"gpu": True, "sm80": device.device().arch.bf16}
-
-
-def train(cfg, data, *, attention="naive", steps=100, batch=16, lr=3e-3, warmup=None, seed=0, dtype="float32",
-          xp=np, ring=None, layout="zigzag", ring_block=None, weight_decay=0.1, grad_clip=1.0, log=None,
-          log_every=10, params=None, attn=None):
-    """Train from init_params(cfg, seed) for `steps` AdamW steps; return a dict with the per-step mean loss,
-    accuracy on the predicted tokens, gradient norm, the time since the start after each step, and the final
-    parameters.
-
-    ring: a stage 04 communicator for --attention ring (None: one device); ring_block: None (ring_blocks()
-    chooses), "naive" or "flash". The loss and accuracy returned are over the whole batch (every rank's tokens),
-    the same on every rank.
-
-    The loop waits for the GPU once a step: at its end, to read the loss, the accuracy and the gradient norm (one
-    small copy to the host). Everything else it does, the gradient sum over the ranks and the clipping included, is
-    queued on the GPU (the mpi backend's rotations go through the host on their own)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not known; use one of {sorted(DTYPES)}")
-    cd = np.dtype(DTYPES[dtype])
-    master = np.float64 if cd == np.float64 else np.float32
-    if attn is None:
-        if attention == "ring":
-            if ring is None:
-                raise ValueError("--attention ring needs a communicator: run under mpirun, or --simulate-ranks P")
-            block, _ = T.ring_blocks(ring_block, dtype=cd, head_dim=cfg.head_dim, **device_facts(xp))
-            attn = T.RingAttention(ring, cfg.context, layout, block, cd)
-        else:
-            if ring is not None and ring.size > 1:
-                raise ValueError(f"--attention {attention} is single-device; under mpirun use --attention ring")
-            attn = T.make_attention(attention, cfg.head_dim, cd)
-    if data.context != cfg.context:
-        raise ValueError(f"data context {data.context} != model context {cfg.context}")
-    pos = shard_positions(cfg.context, ring, layout)  # (N_local,) host: this rank's global positions
-    params = params if params is not None else T.init_params(cfg, seed, dtype=master, xp=xp)
-    opt = T.AdamW(params, lr=lr, weight_decay=weight_decay)
-    warmup = max(1, steps // 10) if warmup is None else warmup
-    hist = {"loss": [], "acc": [], "lr": [], "grad_norm": [], "time_s": []}
-    t_start = time.perf_counter()
-    for step in range(steps):
-        tokens, targets = data.batch(step, batch)  # (B, N) the whole sequences: the same on every rank
-        count = int((targets >= 0).sum())  # tokens with a target in the whole batch (host arrays: no GPU wait)
-        tok = xp.asarray(tokens[:, pos])  # (B, N_local) this rank's shard
-        tgt = xp.asarray(targets[:, pos])
-        loss_sum, _, cache = T.forward(params, cfg, tok, tgt, pos, attn, cd)
-        probs = cache[6]  # (B, N_local, V)
-        correct = ((probs.argmax(axis=-1) == tgt) & (tgt >= 0)).sum()  # 0-d, on the device
-        grads = T.backward(params, cfg, cache, attn, count)
-        del cache, probs
-        names = list(grads)
-        stats = xp.stack([xp.asarray(loss_sum, dtype=master), xp.asarray(correct, dtype=master)])  # (2,) this rank's
-        if ring is not None:  # sum over the ranks: NCCL all-reduce on the GPUs, a fixed-order host sum otherwise;
-            summed = ring.allreduce_sum([grads[n] for n in names] + [stats])  # every rank gets the same bits...
-            grads, stats = dict(zip(names, summed[:-1])), summed[-1]  # ...so every rank's AdamW step is the same
-        norm = T.grad_norm(grads)  # 0-d, on the device
-        if grad_clip:  # clip the global norm, as torch.nn.utils.clip_grad_norm_ does: multiply by min(1, clip / norm)
-            scale = xp.minimum(1.0, grad_clip / (norm + 1e-6))  # exactly 1 when the norm is below the clip
-            for g in grads.values():
-                g *= scale.astype(g.dtype)
-        lr_now = lr_at(step, lr, warmup)
-        opt.step(params, grads, lr=lr_now)
-        loss_sum, correct, norm = (float(x) for x in to_numpy(xp.stack([stats[0], stats[1], norm.astype(master)])))
-        hist["time_s"].append(time.perf_counter() - t_start)  # the read above waited for the whole step
-        loss = loss_sum / count
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}: lower --lr or check the attention kernel")
-        hist["loss"].append(loss)
-        hist["acc"].append(correct / count)
-        hist["lr"].append(lr_now)
-        hist["grad_norm"].append(norm)
-        if log and (step % log_every == 0 or step == steps - 1):
-            log(f"step {step:5d}  loss {loss:.4f}  acc {correct / count:.3f}  lr {lr_now:.2e}  |g| {norm:.3f}  "
-                f"{hist['time_s'][-1]:.1f} s")
-    hist["params"] = params
-    hist["tokens_per_step"] = batch * cfg.context
-    return hist
-
-
-def loss_window(n_steps, window=20):
-    """How many steps the first and last mean losses of learned() average: `window`, or a quarter of a short run."""
-    return min(window, max(1, n_steps // 4))
-
-
-def learned(losses, chance, *, window=20, factor=0.5):
-    """Did the loss clearly fall? The mean of the last `window` steps must be below `factor` x the chance loss
-    (recall: ln n_values, what a model that does not look back can reach) and below the first steps' mean."""
-    w = loss_window(len(losses), window)
-    start, end = float(np.mean(losses[:w])), float(np.mean(losses[-w:]))
-    return end < factor * chance and end < start, start, end
+# bfloat16 (stage 03's tensor-core backward does not take 32), so the same command runs on the CPU and on a GPU.
+# lr, and W_Q, W_K's start (model.QK_GAIN): the README's "Why these defaults" (the plateau before the jump)
+DEFAULT = dict(context=64, n_layer=2, d_model=64, n_head=1, batch=32, steps=400, lr=1.5e-3, n_values=16)
 
 
 # --------------------------------------------------------------------------- command line
@@ -201,9 +53,42 @@ def _default(key):
     return f"default {d}" + ("" if q == d else f"; {q} with --quick")
 
 
+class UsageParser(argparse.ArgumentParser):
+    """argparse with usage errors in one line: `train.py: error: argument --lr: ...`, exit status 2. Under mpirun
+    only rank 0 prints it (every rank parses the same arguments and stops)."""
+
+    def error(self, message):
+        rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK") if v in os.environ), "0")
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n" if rank == "0" else None)
+
+
+def _at_least(minimum):
+    """An argparse type: a whole number >= minimum (argparse names the option in the error)."""
+    def whole_number(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"takes a whole number >= {minimum}, got {value}")
+        return value
+    return whole_number
+
+
+def learning_rate(text):
+    """An argparse type: AdamW's peak learning rate, a number in (0, 1] (each step moves a weight by about lr)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"takes a learning rate in (0, 1], such as {DEFAULT['lr']}; got {text!r}")
+    return value
+
+
 def parser():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--attention", default="naive",
+    ap = UsageParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attention", default="naive", choices=T.ATTENTIONS,
                     help=f"the attention stage: one of {', '.join(T.ATTENTIONS)} (ring: under mpirun or "
                          "--simulate-ranks); default naive")
     ap.add_argument("--data", default=None, help="a text file to learn character by character "
@@ -211,17 +96,19 @@ def parser():
     ap.add_argument("--quick", action="store_true",
                     help="the tiny config (the defaults below that say 'with --quick'); check that the loss clearly "
                          "falls: the last line is SUMMARY ... PASS or FAIL (default off)")
-    ap.add_argument("--steps", type=int, default=None, help=f"training steps ({_default('steps')})")
-    ap.add_argument("--batch", type=int, default=None, help=f"sequences per step ({_default('batch')})")
-    ap.add_argument("--context", type=int, default=None, help=f"tokens per sequence N ({_default('context')})")
-    ap.add_argument("--layers", type=int, default=None, help=f"transformer blocks ({_default('n_layer')})")
-    ap.add_argument("--d-model", type=int, default=None, help=f"channels C ({_default('d_model')})")
-    ap.add_argument("--heads", type=int, default=None,
+    ap.add_argument("--steps", type=_at_least(1), default=None, help=f"training steps ({_default('steps')})")
+    ap.add_argument("--batch", type=_at_least(1), default=None, help=f"sequences per step ({_default('batch')})")
+    ap.add_argument("--context", type=_at_least(1), default=None,
+                    help=f"tokens per sequence N ({_default('context')})")
+    ap.add_argument("--layers", type=_at_least(1), default=None, help=f"transformer blocks ({_default('n_layer')})")
+    ap.add_argument("--d-model", type=_at_least(1), default=None, help=f"channels C ({_default('d_model')})")
+    ap.add_argument("--heads", type=_at_least(1), default=None,
                     help=f"attention heads, head dim = d_model / heads ({_default('n_head')})")
-    ap.add_argument("--n-values", type=int, default=None,
+    ap.add_argument("--n-values", type=_at_least(2), default=None,
                     help=f"recall task: number of distinct values ({_default('n_values')})")
-    ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate of AdamW ({_default('lr')})")
-    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (default 0)")
+    ap.add_argument("--lr", type=learning_rate, default=None,
+                    help=f"peak learning rate of AdamW, in (0, 1] ({_default('lr')})")
+    ap.add_argument("--seed", type=_at_least(0), default=0, help="initial weights and data order (default 0)")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                     help="activations (default bfloat16 on an sm_80+ GPU, else float32; float32 master weights)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
@@ -236,10 +123,10 @@ def parser():
     ap.add_argument("--backend", default="auto", choices=comm_backends(),
                     help="ring under mpirun: the stage 04 communicator (default auto: nccl with one GPU per rank, mpi "
                          "with fewer GPUs than ranks, numpy without a GPU)")
-    ap.add_argument("--simulate-ranks", type=int, default=0,
+    ap.add_argument("--simulate-ranks", type=_at_least(0), default=0,
                     help="ring: P ranks as threads of this process (default 0: off)")
     ap.add_argument("--csv", default=None, help="write step, loss, accuracy, lr, time to this CSV file (default: none)")
-    ap.add_argument("--log-every", type=int, default=None,
+    ap.add_argument("--log-every", type=_at_least(1), default=None,
                     help="print the loss every this many steps (default: steps // 15, about 15 lines)")
     return ap
 
@@ -251,20 +138,29 @@ def comm_backends():
 
 
 def parse(argv=None):
+    """The parsed options with the config's defaults filled in, or a usage error (one line, exit status 2) naming the
+    option and what it takes: each number's range above, and what the options take together below."""
     ap = parser()
     args = ap.parse_args(argv)
-    if args.attention not in T.ATTENTIONS:
-        ap.error(f"--attention {args.attention!r} is not known; choose one of {', '.join(T.ATTENTIONS)}")
     base = QUICK if args.quick else DEFAULT
     for key, name in (("context", "context"), ("n_layer", "layers"), ("d_model", "d_model"), ("n_head", "heads"),
                       ("batch", "batch"), ("steps", "steps"), ("lr", "lr"), ("n_values", "n_values")):
         if getattr(args, name) is None:
             setattr(args, name, base[key])
-    for name in ("context", "layers", "d_model", "heads", "batch", "steps", "n_values"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        ap.error(f"argument --heads: takes a divisor of --d-model {args.d_model} (head dim = d_model / heads), "
+                 f"got {args.heads}")
+    if args.data is not None and not pathlib.Path(args.data).is_file():
+        ap.error(f"argument --data: takes a text file, and {args.data!r} is not one")
+    if args.data is None:
+        try:
+            T.RecallTask(args.context, n_values=args.n_values)
+        except ValueError as e:
+            ap.error(f"argument --context: {e}")
+    if args.csv is not None and not pathlib.Path(args.csv).resolve().parent.is_dir():
+        ap.error(f"argument --csv: takes a file in an existing directory, got {args.csv!r}")
     if args.simulate_ranks and args.attention != "ring":
-        ap.error("--simulate-ranks needs --attention ring")
+        ap.error("argument --simulate-ranks: takes effect with --attention ring only")
     if args.device == "auto" and (args.quick or args.simulate_ranks):
         args.device = "cpu"
     return args
@@ -313,6 +209,8 @@ def run(args, ring=None, xp=None, prepared=None):
     rank0 = ring is None or ring.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
     xp = xp or _device_xp(args.device)
+    if xp is np:
+        T.reuse_freed_memory()  # speed.py: the CPU step's arrays reuse the last step's memory (same results)
     prep = prepared or prepare(args, ring, xp)
     cfg, data, dtype = prep["cfg"], prep["data"], prep["dtype"]
     where = "CPU (numpy)" if xp is np else "GPU (CuPy)"
@@ -411,5 +309,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["train", "run", "prepare", "parser", "single_thread_blas", "main", "parse", "shard_positions", "learned",
-           "loss_window", "lr_at", "device_facts", "QUICK", "DEFAULT"]
+__all__ = ["run", "prepare", "parser", "main", "parse", "QUICK", "DEFAULT"]

@@ -21,7 +21,7 @@ receives the same sums in half as many pieces.
 """
 import numpy as np
 
-from stages.common.checks import resolve_scale
+from stages.common.checks import check_backward_inputs, check_causal, resolve_scale
 
 WG = 64    # keys of one consumer warpgroup
 
@@ -37,11 +37,14 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, bc=128, br=64, tr
     """(dq, dk, dv) in float64 by the kernel's tile order; bc: keys per block (64: version wgmma, 128: ws), whose
     consumers add their shares of dQ_i before it leaves; br: rows of a Q tile (64; 128: version ws at D = 64). trace,
     a list: receives (first key of the block, first row of the Q tile) for every reduction into dQ, in order."""
+    where = "backward_mirror.backward"
+    check_backward_inputs(q, k, v, o, lse, do, where=where)  # (B, H, N, D) arrays of one dtype; lse (B, H, Nq)
+    causal = check_causal(causal, where)
     q, k, v, o, do = (np.asarray(x, np.float64) for x in (q, k, v, o, do))
     lse = np.asarray(lse, np.float64)
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
-    scale = resolve_scale(scale, D)
+    scale = resolve_scale(scale, D, where)
     shift = Nk - Nq
     L = np.where(np.isneginf(lse), np.inf, lse)  # a row that sees no key: L = +inf, so P = 0 (the preprocess)
     Dvec = (do * o).sum(-1)                       # D_i = rowsum(dO_i o O_i) (the preprocess)

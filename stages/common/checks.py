@@ -1,6 +1,7 @@
 """Input validation shared by every stage: errors that say what is supported."""
 import functools
 import math
+import numbers
 
 import numpy as np
 
@@ -108,13 +109,23 @@ def check_backward_inputs(q, k, v, o, lse, do, *, where="attention backward", **
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x log2 e); the kernels fold it into the scale (one MUFU.EX2)
 
 
-def resolve_scale(scale, D):
-    """The softmax scale: 1/sqrt(head_dim) unless given; must be a finite positive number."""
+def real_number(x, name, where="attention", what="a real number"):
+    """x as a Python float when it is a real number: an int or a float, Python's or numpy's. A bool (True is 1 to
+    Python, but never a meaningful scale or probability here), a string, None or an array is a TypeError that names
+    `name` and says what it takes (`what`)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{where}: {name} must be {what}, got {x!r} ({type(x).__name__})")
+    return float(x)
+
+
+def resolve_scale(scale, D, where="attention"):
+    """The softmax scale of S = scale Q K^T: 1/sqrt(head_dim) unless given; must be a finite positive number."""
     if scale is None:
         return 1.0 / math.sqrt(D)
-    scale = float(scale)
+    what = "a finite positive number (a float or int > 0; None: 1/sqrt(head_dim))"
+    scale = real_number(scale, "scale", where, what)
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite positive number, got {scale}")
+        raise ValueError(f"{where}: scale must be {what}, got {scale}")
     return scale
 
 

@@ -22,9 +22,12 @@ global indices, so every block adds its part of the whole problem's bias and mas
 The call's mask (causal, window) stays its own, around its own bottom-right diagonal (the ring's plan gives each
 call the part of the window that falls on it). Default: the call is the whole problem, origin (0, 0, Nk - Nq).
 """
+import sys
 from typing import NamedTuple
 
 import numpy as np
+
+from .checks import SUPPORTED_FLOAT_DTYPES, real_number
 
 
 class Options(NamedTuple):
@@ -49,6 +52,28 @@ class Options(NamedTuple):
         """No option beyond causal: what every kernel computes."""
         return (self.alibi_slopes is None and (self.left, self.softcap, self.dropout_p, self.group) == (-1, 0.0, 0.0, 1)
                 and self.right == (0 if self.causal else -1))
+
+
+def _check_slopes(slopes, B, H, where):
+    """ALiBi's slopes as an array (numpy, or CuPy as given), once their shape is (H,) or (B, H) and every slope a finite
+    real number: a NaN slope makes every score of its head NaN, an infinite one the diagonal's (inf x 0).
+    A CuPy array is checked on its device (one small copy of the answer to the host)."""
+    on_gpu = type(slopes).__module__.split(".")[0] == "cupy"
+    xp = sys.modules["cupy"] if on_gpu else np
+    a = slopes if on_gpu else np.asarray(slopes)
+    shape = tuple(a.shape)
+    if shape not in ((H,), (B, H)):
+        raise ValueError(f"{where}: alibi_slopes has shape {shape}; expected (H,) = ({H},) or (B, H) = "
+                         f"({B}, {H}), one slope per head")
+    if a.dtype.kind not in "iuf" and a.dtype not in SUPPORTED_FLOAT_DTYPES:  # bfloat16's kind is "V"
+        raise TypeError(f"{where}: alibi_slopes must hold real numbers (a float array, one slope per head); got "
+                        f"dtype {a.dtype}")
+    if not bool(xp.isfinite(a.astype(np.float32)).all()):
+        host = np.asarray(a.get() if on_gpu else a, np.float32)
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(host))[0])
+        raise ValueError(f"{where}: alibi_slopes must be finite, one real slope per head (S -> S - slope |i - j|); "
+                         f"got {host[bad]} at index {bad}")
+    return a
 
 
 def _int(x, name, where):
@@ -80,18 +105,12 @@ def check(q, k, *, causal, window=None, alibi_slopes=None, softcap=None, dropout
         right = 0
     cap = 0.0
     if softcap is not None:
-        cap = float(softcap)
+        what = "a finite number > 0 (S -> c tanh(S / c)), or None for off"
+        cap = real_number(softcap, "softcap", where, what)
         if not np.isfinite(cap) or cap <= 0:
-            raise ValueError(f"{where}: softcap must be a finite number > 0 (S -> c tanh(S / c)), or None for "
-                             f"off; got {softcap!r}")
-    slopes = None
-    if alibi_slopes is not None:
-        shape = tuple(getattr(alibi_slopes, "shape", np.shape(alibi_slopes)))
-        if shape not in ((H,), (B, H)):
-            raise ValueError(f"{where}: alibi_slopes has shape {shape}; expected (H,) = ({H},) or (B, H) = "
-                             f"({B}, {H}), one slope per head")
-        slopes = alibi_slopes
-    p = float(dropout_p)
+            raise ValueError(f"{where}: softcap must be {what}; got {softcap!r}")
+    slopes = None if alibi_slopes is None else _check_slopes(alibi_slopes, B, H, where)
+    p = real_number(dropout_p, "dropout_p", where, "a number in [0, 1), the probability of dropping P_ij")
     if not (0.0 <= p < 1.0):
         raise ValueError(f"{where}: dropout_p must be in [0, 1), got {dropout_p!r}")
     seed = _int(seed, "seed", where)
