@@ -227,10 +227,11 @@ flash_v2_backward_tc(const __grid_constant__ BwdParams p) {
             convert_dq<4>(dQacc, dQ, 1.f, (long)Nq * HD / 4, tid, NT);
         return;
     }
-    const Mask mask(p, Nq, Nk);  // the hooks (kernels/variants.cuh)
+    // the hooks (kernels/variants.cuh); the mask's is built again per chunk, where it is used, so that its fields are
+    // recomputed there instead of holding registers through the loop
     const Score score(p, rows.hd, Nk - Nq);
     const Drop drop(p, rows.hd);
-    const int2 qt = mask.template q_tiles<Br, Bc>(j, Nq);
+    const int2 qt = Mask(p, Nq, Nk).template q_tiles<Br, Bc>(j, Nq);
     const int i_begin = qt.x, Tr = qt.y;  // the loop's Q tiles i_begin <= i < Tr: the others see none of K_j
 
     // L_i, D_i into buffer b. L_i, D_i of a packed sequence start at any row: plain loads (not 16-byte cp.async),
@@ -322,8 +323,10 @@ flash_v2_backward_tc(const __grid_constant__ BwdParams p) {
             // P_ij (dV's operand) and dP_ij. Accumulator (rows g, g+8, cols 2t, 2t+1) of n-tile n is exactly the A
             // fragment of k-step n/2: WQ = 1 packs it to 16-bit in place (FA2's register reuse); WQ = 2 stores it to
             // shared memory, where the pair's other warp reads it. Two copies, as the forward's tile: MASKED asks the
-            // mask hook (chunks with Nk's tail or a key some row does not see), the plain one has no test.
+            // mask hook (chunks with Nk's tail or a key some row does not see), the other has no test. With dropout
+            // one copy asks per score: two would hold its draws twice, for one test saved per score.
             u32 pa[Tl::PF][4], dsa[Tl::PF][4];
+            const Mask mask(p, Nq, Nk);
             auto p_ds = [&](const bool MASKED) {  // called with a constant: each call inlines its own copy
                 u32 z = 0u;  // dropout's keep bits of n-tiles n, n + 1 (n even): Drop::keep_bits
 #pragma unroll
@@ -353,7 +356,10 @@ flash_v2_backward_tc(const __grid_constant__ BwdParams p) {
                     }
                 }
             };
-            if (mask.template tile_masked<Bc>(j, q0, q0 + BRC - 1))  // the same for the whole block
+            const bool masked = mask.template tile_masked<Bc>(j, q0, q0 + BRC - 1);  // the same for the whole block
+            if constexpr (Drop::draws)  // one copy: the Philox draws, most of its code, once
+                p_ds(masked);
+            else if (masked)
                 p_ds(true);
             else
                 p_ds(false);

@@ -127,8 +127,10 @@ struct WindowMask {
         const int last = left < 0 ? Nq - 1 : min(Nq - 1, min(Nk, j * BC + BC) - 1 - shift + left);
         return make_int2(first / BR, first <= last ? last / BR + 1 : first / BR);
     }
-    __device__ bool visible(int q, int kv) const {
-        return !(kv >= Nk || (right >= 0 && kv > q + shift + right) || (left >= 0 && kv < q + shift - left));
+    __device__ bool visible(int q, int kv) const {  // without branches: an unbounded side is a bound no key reaches
+        const int hi = right < 0 ? 1 << 29 : right, lo = left < 0 ? 1 << 29 : left;
+        const int d = kv - q - shift;  // how far right of the row's diagonal the key is
+        return (kv < Nk) & (d <= hi) & (d >= -lo);
     }
 };
 
@@ -190,6 +192,7 @@ struct ModScore {
 
 // ---------------------------------------------------------------- Dropout hooks
 struct NoDropout {
+    static constexpr bool draws = false;  // no random bits per score
     template <typename P>
     __device__ NoDropout(const P&, long) {}
     __device__ float rp() const { return 1.f; }
@@ -202,6 +205,7 @@ struct NoDropout {
 // P~_ij Z_ij: rows r0 + 16 m + g (+8), keys col0 + 16 kk + 2t + e (+8); the four draws of one Philox call are exactly
 // entries e and 2 + e of n-tiles 2kk and 2kk + 1. l_i (and so the lse) keeps every P~_ij; O_i is scaled by rp().
 struct PhiloxDropout {
+    static constexpr bool draws = true;  // random bits per score: a Philox call per 4 scores
     Dropout drop;
     long hd;  // the (batch, head) of the draws' counter
 
