@@ -187,6 +187,7 @@ __global__ void __launch_bounds__(NT) flash_bwd_dq_fp32(const __grid_constant__ 
     const int j_end = !causal ? Tc : (last_kv < 0 ? 0 : min(Tc, last_kv / Bc + 1));
     for (int j = 0; j < j_end; ++j) {
         __syncthreads();  // the previous K_j, V_j, dS_ij are no longer read (and Q_i, dO_i are stored)
+#pragma unroll 1  // rolled: unrolled, each copy's indices would hold registers through the j loop
         for (int e = tid; e < Bc * HD; e += NT) {
             const int cc = e / HD, d = e % HD, kv = j * Bc + cc;
             Ks[cc * LD + d] = kv < Nk ? K[(long)kv * HD + d] : 0.f;

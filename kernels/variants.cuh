@@ -84,7 +84,9 @@ struct CausalMask {
     __device__ int2 q_tiles(int j, int Nq) const {
         return make_int2(causal ? max(0, j * BC - shift) / BR : 0, (Nq + BR - 1) / BR);
     }
-    __device__ bool visible(int q, int kv) const { return !(kv >= Nk || (causal && kv > q + shift)); }
+    __device__ bool visible(int q, int kv) const {  // without branches: without causal, a bound no key reaches
+        return (kv < Nk) & (kv - q <= (causal ? shift : 1 << 29));
+    }
 };
 
 // Key c is visible to row r iff c < Nk, c <= r + shift + right (right >= 0), c >= r + shift - left (left >= 0).
