@@ -182,12 +182,16 @@ __device__ __forceinline__ void write_dk_dv(TO* dK, TO* dV, const float (&dk)[Tl
 // added, with the variants and for a ring block); TQ: dQ's; DQ_ATOMIC: dQ_i added to dQ_accum here (else the
 // deterministic pass computes dQ); Mask, Score, Drop: the hooks (variants.cuh). grid = (B H, ceil(Nk / Bc)) or, with
 // j_fast, (ceil(Nk / Bc), B H), times DP (grid.z); 2 Bc threads. A packed batch's grid runs over (sequence, head) x
-// the K/V tiles of the longest sequence; a block past its sequence's last key returns at once.
+// the K/V tiles of the longest sequence; a block past its sequence's last key returns at once. A ring block (stage
+// 04) is rows a..b-1 of its query shard against keys c..m-1 of a key block: its pointers start at row a and key c,
+// Nq = b - a, Nk = m - c, and ldq, ldk are the shard's and the block's lengths, so nothing is copied; its dQ, dK, dV
+// are added to the ring's float32 accumulators.
 template <typename T, typename TO, typename TQ, typename Tiles, bool DQ_ATOMIC, typename Mask, typename Score,
           typename Drop>
 __global__ void __launch_bounds__(Tiles::NT, 128 / Tiles::Bc)
 flash_v2_backward_tc(const __grid_constant__ BwdParams p) {
     using Tl = Tiles;
+    using BMask = typename Mask::template For<BwdParams>;  // the mask hook, built from BwdParams
     constexpr int HD = Tl::HD, Br = Tl::Br, Bc = Tl::Bc, BRC = Tl::BRC, WQ = Tl::WQ, NT = Tl::NT, LDK = Tl::LDK;
     constexpr int LDS = Tl::LDS, HDP = Tl::HDP, KR = Tl::KR, MS = Tl::MS, QW = Tl::QW, NSW = Tl::NSW, DW = Tl::DW;
     constexpr bool KREG = Tl::KREG, DEFER_DQ = DQ_ATOMIC && Tl::DEFER_DQ;
@@ -227,11 +231,11 @@ flash_v2_backward_tc(const __grid_constant__ BwdParams p) {
             convert_dq<4>(dQacc, dQ, 1.f, (long)Nq * HD / 4, tid, NT);
         return;
     }
-    // the hooks (kernels/variants.cuh); the mask's is built again per chunk, where it is used, so that its fields are
-    // recomputed there instead of holding registers through the loop
+    // the hooks (kernels/variants.cuh)
     const Score score(p, rows.hd, Nk - Nq);
     const Drop drop(p, rows.hd);
-    const int2 qt = Mask(p, Nq, Nk).template q_tiles<Br, Bc>(j, Nq);
+    const BMask mask(p, Nq, Nk);
+    const int2 qt = mask.template q_tiles<Br, Bc>(j, Nq);
     const int i_begin = qt.x, Tr = qt.y;  // the loop's Q tiles i_begin <= i < Tr: the others see none of K_j
 
     // L_i, D_i into buffer b. L_i, D_i of a packed sequence start at any row: plain loads (not 16-byte cp.async),
@@ -326,7 +330,6 @@ flash_v2_backward_tc(const __grid_constant__ BwdParams p) {
             // mask hook (chunks with Nk's tail or a key some row does not see), the other has no test. With dropout
             // one copy asks per score: two would hold its draws twice, for one test saved per score.
             u32 pa[Tl::PF][4], dsa[Tl::PF][4];
-            const Mask mask(p, Nq, Nk);
             auto p_ds = [&](const bool MASKED) {  // called with a constant: each call inlines its own copy
                 u32 z = 0u;  // dropout's keep bits of n-tiles n, n + 1 (n even): Drop::keep_bits
 #pragma unroll

@@ -53,6 +53,8 @@ __device__ __forceinline__ HeadRows head_rows(const P& p, long bh, bool whole_pr
 // Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
 struct CausalMask {
     static constexpr bool packed = false;  // takes no packed batch
+    template <typename P>
+    using For = CausalMask;  // built from any parameter struct (its fields are copies)
     int Nk, shift, causal;
 
     template <typename P>
@@ -90,17 +92,18 @@ struct CausalMask {
 };
 
 // Key c is visible to row r iff c < Nk, c <= r + shift + right (right >= 0), c >= r + shift - left (left >= 0).
-// Causal is the window (-1, 0). Only the band of K/V tiles holding a visible key is visited.
-struct WindowMask {
+// Causal is the window (-1, 0). Only the band of K/V tiles holding a visible key is visited. P: the kernel's
+// parameter struct, whose left and right are read where used (from the kernel's parameter space).
+template <typename P>
+struct WindowMaskOf {
     static constexpr bool packed = true;  // takes packed batches (cu_q, cu_k)
-    const int& left;  // read where used, from the kernel's parameter space
-    const int& right;
+    const P& p;
     int Nk, shift;
 
-    template <typename P>
-    __device__ WindowMask(const P& p, int Nq, int Nk) : left(p.left), right(p.right), Nk(Nk), shift(Nk - Nq) {}
+    __device__ WindowMaskOf(const P& p, int Nq, int Nk) : p(p), Nk(Nk), shift(Nk - Nq) {}
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
+        const int left = p.left, right = p.right;
         const int last_row = min(row0 + BR, Nq) - 1;
         const int last_key = right < 0 ? Nk - 1 : min(Nk - 1, last_row + shift + right);
         const int first_key = left < 0 ? 0 : max(0, row0 + shift - left);
@@ -110,30 +113,38 @@ struct WindowMask {
     }
     template <int BC>
     __device__ bool tile_masked(int j, int row0, int last_row) const {
+        const int left = p.left, right = p.right;
         return (j + 1) * BC > Nk || (right >= 0 && (j + 1) * BC - 1 > row0 + shift + right) ||
                (left >= 0 && j * BC < last_row + shift - left);
     }
     __device__ bool slice_hidden(int col0, int NC, int r_first, int r_last) const {
+        const int left = p.left, right = p.right;
         return (right >= 0 && col0 > r_last + shift + right) || (left >= 0 && col0 + NC - 1 < r_first + shift - left);
     }
     __device__ bool slice_masked(int, int, int) const { return true; }
     template <int MT, int NC>
     __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
-        mask_window<MT, NC>(s, r0, col0, Nk, left, right, shift, g, t);
+        mask_window<MT, NC>(s, r0, col0, Nk, p.left, p.right, shift, g, t);
     }
     // Backward: the Q tiles from the first row whose window reaches K_j's first key to the last row whose window
     // reaches its last, and whether query q sees key kv.
     template <int BR, int BC>
     __device__ int2 q_tiles(int j, int Nq) const {
+        const int left = p.left, right = p.right;
         const int first = right < 0 ? 0 : max(0, j * BC - shift - right);
         const int last = left < 0 ? Nq - 1 : min(Nq - 1, min(Nk, j * BC + BC) - 1 - shift + left);
         return make_int2(first / BR, first <= last ? last / BR + 1 : first / BR);
     }
-    __device__ bool visible(int q, int kv) const {  // without branches: an unbounded side is a bound no key reaches
-        const int hi = right < 0 ? 1 << 29 : right, lo = left < 0 ? 1 << 29 : left;
+    __device__ bool visible(int q, int kv) const {  // & rather than &&: no branches
         const int d = kv - q - shift;  // how far right of the row's diagonal the key is
-        return (kv < Nk) & (d <= hi) & (d >= -lo);
+        return (kv < Nk) & ((p.right < 0) | (d <= p.right)) & ((p.left < 0) | (d >= -p.left));
     }
+};
+// The window hook as kernels name it; For<BwdParams>: the same hook built from the backward's struct.
+struct WindowMask : WindowMaskOf<FwdParams> {
+    using WindowMaskOf<FwdParams>::WindowMaskOf;
+    template <typename P>
+    using For = WindowMaskOf<P>;
 };
 
 // ---------------------------------------------------------------- Score hooks
