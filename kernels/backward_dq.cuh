@@ -1,15 +1,17 @@
-// backward_dq.cuh: the atomic dQ step of the main backward kernel (flash_v2_backward_tc.cu with DQ_ATOMIC), Alg.2
-// L15, dQ_i += dS_ij K_j. The sum runs over the block's Bc key rows (all its warps) and over every K/V block j:
-//   * dS_ij^T goes through shared memory; the Bc / 16 warps split dQ_i (Br x HDP) into tiles of 16 MT x NCOL,
-//     one per warp (32 x 32 at d = 64 and 128);
+// backward_dq.cuh: the atomic dQ pass of the tensor-core backward kernel (flash_v2_backward_tc.cu with DQ_ATOMIC),
+// Alg.2 L15, dQ_i += dS_ij K_j, and its end, Alg.2 L21, dQ = dQ_accum. The sum runs over the block's Bc key rows (all
+// its warps) and over every K/V block j:
+//   * dS_ij^T goes through shared memory (store_ds_t; with the warp pairs, WQ = 2, it is there already); the Bc / 16
+//     warps split dQ_i (Br x HDP) into tiles of 16 MT x NCOL, one per warp (32 x 32 at d = 64 and 128): dq_tile_atomic;
 //   * each lane adds its accumulator's two consecutive columns of a row to the fp32 dQ_accum with one
 //     red.global.add.v2.f32 (sm_90; two atomicAdd before), every address one base register plus an immediate;
 //   * DEFER_DQ: tile i's step runs at the end of tile i+1 (dS^T double-buffered): one barrier per tile, not two;
-//   * the head's last block to finish (a counter per head) writes dQ = dQ_accum (convert_dq, common.cuh), or, on
+//   * the head's last block to finish (a counter per head) writes dQ = dQ_accum (convert_dq_by_last_block), or, on
 //     long heads, bwd_convert_dq does after the kernel (the launcher's fuse_dq_rule).
-// Deterministic mode has no atomics: flash_v2_backward_dq.cu.
+// The deterministic dQ pass has no atomics: flash_v2_backward_dq.cu. red_add_f32x2 also serves the fp32x3 kernel and
+// stage 06's backward (hopper_bwd_tiles.cuh).
 #pragma once
-#include "common.cuh"
+#include "backward_tiles.cuh"
 
 // row[OFF], row[OFF + 1] += a, b, atomically (8-byte aligned; sm_90: one vector reduction at row + an immediate).
 template <int OFF>
@@ -88,4 +90,29 @@ __device__ __forceinline__ void dq_tile_atomic(const T* dSt, const T* Ks, float*
         red_dq<MT, NQ, HD, false>(row, dq, Nq - q);
     else
         red_dq<MT, NQ, HD, true>(row, dq, Nq - q);
+}
+
+// WQ = 1: this warp's rows of dS_ij^T (16 warp + g, + 8; columns 8n + 2t, + 1 of the chunk at row), from its packed
+// A fragments (n-tiles 2kk, 2kk + 1 in dsa[kk]: c_to_a's layout), to shared memory, where every warp's dQ tile reads
+// all Bc rows.
+template <int NS, int LD, typename T>
+__device__ __forceinline__ void store_ds_t(T* row, const u32 (&dsa)[NS / 2][4]) {
+#pragma unroll
+    for (int n = 0; n < NS; ++n) store_row_pair<LD>(row + n * 8, dsa[n / 2][(n % 2) * 2], dsa[n / 2][(n % 2) * 2 + 1]);
+}
+
+// Alg.2 L21: dQ = dQ_accum cast to TQ (the atomics added scale dS K), n4 groups of 4 values, by the last of the
+// head's `blocks` blocks to finish: each block fences its atomics, then counts itself done (done: the head's
+// counter); the one completing the count converts the head.
+template <int NT, typename TQ>
+__device__ __forceinline__ void convert_dq_by_last_block(const float* dQacc, TQ* dQ, int* done, int blocks, long n4,
+                                                         int tid) {
+    __threadfence();  // this thread's dQ atomics are performed before the block's count below
+    __syncthreads();  // ... for every thread of the block
+    bool last = false;
+    if (tid == 0) last = atomicAdd(done, 1) == blocks - 1;
+    if (__syncthreads_or(last)) {
+        __threadfence();  // the other blocks' atomics, made visible by their fences, before the reads
+        convert_dq<16>(dQacc, dQ, 1.f, n4, tid, NT);  // 16 loads in flight
+    }
 }

@@ -1,5 +1,6 @@
-// backward_tiles.cuh: what the two tensor-core backward kernels (flash_v2_backward_tc.cu, flash_v2_backward_dq.cu)
-// share: Alg.2 L11-13 for one score, and the cp.async copies of the tiles Q_i, dO_i, K_j, V_j to shared memory.
+// backward_tiles.cuh: what the tensor-core backward kernels (flash_v2_backward_tc.cu, flash_v2_backward_dq.cu) and
+// their headers share: Alg.2 L11-13 for one score, the cp.async copies of the tiles Q_i, dO_i, K_j, V_j to shared
+// memory, and the store of an accumulator fragment, as 16-bit pairs, to a transposed tile in shared memory.
 #pragma once
 #include "common.cuh"
 
@@ -51,4 +52,13 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, int row0, 
     const TileCopy<T, ROWS, HD, LD, NTHREADS> copy(dst, src, row0, N, tid);
 #pragma unroll
     for (int k = 0; k < copy.PASSES; ++k) copy.pass(k);
+}
+
+// One thread's part of an mma accumulator tile as 16-bit pairs: (row g, columns 2t, 2t + 1) at row, (row g + 8, the
+// same columns) at row + 8 LD, of a shared matrix of row stride LD (P_ij^T and dS_ij^T: backward_warp_pairs.cuh,
+// backward_dq.cuh).
+template <int LD, typename T>
+__device__ __forceinline__ void store_row_pair(T* row, u32 lo, u32 hi) {
+    *reinterpret_cast<u32*>(row) = lo;
+    *reinterpret_cast<u32*>(row + 8 * LD) = hi;
 }

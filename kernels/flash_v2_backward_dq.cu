@@ -7,20 +7,19 @@
 //
 // Run: python stages/03_flash_v2_backward/run.py --version tc --deterministic   (tests: pytest
 //      tests/test_03_flash_v2_backward.py)
-#include "common.cuh"
 #include "backward_tiles.cuh"
+#include "params.cuh"
 
 // Keys per K/V tile: 64; 32 at d = 256, where a warp's 16 x 256 dQ_i takes 128 registers a thread beside S and dP.
 template <int HD>
 __host__ __device__ constexpr int dq_bc() { return HD > 128 ? 32 : 64; }
 
-// grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i. Q, dO: (BH, Nq, HD); K, V: (BH, Nk,
-// HD); L2g, Dg: (BH, Nq_pad) from bwd_preprocess; dQ: (BH, Nq, HD) of TO, written once.
+// grid = (BH, ceil(Nq / 64)), 128 threads; warp w owns rows 16w..16w+15 of Q_i. One BwdParams (params.cuh): q, dO
+// (BH, Nq, HD); k, v (BH, Nk, HD); L_i, D_i (BH, Nq_pad) from bwd_preprocess; dQ (BH, Nq, HD) of TO, written once.
 template <typename T, typename TO, int HD>
-__global__ void __launch_bounds__(128) flash_v2_backward_dq_tc(
-    const T* __restrict__ Q, const T* __restrict__ K, const T* __restrict__ V, const T* __restrict__ dO,
-    const float* __restrict__ L2g, const float* __restrict__ Dg, TO* __restrict__ dQ,
-    int Nq, int Nk, int Nq_pad, float scale, int causal) {
+__global__ void __launch_bounds__(128) flash_v2_backward_dq_tc(const __grid_constant__ BwdParams p) {
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
+    const float scale = p.scale;
     constexpr int Br = 64, Bc = dq_bc<HD>(), NT = 128, LDK = HD + 8, NS = Bc / 8, ND = HD / 8;
     // dynamic shared memory: Q_i, dO_i once, K_j and V_j double-buffered (the launcher's smem_bytes adds it up)
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -34,9 +33,13 @@ __global__ void __launch_bounds__(128) flash_v2_backward_dq_tc(
     const int i = gridDim.y - 1 - blockIdx.y;
     const long bh = blockIdx.x;
     const int off = Nk - Nq;
-    Q += bh * Nq * HD; dO += bh * Nq * HD; dQ += bh * Nq * HD;
-    K += bh * Nk * HD; V += bh * Nk * HD;
-    L2g += bh * Nq_pad; Dg += bh * Nq_pad;
+    const T* __restrict__ Q = static_cast<const T*>(p.q) + bh * Nq * HD;  // this head's rows
+    const T* __restrict__ dO = static_cast<const T*>(p.dO) + bh * Nq * HD;
+    TO* __restrict__ dQ = static_cast<TO*>(p.dQ) + bh * Nq * HD;
+    const T* __restrict__ K = static_cast<const T*>(p.k) + bh * Nk * HD;
+    const T* __restrict__ V = static_cast<const T*>(p.v) + bh * Nk * HD;
+    const float* __restrict__ L2g = p.L_i + bh * p.Nq_pad;
+    const float* __restrict__ Dg = p.D_i + bh * p.Nq_pad;
 
     // this thread's two query rows (g, g+8 of the warp's 16): L_i * log2 e and D_i in registers
     const int q_lo = i * Br + 16 * warp + g;

@@ -14,8 +14,10 @@
 // flash_bwd_fp32<HD, DQ_ATOMIC>: the loop above (without DQ_ATOMIC it skips dQ); flash_bwd_dq_fp32<HD>: the
 // deterministic dQ pass, one block per (Q tile, head) sums dQ_i = scale sum_j dS_ij K_j in a fixed order.
 // Br = Bc = 32, 256 threads; shared rows padded to HD+1 floats. Scalar loops; version "tc" is the fast one.
+// Each kernel takes one BwdParams (params.cuh) and reads the fields it needs.
 // Run: python stages/03_flash_v2_backward/run.py --version fp32   (tests: pytest tests/test_03_flash_v2_backward.py)
 #include "common.cuh"
+#include "params.cuh"
 
 constexpr int Br = 32;   // query rows per tile (Q_i, dO_i)
 constexpr int Bc = 32;   // key rows per tile (K_j, V_j)
@@ -28,14 +30,12 @@ __host__ __device__ constexpr int smem_floats_main() {
     return 2 * Bc * (HD + 1) + 2 * Br * (HD + 1) + 2 * Bc * (Br + 1) + 2 * Br;
 }
 
-// Q, dO: (BH, Nq, HD); K, V: (BH, Nk, HD); Lg, Dg: (BH, Nq_pad) from bwd_preprocess (natural log, +inf for
-// masked rows); dQacc: (BH, Nq, HD) fp32, zeroed; dK, dV: (BH, Nk, HD). grid = (Tc, BH), block = 256.
+// q, dO: (BH, Nq, HD); k, v: (BH, Nk, HD); L_i, D_i: (BH, Nq_pad) from bwd_preprocess (natural log, +inf for
+// masked rows); dQ_accum: (BH, Nq, HD) fp32, zeroed; dK, dV: (BH, Nk, HD). grid = (Tc, BH), block = 256.
 template <int HD, bool DQ_ATOMIC>
-__global__ void __launch_bounds__(NT) flash_bwd_fp32(
-    const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
-    const float* __restrict__ dO, const float* __restrict__ Lg, const float* __restrict__ Dg,
-    float* __restrict__ dQacc, float* __restrict__ dK, float* __restrict__ dV,
-    int Nq, int Nk, int Nq_pad, float scale, int causal) {
+__global__ void __launch_bounds__(NT) flash_bwd_fp32(const __grid_constant__ BwdParams p) {
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
+    const float scale = p.scale;
     extern __shared__ float smem[];
     constexpr int LD = HD + 1, LS = Br + 1, U = HD / 8;
     float* Ks = smem;
@@ -50,9 +50,15 @@ __global__ void __launch_bounds__(NT) flash_bwd_fp32(
     const int tid = threadIdx.x, j = blockIdx.x;
     const long bh = blockIdx.y;
     const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
-    Q += bh * Nq * HD; dO += bh * Nq * HD; dQacc += bh * Nq * HD;
-    K += bh * Nk * HD; V += bh * Nk * HD; dK += bh * Nk * HD; dV += bh * Nk * HD;
-    Lg += bh * Nq_pad; Dg += bh * Nq_pad;
+    const float* __restrict__ Q = static_cast<const float*>(p.q) + bh * Nq * HD;  // this head's rows
+    const float* __restrict__ dO = static_cast<const float*>(p.dO) + bh * Nq * HD;
+    float* __restrict__ dQacc = p.dQ_accum + bh * Nq * HD;
+    const float* __restrict__ K = static_cast<const float*>(p.k) + bh * Nk * HD;
+    const float* __restrict__ V = static_cast<const float*>(p.v) + bh * Nk * HD;
+    float* __restrict__ dK = static_cast<float*>(p.dK) + bh * Nk * HD;
+    float* __restrict__ dV = static_cast<float*>(p.dV) + bh * Nk * HD;
+    const float* __restrict__ Lg = p.L_i + bh * p.Nq_pad;
+    const float* __restrict__ Dg = p.D_i + bh * p.Nq_pad;
 
     // Alg.2 L6: load K_j, V_j (rows past Nk read as 0)
     for (int e = tid; e < Bc * HD; e += NT) {
@@ -139,10 +145,9 @@ __host__ __device__ constexpr int smem_floats_dq() {
 
 // Deterministic dQ pass: grid = (Tr, BH), block = 256. dQ: (BH, Nq, HD), written once, no atomics.
 template <int HD>
-__global__ void __launch_bounds__(NT) flash_bwd_dq_fp32(
-    const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
-    const float* __restrict__ dO, const float* __restrict__ Lg, const float* __restrict__ Dg,
-    float* __restrict__ dQ, int Nq, int Nk, int Nq_pad, float scale, int causal) {
+__global__ void __launch_bounds__(NT) flash_bwd_dq_fp32(const __grid_constant__ BwdParams p) {
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
+    const float scale = p.scale;
     extern __shared__ float smem[];
     constexpr int LD = HD + 1, LS = Bc + 1, U = HD / 8;
     float* Qs = smem;
@@ -156,9 +161,13 @@ __global__ void __launch_bounds__(NT) flash_bwd_dq_fp32(
     const int tid = threadIdx.x, i = blockIdx.x;
     const long bh = blockIdx.y;
     const int off = Nk - Nq;
-    Q += bh * Nq * HD; dO += bh * Nq * HD; dQ += bh * Nq * HD;
-    K += bh * Nk * HD; V += bh * Nk * HD;
-    Lg += bh * Nq_pad; Dg += bh * Nq_pad;
+    const float* __restrict__ Q = static_cast<const float*>(p.q) + bh * Nq * HD;  // this head's rows
+    const float* __restrict__ dO = static_cast<const float*>(p.dO) + bh * Nq * HD;
+    float* __restrict__ dQ = static_cast<float*>(p.dQ) + bh * Nq * HD;
+    const float* __restrict__ K = static_cast<const float*>(p.k) + bh * Nk * HD;
+    const float* __restrict__ V = static_cast<const float*>(p.v) + bh * Nk * HD;
+    const float* __restrict__ Lg = p.L_i + bh * p.Nq_pad;
+    const float* __restrict__ Dg = p.D_i + bh * p.Nq_pad;
 
     for (int e = tid; e < Br * HD; e += NT) {  // Q_i, dO_i
         const int r = e / HD, d = e % HD, q = i * Br + r;
@@ -178,6 +187,7 @@ __global__ void __launch_bounds__(NT) flash_bwd_dq_fp32(
     const int j_end = !causal ? Tc : (last_kv < 0 ? 0 : min(Tc, last_kv / Bc + 1));
     for (int j = 0; j < j_end; ++j) {
         __syncthreads();  // the previous K_j, V_j, dS_ij are no longer read (and Q_i, dO_i are stored)
+#pragma unroll 1  // rolled: unrolled, each copy's indices would hold registers through the j loop
         for (int e = tid; e < Bc * HD; e += NT) {
             const int cc = e / HD, d = e % HD, kv = j * Bc + cc;
             Ks[cc * LD + d] = kv < Nk ? K[(long)kv * HD + d] : 0.f;

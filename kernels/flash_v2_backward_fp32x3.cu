@@ -18,6 +18,7 @@
 // Run: python stages/03_flash_v2_backward/run.py --version fp32x3   (tests: pytest tests/test_03_flash_v2_backward.py)
 #include "tf32x3.cuh"
 #include "backward_dq.cuh"
+#include "params.cuh"
 
 // The A fragments (16 x 8, TF32 big and small parts) of rows r, r + 8 of a [.][LD] float tile at columns c + t,
 // c + t + 4; `at` points at row r + g, column c + t.
@@ -85,15 +86,14 @@ __device__ __forceinline__ void tile_t_times_rows(const float (&c)[NS][4], const
     }
 }
 
-// Q, dO: (BH, Nq, D); K, V, dK, dV: (BH, Nk, D); Lg, Dg: (BH, Nq_pad) from bwd_preprocess (natural log; +inf for
-// masked and padding rows, D = 0 there); dQacc: (BH, Nq, D) fp32, zeroed: it receives dS K (the conversion scales).
-// grid = (ceil(Nk / BC), BH), 32 NW threads; BC = 16 NW keys per block, BR queries per Q tile.
+// One BwdParams (params.cuh): q, dO (BH, Nq, D); k, v, dK, dV (BH, Nk, D); L_i, D_i (BH, Nq_pad) from bwd_preprocess
+// (natural log; +inf for masked and padding rows, D = 0 there); dQ_accum (BH, Nq, D) fp32, zeroed: it receives dS K
+// (the conversion scales). grid = (ceil(Nk / BC), BH), 32 NW threads; BC = 16 NW keys per block, BR queries per Q
+// tile.
 template <int D, int NW, int BR, int MINB>
-__global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
-    const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
-    const float* __restrict__ dO, const float* __restrict__ Lg, const float* __restrict__ Dg,
-    float* __restrict__ dQacc, float* __restrict__ dK, float* __restrict__ dV,
-    int Nq, int Nk, int Nq_pad, float scale, int causal) {
+__global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(const __grid_constant__ BwdParams p) {
+    const int Nq = p.Nq, Nk = p.Nk, causal = p.causal;
+    const float scale = p.scale;
     constexpr int BC = 16 * NW, NT = 32 * NW;
     constexpr int LD = D + 4, LDS = BR + 4, CH = D / 4;  // padded rows (floats); 16-byte chunks per row
     constexpr int NS = BR / 8;          // n-tiles of S^T (queries): the k steps of dV_j, dK_j
@@ -114,9 +114,15 @@ __global__ void __launch_bounds__(32 * NW, MINB) flash_bwd_fp32x3(
     const int j = blockIdx.x;
     const long bh = blockIdx.y;
     const int off = Nk - Nq;  // bottom-right causal alignment: query q sees key kv iff kv <= q + off
-    Q += bh * Nq * D; dO += bh * Nq * D; dQacc += bh * Nq * D;
-    K += bh * Nk * D; V += bh * Nk * D; dK += bh * Nk * D; dV += bh * Nk * D;
-    Lg += bh * Nq_pad; Dg += bh * Nq_pad;
+    const float* __restrict__ Q = static_cast<const float*>(p.q) + bh * Nq * D;  // this head's rows
+    const float* __restrict__ dO = static_cast<const float*>(p.dO) + bh * Nq * D;
+    float* __restrict__ dQacc = p.dQ_accum + bh * Nq * D;
+    const float* __restrict__ K = static_cast<const float*>(p.k) + bh * Nk * D;
+    const float* __restrict__ V = static_cast<const float*>(p.v) + bh * Nk * D;
+    float* __restrict__ dK = static_cast<float*>(p.dK) + bh * Nk * D;
+    float* __restrict__ dV = static_cast<float*>(p.dV) + bh * Nk * D;
+    const float* __restrict__ Lg = p.L_i + bh * p.Nq_pad;
+    const float* __restrict__ Dg = p.D_i + bh * p.Nq_pad;
 
     // rows r0.. of a [n][D] matrix into a [rows][LD] tile by cp.async; rows >= n read as zeros
     auto load_rows = [&](float* dst, const float* src, int r0, int rows, int n) {

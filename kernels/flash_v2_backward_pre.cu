@@ -9,6 +9,7 @@
 //     launcher's fuse_dq_rule picks).
 // Launched by stages/03_flash_v2_backward/flash_v2_backward.py.   Run: python stages/03_flash_v2_backward/run.py
 #include "common.cuh"
+#include "params.cuh"
 
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -27,20 +28,20 @@ __device__ __forceinline__ void load8(float (&v)[8], const T* p) {
 }
 
 // D / 8 lanes per query row, 8 consecutive columns each (16-byte loads); a block of 8 warps takes 2048 / D rows.
-// grid = (Nq_pad * D / 2048, B*H), block = 256; D a multiple of 8, at most 256.
-// o, dO: (BH, ldq, D), rows 0..Nq-1 read (ldq = Nq; a ring block: pointers at its shard's first row, ldq its length);
-// lse: (BH, ldq), natural log. Dvec, Lout: (BH, Nq_pad); rows Nq.. are padding (D = 0, L = +inf: P = 0).
-// Lout = lse * lse_mult (the launcher passes 1), and +inf where lse = -inf (a fully masked row: P = 0, never NaN).
-// zero_dq: also zero this row of the fp32 dQ accumulator (BH, Nq, D) and the tc kernel's ndone block counters
-// (no separate memset launch); 0 in deterministic mode, which has no accumulator.
+// grid = (Nq_pad * D / 2048, B*H), block = 256; D (BwdParams.head_dim) a multiple of 8, at most 256.
+// BwdParams (params.cuh): o, dO (BH, ldq, D), rows 0..Nq-1 read (ldq = Nq; a ring block: pointers at its shard's
+// first row, ldq its length); lse (BH, ldq), natural log. D_i, L_i (BH, Nq_pad); rows Nq.. are padding (D = 0,
+// L = +inf: P = 0). L_i = lse, and +inf where lse = -inf (a fully masked row: P = 0, never NaN).
+// zero_dq: also zero this row of the fp32 dQ accumulator (BH, ldq, D) and the tc kernel's n_done block counters
+// (no separate memset launch); 0 in deterministic mode, which has no accumulator, and for a ring block.
 template <typename T>
-__global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO, const float* __restrict__ lse,
-                               float* __restrict__ Dvec, float* __restrict__ Lout, float* __restrict__ dQacc,
-                               int* __restrict__ done, int Nq, int ldq, int Nq_pad, int D, float lse_mult, int zero_dq,
-                               int ndone) {
-    if (zero_dq) {  // the counters: one per thread of the grid, from the first
+__global__ void bwd_preprocess(const __grid_constant__ BwdParams p) {
+    const T* __restrict__ o = static_cast<const T*>(p.o);
+    const T* __restrict__ dO = static_cast<const T*>(p.dO);
+    const int Nq = p.Nq, ldq = p.ldq, Nq_pad = p.Nq_pad, D = p.head_dim;
+    if (p.zero_dq) {  // the counters: one per thread of the grid, from the first
         const long first = ((long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-        for (long c = first; c < ndone; c += (long)gridDim.x * gridDim.y * blockDim.x) done[c] = 0;
+        for (long c = first; c < p.n_done; c += (long)gridDim.x * gridDim.y * blockDim.x) p.done[c] = 0;
     }
     const int lpr = D / 8;  // lanes per row
     const int row = blockIdx.x * (2048 / D) + threadIdx.x / lpr, c = (threadIdx.x % lpr) * 8;
@@ -53,18 +54,17 @@ __global__ void bwd_preprocess(const T* __restrict__ o, const T* __restrict__ dO
         load8(b, dO + at);
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc += a[e] * b[e];  // dO_i * O_i
-        if (zero_dq) {
+        if (p.zero_dq) {
             const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-            reinterpret_cast<float4*>(dQacc + at)[0] = z;
-            reinterpret_cast<float4*>(dQacc + at)[1] = z;
+            reinterpret_cast<float4*>(p.dQ_accum + at)[0] = z;
+            reinterpret_cast<float4*>(p.dQ_accum + at)[1] = z;
         }
     }
     for (int m = lpr / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);  // D_i = rowsum(dO_i * O_i)
     if (c == 0 && row < Nq_pad) {
-        Dvec[bh * Nq_pad + row] = acc;
-        const float inf = __int_as_float(0x7f800000);  // NVRTC has no INFINITY macro
-        float L = row < Nq ? lse[bh * ldq + row] : -inf;
-        Lout[bh * Nq_pad + row] = (L == -inf) ? inf : L * lse_mult;
+        p.D_i[bh * Nq_pad + row] = acc;
+        const float L = row < Nq ? p.lse[bh * ldq + row] : -INF;
+        p.L_i[bh * Nq_pad + row] = (L == -INF) ? INF : L;
     }
 }
 

@@ -1,15 +1,19 @@
-// variants.cuh: the attention variants of the pipelined forward as hooks its loop calls (the idea of FlexAttention's
-// mask_mod / score_mod and of FlashAttention's mask.h). The definitions, and their numpy twins, are
-// stages/common/variants.py. A kernel instantiation takes one type per hook:
-//   Mask   which keys each query row sees, and the K/V tiles a Q tile must visit:
+// variants.cuh: the attention variants as hooks the loops call (the idea of FlexAttention's mask_mod / score_mod and
+// of FlashAttention's mask.h), in the pipelined forward (flash_v2_forward_pipelined.cu) and the tensor-core backward
+// (flash_v2_backward_tc.cu). The definitions, and their numpy twins, are stages/common/variants.py. A kernel
+// instantiation takes one type per hook, built from its parameter struct (FwdParams or BwdParams, params.cuh):
+//   Mask   which keys each query row sees; the K/V tiles a Q tile must visit (forward) and the Q tiles a K/V tile
+//          must visit (backward):
 //            CausalMask  keys < Nk, and with causal, keys on or left of the row's diagonal (plain attention);
 //            WindowMask  keys inside a window (left, right) around the diagonal; also runs packed batches.
-//   Score  what happens to S_ij before the softmax:
+//   Score  what happens to S_ij before the softmax (forward), and its derivative (backward):
 //            PlainScore  nothing (the scale is folded into exp2's argument: FwdParams.exp2_scale);
 //            ModScore    x = scale S_ij, then softcap x -> c tanh(x / c), then ALiBi x -> x - slope |diag - c|.
-//   Drop   dropout on P~_ij before P~_ij V_j:
+//   Drop   dropout on P~_ij before P~_ij V_j (forward); Z_ij on P_ij^T and dP_ij^T (backward):
 //            NoDropout, PhiloxDropout (dropout.cuh).
-// Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel.
+// Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel. The forward applies a
+// hook to a whole fragment of S (apply); the backward, whose fragments are S^T (rows are keys), asks per score
+// (visible, exponent, keep_bits and dropped).
 // Fragment layout of s (one warp, MT m-tiles of 16 rows x NC keys; lane = 4 g + t): entry e of n-tile n in m-tile m
 // is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2) (kernels/common.cuh).
 #pragma once
@@ -23,21 +27,23 @@
 // longer). A packed batch (PACKED and cu_q != null): q, o are (H, total_q, D) and k, v (H / group, total_k, D);
 // grid.y runs over (sequence s, head h) and sequence s is rows cu_q[s]..cu_q[s + 1] - 1 (keys: cu_k): inside the
 // block, everything is that one sequence's attention. hd: the (batch, head) of the ALiBi slope and dropout's counter.
+// P: FwdParams or BwdParams.
 struct HeadRows {
     long q0, kv0, hd;  // first row of this head in q, o, lse and in k, v
     int Nq, Nk;
+    int s0;  // a packed batch: the sequence's first row inside its head (cu_q[s]); 0 otherwise
 };
-template <bool PACKED>
-__device__ __forceinline__ HeadRows head_rows(const FwdParams& p, long bh, bool whole_problem) {
+template <bool PACKED, typename P>
+__device__ __forceinline__ HeadRows head_rows(const P& p, long bh, bool whole_problem) {
     const int H = p.H, group = p.group;
     const int ldq = whole_problem ? p.Nq : p.ldq, ldk = whole_problem ? p.Nk : p.ldk;
     const int bkv = (int)bh / H * (H / group) + (int)bh % H / group;  // the k/v head of query head bh
-    HeadRows r{bh * ldq, (long)bkv * ldk, bh, p.Nq, p.Nk};
+    HeadRows r{bh * ldq, (long)bkv * ldk, bh, p.Nq, p.Nk, 0};
     if constexpr (PACKED) {
         if (p.cu_q != nullptr) {
             const int s = (int)bh / H, h = (int)bh % H;
             r = HeadRows{(long)h * ldq + p.cu_q[s], (long)(h / group) * ldk + p.cu_k[s], h,
-                         p.cu_q[s + 1] - p.cu_q[s], p.cu_k[s + 1] - p.cu_k[s]};
+                         p.cu_q[s + 1] - p.cu_q[s], p.cu_k[s + 1] - p.cu_k[s], p.cu_q[s]};
         }
     }
     return r;
@@ -47,9 +53,12 @@ __device__ __forceinline__ HeadRows head_rows(const FwdParams& p, long bh, bool 
 // Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
 struct CausalMask {
     static constexpr bool packed = false;  // takes no packed batch
+    template <typename P>
+    using For = CausalMask;  // built from any parameter struct (its fields are copies)
     int Nk, shift, causal;
 
-    __device__ CausalMask(const FwdParams& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
+    template <typename P>
+    __device__ CausalMask(const P& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
     // The K/V tiles j_first <= j < j_end that rows row0..last_row visit (causal: none right of the last diagonal).
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
@@ -71,16 +80,27 @@ struct CausalMask {
     __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
         mask_scores<MT, NC>(s, r0, col0, Nk, causal, shift, g, t);
     }
+    // Backward: the Q tiles i_first <= i < i_end with a row that sees a key of K_j (causal: none above the
+    // diagonal through K_j's first key), and whether query q sees key kv.
+    template <int BR, int BC>
+    __device__ int2 q_tiles(int j, int Nq) const {
+        return make_int2(causal ? max(0, j * BC - shift) / BR : 0, (Nq + BR - 1) / BR);
+    }
+    __device__ bool visible(int q, int kv) const {  // without branches: without causal, a bound no key reaches
+        return (kv < Nk) & (kv - q <= (causal ? shift : 1 << 29));
+    }
 };
 
 // Key c is visible to row r iff c < Nk, c <= r + shift + right (right >= 0), c >= r + shift - left (left >= 0).
-// Causal is the window (-1, 0). Only the band of K/V tiles holding a visible key is visited.
-struct WindowMask {
-    static constexpr bool packed = true;  // takes packed batches (FwdParams.cu_q, cu_k)
-    const FwdParams& p;  // left and right are read where used, from the kernel's parameter space
+// Causal is the window (-1, 0). Only the band of K/V tiles holding a visible key is visited. P: the kernel's
+// parameter struct, whose left and right are read where used (from the kernel's parameter space).
+template <typename P>
+struct WindowMaskOf {
+    static constexpr bool packed = true;  // takes packed batches (cu_q, cu_k)
+    const P& p;
     int Nk, shift;
 
-    __device__ WindowMask(const FwdParams& p, int Nq, int Nk) : p(p), Nk(Nk), shift(Nk - Nq) {}
+    __device__ WindowMaskOf(const P& p, int Nq, int Nk) : p(p), Nk(Nk), shift(Nk - Nq) {}
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
         const int left = p.left, right = p.right;
@@ -106,13 +126,41 @@ struct WindowMask {
     __device__ void apply(float (&s)[MT][NC / 8][4], int r0, int col0, int g, int t) const {
         mask_window<MT, NC>(s, r0, col0, Nk, p.left, p.right, shift, g, t);
     }
+    // Backward: the Q tiles from the first row whose window reaches K_j's first key to the last row whose window
+    // reaches its last, and whether query q sees key kv.
+    template <int BR, int BC>
+    __device__ int2 q_tiles(int j, int Nq) const {
+        const int left = p.left, right = p.right;
+        const int first = right < 0 ? 0 : max(0, j * BC - shift - right);
+        const int last = left < 0 ? Nq - 1 : min(Nq - 1, min(Nk, j * BC + BC) - 1 - shift + left);
+        return make_int2(first / BR, first <= last ? last / BR + 1 : first / BR);
+    }
+    __device__ bool visible(int q, int kv) const {  // & rather than &&: no branches
+        const int d = kv - q - shift;  // how far right of the row's diagonal the key is
+        return (kv < Nk) & ((p.right < 0) | (d <= p.right)) & ((p.left < 0) | (d >= -p.left));
+    }
+};
+// The window hook as kernels name it; For<BwdParams>: the same hook built from the backward's struct.
+struct WindowMask : WindowMaskOf<FwdParams> {
+    using WindowMaskOf<FwdParams>::WindowMaskOf;
+    template <typename P>
+    using For = WindowMaskOf<P>;
 };
 
 // ---------------------------------------------------------------- Score hooks
 struct PlainScore {
-    __device__ PlainScore(const FwdParams&, long, int) {}
+    float scale;  // the backward's (the forward folds it into exp2_scale)
+
+    template <typename P>
+    __device__ PlainScore(const P& p, long, int) : scale(p.scale) {}
     template <int MT, int NC>
     __device__ void apply(float (&)[MT][NC / 8][4], int, int, int, int) const {}
+    // Backward, Alg.2 L11: the exponent of P_ij = exp(scale S_ij - L_i) for s = S_ij of query q, key kv: one FMA (one
+    // rounding, of a number near 0); grad = d x_ij / d (scale S_ij) = 1, which dS_ij takes (nothing at compile time).
+    __device__ float exponent(float s, float L, int, int, float& grad) const {
+        grad = 1.f;
+        return fmaf(s, scale, -L);
+    }
 };
 
 // The scores in natural units (FwdParams.exp2_scale is then log2(e)). hd: the (batch, head) of the ALiBi slope;
@@ -121,7 +169,8 @@ struct ModScore {
     float scale, softcap, slope;
     int diag_shift;
 
-    __device__ ModScore(const FwdParams& p, long hd, int shift)
+    template <typename P>
+    __device__ ModScore(const P& p, long hd, int shift)
         : scale(p.scale), softcap(p.softcap), slope(p.slopes != nullptr ? p.slopes[hd] : 0.f),
           diag_shift(shift + p.a_off) {}
     template <int MT, int NC>
@@ -138,23 +187,43 @@ struct ModScore {
         else
             transform_scores<MT, NC, CAP, false>(s, r0, col0, diag_shift, scale, softcap, slope, g, t);
     }
+    // Backward, Alg.2 L11: x_ij - L_i for P_ij = exp(x_ij - L_i), x = c tanh(scale S_ij / c) - slope |q + shift - kv|,
+    // and grad = d x_ij / d (scale S_ij) = 1 - tanh^2 (softcap; 1 without), by which dS_ij is multiplied. tanh from
+    // exp2 (common.cuh), within ~2e-7 of the forward's.
+    __device__ float exponent(float s, float L, int q, int kv, float& grad) const {
+        float x = s * scale;
+        grad = 1.f;
+        if (softcap > 0.f) {
+            const float th = tanh_from_exp2(x * (1.f / softcap) * (2.f * LOG2E_F));
+            x = softcap * th;
+            grad = 1.f - th * th;
+        }
+        x -= slope * (float)abs(q + diag_shift - kv);
+        return x - L;
+    }
 };
 
 // ---------------------------------------------------------------- Dropout hooks
 struct NoDropout {
-    __device__ NoDropout(const FwdParams&, long) {}
+    static constexpr bool draws = false;  // no random bits per score
+    template <typename P>
+    __device__ NoDropout(const P&, long) {}
     __device__ float rp() const { return 1.f; }
     template <int MT, int NC>
     __device__ void apply(float (&)[MT][NC / 8][4], int, int, int, int) const {}
+    __device__ u32 keep_bits(int, int) const { return 0u; }
+    __device__ float dropped(u32, int, int, float p, float&) const { return p; }
 };
 
 // P~_ij Z_ij: rows r0 + 16 m + g (+8), keys col0 + 16 kk + 2t + e (+8); the four draws of one Philox call are exactly
 // entries e and 2 + e of n-tiles 2kk and 2kk + 1. l_i (and so the lse) keeps every P~_ij; O_i is scaled by rp().
 struct PhiloxDropout {
+    static constexpr bool draws = true;  // random bits per score: a Philox call per 4 scores
     Dropout drop;
     long hd;  // the (batch, head) of the draws' counter
 
-    __device__ PhiloxDropout(const FwdParams& p, long hd)
+    template <typename P>
+    __device__ PhiloxDropout(const P& p, long hd)
         : drop{p.keep, p.seed_lo, p.seed_hi, p.rp, p.q_off, p.k_off}, hd(hd) {}
     __device__ float rp() const { return drop.rp; }
     template <int MT, int NC>
@@ -172,5 +241,25 @@ struct PhiloxDropout {
                     if (u.z >= drop.keep) s[m][2 * kk][2 + e] = 0.f;      // (r + 8, c)
                     if (u.w >= drop.keep) s[m][2 * kk + 1][2 + e] = 0.f;  // (r + 8, c + 8)
                 }
+    }
+    // Backward (S^T: rows are keys). Z_ij of queries q + x (x = 0, 1) and q + 8 + x x keys kv, kv + 8 as eight bits,
+    // one register instead of eight draws: bit 2 o + x is output o of the Philox call at (q + x, kv), in
+    // dropout.cuh's order (q, kv), (q, kv + 8), (q + 8, kv), (q + 8, kv + 8).
+    __device__ u32 keep_bits(int q, int kv) const {
+        u32 z = 0u;
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            const uint4 u = dropout_draws(drop, q + x, kv, hd);
+            z |= (u32)(u.x < drop.keep) << x | (u32)(u.y < drop.keep) << (2 + x) | (u32)(u.z < drop.keep) << (4 + x) |
+                 (u32)(u.w < drop.keep) << (6 + x);
+        }
+        return z;
+    }
+    // The gradient through P~ = P Z / (1 - p): returns P_ij Z_ij (dV_j's operand; rp at the end) and makes dp
+    // Z_ij dP_ij / (1 - p), for the entry (o, x) of keep_bits.
+    __device__ float dropped(u32 bits, int o, int x, float p, float& dp) const {
+        const bool kept = (bits >> (2 * o + x)) & 1u;
+        dp = kept ? dp * drop.rp : 0.f;
+        return kept ? p : 0.f;
     }
 };

@@ -130,11 +130,11 @@ def test_tc_tiles_are_named_and_checked():
     """The tc kernel's configurations are TcTiles records, the first one per head dim TC_BR x TC_BC; every candidate
     is one the kernel takes, and tiles_error says what is wrong with one it does not take. The pair layout's shared
     memory holds P^T too: Bc x (Br + 8) 16-bit values more."""
-    from stages.flash_v2_backward import flash_v2_backward as launcher
     from stages.flash_v2_backward import mirror
+    from stages.flash_v2_backward import tiles
 
-    for D, cands in launcher.TC_CANDIDATES.items():
-        assert fb.tc_tiles(D) == cands[0] and cands[0][:2] == (launcher.TC_BR[D], launcher.TC_BC[D])
+    for D, cands in tiles.TC_CANDIDATES.items():
+        assert fb.tc_tiles(D) == cands[0] and cands[0][:2] == (tiles.TC_BR[D], tiles.TC_BC[D])
         for t in cands:
             assert isinstance(t, fb.TcTiles) and fb.tiles_error(D, *t) is None
             one, two = fb.smem_bytes("tc", D, t.br, t.bc, 1)[0], fb.smem_bytes("tc", D, t.br, t.bc, 2)[0]
@@ -145,9 +145,61 @@ def test_tc_tiles_are_named_and_checked():
     assert "needs min(Br, 32) to be a multiple of 32" in fb.tiles_error(256, 16, 32, 2)
     assert "up to 128" in fb.tiles_error(64, 256, 128, 1)
     assert "multiple of 16" in fb.tiles_error(64, 40, 128, 1)
-    for D, cands in launcher.FP32X3_CANDIDATES.items():  # version fp32x3: the mirror's tiles are its first choice
+    for D, cands in tiles.FP32X3_CANDIDATES.items():  # version fp32x3: the mirror's tiles are its first choice
         assert fb.fp32x3_tiles(D) == cands[0] and (cands[0].br, cands[0].bc) == mirror.tiles("fp32x3", D)
-        assert all(isinstance(c, fb.Fp32x3Tiles) and launcher.fp32x3_smem(D, c) <= 227 * 1024 for c in cands)
+        assert all(isinstance(c, fb.Fp32x3Tiles) and tiles.fp32x3_smem(D, c) <= 227 * 1024 for c in cands)
+
+
+BACKWARD_KERNEL_FILES = ["flash_v2_backward_pre.cu", "flash_v2_backward_fp32.cu", "flash_v2_backward_fp32x3.cu",
+                         "flash_v2_backward_tc.cu", "flash_v2_backward_dq.cu"]
+
+
+def _kernels(source):
+    """{name: (parameters, lines)} of every __global__ function of CUDA source text: its parameter count (top-level
+    commas of the list before the body, + 1) and its length from the __global__ line to the body's closing brace.
+    Comments are blanked first (keeping the line breaks), so a brace or comma in one counts for nothing."""
+    import re
+
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m[0]), source, flags=re.S)
+    out = {}
+    for m in re.finditer(r"\b__global__\b", code):
+        body = code.index("{", m.end())
+        close, depth = code.rindex(")", m.end(), body), 0
+        for opening in range(close, m.end(), -1):  # the parenthesis that opens the parameter list
+            depth += {")": 1, "(": -1}.get(code[opening], 0)
+            if depth == 0:
+                break
+        params, depth, count = code[opening + 1:close], 0, 0
+        for ch in params:
+            depth += {"(": 1, "<": 1, "[": 1, ")": -1, ">": -1, "]": -1}.get(ch, 0)
+            count += ch == "," and depth == 0
+        name = re.findall(r"(\w+)\s*$", code[m.end():opening])[0]
+        depth, end = 0, body
+        for end in range(body, len(code)):
+            depth += {"{": 1, "}": -1}.get(code[end], 0)
+            if depth == 0:
+                break
+        out[name] = (count + 1 if params.strip() else 0, code.count("\n", m.start(), end) + 1)
+    return out
+
+
+def test_every_backward_kernel_takes_one_struct_and_reads_in_a_sitting():
+    """The backward kernels take BwdParams, as the forward's take FwdParams (at most 8 parameters; kernels/params.cuh),
+    and no kernel function is over 250 lines. The parser finds every kernel of the files, and a 9-parameter kernel
+    and a long one, built here, fail the bounds."""
+    from stages.common import kernels
+
+    found = {}
+    for name in BACKWARD_KERNEL_FILES:
+        found.update(_kernels((kernels.KERNELS_DIR / name).read_text()))
+    assert set(found) == {"bwd_preprocess", "bwd_convert_dq", "flash_bwd_fp32", "flash_bwd_dq_fp32", "flash_bwd_fp32x3",
+                          "flash_v2_backward_tc", "flash_v2_backward_dq_tc"}
+    assert {n: p for n, (p, _) in found.items() if p > 8} == {}
+    assert {n: lines for n, (_, lines) in found.items() if lines > 250} == {}
+    assert all(p == 1 for n, (p, _) in found.items() if n != "bwd_convert_dq")  # const __grid_constant__ BwdParams p
+    wide = "template <int D>\n__global__ void __launch_bounds__(128, 2) k(const float* a, float (&b)[D], " + \
+           "int c, int d, int e, int f, int g, int h, int i) {\n" + "  // {\n" * 260 + "}\n"
+    assert _kernels(wide) == {"k": (9, 262)}
 
 
 def test_run_py_runs_the_versions_that_take_the_head_dim(capsys):
@@ -220,11 +272,11 @@ def test_tc_other_dq_order(case, D, dtype):
     test of the same shapes."""
     import cupy
 
-    from stages.flash_v2_backward import flash_v2_backward as launcher
+    from stages.flash_v2_backward import tiles
 
     (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
     check_backward(fb.backward, q, k, v, do, causal=causal, version="tc",
-                   tc_config={"defer_dq": not launcher.TC_DEFER_DQ})
+                   tc_config={"defer_dq": not tiles.TC_DEFER_DQ})
 
 
 @pytest.mark.gpu
@@ -240,10 +292,10 @@ def test_tc_warp_layouts_agree(case, D, dtype):
     import cupy
 
     from stages.common import device
-    from stages.flash_v2_backward import flash_v2_backward as launcher
+    from stages.flash_v2_backward import tiles
 
     dev = device.device()
-    both = [(t.br, t.bc) for t in launcher.TC_CANDIDATES[D]
+    both = [(t.br, t.bc) for t in tiles.TC_CANDIDATES[D]
             if all(not fb.tiles_error(D, t.br, t.bc, wq) and device.fits(dev, fb.smem_bytes("tc", D, t.br, t.bc, wq)[0])
                    for wq in (1, 2))]
     if not both:

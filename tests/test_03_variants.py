@@ -72,8 +72,8 @@ def test_gpu_variants_with_dq_converted_by_a_launch_of_its_own(dt, monkeypatch):
     that way: every plan has the third launch, and the rule still holds (a sequence without keys included)."""
     import cupy as cp
 
-    launcher = fb.flash_v2_backward  # the module (fb is its package)
-    monkeypatch.setattr(launcher, "TC_FUSE_DQ_MAX", 0)
+    launcher = fb.flash_v2_backward  # the module (fb is its package); its tile tables: fb.tiles
+    monkeypatch.setattr(fb.tiles, "TC_FUSE_DQ_MAX", 0)
     made = []  # the plans of this test, made afresh (not the cached ones of other tests) and recorded
     fresh = launcher._plan.__wrapped__
     monkeypatch.setattr(launcher, "_plan", lambda *args: made.append(fresh(*args)) or made[-1])

@@ -1,9 +1,9 @@
 """The kernels' parameter structs and their Python mirrors agree byte for byte (no GPU needed).
 
-kernels/params.cuh defines the struct a stage 02 kernel takes and stages/common/params.py the same struct with ctypes,
-which a launcher fills; stage 06's structs are in its headers (hopper_tiles.cuh, hopper_bwd_tiles.cuh) and mirrored
-in its launchers. NVRTC compiles a static_assert of the size and of every field's offset, so a field added,
-removed, reordered or retyped on one side only fails here.
+kernels/params.cuh defines the structs the stage 02 and 03 kernels take (FwdParams, BwdParams) and
+stages/common/params.py the same structs with ctypes, which a launcher fills; stage 06's structs are in its headers
+(hopper_tiles.cuh, hopper_bwd_tiles.cuh) and mirrored in its launchers. NVRTC compiles a static_assert of the size and
+of every field's offset, so a field added, removed, reordered or retyped on one side only fails here.
 """
 import ctypes
 
@@ -13,6 +13,7 @@ from stages.common import kernels, params
 from stages.hopper import flash_v3, flash_v3_backward
 
 STRUCTS = [(params.FwdParams, "FwdParams", "params.cuh"),
+           (params.BwdParams, "BwdParams", "params.cuh"),
            (flash_v3.HopperFwdParams, "HopperFwdParams", "hopper_tiles.cuh"),
            (flash_v3_backward.HopperBwdParams, "HopperBwdParams", "hopper_bwd_tiles.cuh")]
 
@@ -65,18 +66,27 @@ def test_the_layout_check_finds_fields_out_of_place(struct_type, c_name, header)
     assert fields[i][0] in wrong and fields[i + 1][0] in wrong
 
 
-def test_array_fields_come_first_in_the_order_launches_fill_them():
-    """kernels.Launch writes a call's arrays into the struct's leading 8-byte fields, in FwdParams.ARRAYS order."""
-    names = [n for n, _ in params.FwdParams._fields_]
-    assert tuple(names[:len(params.FwdParams.ARRAYS)]) == params.FwdParams.ARRAYS
-    assert [getattr(params.FwdParams, n).offset for n in params.FwdParams.ARRAYS] == [
-        8 * i for i in range(len(params.FwdParams.ARRAYS))]
+@pytest.mark.parametrize("struct_type", [params.FwdParams, params.BwdParams])
+def test_array_fields_come_first_in_the_order_launches_fill_them(struct_type):
+    """kernels.Launch writes a call's arrays into the struct's leading 8-byte fields, in ARRAYS order; all its
+    pointer fields are arrays."""
+    names = [n for n, _ in struct_type._fields_]
+    assert tuple(names[:len(struct_type.ARRAYS)]) == struct_type.ARRAYS
+    offsets = [getattr(struct_type, n).offset for n in struct_type.ARRAYS]
+    assert offsets == [8 * i for i in range(len(struct_type.ARRAYS))]
+    assert [n for n, t in struct_type._fields_ if t is ctypes.c_uint64] == list(struct_type.ARRAYS)
 
 
-def test_defaults_and_leading_dimensions():
-    p = params.FwdParams(Nq=5, Nk=7)
+@pytest.mark.parametrize("struct_type", [params.FwdParams, params.BwdParams])
+def test_defaults_and_leading_dimensions(struct_type):
+    p = struct_type(Nq=5, Nk=7)
     assert (p.ldq, p.ldk, p.group, p.left, p.right, p.rp) == (5, 7, 1, -1, -1, 1.0)
-    assert params.FwdParams(Nq=5, Nk=7, ldq=9, ldk=11).ldk == 11
+    assert struct_type(Nq=5, Nk=7, ldq=9, ldk=11).ldk == 11
+
+
+def test_the_backward_preprocess_takes_the_arrays_stage_06_hands_it():
+    """Stage 06 launches stage 03's preprocess with (o, dO, lse, D_i, L_i, dQ_accum, done): BwdParams' first fields."""
+    assert params.BwdParams.ARRAYS[:7] == ("o", "dO", "lse", "D_i", "L_i", "dQ_accum", "done")
 
 
 def test_a_launch_writes_the_arrays_into_its_struct_and_hands_over_its_address():

@@ -27,6 +27,7 @@ import numpy as np
 
 from stages.common import empty, fast_path, kernels, load_module
 from stages.common.checks import check_backward_inputs, check_causal, resolve_scale
+from stages.common.params import BwdParams
 from stages.flash_v2_backward import flash_v2_backward as stage03  # its preprocess, dQ conversion and padding
 
 from .params import HopperBwdParams
@@ -206,17 +207,15 @@ def _pre_launch(ctype, *, Nq, ldq, Nq_pad, D, BH, zero, counters=0):
     do, lse it is given: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for
     the padding up to Nq_pad), and, where zero, the float32 dQ accumulator and the first `counters` block counters
     zeroed (a ring block has no accumulator of its own). Arguments of a call: o, do, lse, delta, lse_pad, the dQ
-    accumulator (or 0), the counters (or 0)."""
-    i32, f32 = np.int32, np.float32
+    accumulator (or 0), the counters (or 0): the leading arrays of stage 03's BwdParams, which the kernel takes."""
     return kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                          (i32(Nq), i32(ldq), i32(Nq_pad), i32(D), f32(1.0), i32(zero), i32(counters)))
+                          BwdParams(Nq=Nq, ldq=ldq, Nq_pad=Nq_pad, head_dim=D, zero_dq=int(zero), n_done=counters))
 
 
 @functools.lru_cache(maxsize=None)
 def _pre_function(kernel, ctype):
     """Stage 03's preprocess or dQ conversion for ctype, from the module stage 03 compiles (one compile for both)."""
     return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
-
 
 
 # ----------------------------------------------------------------------------- the ring's blocks (stage 04)
