@@ -10,6 +10,9 @@
 //   Drop   dropout on P~_ij before P~_ij V_j:
 //            NoDropout, PhiloxDropout (dropout.cuh).
 // Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel.
+// Stage 06's kernels call the same hooks (kernels/hopper_variants.cuh): the forward's warp-specialised loop on its
+// S fragments (apply), the backward's on S^T one entry at a time (visible, score_t). CausalMask and PlainScore take
+// any parameter struct with the fields they read, so that stage 06's plain kernels pass their own.
 // Fragment layout of s (one warp, MT m-tiles of 16 rows x NC keys; lane = 4 g + t): entry e of n-tile n in m-tile m
 // is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2) (kernels/common.cuh).
 #pragma once
@@ -46,10 +49,15 @@ __device__ __forceinline__ HeadRows head_rows(const FwdParams& p, long bh, bool 
 // ---------------------------------------------------------------- Mask hooks
 // Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
 struct CausalMask {
-    static constexpr bool packed = false;  // takes no packed batch
+    enum : bool { packed = false };  // takes no packed batch
     int Nk, shift, causal;
 
-    __device__ CausalMask(const FwdParams& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
+    template <typename P>  // FwdParams, or stage 06's parameter structs (they have causal too)
+    __device__ CausalMask(const P& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
+    // The last key row r sees (Nk - 1 at most; < 0: none).
+    __device__ int last_key(int r) const { return causal ? min(Nk - 1, r + shift) : Nk - 1; }
+    // Whether row r sees key c (one entry, for S^T in stage 06's backward).
+    __device__ bool visible(int r, int c) const { return !(c >= Nk || (causal && c > r + shift)); }
     // The K/V tiles j_first <= j < j_end that rows row0..last_row visit (causal: none right of the last diagonal).
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
@@ -76,11 +84,15 @@ struct CausalMask {
 // Key c is visible to row r iff c < Nk, c <= r + shift + right (right >= 0), c >= r + shift - left (left >= 0).
 // Causal is the window (-1, 0). Only the band of K/V tiles holding a visible key is visited.
 struct WindowMask {
-    static constexpr bool packed = true;  // takes packed batches (FwdParams.cu_q, cu_k)
+    enum : bool { packed = true };  // takes packed batches (FwdParams.cu_q, cu_k)
     const FwdParams& p;  // left and right are read where used, from the kernel's parameter space
     int Nk, shift;
 
     __device__ WindowMask(const FwdParams& p, int Nq, int Nk) : p(p), Nk(Nk), shift(Nk - Nq) {}
+    __device__ int last_key(int r) const { return p.right < 0 ? Nk - 1 : min(Nk - 1, r + shift + p.right); }
+    __device__ bool visible(int r, int c) const {
+        return !(c >= Nk || (p.right >= 0 && c > r + shift + p.right) || (p.left >= 0 && c < r + shift - p.left));
+    }
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
         const int left = p.left, right = p.right;
@@ -110,7 +122,8 @@ struct WindowMask {
 
 // ---------------------------------------------------------------- Score hooks
 struct PlainScore {
-    __device__ PlainScore(const FwdParams&, long, int) {}
+    template <typename P>
+    __device__ PlainScore(const P&, long, int) {}
     template <int MT, int NC>
     __device__ void apply(float (&)[MT][NC / 8][4], int, int, int, int) const {}
 };
