@@ -1,8 +1,8 @@
 // hopper_pingpong.cuh: the main loop of stage 06's ping-pong forward (FlashAttention-3, Shah et al., arXiv
-// 2407.08608, Sec. 3.1 and 3.2), shared by the 16-bit kernel (flash_v3_forward_pingpong.cu) and the e4m3 one
-// (flash_v3_forward_fp8.cu). A block holds a producer warpgroup and two consumer warpgroups; the scheduler
-// (hopper_scheduler.cuh) gives it its work items (Q tile of 128 rows, head); a tile's steps and the epilogue are in
-// hopper_tiles.cuh. What the two kernels do differently comes in through a Kind (the kernel files define one each):
+// 2407.08608, Sec. 3.1 and 3.2), shared by the 16-bit kernels (flash_v3_forward_pingpong.cu; with the attention
+// variants, flash_v3_forward_variants.cu) and the e4m3 one (flash_v3_forward_fp8.cu). A block holds a producer
+// warpgroup and two consumer warpgroups; the scheduler (hopper_scheduler.cuh) gives it its work items (Q tile of 128
+// rows, head); a tile's steps and the epilogue are in hopper_tiles.cuh. What the two kernels do differently comes in through a Kind (the kernel files define one each):
 //   Kind::LIFT                       P's 2^LIFT (softmax_tile)
 //   Kind::scale_log2(p, bh)          the factor of S in exp2's argument for head bh, as a callable
 //   Kind::load_v(v, p, bar, key, bh) the producer's copies of V_j (BC keys from key on, of k / v head bh)
@@ -11,8 +11,9 @@
 // and the attention variants through stage 02's hooks (variants.cuh), as template arguments:
 //   Sched   the work items (hopper_scheduler.cuh: TileScheduler; hopper_variants.cuh: VariantScheduler): heads, rows
 //           and the band of K/V tiles j0 .. j0 + n_tiles - 1 the item visits (a window's tiles outside it skipped)
-//   Mask    which keys a row sees: tile_masked(j) says whether tile j needs the mask at all, apply() sets S = -inf
-//           where a key is hidden, last_key(r) ends the ragged last tile (CausalMask: plain and causal attention)
+//   Mask    which keys a row sees: part_masked says whether a warpgroup's part of tile j needs the mask at all,
+//           apply() sets S = -inf where a key is hidden, last_key(r) ends the ragged last tile (CausalMask: plain and
+//           causal attention)
 //   Score   what S becomes before the softmax (PlainScore: nothing, the scale sits in exp2's argument)
 // Plain attention's hooks compute what the loop computed before they were hooks (and compile to the same code).
 //
@@ -133,7 +134,10 @@ __device__ __forceinline__ void pingpong_consumer(const HopperFwdParams& p, cons
         const int last_key = mask.last_key(min(first + 63, work.Nq - 1));
         const int last_keys = max(1, last_key - BC * (work.j0 + n_tiles - 1) + 1);
         // Block-uniform per warpgroup: does tile j hold a key that one of its rows does not see?
-        auto masked = [&](int j) { return mask.template tile_masked<BC>(work.j0 + j, first, first + 63); };
+        auto masked = [&](int j) {
+            const int key0 = BC * (work.j0 + j);
+            return mask.part_masked(first, first + 63, key0, key0 + BC - 1);
+        };
         const auto scale_log2 = Kind::scale_log2(p, work.bh);
         RowState<D> st;  // Alg.1 L5
         st.init();
@@ -231,3 +235,22 @@ __device__ __forceinline__ void pingpong_consumer(const HopperFwdParams& p, cons
         if constexpr (!Sched::persistent) break;  // one block per item: a single pass
     }
 }
+
+// The 16-bit kernels' part of the main loop (flash_v3_forward_pingpong.cu, flash_v3_forward_variants.cu): S scaled
+// by the softmax scale (or, with a Score hook that applies it, by log2 e), O rescaled by alpha on every tile, V_j
+// loaded in panels of 64 columns (BC rows x 128 bytes each), O_i stored in type O and L_i (or both merged into the
+// running float32 O, L: a ring block).
+template <typename O, int D, int BC>
+struct Sixteen {
+    enum : int { LIFT = 0 };
+    __device__ static auto scale_log2(const HopperFwdParams& p, int) {
+        return [&p] { return p.scale_log2; };
+    }
+    __device__ static void load_v(u32 v_s, const HopperFwdParams& p, u32 bar, int key, int bh) {
+        for (int c = 0; c < D / 64; ++c) tma_load_3d(v_s + c * BC * 128u, &p.map_v, bar, 64 * c, key, bh);
+    }
+    __device__ static void rescale(RowState<D>& st, const float (&alpha)[2]) { rescale_o(st, alpha); }
+    __device__ static void store(RowState<D>& st, const HopperFwdParams& p, const WorkItem& w, int r0, int g, int t) {
+        store_rows<O, D>(st, p, w.bh, w.q0, w.Nq, r0, g, t);
+    }
+};

@@ -11,8 +11,9 @@
 //            NoDropout, PhiloxDropout (dropout.cuh).
 // Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel.
 // Stage 06's kernels call the same hooks (kernels/hopper_variants.cuh): the forward's warp-specialised loop on its
-// S fragments (apply), the backward's on S^T one entry at a time (visible, score_t). CausalMask and PlainScore take
-// any parameter struct with the fields they read, so that stage 06's plain kernels pass their own.
+// S fragments (apply), the backward's on S^T one entry at a time (hidden; hopper_bwd_tiles.cuh applies ModScore's
+// fields to S^T). CausalMask and PlainScore take any parameter struct with the fields they read, so that stage 06's
+// plain kernels pass their own.
 // Fragment layout of s (one warp, MT m-tiles of 16 rows x NC keys; lane = 4 g + t): entry e of n-tile n in m-tile m
 // is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2) (kernels/common.cuh).
 #pragma once
@@ -56,8 +57,12 @@ struct CausalMask {
     __device__ CausalMask(const P& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
     // The last key row r sees (Nk - 1 at most; < 0: none).
     __device__ int last_key(int r) const { return causal ? min(Nk - 1, r + shift) : Nk - 1; }
-    // Whether row r sees key c (one entry, for S^T in stage 06's backward).
-    __device__ bool visible(int r, int c) const { return !(c >= Nk || (causal && c > r + shift)); }
+    // Stage 06's backward (S^T, keys as rows): whether row r does not see key c, and whether rows r0..r1 x keys
+    // c0..c1 hold such an entry. Bitwise, not short-circuit: straight-line predicates, no branch.
+    __device__ bool hidden(int r, int c) const { return (c >= Nk) | ((causal != 0) & (c > r + shift)); }
+    __device__ bool part_masked(int r0, int r1, int c0, int c1) const {
+        return (c1 >= Nk) | ((causal != 0) & (c1 > r0 + shift));
+    }
     // The K/V tiles j_first <= j < j_end that rows row0..last_row visit (causal: none right of the last diagonal).
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
@@ -90,8 +95,16 @@ struct WindowMask {
 
     __device__ WindowMask(const FwdParams& p, int Nq, int Nk) : p(p), Nk(Nk), shift(Nk - Nq) {}
     __device__ int last_key(int r) const { return p.right < 0 ? Nk - 1 : min(Nk - 1, r + shift + p.right); }
-    __device__ bool visible(int r, int c) const {
-        return !(c >= Nk || (p.right >= 0 && c > r + shift + p.right) || (p.left >= 0 && c < r + shift - p.left));
+    // Rows from Nq = Nk - shift on see no key: stage 06's backward reads a packed sequence's L_i past its end.
+    __device__ bool hidden(int r, int c) const {
+        const int left = p.left, right = p.right;
+        return (c >= Nk) | (r >= Nk - shift) | ((right >= 0) & (c > r + shift + right)) |
+               ((left >= 0) & (c < r + shift - left));
+    }
+    __device__ bool part_masked(int r0, int r1, int c0, int c1) const {
+        const int left = p.left, right = p.right;
+        return (c1 >= Nk) | (r1 >= Nk - shift) | ((right >= 0) & (c1 > r0 + shift + right)) |
+               ((left >= 0) & (c0 < r1 + shift - left));
     }
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {

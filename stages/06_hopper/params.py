@@ -4,6 +4,8 @@ check each offset). Pointer fields first: kernels.Launch writes each call's arra
 multiples of 64 bytes (CUtensorMap's alignment); MappedLaunch (tensor_maps.py) writes them per call."""
 import ctypes
 
+from stages.common.params import FwdParams
+
 _MAP = ctypes.c_uint64 * 16  # a CUtensorMap's 128 bytes
 
 
@@ -15,6 +17,14 @@ class HopperFwdParams(ctypes.Structure):
                 ("scale_log2", ctypes.c_float), ("causal", ctypes.c_int32), ("o_rows", ctypes.c_int32),
                 ("merge", ctypes.c_int32), ("heads", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 12),
                 ("map_q", _MAP), ("map_k", _MAP), ("map_v", _MAP)]
+
+
+class HopperVarFwdParams(HopperFwdParams):
+    """struct HopperVarFwdParams of kernels/hopper_variants.cuh: HopperFwdParams, then var, stage 02's FwdParams,
+    whose variant fields (H, group, left, right, softcap, scale, a_off; slopes, cu_q, cu_k) the hooks read, at offset
+    448; the struct's size a multiple of 64 (the tensor maps' alignment)."""
+    _fields_ = [("var", FwdParams), ("_pad_end", ctypes.c_uint8 * 48)]
+    VAR_POINTERS = ("slopes", "cu_q", "cu_k")  # var's pointer fields a call writes (MappedLaunch's tail)
 
 
 class HopperBwdParams(ctypes.Structure):

@@ -12,6 +12,7 @@ A map depends on its array's address, sizes, strides and box alone: a launcher d
 """
 import ctypes
 import functools
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -73,20 +74,34 @@ class MappedLaunch(NamedTuple):
     """A kernels.Launch whose parameter struct holds tensor maps: maps, (byte offset of the field, TensorMap) for each.
     launch(*arrays): the first len(maps) arrays are the ones the maps describe, in order; their maps are written into
     the struct with the rest of the arrays (the struct's leading pointer fields), then the kernel is launched. The
-    scalar fields were written once, when the launch was planned."""
+    scalar fields were written once, when the launch was planned. tail: the byte offsets of pointer fields after the
+    maps (the variants' ALiBi slopes and sequence bounds), which the call's last len(tail) arrays fill (a CuPy array,
+    or an address: 0 for null)."""
 
     launch: kernels.Launch
     maps: tuple
+    tail: tuple = ()
 
     @classmethod
-    def of(cls, launch, **maps):
-        """maps: field name of the launch's parameter struct = TensorMap."""
+    def of(cls, launch, tail=(), **maps):
+        """maps: field name of the launch's parameter struct = TensorMap; tail: byte offsets of trailing pointers."""
         struct_type = type(launch.params)
-        return cls(launch, tuple((getattr(struct_type, name).offset, tmap) for name, tmap in maps.items()))
+        return cls(launch, tuple((getattr(struct_type, name).offset, tmap) for name, tmap in maps.items()),
+                   tuple(tail))
 
     def __call__(self, *arrays):
-        n = len(self.maps)
-        self.launch(*arrays[n:], fields=[(offset, tmap.encode(x)) for (offset, tmap), x in zip(self.maps, arrays)])
+        n, m = len(self.maps), len(self.tail)
+        fields = [(offset, tmap.encode(x)) for (offset, tmap), x in zip(self.maps, arrays)]
+        if m:
+            fields += [(offset, struct.pack("<Q", _address(x))) for offset, x in zip(self.tail, arrays[-m:])]
+            arrays = arrays[:-m]
+        self.launch(*arrays[n:], fields=fields)
+
+
+def _address(x):
+    """A device address: a CuPy array's, or x itself (an int; 0 for a null pointer)."""
+    data = getattr(x, "data", None)
+    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(x)
 
 
 @functools.lru_cache(maxsize=256)
