@@ -10,21 +10,23 @@ ping-pong schedules, simulated (schedules.py), and the backward's tile order in 
 sm_90 GPU: probes of the data paths checked one by one (probes.py), the forward in three versions (flash_v3.py:
 wgmma, ws, pingpong) and the backward in two (flash_v3_backward.py: wgmma, ws), which the ring (stage 04) and the GPT
 (stage 05) use on Hopper; the attention variants (grouped-query heads, packed batches, windows, softcap, ALiBi) in
-version pingpong's and version ws's loops through stage 02's hooks (flash_v3_variants.py); a float32 forward (fp32x3.py: stage 02's 3xTF32 on wgmma) and a forward in e4m3 (fp8.py).
+version pingpong's and version ws's loops through stage 02's hooks (flash_v3_variants.py,
+flash_v3_backward_variants.py); a float32 forward (fp32x3.py: stage 02's 3xTF32 on wgmma) and a forward in e4m3
+(fp8.py).
 Their plumbing: the sm_90 check and the sm_90a compile (sm90a.py), tensor maps (tensor_maps.py), the kernels'
-parameter structs (params.py). Elsewhere (numpy arrays, another GPU, none) forward and backward raise an error that
+parameter structs (params.py), the backward's preprocess and dQ conversion (backward_steps.py). Elsewhere (numpy arrays, another GPU, none) forward and backward raise an error that
 names the stage 02 / 03 versions computing the same attention there.
 """
 from . import (
-    backward_mirror, flash_v3, flash_v3_backward, flash_v3_variants, fp8, fp32x3, params, probes, schedules, sm90a,
-    swizzle, tensor_maps,
+    backward_mirror, backward_steps, flash_v3, flash_v3_backward, flash_v3_backward_variants, flash_v3_variants, fp8,
+    fp32x3, params, probes, schedules, sm90a, swizzle, tensor_maps,
 )
 from .flash_v3 import forward, forward_varlen
-from .flash_v3_backward import backward
+from .flash_v3_backward import backward, backward_varlen
 
-__all__ = ["forward", "forward_varlen", "backward", "swizzle", "schedules", "backward_mirror", "probes", "flash_v3",
-           "flash_v3_backward", "flash_v3_variants", "fp8", "fp32x3", "sm90a", "tensor_maps", "params",
-           "instantiations"]
+__all__ = ["forward", "forward_varlen", "backward", "backward_varlen", "swizzle", "schedules", "backward_mirror",
+           "probes", "flash_v3", "flash_v3_backward", "flash_v3_variants", "flash_v3_backward_variants",
+           "backward_steps", "fp8", "fp32x3", "sm90a", "tensor_maps", "params", "instantiations"]
 
 
 def instantiations():
@@ -32,4 +34,5 @@ def instantiations():
     (dev/compare_cubins_hopper.py compiles them to compare two trees)."""
     return (probes.instantiations() + [x for v in flash_v3.VERSIONS for x in flash_v3.instantiations(v)]
             + flash_v3_variants.instantiations() + fp8.instantiations() + fp32x3.instantiations()
-            + [x for v in flash_v3_backward.VERSIONS for x in flash_v3_backward.instantiations(v)])
+            + [x for v in flash_v3_backward.VERSIONS for x in flash_v3_backward.instantiations(v)]
+            + flash_v3_backward_variants.instantiations())

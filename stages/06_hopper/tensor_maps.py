@@ -36,24 +36,27 @@ class TensorMap(NamedTuple):
     strides: tuple
     box: tuple
     offset: int = 0
+    swizzle: str = "128B"  # the driver's CU_TENSOR_MAP_SWIZZLE_<swizzle>: 128B, or NONE (a plain row of the box)
 
     @classmethod
-    def of(cls, dtype, dims, strides, box, offset=0):
-        """Checked: 16-bit, float32 or byte values, boxes of 128-byte rows (the swizzle's span), strides and offset in
-        multiples of 16 bytes (the copy engine's unit)."""
+    def of(cls, dtype, dims, strides, box, offset=0, swizzle="128B"):
+        """Checked: 16-bit, float32 or byte values, boxes of 128-byte rows (the swizzle's span; unswizzled: a
+        multiple of 16 bytes), strides and offset in multiples of 16 bytes (the copy engine's unit)."""
         dtype = np.dtype(dtype)
-        if dtype not in MAP_DTYPES or box[0] * dtype.itemsize != 128:
+        row = box[0] * dtype.itemsize
+        if dtype not in MAP_DTYPES or (row != 128 if swizzle == "128B" else swizzle != "NONE" or row % 16):
             raise ValueError("tensor maps here: float16, bfloat16, float32 or uint8 (e4m3) values in boxes of 128-byte "
-                             "rows (the swizzle's span)")
+                             "rows (the swizzle's span), or unswizzled boxes of a multiple of 16 bytes")
         if any(s % 16 for s in strides) or offset % 16:
             raise ValueError(LAYOUT_REFUSED)
-        return cls(MAP_DTYPES[dtype], tuple(dims), tuple(strides), tuple(box), offset)
+        return cls(MAP_DTYPES[dtype], tuple(dims), tuple(strides), tuple(box), offset, swizzle)
 
     def encode(self, x):
         """The 128 bytes of this map over the CuPy array x (of the shape and dtype it was made for)."""
         if not x.flags.c_contiguous:
             raise ValueError(LAYOUT_REFUSED)
-        return _encode(self.dtype, x.data.device_id, x.data.ptr + self.offset, self.dims, self.strides, self.box)
+        return _encode(self.dtype, x.data.device_id, x.data.ptr + self.offset, self.dims, self.strides, self.box,
+                       self.swizzle)
 
 
 def heads_map(shape, dtype, box_rows=64, rows=None):
@@ -68,6 +71,14 @@ def heads_map(shape, dtype, box_rows=64, rows=None):
         raise ValueError(f"heads_map: rows {rows} are not a non-empty range of 0..{N}")
     return TensorMap.of(dtype, [D, stop - start, B * H], [D * size, N * D * size], [128 // size, box_rows, 1],
                         offset=start * D * size)
+
+
+def rows_map(heads, rows, box_rows):
+    """The TensorMap of a float32 array of heads x rows (each head's rows one after the other; rows a multiple of 4)
+    in unswizzled boxes of box_rows values of one head: L_i or D_i of a Q tile that may start at any row (a packed
+    sequence's), which the copy engine's tensor copies take at any coordinate where a bulk copy needs 16-byte
+    aligned addresses. Rows past the end come back as zeros."""
+    return TensorMap.of(np.float32, [rows, heads], [rows * 4], [box_rows, 1], swizzle="NONE")
 
 
 class MappedLaunch(NamedTuple):
@@ -105,7 +116,7 @@ def _address(x):
 
 
 @functools.lru_cache(maxsize=256)
-def _encode(dtype, device_id, address, dims, strides, box):
+def _encode(dtype, device_id, address, dims, strides, box, swizzle="128B"):
     """The 128 bytes of the CUtensorMap (CU_TENSOR_MAP_DATA_TYPE_<dtype>). They depend on nothing but these arguments,
     so a map is encoded once and kept: a training step calls the kernels again and again on the same buffers (CuPy's
     memory pool hands the same addresses back), and each cuda-bindings call costs the host some microseconds.
@@ -117,7 +128,7 @@ def _encode(dtype, device_id, address, dims, strides, box):
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
         [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1) for _ in dims],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(cu.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:
