@@ -14,8 +14,9 @@ version pingpong's and version ws's loops through stage 02's hooks (flash_v3_var
 flash_v3_backward_variants.py); a float32 forward (fp32x3.py: stage 02's 3xTF32 on wgmma) and a forward in e4m3
 (fp8.py).
 Their plumbing: the sm_90 check and the sm_90a compile (sm90a.py), tensor maps (tensor_maps.py), the kernels'
-parameter structs (params.py), the backward's preprocess and dQ conversion (backward_steps.py). Elsewhere (numpy arrays, another GPU, none) forward and backward raise an error that
-names the stage 02 / 03 versions computing the same attention there.
+parameter structs (params.py), the backward's preprocess and dQ conversion (backward_steps.py). Elsewhere (numpy
+arrays, another GPU, none) forward and backward raise an error that names the stage 02 / 03 versions computing the
+same attention there.
 """
 from . import (
     backward_mirror, backward_steps, flash_v3, flash_v3_backward, flash_v3_backward_variants, flash_v3_variants, fp8,
