@@ -45,7 +45,8 @@ def q_tiles(Nq, Nk, key0, bc, br, left=-1, right=-1):
 def backward(q, k, v, o, lse, do, *, causal=False, scale=None, bc=128, br=64, trace=None, opts=None):
     """(dq, dk, dv) in float64 by the kernel's tile order; bc: keys per block (64: version wgmma, 128: ws), whose
     consumers add their shares of dQ_i before it leaves; br: rows of a Q tile (64; 128: version ws at D = 64). trace,
-    a list: receives (first key of the block, first row of the Q tile) for every reduction into dQ, in order.
+    a list: receives (first key of the block, first row of the Q tile) for every reduction into query head 0's dQ, in
+    order (every head's are alike).
     opts: variants.Options (the variants' kernel: k, v with H / group heads, a block per (K/V tile, k / v head)
     walking the Q tiles of every query head of its group; a window's Q tiles only; softcap and ALiBi on S^T)."""
     q, k, v, o, do = (np.asarray(x, np.float64) for x in (q, k, v, o, do))
@@ -85,7 +86,7 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, bc=128, br=64, tr
                     dv[:, hk, keys] += pt @ do[:, h, rows]                         # summed over the group
                     dk[:, hk, keys] += dst @ q[:, h, rows]
                     dq_tile = dq_tile + T(dst, -1, -2) @ k[:, hk, keys]            # dS K over this consumer's keys
-                _reduce(dq[:, h], rows, dq_tile, trace, (key0, row0))              # one per (block, head, Q tile)
+                _reduce(dq[:, h], rows, dq_tile, trace if h == 0 else None, (key0, row0))  # per (block, head, Q tile)
     return scale * dq, scale * dk, dv
 
 
