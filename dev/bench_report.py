@@ -983,10 +983,11 @@ def variants_table(path, source):
     out = [f"{source['gpu']}, `{source['command']}`; bf16, N = {r0['seq']}, H = "
            f"{r0['heads']}, d = {r0['head_dim']}, B = 1 (the packed batch: 8 causal sequences). Ratio: the "
            "reference's time over ours (above 1: ours is faster).", "",
-           "| variant | ours, ms | reference | reference, ms | ratio |", "|---|---:|---|---:|---:|"]
-    for r in rows:
-        out.append(f"| {r['variant']} | {float(r['ms_ours']):.3f} | {r['reference']} | {float(r['ms_reference']):.3f} "
-                   f"| {float(r['ratio']):.2f} |")
+           "| variant | direction | ours, ms | reference | reference, ms | ratio |", "|---|---|---:|---|---:|---:|"]
+    for r in rows:  # CSVs from before the direction column: a backward row's name ends in "bwd"
+        direction = r.get("direction") or ("backward" if r["variant"].endswith(" bwd") else "forward")
+        out.append(f"| {r['variant']} | {direction} | {float(r['ms_ours']):.3f} | {r['reference']} | "
+                   f"{float(r['ms_reference']):.3f} | {float(r['ratio']):.2f} |")
     return "\n".join(out)
 
 

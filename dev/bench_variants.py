@@ -1,6 +1,8 @@
-"""Time the variants of stage 02's forward (version 'pipelined') beside PyTorch on one GPU, in one run.
+"""Time the variants of stage 02's forward (version 'pipelined') beside PyTorch on one GPU, in one run; with
+--hopper, stage 06's (FlashAttention-3 on an sm_90 GPU) against the references issue 69 names.
 
     python dev/bench_variants.py [--out results] [--seq 16384] [--heads 16] [--head-dim 128]
+    python dev/bench_variants.py --hopper --out results      # results/bench_variants_hopper_<gpu>.csv
 
 Rows (bf16, B = 1, causal unless named):
     plain            ours against SDPA's flash backend
@@ -19,7 +21,19 @@ grouped-query against our plain backward, dropout against SDPA flash's backward 
 Before timing, each variant of ours is checked by the tolerance rule against the fp64 oracle on a small problem with
 the same options (N = 1024, 2 heads). At full size the CSV reports the max difference from PyTorch's output, and for
 the windows the max difference of ours and of FlexAttention from stage 00 in float32 on the GPU (one head).
-Writes <out>/bench_variants.csv (one run, provenance columns) and prints the table.
+Writes <out>/bench_variants.csv (one run, provenance columns) and prints the table. Every row says its direction
+(forward or backward); ratio = the reference's ms / ours (above 1: ours is faster).
+
+--hopper (stage 06's variant kernels: kernels/flash_v3_forward_variants.cu, flash_v3_backward_variants.cu), bf16,
+B = 1, forward and backward each:
+    gqa 32/8         H = 2 x heads query heads on H / 4 k / v heads, causal, against stage 06's plain attention on k, v
+                     repeated to H heads ("stage 06 plain"; the same FLOPs)
+    window W         causal sliding window window=(W - 1, 0), W = --windows, against FlexAttention compiled
+    softcap c        non-causal, against FlexAttention compiled with the same score_mod
+    varlen 8         8 causal sequences of different lengths (total about N), one launch, against stage 06's plain
+                     attention on them padded to the longest (B = 8): ratio = the padded batch's ms / ours, its speed
+                     counted on the real tokens
+Each is checked by the tolerance rule at N = 1024 before timing. Writes <out>/bench_variants_hopper_<gpu>.csv.
 """
 import argparse
 import csv
@@ -55,7 +69,10 @@ def main(argv=None):
     ap.add_argument("--softcap", type=float, default=30.0)
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--target-ms", type=float, default=300.0)
+    ap.add_argument("--hopper", action="store_true", help="stage 06's variants (an sm_90 GPU), not stage 02/03's")
     args = ap.parse_args(argv)
+    if args.hopper:
+        return hopper(args)
     cupy, torch = bench._environment()
     flex, create_block_mask = _flex(torch)
     N, H, D = args.seq, args.heads, args.head_dim
@@ -97,8 +114,9 @@ def main(argv=None):
         return bench.time_call(fn, clock, cupy, target_ms=args.target_ms)[0]
 
     def add(name, ms_ours, ref_name, ms_ref, diff=""):
-        rows.append(dict(variant=name, seq=N, heads=H, head_dim=D, ms_ours=f"{ms_ours:.4f}", reference=ref_name,
-                         ms_reference=f"{ms_ref:.4f}", ratio=f"{ms_ref / ms_ours:.3f}", max_diff=diff, **prov))
+        rows.append(dict(variant=name, direction="backward" if name.endswith(" bwd") else "forward", seq=N, heads=H,
+                         head_dim=D, ms_ours=f"{ms_ours:.4f}", reference=ref_name, ms_reference=f"{ms_ref:.4f}",
+                         ratio=f"{ms_ref / ms_ours:.3f}", max_diff=diff, **prov))
         print(f"{name:>16}: ours {ms_ours:8.3f} ms   {ref_name:>22} {ms_ref:8.3f} ms   ratio {ms_ref / ms_ours:5.2f}"
               f"   {diff}")
 
@@ -216,6 +234,116 @@ def main(argv=None):
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {path}")
+
+
+def hopper(args):
+    """Stage 06's variants against issue 69's references (the module docstring's --hopper rows)."""
+    import re
+
+    from stages.common import gpu_name
+    from stages.hopper import flash_v3, flash_v3_backward
+
+    cupy, torch, prov = bench.hopper_session("dev/bench_variants.py --hopper")
+    flex, create_block_mask = _flex(torch)
+    N, H, D = args.seq, args.heads, args.head_dim
+    scale = D ** -0.5
+    clock_c, clock_t = bench._Clock("cupy", cupy), bench._Clock("torch", cupy)
+    rows = []
+
+    def inputs(b, h, hkv, n, grad=False):
+        q, _, _, do = make_inputs(b, h, n, n, D, dtype=bfloat16, xp=cupy, grad=True)
+        _, k, v = make_inputs(b, hkv, n, n, D, dtype=bfloat16, xp=cupy)
+        return (q, k, v, do) if grad else (q, k, v)
+
+    def gate(opts, causal, h=2, hkv=2):  # the rule at N = 1024 before any timing of this variant
+        q, k, v, do = inputs(1, h, hkv, 1024, grad=True)
+        check_forward(flash_v3.forward, q, k, v, causal=causal, opts=opts)
+        check_backward(flash_v3_backward.backward, q, k, v, do, causal=causal, opts=opts)
+
+    def forward(q, k, v, **kw):
+        return lambda: flash_v3.forward(q, k, v, scale=scale, **kw)[0]
+
+    def backward(q, k, v, do, **kw):
+        o, lse = flash_v3.forward(q, k, v, scale=scale, **kw)
+        return lambda: flash_v3_backward.backward(q, k, v, o, lse, do, scale=scale, **kw)
+
+    def timed(fn, clock):
+        return bench.time_call(fn, clock, cupy, target_ms=args.target_ms)[0]
+
+    def add(name, direction, ms_ours, ref_name, ms_ref, heads=H):
+        rows.append(dict(variant=name, direction=direction, seq=N, heads=heads, head_dim=D, ms_ours=f"{ms_ours:.4f}",
+                         reference=ref_name, ms_reference=f"{ms_ref:.4f}", ratio=f"{ms_ref / ms_ours:.3f}", **prov))
+        print(f"{name:>12} {direction:>8}: ours {ms_ours:8.3f} ms   {ref_name:>16} {ms_ref:8.3f} ms   "
+              f"ratio {ms_ref / ms_ours:5.2f}")
+
+    def torch_backward(run, tq, tk, tv):
+        """The backward of a torch attention call: run() once with grad, then backward(dO) timed alone."""
+        for t in (tq, tk, tv):
+            t.requires_grad_(True)
+        out = run()
+        do = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (tq, tk, tv), do, retain_graph=True)
+
+    # grouped-query 32 / 8 against stage 06's plain attention at 32 heads (k, v repeated)
+    Hq, Hkv = 2 * H, H // 2
+    gate({}, True, h=8, hkv=2)
+    q, k, v, do = inputs(1, Hq, Hkv, N, grad=True)
+    kr, vr = cupy.repeat(k, Hq // Hkv, axis=1), cupy.repeat(v, Hq // Hkv, axis=1)
+    name = f"gqa {Hq}/{Hkv}"
+    add(name, "forward", timed(forward(q, k, v, causal=True), clock_c), "stage 06 plain",
+        timed(forward(q, kr, vr, causal=True), clock_c), Hq)
+    add(name, "backward", timed(backward(q, k, v, do, causal=True), clock_c), "stage 06 plain",
+        timed(backward(q, kr, vr, do, causal=True), clock_c), Hq)
+    del q, k, v, do, kr, vr
+
+    # sliding windows and softcap against FlexAttention (compiled)
+    q, k, v, do = inputs(1, H, H, N, grad=True)
+    tq, tk, tv = (bench._to_torch(x, torch) for x in (q, k, v))
+    for W in args.windows:
+        gate({"window": (W // 8 - 1, 0)}, True)  # the same option at N = 1024 (a window of N / 8)
+        torch._dynamo.reset()  # a fresh compile per mask
+
+        def mask_mod(b, h, qi, ki, W=W):
+            return (qi >= ki) & (qi - ki < W)
+
+        bm = create_block_mask(mask_mod, 1, 1, N, N, device="cuda")
+        run_flex = lambda bm=bm: flex(tq, tk, tv, block_mask=bm, scale=scale)  # noqa: E731
+        add(f"window {W}", "forward", timed(forward(q, k, v, causal=True, window=(W - 1, 0)), clock_c),
+            "flex_attention", timed(run_flex, clock_t))
+        add(f"window {W}", "backward", timed(backward(q, k, v, do, causal=True, window=(W - 1, 0)), clock_c),
+            "flex_attention", timed(torch_backward(run_flex, tq, tk, tv), clock_t))
+        for t in (tq, tk, tv):
+            t.requires_grad_(False)
+    c = args.softcap
+    gate({"softcap": c / 10}, False)
+    torch._dynamo.reset()
+
+    def cap(score, b, h, qi, ki):
+        return c * torch.tanh(score / c)
+
+    run_cap = lambda: flex(tq, tk, tv, score_mod=cap, scale=scale)  # noqa: E731
+    add(f"softcap {c:g}", "forward", timed(forward(q, k, v, causal=False, softcap=c), clock_c), "flex_attention",
+        timed(run_cap, clock_t))
+    add(f"softcap {c:g}", "backward", timed(backward(q, k, v, do, causal=False, softcap=c), clock_c),
+        "flex_attention", timed(torch_backward(run_cap, tq, tk, tv), clock_t))
+    del q, k, v, do
+
+    # a packed batch of 8 causal sequences against the same sequences padded to the longest
+    lens = [N // 4, N // 8, N // 16, N // 32, 3 * N // 16, 5 * N // 32, N // 8, N // 16]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # checked by the gpu tests, not gated here
+    qp, kp, vp, dop = (x[0].swapaxes(0, 1).copy() for x in inputs(1, H, H, int(cu[-1]), grad=True))
+    qpad, kpad, vpad, dopad = inputs(len(lens), H, H, max(lens), grad=True)
+    o, lse = flash_v3.forward_varlen(qp, kp, vp, cu, cu, causal=True, scale=scale)
+    name = f"varlen {len(lens)}"
+    add(name, "forward", timed(lambda: flash_v3.forward_varlen(qp, kp, vp, cu, cu, causal=True, scale=scale)[0],
+                               clock_c), "padded", timed(forward(qpad, kpad, vpad, causal=True), clock_c))
+    add(name, "backward", timed(lambda: flash_v3_backward.backward_varlen(qp, kp, vp, o, lse, dop, cu, cu, causal=True,
+                                                                           scale=scale), clock_c),
+        "padded", timed(backward(qpad, kpad, vpad, dopad, causal=True), clock_c))
+
+    os.makedirs(args.out, exist_ok=True)
+    tag = (re.search(r"[A-Z]\d{2,4}", gpu_name()) or re.search(r"\w+", gpu_name())).group(0).lower()
+    bench.write_rows(os.path.join(args.out, f"bench_variants_hopper_{tag}.csv"), list(rows[0]), rows)
 
 
 if __name__ == "__main__":

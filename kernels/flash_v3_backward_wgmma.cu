@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_c
         fence_operands(reinterpret_cast<float(&)[32]>(s));
         const bool masked = key0 + 63 >= Nk || (p.causal && key0 + 63 > row0 + shift);
         const long tile_rows = (long)bh * p.Nq_pad + row0;  // L_i and D_i of the tile, read from global memory
-        probabilities_t(s, p, p.lse + tile_rows, kr, row0, masked, t);
+        probabilities_t(s, p.scale, p.lse + tile_rows, kr, row0, masked, t, CausalMask(p, Nq, Nk));  // the mask hook
         wgmma_wait<0>();
         fence_operands(reinterpret_cast<float(&)[32]>(dp));
         ds_t(dp, s, p.delta + tile_rows, t);
@@ -125,5 +125,5 @@ __global__ void __launch_bounds__(128, 1) flash_v3_backward_wgmma(const __grid_c
         if (threadIdx.x == 0 && n + 2 < n_tiles) load_q_do(n + 2);
     }
 
-    store_dk_dv<T, D, DP>(dk, dv, p, bh, kr, col_panel, t);  // Alg.2 L16 (a block no query sees writes zeros)
+    store_dk_dv<T, D, DP>(dk, dv, p, bh, 0, Nk, kr, col_panel, t);  // Alg.2 L16 (a block no query sees writes zeros)
 }

@@ -23,14 +23,14 @@ struct Fp8 {
         const float f = p.scale_log2 * (p.amax[3 * bh] / 448.f) * (p.amax[3 * bh + 1] / 448.f);
         return [f] { return f; };
     }
-    __device__ static void load_v(u32 v_s, const HopperFwdParams& p, u32 bar, int j, int bh) {
-        for (int r = 0; r < D / 64; ++r) tma_load_3d(v_s + r * 64 * 128u, &p.map_v, bar, BC * j, 64 * r, bh);
+    __device__ static void load_v(u32 v_s, const HopperFwdParams& p, u32 bar, int key, int bh) {
+        for (int r = 0; r < D / 64; ++r) tma_load_3d(v_s + r * 64 * 128u, &p.map_v, bar, key, 64 * r, bh);
     }
     __device__ static void rescale(RowState<D>& st, const float (&alpha)[2]) {
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_o(st, alpha);
     }
-    __device__ static void store(RowState<D>& st, const HopperFwdParams& p, int bh, int r0, int g, int t) {
-        store_rows<O, D>(st, p, bh, r0, g, t, p.amax[3 * bh + 2] / 448.f, LIFT);  // O = P (V' f_v)
+    __device__ static void store(RowState<D>& st, const HopperFwdParams& p, const WorkItem& w, int r0, int g, int t) {
+        store_rows<O, D>(st, p, w.bh, w.q0, w.Nq, r0, g, t, p.amax[3 * w.bh + 2] / 448.f, LIFT);  // O = P (V' f_v)
     }
 };
 
@@ -42,11 +42,12 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_fp8(const __grid_cons
     __shared__ __align__(8) u64 bars[Smem::BARRIERS];
     const Smem sm(smem_raw, bars);
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-    const TileScheduler<Kind::BC, false> sched(p);
+    using Sched = TileScheduler<Kind::BC, false>;
+    const Sched sched(p);
     if (threadIdx.x == 0) sm.init_barriers();
     __syncthreads();
     if (wg == 0)  // the producer warpgroup
-        pingpong_producer<E4M3, Kind::D, Kind::BC, 2, false, Kind>(p, sm, sched);
-    else  // consumer warpgroups 0 and 1
-        pingpong_consumer<E4M3, Kind::D, Kind::BC, 2, false, Kind>(p, sm, sched, wg);
+        pingpong_producer<E4M3, Kind::D, Kind::BC, 2, Sched, Kind>(p, sm, sched);
+    else  // consumer warpgroups 0 and 1, plain attention's hooks (variants.cuh)
+        pingpong_consumer<E4M3, Kind::D, Kind::BC, 2, Sched, Kind, CausalMask, PlainScore>(p, p, sm, sched, wg);
 }

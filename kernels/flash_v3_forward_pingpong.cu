@@ -12,25 +12,7 @@
 // Checked by tests/test_06_hopper_gpu.py.
 #include "hopper_pingpong.cuh"
 
-// The 16-bit kernel's part of the main loop: S scaled by the softmax scale, O rescaled by alpha on every tile, V_j
-// loaded in panels of 64 columns (BC rows x 128 bytes each), O_i stored in type O and L_i (or both merged into the
-// running float32 O, L: a ring block).
-template <typename O, int D, int BC>
-struct Sixteen {
-    enum : int { LIFT = 0 };
-    __device__ static auto scale_log2(const HopperFwdParams& p, int) {
-        return [&p] { return p.scale_log2; };
-    }
-    __device__ static void load_v(u32 v_s, const HopperFwdParams& p, u32 bar, int j, int bh) {
-        for (int c = 0; c < D / 64; ++c) tma_load_3d(v_s + c * BC * 128u, &p.map_v, bar, 64 * c, BC * j, bh);
-    }
-    __device__ static void rescale(RowState<D>& st, const float (&alpha)[2]) { rescale_o(st, alpha); }
-    __device__ static void store(RowState<D>& st, const HopperFwdParams& p, int bh, int r0, int g, int t) {
-        store_rows<O, D>(st, p, bh, r0, g, t);
-    }
-};
-
-// T: the inputs' type, float16 or bfloat16; O: the output's, the same.
+// T: the inputs' type, float16 or bfloat16; O: the output's, the same. The 16-bit Kind: hopper_pingpong.cuh.
 template <typename T, int D, int BC, int STAGES, bool PERSISTENT, typename O = T>
 __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid_constant__ HopperFwdParams p) {
     using Smem = PingpongSmem<T, D, BC, STAGES>;
@@ -38,11 +20,12 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_pingpong(const __grid
     __shared__ __align__(8) u64 bars[Smem::BARRIERS];
     const Smem sm(smem_raw, bars);
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-    const TileScheduler<BC, PERSISTENT> sched(p);
+    using Sched = TileScheduler<BC, PERSISTENT>;
+    const Sched sched(p);
     if (threadIdx.x == 0) sm.init_barriers();
     __syncthreads();
     if (wg == 0)  // the producer warpgroup
-        pingpong_producer<T, D, BC, STAGES, PERSISTENT, Sixteen<O, D, BC>>(p, sm, sched);
-    else  // consumer warpgroups 0 and 1
-        pingpong_consumer<T, D, BC, STAGES, PERSISTENT, Sixteen<O, D, BC>>(p, sm, sched, wg);
+        pingpong_producer<T, D, BC, STAGES, Sched, Sixteen<O, D, BC>>(p, sm, sched);
+    else  // consumer warpgroups 0 and 1, plain attention's hooks (variants.cuh)
+        pingpong_consumer<T, D, BC, STAGES, Sched, Sixteen<O, D, BC>, CausalMask, PlainScore>(p, p, sm, sched, wg);
 }

@@ -59,5 +59,5 @@ __global__ void __launch_bounds__(128, 1) flash_v3_forward_wgmma(const __grid_co
         const bool masked = (j + 1) * 64 > Nk || (p.causal && (j + 1) * 64 - 1 > row0 + shift);
         consume_tile<T, D, 64>(st, q_s, k_s, k_s + TILE, r0, 64 * j, Nk, p.causal, shift, p.scale_log2, masked, g, t);
     }
-    store_rows<T, D>(st, p, bh, r0, g, t);
+    store_rows<T, D>(st, p, bh, 0, p.Nq, r0, g, t);
 }

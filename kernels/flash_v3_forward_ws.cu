@@ -70,5 +70,5 @@ __global__ void __launch_bounds__(384, 1) flash_v3_forward_ws(const __grid_const
                                g, t);
         mbar_arrive(empty(s));  // this thread is done with the stage (its wgmmas have completed)
     }
-    store_rows<T, D>(st, p, bh, r0, g, t);
+    store_rows<T, D>(st, p, bh, 0, p.Nq, r0, g, t);
 }

@@ -6,6 +6,17 @@
 #pragma once
 #include "backward_dq.cuh"
 #include "hopper_tiles.cuh"
+#include "variants.cuh"
+
+// Whether a Score hook (variants.cuh) changes the scores: then P^T needs the hook's x, and dS^T its derivative.
+template <typename Score>
+struct ScoreHook {
+    enum : bool { MODIFIES = true };
+};
+template <>
+struct ScoreHook<PlainScore> {
+    enum : bool { MODIFIES = false };
+};
 
 // The one argument of every stage 06 backward version: pointer fields first (kernels.Launch fills them per call),
 // tensor maps at multiples of 64 bytes. q, k, v, dO: (B, H, N, D) row-major, seen by the maps as D x N x (B H) in
@@ -45,30 +56,75 @@ __device__ __forceinline__ void issue_s_dp(float (&s)[NQ / 8][4], float (&dp)[NQ
 
 // Alg.2 L9 in place: P^T = exp(scale S^T - L_i), as exp2((scale S^T - L_i) log2 e): scale S - L is one FMA, one
 // rounding of a number near 0 (folding log2 e into the scale and L instead would round each of two large numbers,
-// an error that grows with the logits). Entries whose key is past Nk or right of the query's diagonal are 0
-// (masked: this tile has such entries). lse: L_i of the Q tile's NB x 8 rows (global or shared memory); kr: this
-// lane's first key; row0: the Q tile's first row.
+// an error that grows with the logits). Entries whose key the query does not see are 0 (masked: this tile has such
+// entries; mask: stage 02's Mask hook, variants.cuh, asked entry by entry: hidden(row, key), S^T's rows are keys). lse: L_i of the Q
+// tile's NB x 8 rows (global or shared memory); kr: this lane's first key; row0: the Q tile's first row. Plain
+// attention's Score hook (PlainScore: nothing to do); the variants' is capped_scores_t and probabilities_ds_t.
 // Every exponential is taken, then the mask overwrites: straight-line code whose MUFU.EX2s overlap one another. Were
 // each exp2 taken only where the entry is seen, the compiler would branch around each one, and the warp would wait
 // for every exp2 in turn.
-template <int NB>
-__device__ __forceinline__ void probabilities_t(float (&s)[NB][4], const HopperBwdParams& p, const float* lse, int kr,
-                                                int row0, bool masked, int t) {
+template <int NB, typename Mask>
+__device__ __forceinline__ void probabilities_t(float (&s)[NB][4], float scale, const float* lse, int kr, int row0,
+                                                bool masked, int t, const Mask& mask) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {  // column 8 nb + 2 t + e % 2 is query row0 + 8 nb + 2 t + e % 2
         const float2 L = *reinterpret_cast<const float2*>(lse + 8 * nb + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], p.scale, -(e % 2 ? L.y : L.x)) * LOG2E_F);
+        for (int e = 0; e < 4; ++e) s[nb][e] = fast_exp2(fmaf(s[nb][e], scale, -(e % 2 ? L.y : L.x)) * LOG2E_F);
     }
     if (!masked) return;
-    const int shift = p.Nk - p.Nq;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = kr + 8 * (e / 2), row = row0 + 8 * nb + 2 * t + (e % 2);
-            if (key >= p.Nk || (p.causal && key > row + shift)) s[nb][e] = 0.f;
+            if (mask.hidden(row, key)) s[nb][e] = 0.f;
         }
+}
+
+// Alg.2 L9-11 with the variants' Score hook (ModScore, variants.cuh), in two passes over S^T, each one straight-line
+// code for every option (a copy of a pass per option would not fit the registers beside S^T, dP^T, dK_j, dV_j).
+// First, while dP^T is still on the tensor cores, with softcap c only (capped_scores_t): S^T -> c tanh(scale S^T / c)
+// by the forward's own arithmetic (variants.cuh: transform_scores), so the backward's P^T is the forward's P where
+// the scores are. Then, once dP^T is done (probabilities_ds_t): x = the capped score (or scale S^T without softcap),
+// ALiBi x -> x - slope |diag - key| (slope 0: none), P^T = exp(x - L_i), and dS^T = P^T o (dP^T - D_i) o dcap in place
+// of dP^T, dcap = 1 - (x_capped / c)^2 the softcap's derivative, read off the capped score itself (1 without).
+template <int NB>
+__device__ __forceinline__ void capped_scores_t(float (&s)[NB][4], const ModScore& score) {
+    const float inv_cap = 1.f / score.softcap;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float e2y = fast_exp2(s[nb][e] * score.scale * inv_cap * (2.f * LOG2E_F));
+            s[nb][e] = score.softcap * (1.f - __fdividef(2.f, e2y + 1.f));
+        }
+}
+
+// ALiBi's distance |row + diag_shift - key| in float: a per-lane base and a constant per entry (exact below 2^24),
+// not an integer conversion per entry. The mask is asked for every entry, with no test of the part first: the branch
+// around it would keep more registers live than the four rows of S^T that the comparisons cost.
+template <int NB, typename Mask>
+__device__ __forceinline__ void probabilities_ds_t(float (&s)[NB][4], float (&dp)[NB][4], const ModScore& score,
+                                                   const float* lse, const float* delta, int kr, int row0, int t,
+                                                   const Mask& mask) {
+    const bool cap = score.softcap > 0.f;
+    const float mult = cap ? 1.f : score.scale, inv_cap = cap ? 1.f / score.softcap : 0.f;
+    const float base = (float)(row0 + 2 * t + score.diag_shift - kr);  // entry (nb, e): + 8 nb + e % 2 - 8 (e / 2)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        const float2 L = *reinterpret_cast<const float2*>(lse + 8 * nb + 2 * t);
+        const float2 Di = *reinterpret_cast<const float2*>(delta + 8 * nb + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float xc = s[nb][e] * mult, th = xc * inv_cap;
+            const float x = xc - score.slope * fabsf(base + (float)(8 * nb + e % 2 - 8 * (e / 2)));
+            float pe = fast_exp2((x - (e % 2 ? L.y : L.x)) * LOG2E_F);
+            if (mask.hidden(row0 + 8 * nb + 2 * t + (e % 2), kr + 8 * (e / 2))) pe = 0.f;
+            s[nb][e] = pe;
+            dp[nb][e] = pe * (dp[nb][e] - (e % 2 ? Di.y : Di.x)) * (1.f - th * th);
+        }
+    }
 }
 
 // Alg.2 L11 in place of dP^T: dS^T = P^T o (dP^T - D_i); delta: D_i of the Q tile's NB x 8 rows.
@@ -127,28 +183,30 @@ __device__ __forceinline__ void fence_rs(float (&dv)[DP / 64][8][4], float (&dk)
     fence_operands(reinterpret_cast<u32(&)[4 * KS]>(da));
 }
 
-// Alg.2 L16 for this lane's keys kr, kr + 8: dK_j = scale sum dS^T Q and dV_j, columns 64 col_panel.. (DP of them),
-// written in the input type or (accumulate) added to the ring's float32 accumulators with vector reductions (the
-// ring's block calls of one step run side by side and may add to the same keys); keys past Nk are left alone.
+// Alg.2 L16 for this lane's keys kr, kr + 8 of k / v head bh: dK_j = scale sum dS^T Q and dV_j, columns
+// 64 col_panel.. (DP of them), written in the input type or (accumulate) added to the ring's float32 accumulators with
+// vector reductions (the ring's block calls of one step run side by side and may add to the same keys); keys Nk on
+// are left alone. Key c is row k0 + c of the head (k0: a packed sequence's first key, else 0).
 template <typename T, int D, int DP>
 __device__ __forceinline__ void store_dk_dv(const float (&dk)[DP / 64][8][4], const float (&dv)[DP / 64][8][4],
-                                            const HopperBwdParams& p, int bh, int kr, int col_panel, int t) {
+                                            const HopperBwdParams& p, int bh, int k0, int Nk, int kr, int col_panel,
+                                            int t) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int key = kr + 8 * h;
-        if (key >= p.Nk) continue;
-        const long at = ((long)bh * p.kv_rows + key) * D + 64 * col_panel + 2 * t;
+        if (key >= Nk) continue;
+        const long at = ((long)bh * p.kv_rows + k0 + key) * D + 64 * col_panel + 2 * t;
 #pragma unroll
         for (int c = 0; c < DP / 64; ++c)
 #pragma unroll
             for (int nb = 0; nb < 8; ++nb) {
                 const long x = at + 64 * c + 8 * nb;
-                const float k0 = p.scale * dk[c][nb][2 * h], k1 = p.scale * dk[c][nb][2 * h + 1];
+                const float dk0 = p.scale * dk[c][nb][2 * h], dk1 = p.scale * dk[c][nb][2 * h + 1];
                 if (p.accumulate) {
-                    red_add_f32x2<0>(static_cast<float*>(p.dk) + x, k0, k1);
+                    red_add_f32x2<0>(static_cast<float*>(p.dk) + x, dk0, dk1);
                     red_add_f32x2<0>(static_cast<float*>(p.dv) + x, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
                 } else {
-                    store2(static_cast<T*>(p.dk) + x, k0, k1);
+                    store2(static_cast<T*>(p.dk) + x, dk0, dk1);
                     store2(static_cast<T*>(p.dv) + x, dv[c][nb][2 * h], dv[c][nb][2 * h + 1]);
                 }
             }

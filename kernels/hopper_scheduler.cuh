@@ -1,7 +1,8 @@
 // hopper_scheduler.cuh: the tile scheduler of stage 06's ping-pong forward: which work items a block computes, in
 // what order, and how many K/V tiles each has. FlashAttention-3 keeps its schedulers apart from its kernel in the same
 // way (hopper/tile_scheduler.hpp: SingleTileScheduler, StaticPersistentTileScheduler); the main loop
-// (hopper_pingpong.cuh) walks the items it is given and never computes one itself.
+// (hopper_pingpong.cuh) walks the items it is given and never computes one itself. The variants' scheduler
+// (hopper_variants.cuh: VariantScheduler) gives the same items of grouped-query heads, packed sequences and windows.
 //
 // A work item is (Q tile of 128 rows, head), item = head * n_rows + rank. Head-major: the blocks in flight share
 // their heads' K and V in L2. Under the causal mask rank 0 is a head's last Q tile, the one that sees the most keys,
@@ -14,8 +15,22 @@
 #pragma once
 #include "hopper_tiles.cuh"  // HopperFwdParams
 
+// One work item as the main loop sees it: the Q tile's rows, the heads and rows the copy engine reads, and the K/V
+// tiles j0 .. j0 + n_tiles - 1 of BC keys that hold a key one of its rows sees (n_tiles = 0: none, the item only
+// stores O = 0, L = -inf). Plain attention: one head for q and k / v, rows from 0; the variants' scheduler
+// (VariantScheduler, below) gives grouped-query heads, a packed sequence's rows and a window's band of tiles.
+struct WorkItem {
+    int bh, bkv;    // the (batch, head) of q, o, lse and of k, v: the tensor maps' third coordinate
+    int row0;       // the Q tile's first row, counted from its sequence's first
+    int q0, k0;     // the rows of the sequence's first query and key in the maps (a packed batch; else 0)
+    int Nq, Nk;     // the sequence's query rows and keys
+    int j0, n_tiles;
+    int hd;         // the (batch, head) of the ALiBi slope (hooks: variants.cuh)
+};
+
 template <int BC, bool PERSISTENT>
 struct TileScheduler {
+    enum : bool { persistent = PERSISTENT };
     const HopperFwdParams& p;
     int Nq, Nk, shift;            // the problem: query r sees key c iff c <= r + shift under the causal mask
     int n_rows, n_items, stride;  // Q tiles a head, items, the stride of a block's walk
@@ -27,14 +42,13 @@ struct TileScheduler {
     // A block's items: first(), then on by stride while below n_items.
     __device__ int first() const { return blockIdx.y * gridDim.x + blockIdx.x; }
 
-    // The item's head bh and first row row0; returns its K/V tiles of BC keys: those holding a key that one of its
-    // rows sees (0: none).
-    __device__ int tiles(int item, int& bh, int& row0) const {
+    // The item: its head, first row and K/V tiles of BC keys: those holding a key that one of its rows sees.
+    __device__ WorkItem item(int item) const {
         const int rank = PERSISTENT ? item % n_rows : blockIdx.x;
-        bh = PERSISTENT ? item / n_rows : blockIdx.y;
-        row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
+        const int bh = PERSISTENT ? item / n_rows : blockIdx.y;
+        const int row0 = 128 * (p.causal ? n_rows - 1 - rank : rank);
         const int last_row = min(row0 + 127, Nq - 1);
         const int last_key = p.causal ? min(Nk - 1, last_row + shift) : Nk - 1;
-        return last_key < 0 ? 0 : last_key / BC + 1;
+        return WorkItem{bh, bh, row0, 0, 0, Nq, Nk, 0, last_key < 0 ? 0 : last_key / BC + 1, bh};
     }
 };

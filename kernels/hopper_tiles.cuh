@@ -233,19 +233,19 @@ __device__ __forceinline__ void consume_tile(RowState<D>& st, u32 q_s, u32 k_s, 
 }
 
 // Alg.1 L12-14 for this warp's rows r0 + g, r0 + g + 8 of head bh: O_i = diag(l_i)^-1 O_i, L_i = m_i + log l_i
-// (natural log); a row that saw no key: O = 0, L = -inf. With p.merge, a block of ring attention (stage 04): O_i, L_i
+// (natural log); a row that saw no key: O = 0, L = -inf. Rows Nq on are not stored; row r is row q0 + r of the head in
+// o and lse (q0: a packed sequence's first row, else 0). With p.merge, a block of ring attention (stage 04): O_i, L_i
 // merge into the running float32 (O, L) of those rows instead (attention_tiles.cuh: merge_row_into_running).
 // o_scale: O_i's factor (version fp8: v's amax / 448); lift: P's 2^lift (softmax_tile's LIFT), taken off L_i.
 template <typename T, int D>
-__device__ __forceinline__ void store_rows(RowState<D>& st, const HopperFwdParams& p, int bh, int r0, int g,
-                                           int t, float o_scale = 1.f, float lift = 0.f) {
-    const int Nq = p.Nq;
+__device__ __forceinline__ void store_rows(RowState<D>& st, const HopperFwdParams& p, int bh, int q0, int Nq, int r0,
+                                           int g, int t, float o_scale = 1.f, float lift = 0.f) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float l;
         const float inv_l = inverse_row_sum(st.l[h], l) * o_scale, m = st.m[h] - lift;
         const int row = r0 + g + 8 * h;
-        const long at = (long)bh * p.o_rows + row;
+        const long at = (long)bh * p.o_rows + q0 + row;
         if (p.merge) {  // every lane takes part (the running L travels within the quad)
             merge_row_into_running<D>(static_cast<float*>(p.o) + at * D, p.lse + at,
                                       reinterpret_cast<float(&)[D / 8][4]>(st.o), h, inv_l, m, l,

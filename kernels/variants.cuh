@@ -13,7 +13,10 @@
 //            NoDropout, PhiloxDropout (dropout.cuh).
 // Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel. The forward applies a
 // hook to a whole fragment of S (apply); the backward, whose fragments are S^T (rows are keys), asks per score
-// (visible, exponent, keep_bits and dropped).
+// (visible, exponent, keep_bits and dropped). Stage 06's kernels call the same hooks (kernels/hopper_variants.cuh):
+// the forward's warp-specialised loop on its S fragments (apply), the backward's on S^T one entry at a time (hidden;
+// hopper_bwd_tiles.cuh applies ModScore's fields to S^T). CausalMask and PlainScore take any parameter struct with
+// the fields they read, so that stage 06's plain kernels pass their own.
 // Fragment layout of s (one warp, MT m-tiles of 16 rows x NC keys; lane = 4 g + t): entry e of n-tile n in m-tile m
 // is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2) (kernels/common.cuh).
 #pragma once
@@ -52,13 +55,21 @@ __device__ __forceinline__ HeadRows head_rows(const P& p, long bh, bool whole_pr
 // ---------------------------------------------------------------- Mask hooks
 // Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
 struct CausalMask {
-    static constexpr bool packed = false;  // takes no packed batch
+    enum : bool { packed = false };  // takes no packed batch
     template <typename P>
     using For = CausalMask;  // built from any parameter struct (its fields are copies)
     int Nk, shift, causal;
 
-    template <typename P>
+    template <typename P>  // FwdParams, BwdParams, or stage 06's parameter structs (they have causal too)
     __device__ CausalMask(const P& p, int Nq, int Nk) : Nk(Nk), shift(Nk - Nq), causal(p.causal) {}
+    // The last key row r sees (Nk - 1 at most; < 0: none).
+    __device__ int last_key(int r) const { return causal ? min(Nk - 1, r + shift) : Nk - 1; }
+    // Stage 06's backward (S^T, keys as rows): whether row r does not see key c, and whether rows r0..r1 x keys
+    // c0..c1 hold such an entry. Bitwise, not short-circuit: straight-line predicates, no branch.
+    __device__ bool hidden(int r, int c) const { return (c >= Nk) | ((causal != 0) & (c > r + shift)); }
+    __device__ bool part_masked(int r0, int r1, int c0, int c1) const {
+        return (c1 >= Nk) | ((causal != 0) & (c1 > r0 + shift));
+    }
     // The K/V tiles j_first <= j < j_end that rows row0..last_row visit (causal: none right of the last diagonal).
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
@@ -96,11 +107,23 @@ struct CausalMask {
 // parameter struct, whose left and right are read where used (from the kernel's parameter space).
 template <typename P>
 struct WindowMaskOf {
-    static constexpr bool packed = true;  // takes packed batches (cu_q, cu_k)
+    enum : bool { packed = true };  // takes packed batches (cu_q, cu_k)
     const P& p;
     int Nk, shift;
 
     __device__ WindowMaskOf(const P& p, int Nq, int Nk) : p(p), Nk(Nk), shift(Nk - Nq) {}
+    __device__ int last_key(int r) const { return p.right < 0 ? Nk - 1 : min(Nk - 1, r + shift + p.right); }
+    // Rows from Nq = Nk - shift on see no key: stage 06's backward reads a packed sequence's L_i past its end.
+    __device__ bool hidden(int r, int c) const {
+        const int left = p.left, right = p.right;
+        return (c >= Nk) | (r >= Nk - shift) | ((right >= 0) & (c > r + shift + right)) |
+               ((left >= 0) & (c < r + shift - left));
+    }
+    __device__ bool part_masked(int r0, int r1, int c0, int c1) const {
+        const int left = p.left, right = p.right;
+        return (c1 >= Nk) | (r1 >= Nk - shift) | ((right >= 0) & (c1 > r0 + shift + right)) |
+               ((left >= 0) & (c0 < r1 + shift - left));
+    }
     template <int BR, int BC>
     __device__ int2 kv_tiles(int row0, int Nq) const {
         const int left = p.left, right = p.right;
@@ -148,11 +171,17 @@ struct WindowMask : WindowMaskOf<FwdParams> {
 };
 
 // ---------------------------------------------------------------- Score hooks
+// A parameter struct's softmax scale, or 1 for one without (stage 06's forward structs carry only exp2's factor).
+template <typename P>
+__device__ __forceinline__ auto scale_of(const P& p, int) -> decltype(float(p.scale)) { return p.scale; }
+template <typename P>
+__device__ __forceinline__ float scale_of(const P&, long) { return 1.f; }
+
 struct PlainScore {
     float scale;  // the backward's (the forward folds it into exp2_scale)
 
-    template <typename P>
-    __device__ PlainScore(const P& p, long, int) : scale(p.scale) {}
+    template <typename P>  // any parameter struct: its scale where it has one (stage 06's forward folds it away)
+    __device__ PlainScore(const P& p, long, int) : scale(scale_of(p, 0)) {}
     template <int MT, int NC>
     __device__ void apply(float (&)[MT][NC / 8][4], int, int, int, int) const {}
     // Backward, Alg.2 L11: the exponent of P_ij = exp(scale S_ij - L_i) for s = S_ij of query q, key kv: one FMA (one

@@ -5,7 +5,8 @@ tests/test_06_hopper_launch.py."""
 import numpy as np
 import pytest
 
-from stages.hopper import fp8
+from stages.common import variants
+from stages.hopper import backward_mirror, fp8
 from stages.hopper import schedules as S
 from stages.hopper import swizzle as L
 
@@ -227,6 +228,118 @@ def test_backward_mirror_reduces_into_dq_once_per_block_and_q_tile():
     trace = []
     M.backward(q, k, v, q, np.zeros((1, 1, 256)), do, causal=True, br=128, trace=trace)
     assert trace == [(0, 0), (0, 128), (128, 128)] and len(trace) == M.dq_reductions(256, 256, True, 128, 128)
+
+
+# ---------------------------------------------------------------- the variants: what the kernels visit and skip
+WINDOWS = [(-1, -1), (-1, 0), (70, 30), (0, 0), (200, -1), (-1, 5), (300, 0), (1023, 0)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("Nq,Nk,bc", [(300, 300, 128), (150, 400, 128), (400, 150, 128), (700, 1300, 64),
+                                       (1, 65, 128), (129, 2000, 128)])
+def test_forward_items_visit_exactly_the_band_of_tiles_their_rows_see(Nq, Nk, bc, window):
+    """The VariantScheduler's items (schedules.variant_items, the kernel's arithmetic): every row in one item, every
+    (row, key) a row sees inside its item's band of K/V tiles, and every tile of a band holding a key one of the item's
+    rows sees: a window's other tiles are never loaded. Heaviest first without a left bound; an item past the rows (a
+    packed batch's shorter sequence) visits nothing."""
+    left, right = window
+    opts = variants.Options(left=left, right=right)
+    vis = variants.visible(Nq, Nk, opts)
+    items = S.variant_items(Nq, Nk, left, right, bc, n_blocks=-(-Nq // 128) + 2)
+    rows = sorted(r for _, row0, _, _ in items if row0 < Nq for r in range(row0, min(row0 + 128, Nq)))
+    assert rows == list(range(Nq))
+    for rank, row0, j0, n in items:
+        if row0 >= Nq:
+            assert n == 0
+            continue
+        seen = vis[row0:row0 + 128]
+        band = np.zeros(Nk, bool)
+        band[j0 * bc:(j0 + n) * bc] = True
+        assert not (seen & ~band).any(), f"item {rank}: a key it sees lies outside its band"
+        for j in range(j0, j0 + n):
+            assert seen[:, j * bc:(j + 1) * bc].any(), f"item {rank}: tile {j} holds no key its rows see"
+    if right >= 0 and left < 0:  # rank 0 is the last Q tile, the one that sees the most keys
+        assert items[0][1] == 128 * (-(-Nq // 128) - 1)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_part_left_unmasked_is_seen_whole(window):
+    """part_masked (WindowMask's, the kernels' test before they apply the mask): False only where every (row, key) of
+    the part is seen; rows past Nq are masked; over random parts, both answers come up."""
+    left, right = window
+    Nq, Nk = 333, 300
+    vis = variants.visible(Nq, Nk, variants.Options(left=left, right=right))
+    rng = np.random.default_rng(7)
+    answers = set()
+    for _ in range(400):
+        r0, c0 = int(rng.integers(0, Nq + 20)), int(rng.integers(0, Nk + 20))
+        r1, c1 = r0 + int(rng.integers(0, 128)), c0 + int(rng.integers(0, 128))
+        masked = S.part_masked(r0, r1, c0, c1, Nq, Nk, left, right)
+        answers.add(masked)
+        if not masked:
+            assert r1 < Nq and c1 < Nk and vis[r0:r1 + 1, c0:c1 + 1].all()
+    assert answers == {True, False} or window == (0, 0)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("Nq,Nk", [(300, 300), (200, 333), (192, 192), (100, 130)])
+def test_the_ragged_last_tile_keeps_every_key_its_rows_see(Nq, Nk, window):
+    """At D = 128 a warpgroup computes its item's last K/V tile only as wide as its rows need (last_tile_width): no key
+    one of its 64 rows sees lies past that width, and a narrower tile is taken somewhere (the diagonal)."""
+    left, right = window
+    vis = variants.visible(Nq, Nk, variants.Options(left=left, right=right))
+    widths = set()
+    for _, row0, j0, n in S.variant_items(Nq, Nk, left, right, 128):
+        if n == 0:
+            continue
+        j_last = j0 + n - 1
+        for first in (row0, row0 + 64):
+            w = S.last_tile_width(first, Nq, Nk, right, j_last, 128)
+            widths.add(w)
+            assert not vis[first:first + 64, 128 * j_last + w:128 * (j_last + 1)].any()
+    assert widths
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("Nq,Nk,br", [(300, 300, 64), (150, 400, 128), (400, 150, 64), (1, 65, 64)])
+def test_a_key_block_walks_exactly_the_q_tiles_that_see_its_keys(Nq, Nk, br, window):
+    """The backward's block of 128 keys visits the Q tiles from the first to the last holding a row that sees one of
+    its keys (backward_mirror.q_tiles, KeyBlock's arithmetic): none missed, none outside that span."""
+    left, right = window
+    vis = variants.visible(Nq, Nk, variants.Options(left=left, right=right))
+    for key0 in range(0, Nk, 128):
+        rows = np.flatnonzero(vis[:, key0:key0 + 128].any(axis=1))
+        want = range(rows[0] // br * br, rows[-1] + 1, br) if rows.size else range(0)
+        got = backward_mirror.q_tiles(Nq, Nk, key0, 128, br, left, right)
+        assert [r // br for r in got] == [r // br for r in want], (key0, got, want)
+
+
+@pytest.mark.parametrize("br", [64, 128])
+@pytest.mark.parametrize("case", ["gqa", "mqa-window", "softcap-alibi", "window-empty-rows"])
+def test_backward_mirror_with_the_variants_gives_stage_00s_gradients(case, br):
+    """The variants' kernel's order (a block per K/V tile and k / v head walking its group's query heads; a window's Q
+    tiles only; softcap's derivative and ALiBi on S^T) sums to stage 00's gradients in float64: dK, dV of a k / v
+    head are its group's sums."""
+    from stages import naive
+    from stages.common import make_inputs
+
+    H, Hkv, Nq, Nk, causal, kw = {
+        "gqa": (4, 2, 130, 200, True, {}),
+        "mqa-window": (4, 1, 257, 200, False, {"window": (64, 10)}),
+        "softcap-alibi": (2, 2, 100, 150, True, {"softcap": 5.0, "alibi_slopes": np.array([0.5, 0.25])}),
+        "window-empty-rows": (2, 1, 150, 90, False, {"window": (0, 0), "softcap": 20.0}),
+    }[case]
+    q, _, _, do = make_inputs(2, H, Nq, Nk, 32, dtype=np.float64, grad=True)
+    _, k, v = make_inputs(2, Hkv, Nq, Nk, 32, dtype=np.float64)
+    o, lse = naive.forward(q, k, v, causal=causal, **kw)
+    want = naive.backward(q, k, v, o, lse, do, causal=causal, **kw)
+    opts = variants.check(q, k, causal=causal, **kw)
+    got = backward_mirror.backward(q, k, v, o, lse, do, causal=causal, br=br, opts=opts)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape and np.allclose(a, b, rtol=1e-10, atol=1e-12), name
+    summed = backward_mirror.backward(q, k.repeat(H // Hkv, 1), v.repeat(H // Hkv, 1), o, lse, do, causal=causal,
+                                      br=br, opts=opts._replace(group=1))
+    assert np.allclose(got[1], summed[1].reshape(2, Hkv, H // Hkv, Nk, 32).sum(2))  # dK: the group's sum
 
 
 # ---------------------------------------------------------------- version fp8: its key order and numerics

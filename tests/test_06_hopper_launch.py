@@ -8,8 +8,12 @@ import inspect
 import numpy as np
 import pytest
 
-from stages.common import bfloat16, device
-from stages.hopper import flash_v3, flash_v3_backward, fp8, fp32x3, probes, sm90a
+from stages.common import bfloat16, device, variants
+from stages.common import params as variants_params
+from stages.hopper import (
+    backward_steps, flash_v3, flash_v3_backward, flash_v3_backward_variants, flash_v3_variants, fp8, fp32x3, probes,
+    sm90a,
+)
 
 H100 = device.emulate("sm_90")  # an H100's limits (emulated: the launchers refuse it, the limit checks read it)
 COMPILED = {  # what: (instantiations, threads a block, dynamic shared memory of each, at most the H100's)
@@ -20,6 +24,10 @@ COMPILED = {  # what: (instantiations, threads a block, dynamic shared memory of
     **{f"backward {v}": (flash_v3_backward.instantiations(v), flash_v3_backward.CONFIGS[v].threads,
                          [flash_v3_backward.smem_bytes(v, D) for D in flash_v3_backward.VERSION_HEAD_DIMS[v]])
        for v in flash_v3_backward.VERSIONS},
+    "forward variants": (flash_v3_variants.instantiations(), 384,
+                         [flash_v3_variants.tiles(D)[1] for D in flash_v3_variants.HEAD_DIMS]),
+    "backward variants": (flash_v3_backward_variants.instantiations(), 384,
+                          [backward_steps.smem_bytes("ws", D) for D in flash_v3_backward_variants.HEAD_DIMS]),
     "fp8": ([x for x in fp8.instantiations() if x[0] == fp8.ATTENTION_FILE], 384, [fp8.smem_bytes()]),
     "fp8 pre-pass": ([x for x in fp8.instantiations() if x[0] == fp8.FILE], fp8.THREADS, []),
 }
@@ -167,12 +175,18 @@ def test_stage_06_offers_the_one_api():
         assert params["causal"].kind is params["scale"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
-def test_stage_06_is_taken_only_where_it_computes_the_problem():
-    """The ring and the GPT ask flash_v3.takes before they pick stage 06: never in float32, at a head dim it has no
-    kernel for, or with grouped-query heads (on any machine, GPU or not)."""
+def test_stage_06_is_taken_only_where_it_computes_the_problem(monkeypatch):
+    """The ring and the GPT ask flash_v3.takes before they pick stage 06 (and takes_block for its backward blocks):
+    never in float32, at a head dim it has no kernel for, or with k / v heads that do not divide the query heads; on an
+    sm_90 GPU grouped-query heads are taken (H100's limits, the sm_90 check passed)."""
     assert not flash_v3.takes(np.float32, 128)
     assert not flash_v3.takes(bfloat16, 96)
-    assert not flash_v3.takes(bfloat16, 128, heads=8, kv_heads=2)
+    monkeypatch.setattr(flash_v3, "require_hopper", lambda *a, **k: H100)
+    assert flash_v3.takes(bfloat16, 128, heads=8, kv_heads=2) and flash_v3.takes(np.float16, 256, heads=8, kv_heads=1)
+    assert not flash_v3.takes(bfloat16, 128, heads=8, kv_heads=3) and not flash_v3.takes(np.float32, 128)
+    assert flash_v3_backward.takes_block(bfloat16, 64, heads=8, kv_heads=2)
+    assert not flash_v3_backward.takes_block(bfloat16, 256) and not flash_v3_backward.takes_block(bfloat16, 64, heads=6,
+                                                                                                   kv_heads=4)
 
 
 # ---------------------------------------------------------------- each launcher's configuration, recorded
@@ -187,12 +201,16 @@ def compiled(monkeypatch):
             seen.append(("flash_v2_backward_pre.cu", name, 0))
             return name
 
-    for module in (flash_v3, flash_v3_backward, fp8):
+    for module in (flash_v3, flash_v3_backward, fp8, flash_v3_variants, flash_v3_backward_variants):
         monkeypatch.setattr(module, "function", record)
-    monkeypatch.setattr(flash_v3_backward, "load_module", lambda f, **kw: Stage03Module())
-    flash_v3_backward._pre_function.cache_clear()
+    monkeypatch.setattr(backward_steps, "load_module", lambda f, **kw: Stage03Module())
+    backward_steps.pre_function.cache_clear()
+    for plans in (flash_v3_variants.launch_rows, flash_v3_backward_variants._plan):  # plans made with the real compile
+        plans.cache_clear()
     yield seen
-    flash_v3_backward._pre_function.cache_clear()
+    backward_steps.pre_function.cache_clear()
+    for plans in (flash_v3_variants.launch_rows, flash_v3_backward_variants._plan):
+        plans.cache_clear()
 
 
 def _map_at(launch, field, params_type):
@@ -301,7 +319,7 @@ def test_the_forward_takes_wide_key_tiles_only_for_version_pingpong_at_d128_on_l
 
 
 def test_the_backward_converts_dq_in_its_main_kernel_only_on_short_heads_of_version_ws():
-    rule, most = flash_v3_backward.fuse_dq_rule, flash_v3_backward.FUSE_DQ_MAX
+    rule, most = flash_v3_backward.fuse_dq_rule, backward_steps.FUSE_DQ_MAX
     assert rule("ws", most // 128, 128) and rule("ws", most // 64, 64)
     assert not rule("ws", most // 128 + 1, 128) and not rule("wgmma", 64, 64)
 
@@ -326,3 +344,73 @@ def test_the_cubin_comparison_tells_identical_changed_renamed_and_missing_kernel
     assert next(r for r in rows if r["name"] == "new<1>")["was"] == "old<1>"
     table = script.markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "| new<1> | h.cu | identical |" in table
+
+
+# ---------------------------------------------------------------- the variants' launches
+def test_the_variants_forward_launch_is_what_its_kernel_expects(compiled):
+    """Grouped-query k, v (8 query heads, 2 k / v heads), a window and softcap at D = 128: the level-2 hooks'
+    instantiation, one block per (Q tile, head), the variants' fields where the hooks read them (var), exp2's factor
+    log2 e (ModScore applies the scale), k and v maps over the k / v heads, and the call's pointers past the maps."""
+    from stages.common import LOG2E
+    from stages.hopper import params
+
+    opts = variants.check(np.zeros((2, 8, 1, 1)), np.zeros((2, 2, 1, 1)), causal=True, window=(100, -1),
+                          softcap=30.0)
+    launch = flash_v3_variants.launch_rows(np.dtype(bfloat16), (2, 8, 300, 128), (2, 2, 500, 128), (0, 300),
+                                           (0, 500), True, 0.1, flash_v3_variants.plan_options(opts), merge=False)
+    bc, smem = flash_v3_variants.tiles(128)
+    assert compiled == [(flash_v3_variants.FILE, "flash_v3_forward_variants<__nv_bfloat16,128,128,WindowMask,ModScore>",
+                         smem)] and bc == 128
+    run = launch.launch
+    assert run.grid == (3, 16, 1) and run.block == (384, 1, 1) and run.smem == smem
+    p = run.params
+    assert (p.Nq, p.Nk, p.heads, p.merge) == (300, 500, 16, 0) and p.scale_log2 == pytest.approx(LOG2E)
+    assert (p.var.H, p.var.group, p.var.left, p.var.right, p.var.softcap) == (8, 4, 100, 0, 30.0)
+    assert p.var.scale == pytest.approx(0.1) and p.var.a_off == 0
+    k_map = _map_at(launch, "map_k", params.HopperVarFwdParams)
+    assert k_map.dims == (128, 500, 4) and k_map.box == (64, 128, 1)
+    assert launch.tail == tuple(params.HopperVarFwdParams.var.offset + getattr(variants_params.FwdParams, f).offset
+                                for f in ("slopes", "cu_q", "cu_k"))
+    plain = flash_v3_variants.plan_options(variants.check(np.zeros((1, 4, 1, 1)), np.zeros((1, 4, 1, 1)),
+                                                          causal=False, window=(8, 8)))
+    packed = flash_v3_variants.launch_rows(np.dtype(np.float16), (1, 4, 1000, 64), (1, 4, 900, 64), (0, 1000),
+                                           (0, 900), False, 0.125, plain, merge=False, varlen=(5, 300))
+    assert packed.launch.grid[:2] == (3, 20) and packed.launch.params.scale_log2 == pytest.approx(0.125 * LOG2E)
+    assert compiled[-1][1] == "flash_v3_forward_variants<__half,64,128,WindowMask,PlainScore>"
+
+
+def test_the_variants_backward_launches_are_what_their_kernel_expects(compiled):
+    """Multi-query k, v (4 query heads, 1 k / v head) at D = 64: the preprocess over the query heads, one block per
+    (K/V tile, k / v head) with the group's counters when the kernel converts dQ, L_i and D_i by unswizzled tensor
+    maps in boxes of a Q tile's rows, k and v maps over the k / v heads."""
+    from stages.hopper import params
+
+    opts = flash_v3_variants.plan_options(variants.check(np.zeros((1, 4, 1, 1)), np.zeros((1, 1, 1, 1)),
+                                                         causal=True))
+    plan = flash_v3_backward_variants._plan(np.dtype(bfloat16), (1, 4, 100, 64), (1, 1, 300, 64), True, 0.125, opts)
+    name = "flash_v3_backward_variants<__nv_bfloat16,64,128,WindowMask,PlainScore>"
+    assert (flash_v3_backward_variants.FILE, name, backward_steps.smem_bytes("ws", 64)) in compiled
+    main = plan.main.launch
+    assert main.grid == (3, 1, 1) and plan.convert is None and plan.pre.grid[1] == 4  # fused: 4 x 100 x 64 values
+    assert plan.pre.params.n_done == 1  # one counter: one k / v head
+    p = main.params
+    assert (p.Nq, p.Nk, p.kv_rows, p.var.H, p.var.group, p.var.right) == (100, 300, 300, 4, 4, 0)
+    lse_map = _map_at(plan.main, "map_lse", params.HopperVarBwdParams)
+    assert lse_map.swizzle == "NONE" and lse_map.box == (128, 1) and lse_map.dims == (p.Nq_pad, 4)
+    assert _map_at(plan.main, "map_k", params.HopperVarBwdParams).dims == (64, 300, 1)
+    long = flash_v3_backward_variants._plan(np.dtype(bfloat16), (1, 4, 3000, 64), (1, 1, 300, 64), True, 0.125, opts)
+    assert long.convert is not None and long.pre.params.n_done == 0  # 4 heads x 3000 rows: converted after the kernel
+
+
+def test_stage_06_refuses_dropout_and_names_where_it_runs():
+    """Stage 06 takes grouped-query heads, windows, softcap and ALiBi; dropout is a clear error naming stages 02 and
+    03 (checked before any GPU call); plain options give no variants at all."""
+    q, k = np.zeros((1, 4, 8, 64)), np.zeros((1, 2, 8, 64))
+    kw = dict(causal=False, window=None, softcap=None, alibi_slopes=None, seed=0, where="flash_v3.forward")
+    with pytest.raises(ValueError, match="not dropout: dropout runs in stage 02 version 'pipelined'.*stage 03"):
+        flash_v3_variants.check_options(q, k, dropout_p=0.1, **kw)
+    assert flash_v3_variants.check_options(q, q, dropout_p=0.0, **kw) is None
+    assert flash_v3_variants.check_options(q, q, dropout_p=0.0, **{**kw, "window": (-1, -1)}) is None
+    assert flash_v3_variants.check_options(q, k, dropout_p=0.0, **kw).group == 2
+    with pytest.raises(ValueError, match="head dims .64, 128.*stage 03 version 'tc'"):
+        flash_v3_backward_variants.check_head_dim(256, "flash_v3_backward")

@@ -25,7 +25,8 @@ EXPECTED_FIGURES = {
     "04_ring": 7,                # schedule, backward schedule, zigzag work, window steps, timeline, the halves,
                                  # efficiency and memory on 4 GPUs
     "05_train_gpt": 1,           # loss curves of the kernels on the recall task
-    "06_hopper": 4,              # swizzle and passes, the K steps' bytes, pipeline timelines, ping-pong timeline
+    "06_hopper": 5,              # swizzle and passes, the K steps' bytes, pipeline timelines, ping-pong timeline,
+                                 # a window's band of K/V tiles
 }
 MAX_NOTEBOOK_BYTES = 1_000_000   # outputs stay small: PNGs at a modest dpi, no huge printouts
 

@@ -2,8 +2,9 @@
 
 kernels/params.cuh defines the structs the stage 02 and 03 kernels take (FwdParams, BwdParams) and
 stages/common/params.py the same structs with ctypes, which a launcher fills; stage 06's structs are in its headers
-(hopper_tiles.cuh, hopper_bwd_tiles.cuh) and mirrored in its launchers. NVRTC compiles a static_assert of the size and
-of every field's offset, so a field added, removed, reordered or retyped on one side only fails here.
+(hopper_tiles.cuh, hopper_bwd_tiles.cuh, hopper_variants.cuh) and mirrored in its launchers. NVRTC compiles a
+static_assert of the size and of every field's offset, so a field added, removed, reordered or retyped on one side
+only fails here.
 """
 import ctypes
 
@@ -11,11 +12,20 @@ import pytest
 
 from stages.common import kernels, params
 from stages.hopper import flash_v3, flash_v3_backward
+from stages.hopper import params as hopper_params
 
 STRUCTS = [(params.FwdParams, "FwdParams", "params.cuh"),
            (params.BwdParams, "BwdParams", "params.cuh"),
            (flash_v3.HopperFwdParams, "HopperFwdParams", "hopper_tiles.cuh"),
-           (flash_v3_backward.HopperBwdParams, "HopperBwdParams", "hopper_bwd_tiles.cuh")]
+           (flash_v3_backward.HopperBwdParams, "HopperBwdParams", "hopper_bwd_tiles.cuh"),
+           (hopper_params.HopperVarFwdParams, "HopperVarFwdParams", "hopper_variants.cuh"),
+           (hopper_params.HopperVarBwdParams, "HopperVarBwdParams", "hopper_variants.cuh")]
+
+
+def _all_fields(struct_type):
+    """(name, type) of every field, a derived structure's base's first (ctypes keeps each class's own in _fields_)."""
+    bases = [t for t in reversed(struct_type.__mro__) if issubclass(t, ctypes.Structure) and "_fields_" in vars(t)]
+    return [f for t in bases for f in t._fields_]
 
 
 def _layout_errors(struct_type, c_name, header):
@@ -27,7 +37,7 @@ def _layout_errors(struct_type, c_name, header):
 
     from cupy_backends.cuda.libs import nvrtc
 
-    names = [name for name, _ in struct_type._fields_]
+    names = [name for name, _ in _all_fields(struct_type)]
     checks = [f"if (at(&s.{n}) != {getattr(struct_type, n).offset}) bad[{i}] = 1;" for i, n in enumerate(names)
               if not n.startswith("_")]  # _pad: the mirror's bytes for the C compiler's alignment, no field there
     checks.append(f"if (sizeof(s) != {ctypes.sizeof(struct_type)}) bad[{len(names)}] = 1;")
@@ -58,8 +68,9 @@ def test_python_struct_matches_the_kernels_struct(struct_type, c_name, header):
 def test_the_layout_check_finds_fields_out_of_place(struct_type, c_name, header):
     """Positive control: a mirror with two neighbouring fields of different sizes swapped is caught, at those
     fields."""
-    fields = list(struct_type._fields_)
-    i = next(n for n in range(len(fields) - 1) if ctypes.sizeof(fields[n][1]) != ctypes.sizeof(fields[n + 1][1]))
+    fields = _all_fields(struct_type)
+    i = next(n for n in range(len(fields) - 1) if ctypes.sizeof(fields[n][1]) != ctypes.sizeof(fields[n + 1][1])
+             and not fields[n][0].startswith("_") and not fields[n + 1][0].startswith("_"))
     fields[i], fields[i + 1] = fields[i + 1], fields[i]
     swapped = type("Swapped", (ctypes.Structure,), {"_fields_": fields})
     wrong = _layout_errors(swapped, c_name, header)

@@ -4,6 +4,8 @@ D = 64, 128 or 256 (version fp8: 128), or in float32 (version fp32x3, D = 64, 12
     o, lse = flash_v3.forward(q, k, v, causal=True)                    # version "pingpong" (float32: "fp32x3")
     o, lse = flash_v3.forward(q, k, v, causal=True, version="wgmma")
     o, lse = flash_v3.forward(q, k, v, causal=True, version="fp8")     # e4m3 multiplies, d = 128
+    o, lse = flash_v3.forward(q, k[:, :2], v[:, :2], causal=True, window=(1023, 0), softcap=30.0)   # variants
+    o, lse = flash_v3.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)              # packed batch
 
 Versions, in the order the README teaches them:
   wgmma     (kernels/flash_v3_forward_wgmma.cu) stage 02's algorithm with Hopper's data paths: the copy engine (TMA)
@@ -21,19 +23,23 @@ Versions, in the order the README teaches them:
   fp8       (fp8.py, kernels/flash_v3_forward_fp8.cu) float16 / bfloat16 in and out, multiplied in e4m3: a pre-pass
             scales each head of q, k, v into e4m3 (v transposed), then version pingpong's main loop on the bytes.
 
+The attention variants (grouped-query and multi-query k, v; a sliding window; softcap; ALiBi; packed batches of
+sequences of different lengths) run in version pingpong's main loop with stage 02's hooks: flash_v3_variants.py.
+
 forward() checks the inputs and hands them to the version's launcher: forward_16bit here (wgmma, ws, pingpong: the
-configuration, compile and parameter struct in launch_rows), fp32x3.forward, fp8.forward. It is wrapped by the speed
-layer (stages/common/fast_path.py), which replays a repeated call's launch; a reader may skip it.
+configuration, compile and parameter struct in launch_rows), fp32x3.forward, fp8.forward,
+flash_v3_variants.forward. It is wrapped by the speed layer (stages/common/fast_path.py), which replays a repeated
+call's launch; a reader may skip it.
 """
 import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import LOG2E, device, fast_path, kernels
-from stages.common.checks import check_causal, resolve_scale
+from stages.common import LOG2E, device, fast_path, kernels, variants, varlen
+from stages.common.checks import check_causal, check_out_dtype, resolve_scale
 
-from . import fp8, fp32x3
+from . import flash_v3_variants, fp8, fp32x3
 from .params import HopperFwdParams
 from .sm90a import CTYPE, ELSEWHERE, ELSEWHERE_FP32, function, require_hopper
 from .tensor_maps import MappedLaunch, heads_map
@@ -121,8 +127,9 @@ def _check(q, k, v, version):
                         f", got {q.dtype}; float32 runs in version {FP32!r}, float16 and bfloat16 in "
                         f"{', '.join(VERSIONS)} and {FP8!r}")
     B, H, Nq, D = q.shape
-    if k.shape != v.shape or k.shape[:2] != (B, H) or k.shape[3] != D:
-        raise ValueError(f"{WHERE}: k and v must be (B, H, Nk, D) = ({B}, {H}, Nk, {D}); got {k.shape}, {v.shape}")
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"{WHERE}: k and v must be (B, Hkv, Nk, D) = ({B}, Hkv, Nk, {D}) with Hkv dividing H = {H}; "
+                         f"got {k.shape}, {v.shape}")
     dims = fp32x3.HEAD_DIMS if fp32 else fp8.HEAD_DIMS if version == FP8 else HEAD_DIMS
     if D not in dims:
         raise ValueError(f"{WHERE}: head dim {D} is not supported{' in float32' if fp32 else ''}"
@@ -133,25 +140,68 @@ def _check(q, k, v, version):
 
 
 @fast_path.remembered  # the speed layer: a repeated call replays its kept launch (stages/common/fast_path.py)
-def forward(q, k, v, *, causal=False, scale=None, version=None):
+def forward(q, k, v, *, causal=False, scale=None, version=None, window=None, softcap=None, alibi_slopes=None,
+            dropout_p=0.0, seed=0):
     """(o, lse): o (B, H, Nq, D) in q's dtype, lse (B, H, Nq) float32. version None: DEFAULT for float16 / bfloat16,
-    fp32x3 for float32. Raises TypeError for numpy arrays and device.UnsupportedDevice without an sm_90 GPU, both
-    naming the stage 02 / 03 versions that compute the same attention there; TypeError / ValueError for what the
-    kernels do not take."""
+    fp32x3 for float32. Variants (stages/common/variants.py), version pingpong in float16 / bfloat16: k, v with fewer
+    heads (grouped-query; Hkv dividing H), window=(left, right), softcap, alibi_slopes; dropout is stage 02's. Raises
+    TypeError for numpy arrays and device.UnsupportedDevice without an sm_90 GPU, both naming the stage 02 / 03
+    versions that compute the same attention there; TypeError / ValueError for what the kernels do not take."""
     import cupy
 
     version = _check(q, k, v, version)
     causal = check_causal(causal, WHERE)
+    opts = flash_v3_variants.check_options(q, k, causal=causal, window=window, softcap=softcap,
+                                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, where=WHERE)
+    if opts is not None and version != DEFAULT:
+        raise ValueError(f"{WHERE}: {flash_v3_variants.TAKES} run in version {DEFAULT!r} (float16 / bfloat16), not "
+                         f"{version!r}; stage 02 version 'pipelined' takes them too, and version 'fp32' in float32")
     B, H, Nq, D = q.shape
     scale = resolve_scale(scale, D)
     if Nq == 0 or (k.shape[2] == 0 and version != FP32):  # no rows, or no key for any row: O = 0, L = -inf (a
         # tensor map has no empty dimension)
         return cupy.zeros_like(q), cupy.full((B, H, Nq), -np.inf, cupy.float32)
+    if opts is not None:
+        return flash_v3_variants.forward(q, k, v, causal=causal, scale=scale, opts=opts)
     if version == FP32:
         return fp32x3.forward(q, k, v, causal=causal, scale=scale)
     if version == FP8:
         return fp8.forward(q, k, v, causal=causal, scale=scale)
     return forward_16bit(q, k, v, causal=causal, scale=scale, version=version)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                   scale=None, version=None, out_dtype=None, window=None, alibi_slopes=None, softcap=None,
+                   dropout_p=0.0, seed=0):
+    """Attention over a packed batch of sequences of different lengths, none attending across sequences (the
+    definition: stages/common/varlen.py), as stage 02's forward_varlen: q (total_q, H, D), k and v (total_k, Hkv, D),
+    cu_seqlens_q and cu_seqlens_k (sequences + 1,) integers; returns o (total_q, H, D) and lse (H, total_q). One
+    launch of version pingpong with the variants' hooks (flash_v3_variants.py) for the whole batch: each block finds
+    its sequence's rows from cu_seqlens, so no padding is computed. Takes forward's options; out_dtype only q's."""
+    where = "flash_v3.forward_varlen"
+    require_hopper(q, k, v, where=where)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        varlen.check_packed(x, where, name)
+    qb, kb, vb = (kernels.row_major(varlen.as_batch(x)) for x in (q, k, v))  # (1, H, total, D)
+    version = _check(qb, kb, vb, version)
+    if version != DEFAULT:
+        raise ValueError(f"{where}: packed batches run in version {DEFAULT!r} (float16 / bfloat16), not {version!r}; "
+                         "stage 02's forward_varlen takes every version")
+    if check_out_dtype(out_dtype, q.dtype, where) != q.dtype:
+        raise ValueError(f"{where}: o comes in q's dtype here; a float32 o (out_dtype) is stage 02's forward_varlen")
+    causal = check_causal(causal, where)
+    opts = flash_v3_variants.check_options(qb, kb, causal=causal, window=window, softcap=softcap,
+                                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, where=where)
+    opts = opts or variants.check(qb, kb, causal=causal, where=where)  # a plain batch: its causal mask alone
+    cq, _, cu = varlen.kernel_bounds(q, k, cu_seqlens_q, cu_seqlens_k, where, max_seqlen_q, max_seqlen_k)
+    import cupy
+
+    H, D = q.shape[1], q.shape[2]
+    if q.shape[0] == 0 or k.shape[0] == 0:  # no rows, or no key at all: O = 0, L = -inf
+        return cupy.zeros_like(q), cupy.full((H, q.shape[0]), -np.inf, cupy.float32)
+    o, lse = flash_v3_variants.forward_packed(qb, kb, vb, cu, int(np.diff(cq).max()), causal=causal,
+                                              scale=resolve_scale(scale, D), opts=opts)
+    return cupy.ascontiguousarray(o[0].swapaxes(0, 1)), lse[0]
 
 
 def forward_16bit(q, k, v, *, causal, scale, version):
@@ -191,25 +241,35 @@ def launch_rows(version, dtype, q_shape, Lk, rows, keys, causal, scale, *, merge
 
 def takes(dtype, head_dim, *, heads=1, kv_heads=1, batch=1):
     """Whether stage 06 computes such a problem on this GPU: an sm_90 GPU, float16 or bfloat16, a head dim of
-    HEAD_DIMS, as many K/V heads as query heads (no grouped-query attention yet), B H within the grid. The ring
-    (stage 04) and the GPT (stage 05) ask before they pick stage 06 over stage 02."""
+    HEAD_DIMS, kv_heads dividing heads (grouped-query attention), B H within the grid. The ring (stage 04) and the GPT
+    (stage 05) ask before they pick stage 06 over stage 02; merge_into takes a window, softcap and ALiBi too."""
     try:
         require_hopper()
     except device.UnsupportedDevice:  # not an sm_90 GPU, or none
         return False
-    return np.dtype(dtype) in CTYPE and head_dim in HEAD_DIMS and heads == kv_heads and batch * heads <= 65535
+    return (np.dtype(dtype) in CTYPE and head_dim in HEAD_DIMS and kv_heads >= 1 and heads % kv_heads == 0
+            and batch * heads <= 65535)
 
 
 # The speed layer's part for the ring: its blocks repeat every step, so their launches are kept per block problem.
 _block_launch = functools.lru_cache(maxsize=fast_path.MAX_PLANS)(launch_rows)
 
 
-def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DEFAULT):
+def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, version=DEFAULT, opts=None):
     """One block of ring attention (stage 04), merged in place, as stage 02's tc.merge_into: rows = (q_start, q_stop)
-    of q (B, H, Lq, D) against keys = (k_start, k_stop) of k, v (B, H, Lk, D); the block's O_i, L_i merge in the
+    of q (B, H, Lq, D) against keys = (k_start, k_stop) of k, v (B, Hkv, Lk, D); the block's O_i, L_i merge in the
     kernel's epilogue into the running float32 O, L of those rows (o_run (B, H, Lq, D), lse_run (B, H, Lq); L = -inf
     where nothing was merged yet). No row is copied: the tensor maps start at the rows' first and step over whole
-    heads. Causal: bottom-right aligned within the block. The caller checks the arrays (takes())."""
+    heads. Causal: bottom-right aligned within the block. opts: variants.Options of the block (its window, softcap,
+    ALiBi and origin; dropout is stage 02's), or None; k, v with fewer heads than q (grouped-query) or any option run
+    the variants' kernel (flash_v3_variants.py). The caller checks the arrays (takes())."""
+    if opts is None:  # plain attention, or grouped-query as the heads say
+        opts = variants.check(q, k, causal=causal, where="flash_v3.merge_into")
+    if opts.dropout_p:
+        raise ValueError(f"flash_v3.merge_into: {flash_v3_variants.DROPOUT}")
+    if not opts.plain:
+        return flash_v3_variants.merge_into(q, k, v, o_run, lse_run, rows, keys, causal=causal, scale=scale,
+                                            opts=opts)
     launch = _block_launch(version, np.dtype(q.dtype), q.shape, k.shape[2], rows, keys, bool(causal), scale,
                            merge=True)
     D, q0 = q.shape[3], rows[0]
@@ -225,6 +285,7 @@ def launch_choices(version):
 
 
 def instantiations(version):
-    """[(file, name)]: the instantiations of a version that CI compiles for sm_90a."""
+    """[(file, name)]: the instantiations of a version that CI compiles for sm_90a (version pingpong's with the
+    variants: flash_v3_variants.instantiations)."""
     return [(FILES[version], instantiation(version, c, D, config(version, D, w).bc, p)) for c in CTYPE.values()
             for D, p, w in launch_choices(version)]

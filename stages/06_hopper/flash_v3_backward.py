@@ -18,18 +18,23 @@ Versions, in the order the README teaches them:
   ws     (kernels/flash_v3_backward_ws.cu) a producer warpgroup and two consumers on a K/V tile of 128 keys, Q tiles
          of 128 rows at D = 64 (64 at D = 128); dQ_i summed over the block's 128 keys, then added by bulk reductions
          of the copy engine. D = 64, 128.
-version "auto" (the default): ws where it takes the head dim, else wgmma.
+version "auto" (the default): ws where it takes the head dim, else wgmma. The attention variants (grouped-query k, v;
+a window; softcap; ALiBi; packed batches: backward_varlen) run in version ws's loop with stage 02's hooks, D = 64,
+128: flash_v3_backward_variants.py.
 """
 import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from stages.common import empty, fast_path, kernels, load_module
-from stages.common.checks import check_backward_inputs, check_causal, resolve_scale
-from stages.common.params import BwdParams
-from stages.flash_v2_backward import flash_v2_backward as stage03  # its preprocess, dQ conversion and padding
+from stages.common import empty, fast_path, kernels, variants, varlen
+from stages.common.checks import check_backward_inputs, check_causal, check_out_dtype, resolve_scale
 
+from . import flash_v3_backward_variants as bv
+from . import flash_v3_variants
+from .backward_steps import (  # the launches and tiles every stage 06 backward shares
+    PAD, STAGES, WS_HEAD_DIMS, convert_launch, fuse_dq_rule, pre_launch, q_tile_rows, smem_bytes,
+)
 from .params import HopperBwdParams
 from .sm90a import CTYPE, function, require_hopper
 from .tensor_maps import MappedLaunch, heads_map
@@ -38,26 +43,7 @@ FILES = {"wgmma": "flash_v3_backward_wgmma.cu", "ws": "flash_v3_backward_ws.cu"}
 VERSIONS = tuple(FILES)
 DEFAULT = "auto"
 HEAD_DIMS = (64, 128, 256)
-VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": (64, 128)}
-# Q/dO stages of version ws: the producer loads Q_{i+1}, dO_{i+1} while the consumers work on Q_i; they meet at
-# every tile's barriers, so neither runs more than a tile ahead of the other
-STAGES = 2
-PRE_FILE = "flash_v2_backward_pre.cu"  # stage 03's preprocess and dQ conversion
-PAD = stage03.PAD                      # D_i and L_i are padded to a multiple of PAD rows (>= every Q tile's rows)
-# Who converts dQ in version ws. The accumulator is B H Nq D floats; a pass of its own over it (bwd_convert_dq) costs
-# the same at every N for the same number of tokens, while the GEMMs' work grows with N, so at short N it is a large
-# share of the call. Fused, the last block of each head to finish converts that head while the other blocks still
-# compute, reading the accumulator from L2 where the reductions left it. But that block converts alone, on one SM: a
-# long head's conversion is a tail after the rest of the grid. Fused up to FUSE_DQ_MAX accumulator values per head
-# (results/backward_launches_h200.csv times both ways at every N).
-FUSE_DQ_MAX = 2048 * 128
-
-
-def fuse_dq_rule(version, nq, d):
-    """Whether the main kernel converts dQ itself (see FUSE_DQ_MAX): version ws, nq query rows of head dim d."""
-    return version == "ws" and nq * d <= FUSE_DQ_MAX
-
-
+VERSION_HEAD_DIMS = {"wgmma": HEAD_DIMS, "ws": WS_HEAD_DIMS}
 class Config(NamedTuple):
     """A version's K/V tile (bc keys per block) and threads per block."""
 
@@ -66,12 +52,6 @@ class Config(NamedTuple):
 
 
 CONFIGS = {"wgmma": Config(64, 128), "ws": Config(128, 384)}  # ws: a producer and two consumer warpgroups
-
-
-def q_tile_rows(version, D):
-    """Rows of a Q tile: 64, and 128 for version ws at D = 64, where a consumer's registers hold S^T and dP^T of its
-    64 keys x 128 queries beside dK_j and dV_j. The kernel takes it as its template argument BR."""
-    return 128 if version == "ws" and D == 64 else 64
 
 
 def resolve_version(version, D):
@@ -91,16 +71,6 @@ def parts(D):
     return 2 if D == 256 else 1
 
 
-def smem_bytes(version, D):
-    """2 bytes a value; 1024 bytes to align the first tile to the swizzle's period. wgmma: K_j and V_j (64 keys),
-    the 64 x 64 dS^T, two stages of Q_i and dO_i. ws: K_j and V_j (128 keys), dS^T (128 x br), dQ_i in float32
-    (br x D), STAGES stages of Q_i and dO_i with their L_i and D_i (br floats each); br = q_tile_rows."""
-    br = q_tile_rows(version, D)
-    if version == "wgmma":
-        return 6 * 64 * D * 2 + 64 * br * 2 + 1024
-    return 2 * 128 * D * 2 + 128 * br * 2 + br * D * 4 + STAGES * (2 * br * D * 2 + 2 * br * 4) + 1024
-
-
 def instantiation(version, ctype, D):
     """The main kernel's template instantiation (its name expression) for element type ctype at head dim D."""
     if version == "wgmma":
@@ -109,22 +79,61 @@ def instantiation(version, ctype, D):
 
 
 @fast_path.remembered  # the speed layer: a repeated call replays its kept launches (stages/common/fast_path.py)
-def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT):
+def backward(q, k, v, o, lse, do, *, causal=False, scale=None, version=DEFAULT, window=None, softcap=None,
+             alibi_slopes=None, dropout_p=0.0, seed=0):
     """(dq, dk, dv), shaped like q, k, v and in their dtype: the gradients of sum(O * dO) from the forward's o and lse.
-    Raises TypeError for numpy arrays and device.UnsupportedDevice without an sm_90 GPU, both naming the stage 02 / 03
+    Variants (the forward's options, stages/common/variants.py): k, v with fewer heads (dk, dv summed over each
+    group), window, softcap, alibi_slopes, at head dims 64 and 128 (version ws); dropout is stage 03's. Raises
+    TypeError for numpy arrays and device.UnsupportedDevice without an sm_90 GPU, both naming the stage 02 / 03
     versions that compute the same attention there; TypeError / ValueError for what the kernels do not take."""
     where = "flash_v3_backward"
     if version != "auto" and version not in VERSIONS:
         raise ValueError(f"{where}: version {version!r} is not one of {('auto',) + VERSIONS}")
     require_hopper(q, k, v, o, lse, do, where=where)  # numpy arrays or another GPU: what to use there
     _, B, H, Nq, Nk, D = check_backward_inputs(q, k, v, o, lse, do, where=where, dtypes=tuple(CTYPE),
-                                               head_dims=HEAD_DIMS)
+                                               head_dims=HEAD_DIMS, gqa=True)
     if B * H > 65535:
         raise ValueError(f"{where}: batch * heads = {B * H} is over the grid limit 65535")
     causal = check_causal(causal, where)
     scale = resolve_scale(scale, D)
+    opts = flash_v3_variants.check_options(q, k, causal=causal, window=window, softcap=softcap,
+                                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, where=where)
+    if opts is not None:
+        if version == "wgmma":
+            raise ValueError(f"{where}: {flash_v3_variants.TAKES} run in version 'ws' (or 'auto'), not 'wgmma'")
+        bv.check_head_dim(D, where)
+        return bv.backward(q, k, v, o, lse, do, causal=causal, scale=scale, opts=opts)
     plan = launches(resolve_version(version, D), np.dtype(q.dtype), q.shape, Nk, causal, scale)
     return fast_path.launch(plan, q, k, v, o, lse, do)  # scratch and outputs allocated; the launches
+
+
+def backward_varlen(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+                    causal=False, scale=None, version=DEFAULT, out_dtype=None, window=None, alibi_slopes=None,
+                    softcap=None, dropout_p=0.0, seed=0):
+    """The gradients of a packed batch (flash_v3.forward_varlen; the definition: stages/common/varlen.py), as stage
+    03's backward_varlen: dq (total_q, H, D), dk and dv (total_k, Hkv, D). One launch of the variants' kernel for the
+    whole batch (flash_v3_backward_variants.py): a block per (K/V tile of the longest sequence, sequence, k / v
+    head), each finding its rows from cu_seqlens. Head dims 64 and 128; out_dtype only q's."""
+    where = "flash_v3_backward.backward_varlen"
+    require_hopper(q, k, v, o, lse, do, where=where)
+    packed = [varlen.check_packed(x, where, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (do, "do"))]
+    qb, kb, vb, ob, dob = (kernels.row_major(varlen.as_batch(x)) for x in packed)  # (1, H, total, D)
+    check_backward_inputs(qb, kb, vb, ob, lse[None], dob, where=where, dtypes=tuple(CTYPE), gqa=True)
+    if version not in ("auto", "ws"):
+        raise ValueError(f"{where}: packed batches run in version 'ws' (or 'auto'), not {version!r}")
+    bv.check_head_dim(q.shape[2], where)
+    if check_out_dtype(out_dtype, q.dtype, where) != q.dtype:
+        raise ValueError(f"{where}: the gradients come in q's dtype here; float32 ones (out_dtype) are stage 03's")
+    causal = check_causal(causal, where)
+    opts = flash_v3_variants.check_options(qb, kb, causal=causal, window=window, softcap=softcap,
+                                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, where=where)
+    opts = opts or variants.check(qb, kb, causal=causal, where=where)  # a plain batch: its causal mask alone
+    cq, ck, cu = varlen.kernel_bounds(q, k, cu_seqlens_q, cu_seqlens_k, where, max_seqlen_q, max_seqlen_k)
+    import cupy
+
+    dq, dk, dv = bv.backward_packed(qb, kb, vb, ob, lse[None], dob, cu, (np.diff(cq).max(), np.diff(ck).max()),
+                                    causal=causal, scale=resolve_scale(scale, q.shape[2]), opts=opts)
+    return tuple(cupy.ascontiguousarray(x[0].swapaxes(0, 1)) for x in (dq, dk, dv))
 
 
 def launches(version, dtype, q_shape, Nk, causal, scale, fuse_dq=None):
@@ -138,13 +147,11 @@ def launches(version, dtype, q_shape, Nk, causal, scale, fuse_dq=None):
     if fused and version != "ws":
         raise ValueError(f"flash_v3_backward: version {version!r} does not convert dQ itself (version 'ws' does)")
     # stage 03's preprocess: D_i, L_i; the dQ accumulator (and the block counters) zeroed
-    pre = _pre_launch(ctype, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH, zero=True, counters=BH if fused else 0)
+    pre = pre_launch(ctype, Nq=Nq, ldq=Nq, Nq_pad=Nq_pad, D=D, BH=BH, zero=True, counters=BH if fused else 0)
     # the main kernel: dK_j, dV_j; dQ_i into the float32 accumulator (a tensor map of it)
     main = _main_launch(version, dtype, q_shape, (B, H, Nk, D), (0, Nq), (0, Nk), causal, scale, accumulate=False,
                         dq_map=heads_map(acc_shape, np.float32))
-    n = BH * Nq * D  # stage 03's dQ conversion, unless the main kernel converts: 4 values a step (n is a multiple)
-    convert = None if fused else kernels.Launch(_pre_function("bwd_convert_dq", ctype), (min(-(-n // 1024), 65535),),
-                                                (256,), 0, (np.float32(1.0), np.int64(n)))
+    convert = None if fused else convert_launch(ctype, BH * Nq * D)  # stage 03's, unless the main kernel converts
     scratch = fast_path.out_layout([((BH * Nq_pad,), np.float32), ((BH * Nq_pad,), np.float32),
                                     (acc_shape, np.float32)] + [((BH,), np.int32)] * fused)
     return BackwardPlan(pre, main, convert, scratch)
@@ -202,27 +209,12 @@ def _main_launch(version, dtype, q_shape, k_shape, rows, keys, causal, scale, ac
                            map_dq=dq_map)
 
 
-def _pre_launch(ctype, *, Nq, ldq, Nq_pad, D, BH, zero, counters=0):
-    """Stage 03's preprocess (Alg.2 L4) of rows 0..Nq-1 of every head, ldq rows a head apart from the pointers to o,
-    do, lse it is given: D_i = rowsum(dO_i * O_i) into delta, L_i into lse_pad (+inf for a fully masked row, and for
-    the padding up to Nq_pad), and, where zero, the float32 dQ accumulator and the first `counters` block counters
-    zeroed (a ring block has no accumulator of its own). Arguments of a call: o, do, lse, delta, lse_pad, the dQ
-    accumulator (or 0), the counters (or 0): the leading arrays of stage 03's BwdParams, which the kernel takes."""
-    return kernels.Launch(_pre_function("bwd_preprocess", ctype), (Nq_pad * D // 2048, BH), (256,), 0,
-                          BwdParams(Nq=Nq, ldq=ldq, Nq_pad=Nq_pad, head_dim=D, zero_dq=int(zero), n_done=counters))
-
-
-@functools.lru_cache(maxsize=None)
-def _pre_function(kernel, ctype):
-    """Stage 03's preprocess or dQ conversion for ctype, from the module stage 03 compiles (one compile for both)."""
-    return load_module(PRE_FILE, name_expressions=stage03.PRE_NAMES).get_function(f"{kernel}<{ctype}>")
-
-
 # ----------------------------------------------------------------------------- the ring's blocks (stage 04)
-def takes_block(dtype, head_dim):
-    """Whether accumulate_into computes a ring block of this dtype and head dim (version ws's head dims); the ring
-    asks flash_v3.takes for the GPU and the heads first."""
-    return np.dtype(dtype) in CTYPE and head_dim in VERSION_HEAD_DIMS["ws"]
+def takes_block(dtype, head_dim, *, heads=1, kv_heads=1):
+    """Whether accumulate_into computes a ring block of this dtype, head dim and heads (version ws's head dims; k / v
+    heads dividing the query heads, with or without options); the ring asks flash_v3.takes for the GPU first."""
+    return (np.dtype(dtype) in CTYPE and head_dim in VERSION_HEAD_DIMS["ws"] and kv_heads >= 1
+            and heads % kv_heads == 0)
 
 
 @functools.lru_cache(maxsize=fast_path.MAX_PLANS)  # the speed layer: the ring repeats its blocks every step
@@ -230,19 +222,28 @@ def _block_plan(dtype, q_shape, k_shape, rows, keys, causal, scale):
     """(preprocess, main kernel, scratch layout of D_i and L_i) of one ring block (accumulate_into)."""
     (a, b), B, H, Lq, D = rows, *q_shape
     BH, Nq_pad = B * H, -(-(b - a) // PAD) * PAD
-    pre = _pre_launch(CTYPE[dtype], Nq=b - a, ldq=Lq, Nq_pad=Nq_pad, D=D, BH=BH, zero=False)
+    pre = pre_launch(CTYPE[dtype], Nq=b - a, ldq=Lq, Nq_pad=Nq_pad, D=D, BH=BH, zero=False)
     main = _main_launch("ws", dtype, q_shape, k_shape, rows, keys, causal, scale, accumulate=True,
                         dq_map=heads_map(q_shape, np.float32, rows=rows))
     return pre, main, fast_path.out_layout([((BH * Nq_pad,), np.float32)] * 2)
 
 
-def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, causal, scale):
+def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, causal, scale, opts=None):
     """One block of the ring backward (stage 04), added in place, as stage 03's accumulate_into: the gradients of
-    rows (a, b) of q, o, lse, do (B, H, Lq, ...) against keys (c, m) of k, v (B, H, Lk, D), version ws, added into the
+    rows (a, b) of q, o, lse, do (B, H, Lq, ...) against keys (c, m) of k, v (B, Hkv, Lk, D), version ws, added into the
     ring's float32 accumulators: scale dQ into rows a:b of dq_run by the copy engine's reductions (a tensor map of
-    those rows), dK, dV into keys c:m of dk_run, dv_run (B, H, Lk, D) by the epilogue's reductions. No row is copied:
+    those rows), dK, dV into keys c:m of dk_run, dv_run (B, Hkv, Lk, D) by the epilogue's reductions. No row is copied:
     the maps start at row a and key c. Two launches: stage 03's preprocess (D_i, L_i of rows a:b) and the main
-    kernel. Causal: bottom-right aligned within the block. CuPy arrays, checked by the caller (takes_block)."""
+    kernel. Causal: bottom-right aligned within the block. opts: variants.Options of the block (window, softcap,
+    ALiBi, origin; dropout is stage 03's) or None; fewer k / v heads than q or any option run the variants' kernel
+    (flash_v3_backward_variants.py). CuPy arrays, checked by the caller (takes_block)."""
+    if opts is None:  # plain attention, or grouped-query as the heads say
+        opts = variants.check(q, k, causal=causal, where="flash_v3_backward.accumulate_into")
+    if opts.dropout_p:
+        raise ValueError(f"flash_v3_backward.accumulate_into: {flash_v3_variants.DROPOUT}")
+    if not opts.plain:
+        return bv.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, causal=causal,
+                                  scale=scale, opts=opts)
     pre, main, scratch = _block_plan(np.dtype(q.dtype), q.shape, k.shape, rows, keys, bool(causal), scale)
     delta, lse_pad = fast_path.empties(*scratch)
     a, c, D = rows[0], keys[0], q.shape[3]
@@ -253,5 +254,7 @@ def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, 
 
 
 def instantiations(version):
-    """[(file, name)]: the instantiations of a version that CI compiles for sm_90a."""
+    """[(file, name)]: the instantiations of a version that CI compiles for sm_90a (version ws's with the variants:
+    flash_v3_backward_variants.instantiations)."""
     return [(FILES[version], instantiation(version, c, D)) for c in CTYPE.values() for D in VERSION_HEAD_DIMS[version]]
+

@@ -186,3 +186,48 @@ def schedule_warpgroups(n_tiles, t_gemm, t_softmax, policy="pingpong"):
     if any(b < prev_e - 1e-9 for (_, prev_e), (b, _) in zip(tc, tc[1:])):
         raise AssertionError("two GEMMs on the tensor cores at once")
     return iv, makespan, busy / makespan
+
+
+# ---------------------------------------------------------------- the variants' work items and K/V band
+# The arithmetic of kernels/hopper_variants.cuh (VariantScheduler) and of variants.cuh's WindowMask, in Python, so that
+# what the forward skips is checked on the CPU (tests/test_06_hopper_cpu.py). A window is (left, right), -1 unbounded;
+# causal is (-1, 0); shift = Nk - Nq (bottom-right alignment).
+def variant_items(Nq, Nk, left, right, bc, n_blocks=None):
+    """[(rank, row0, j0, n_tiles)]: the work items of one head (or one packed sequence) as the VariantScheduler gives
+    them, rank = blockIdx.x over n_blocks blocks (the longest sequence's Q tiles of 128 rows; default this one's):
+    the Q tile's first row (heaviest first without a left bound under a right one, as causal) and the K/V tiles of bc
+    keys j0 .. j0 + n_tiles - 1 that hold a key one of its rows sees."""
+    n_rows = -(-Nq // 128)
+    out = []
+    for rank in range(n_rows if n_blocks is None else n_blocks):
+        heaviest_first = right >= 0 and left < 0 and rank < n_rows
+        row0 = 128 * (n_rows - 1 - rank if heaviest_first else rank)
+        j0 = j1 = 0
+        if row0 < Nq:  # WindowMask.kv_tiles<128, bc>(row0, Nq)
+            shift, last_row = Nk - Nq, min(row0 + 128, Nq) - 1
+            last_key = Nk - 1 if right < 0 else min(Nk - 1, last_row + shift + right)
+            first_key = 0 if left < 0 else max(0, row0 + shift - left)
+            j0 = first_key // bc
+            j1 = j0 if last_key < 0 or first_key > last_key else min(-(-Nk // bc), last_key // bc + 1)
+        out.append((rank, row0, j0, j1 - j0))
+    return out
+
+
+def part_masked(r0, r1, c0, c1, Nq, Nk, left, right):
+    """WindowMask::part_masked: whether rows r0..r1 x keys c0..c1 may hold a (row, key) the row does not see (True
+    where in doubt: the mask is then applied; False only where every entry is seen)."""
+    shift = Nk - Nq
+    return (c1 >= Nk or r1 >= Nq or (right >= 0 and c1 > r0 + shift + right)
+            or (left >= 0 and c0 < r1 + shift - left))
+
+
+def last_tile_width(first, Nq, Nk, right, j_last, bc):
+    """The keys of an item's last K/V tile j_last that a consumer warpgroup's GEMMs take (hopper_pingpong.cuh at
+    D = 128: a last tile whose 64-key blocks past the rows' last seen key hold nothing is computed that narrow): 64,
+    128 or bc. first: the warpgroup's first row."""
+    last_row = min(first + 63, Nq - 1)
+    last_key = Nk - 1 if right < 0 else min(Nk - 1, last_row + Nk - Nq + right)  # WindowMask::last_key
+    last_keys = max(1, last_key - bc * j_last + 1)
+    if last_keys > bc - 64:
+        return bc
+    return 64 if last_keys <= 64 else bc - 64

@@ -12,6 +12,7 @@ A map depends on its array's address, sizes, strides and box alone: a launcher d
 """
 import ctypes
 import functools
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -35,24 +36,27 @@ class TensorMap(NamedTuple):
     strides: tuple
     box: tuple
     offset: int = 0
+    swizzle: str = "128B"  # the driver's CU_TENSOR_MAP_SWIZZLE_<swizzle>: 128B, or NONE (a plain row of the box)
 
     @classmethod
-    def of(cls, dtype, dims, strides, box, offset=0):
-        """Checked: 16-bit, float32 or byte values, boxes of 128-byte rows (the swizzle's span), strides and offset in
-        multiples of 16 bytes (the copy engine's unit)."""
+    def of(cls, dtype, dims, strides, box, offset=0, swizzle="128B"):
+        """Checked: 16-bit, float32 or byte values, boxes of 128-byte rows (the swizzle's span; unswizzled: a
+        multiple of 16 bytes), strides and offset in multiples of 16 bytes (the copy engine's unit)."""
         dtype = np.dtype(dtype)
-        if dtype not in MAP_DTYPES or box[0] * dtype.itemsize != 128:
+        row = box[0] * dtype.itemsize
+        if dtype not in MAP_DTYPES or (row != 128 if swizzle == "128B" else swizzle != "NONE" or row % 16):
             raise ValueError("tensor maps here: float16, bfloat16, float32 or uint8 (e4m3) values in boxes of 128-byte "
-                             "rows (the swizzle's span)")
+                             "rows (the swizzle's span), or unswizzled boxes of a multiple of 16 bytes")
         if any(s % 16 for s in strides) or offset % 16:
             raise ValueError(LAYOUT_REFUSED)
-        return cls(MAP_DTYPES[dtype], tuple(dims), tuple(strides), tuple(box), offset)
+        return cls(MAP_DTYPES[dtype], tuple(dims), tuple(strides), tuple(box), offset, swizzle)
 
     def encode(self, x):
         """The 128 bytes of this map over the CuPy array x (of the shape and dtype it was made for)."""
         if not x.flags.c_contiguous:
             raise ValueError(LAYOUT_REFUSED)
-        return _encode(self.dtype, x.data.device_id, x.data.ptr + self.offset, self.dims, self.strides, self.box)
+        return _encode(self.dtype, x.data.device_id, x.data.ptr + self.offset, self.dims, self.strides, self.box,
+                       self.swizzle)
 
 
 def heads_map(shape, dtype, box_rows=64, rows=None):
@@ -69,28 +73,50 @@ def heads_map(shape, dtype, box_rows=64, rows=None):
                         offset=start * D * size)
 
 
+def rows_map(heads, rows, box_rows):
+    """The TensorMap of a float32 array of heads x rows (each head's rows one after the other; rows a multiple of 4)
+    in unswizzled boxes of box_rows values of one head: L_i or D_i of a Q tile that may start at any row (a packed
+    sequence's), which the copy engine's tensor copies take at any coordinate where a bulk copy needs 16-byte
+    aligned addresses. Rows past the end come back as zeros."""
+    return TensorMap.of(np.float32, [rows, heads], [rows * 4], [box_rows, 1], swizzle="NONE")
+
+
 class MappedLaunch(NamedTuple):
     """A kernels.Launch whose parameter struct holds tensor maps: maps, (byte offset of the field, TensorMap) for each.
     launch(*arrays): the first len(maps) arrays are the ones the maps describe, in order; their maps are written into
     the struct with the rest of the arrays (the struct's leading pointer fields), then the kernel is launched. The
-    scalar fields were written once, when the launch was planned."""
+    scalar fields were written once, when the launch was planned. tail: the byte offsets of pointer fields after the
+    maps (the variants' ALiBi slopes and sequence bounds), which the call's last len(tail) arrays fill (a CuPy array,
+    or an address: 0 for null)."""
 
     launch: kernels.Launch
     maps: tuple
+    tail: tuple = ()
 
     @classmethod
-    def of(cls, launch, **maps):
-        """maps: field name of the launch's parameter struct = TensorMap."""
+    def of(cls, launch, tail=(), **maps):
+        """maps: field name of the launch's parameter struct = TensorMap; tail: byte offsets of trailing pointers."""
         struct_type = type(launch.params)
-        return cls(launch, tuple((getattr(struct_type, name).offset, tmap) for name, tmap in maps.items()))
+        return cls(launch, tuple((getattr(struct_type, name).offset, tmap) for name, tmap in maps.items()),
+                   tuple(tail))
 
     def __call__(self, *arrays):
-        n = len(self.maps)
-        self.launch(*arrays[n:], fields=[(offset, tmap.encode(x)) for (offset, tmap), x in zip(self.maps, arrays)])
+        n, m = len(self.maps), len(self.tail)
+        fields = [(offset, tmap.encode(x)) for (offset, tmap), x in zip(self.maps, arrays)]
+        if m:
+            fields += [(offset, struct.pack("<Q", _address(x))) for offset, x in zip(self.tail, arrays[-m:])]
+            arrays = arrays[:-m]
+        self.launch(*arrays[n:], fields=fields)
+
+
+def _address(x):
+    """A device address: a CuPy array's, or x itself (an int; 0 for a null pointer)."""
+    data = getattr(x, "data", None)
+    return int(data.ptr) if data is not None and hasattr(data, "ptr") else int(x)
 
 
 @functools.lru_cache(maxsize=256)
-def _encode(dtype, device_id, address, dims, strides, box):
+def _encode(dtype, device_id, address, dims, strides, box, swizzle="128B"):
     """The 128 bytes of the CUtensorMap (CU_TENSOR_MAP_DATA_TYPE_<dtype>). They depend on nothing but these arguments,
     so a map is encoded once and kept: a training step calls the kernels again and again on the same buffers (CuPy's
     memory pool hands the same addresses back), and each cuda-bindings call costs the host some microseconds.
@@ -102,7 +128,7 @@ def _encode(dtype, device_id, address, dims, strides, box):
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
         [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1) for _ in dims],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(cu.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:
