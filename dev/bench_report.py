@@ -1060,11 +1060,13 @@ def _versions():
             return "-"
         return f"{v1.BR}x{min(v1.kv_tile('forward', D, dev), v1.kv_tile('backward', D, dev))}"
 
-    def fp32(dev, D):
-        if D not in v2.head_dims("fp32"):
-            return "-"
-        c = v2.fp32.config("fp32", D, dev)
-        return f"{c.br}x{v2.fp32.BC}" + ("s" if c.share_kv else "")
+    def fp32_tiles(version):
+        def f(dev, D):
+            if D not in v2.head_dims(version):
+                return "-"
+            c = v2.fp32.config(version, D, dev)
+            return f"{c.br}x{v2.fp32.BC}" + ("s" if getattr(c, "share_kv", False) else "")
+        return f
 
     def tc_tiles(version):
         def f(dev, D):
@@ -1126,7 +1128,8 @@ def _versions():
             return f"{v3b.q_tile_rows(version, D)}x{v3b.CONFIGS[version].bc}"
         return f
 
-    return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32),
+    return [("01", "`paper` (fwd + bwd)", "fp32", v1_tiles), ("02", "`fp32`", "fp32", fp32_tiles("fp32")),
+            ("02", "`fp32_overlap`", "fp32", fp32_tiles("fp32_overlap")),
             ("02", "`tc`", BOTH16, tc_tiles("tc")), ("02", "`pipelined`", BOTH16, tc_tiles("pipelined")),
             ("02", "`fp32x3`", "fp32", x3_tiles), ("03", "`fp32`", "fp32", bw_fp32),
             ("03", "`tc`", BOTH16, bw_tc), ("03", "`fp32x3`", "fp32", bw_x3)] + [
