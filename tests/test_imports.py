@@ -21,13 +21,17 @@ It fails on
   - hidden: an import whose module name is not a literal (`import_module(name)`, a helper called with a variable):
     the test cannot see where it points, so neither can a reader.
 
-Programs. A program is a stage folder's `run.py` (stages/NN_x/run.py), and nothing else: the launcher a learner runs,
-which no module in stages/ imports (the test fails if one does). A program may import a later stage for one reason
-only: to bring in the kernels that later stage offers to the earlier ones through stages/common/attention_registry.py
-(importing the package registers them). So a program's upward import is allowed only when its target is such a
-package itself (a stage whose __init__.py calls `attention_registry.register`, today stage 06: `import
-stages.hopper`), never one of its modules. stage 05's train.py has a `__main__` block, but stage 05's __init__.py
-imports it: it is a module, under the module rules.
+Programs. A program is a file of stages/ that is only ever run, never imported by a module:
+  - a stage folder's launcher, stages/NN_x/run.py, which no other file of stages/ may import (the test fails if one
+    does); and
+  - a file with an `if __name__ == "__main__":` block at its top level that no file of stages/ imports, launchers
+    aside (stage 05's run.py runs train.py by importing it, which leaves train.py a program if nothing else does).
+Everything else is a module, a file with a `__main__` block included once a module imports it (today stage 05's
+train.py, which stage 05's __init__.py imports). A program may import a later stage for one reason only: to bring
+in the kernels that later stage offers to the earlier ones through stages/common/attention_registry.py (importing the
+package registers them). So a program's upward import is allowed only when its target is such a package itself (a
+stage whose __init__.py calls `attention_registry.register`, today stage 06: `import stages.hopper`), never one of
+its modules.
 
 One named exemption: stages/__init__.py, the finder that maps plain names to folders, imports `f"stages.{name}"` for
 whatever name it is asked (HIDDEN_OK).
@@ -56,7 +60,11 @@ class Module:
         self.stage = None if folder is None else ("common" if folder == "common" else int(folder[:2]))
         names = ["stages"] + ([plain_name(folder)] if folder else []) + list(parts[2:])
         self.name = ".".join(names[:-1] if self.is_package and len(parts) > 1 else names)
-        self.program = bool(re.fullmatch(r"stages/\d\d_\w+/run\.py", rel))
+        self.launcher = bool(re.fullmatch(r"stages/\d\d_\w+/run\.py", rel))
+        self.main = any(isinstance(n, ast.If) and ast.unparse(n.test).replace("'", '"') == '__name__ == "__main__"'
+                        for n in self.tree.body)
+        self.program = self.launcher  # load() adds the unimported files with a __main__ block
+        self.imports = []  # [(line, target module or None, text)], by load()
 
     @property
     def package(self):
@@ -69,11 +77,16 @@ def plain_name(folder):
 
 
 def load(files):
-    """{name: Module} for {relative path: source}."""
+    """{name: Module} for {relative path: source}, each with its imports resolved and whether it is a program."""
     modules = {}
     for rel, source in files.items():
         m = Module(rel, source)
         modules[m.name] = m
+    for m in modules.values():
+        m.imports = imports(modules, m)
+    imported = {t for m in modules.values() if not m.launcher for _, t, _ in m.imports if t != m.name}
+    for m in modules.values():
+        m.program = m.launcher or (m.main and m.name not in imported)
     return modules
 
 
@@ -232,7 +245,7 @@ def check(modules):
     """violations() of loaded modules {name: Module}."""
     out, graph, edges = [], {name: set() for name in modules}, {}
     for m in modules.values():
-        for line, target, text in imports(modules, m):
+        for line, target, text in m.imports:
             where = f"{m.rel}:{line}: {text}"
             if target is None:
                 out.append(f"{where}: hidden: the module name is not a literal, so no reader or test sees the import")
@@ -241,8 +254,8 @@ def check(modules):
             if target != m.name:
                 graph[m.name].add(target)
                 edges.setdefault((m.name, target), line)
-            if t.program:
-                out.append(f"{where}: imports the program {t.rel} (programs are run, not imported)")
+            if t.launcher and not m.launcher:
+                out.append(f"{where}: imports the program {t.rel} (a stage's run.py is run, not imported)")
             if m.stage == "common" and isinstance(t.stage, int):
                 out.append(f"{where}: stages/common imports {_stage_text(t.stage)} ({target})")
             elif isinstance(m.stage, int) and isinstance(t.stage, int) and t.stage > m.stage:
@@ -280,13 +293,13 @@ def test_imports_point_down(tree):
 def test_the_walk_sees_the_imports_it_must(tree):
     """The walk finds imports of every form the tree uses: a test that reads nothing would pass a bad tree."""
     files, modules = tree
-    graph = {m.rel: {t for _, t, _ in imports(modules, m)} for m in modules.values()}
+    graph = {m.rel: {t for _, t, _ in m.imports} for m in modules.values()}
     assert "stages.common.tolerance" in graph["stages/00_naive/__init__.py"]           # from stages.common import X
     assert "stages.flash_v2.mirror" in graph["stages/02_flash_v2/__init__.py"]         # from . import mirror
     assert "stages.hopper" in graph["stages/04_ring/run.py"]                           # import stages.hopper
-    assert "stages.ring" in graph["stages/05_train_gpt/loop.py"]                       # lazy: from stages import ring
-    assert "stages.train_gpt.train" in graph["stages/05_train_gpt/run.py"]             # import train (a sibling)
-    assert len(modules) == len(files) and all(m.program == m.rel.endswith("/run.py") for m in modules.values())
+    assert "stages.naive" in graph["stages/06_hopper/run.py"]                          # lazy: from stages import naive
+    assert len(modules) == len(files) and all(m.launcher == m.rel.endswith("/run.py") for m in modules.values())
+    assert modules["stages.train_gpt.train"].main and not modules["stages.train_gpt.train"].program
 
 
 # --- the rule catches what it must (synthetic module sets) ------------------------------------------------------------
@@ -371,6 +384,25 @@ def test_a_hidden_import_fails():
     found = plant("stages/04_ring/ring.py", "def _stage(n):\n    import importlib\n"
                   "    return importlib.import_module(f'stages.{n}')\ndef g(x):\n    return _stage(x)")
     assert len(found) == 1 and "hidden" in found[0], found
+
+
+def test_a_scripts_sibling_is_an_import():
+    """`import ring` in stages/04_ring/run.py finds ring.py beside it (a script's folder is first on sys.path)."""
+    files = dict(BASE, **{"stages/04_ring/run.py": "import ring\nimport numpy\n"})
+    modules = load(files)
+    assert [t for _, t, _ in modules["stages.ring.run"].imports] == ["stages.ring.ring"]
+
+
+def test_a_file_run_as_main_is_a_program_until_a_module_imports_it():
+    """A __main__ file nothing imports may bring in the registering package, as run.py may; once a module imports it,
+    it is a module and the same line is an upward import."""
+    tool = "import stages.hopper\nif __name__ == '__main__':\n    pass\n"
+    files = dict(BASE, **{"stages/04_ring/tool.py": tool, "stages/04_ring/run.py": BASE["stages/04_ring/run.py"]
+                          + "import tool\n"})
+    assert violations(files) == []  # run by run.py: still a program
+    files["stages/04_ring/ring.py"] += "from . import tool\n"
+    assert any("stages/04_ring/tool.py:1: import stages.hopper: stage 04 imports the later stage 06" in f
+               for f in violations(files)), violations(files)
 
 
 def test_importing_a_program_fails():
