@@ -21,10 +21,10 @@ Before timing a ring size, the same ring (backend, dtype, head dim, block versio
 for every layout, mask and head grouping of CONFIGS, by the tolerance rule against the fp64 oracle, as run.py checks
 it; nothing is timed if a check fails.
 
-    mpirun -n 4 python dev/bench_ring.py --out results/ring_gpus.csv           # rings of 1, 2 and 4 GPUs
-    mpirun -n 2 python dev/bench_ring.py --configs 8k-causal --repeat 3       # quicker
-    mpirun -n 2 python dev/bench_ring.py --schemes ring allgather alltoall --out results/ring_schemes.csv
-    mpirun -n 2 python dev/bench_ring.py --backend numpy --tokens 64 --heads 2 --head-dim 32   # CPU smoke run
+    ./scripts/mpirun -n 4 python dev/bench_ring.py --out results/ring_gpus.csv      # rings of 1, 2 and 4 GPUs
+    ./scripts/mpirun -n 2 python dev/bench_ring.py --configs 8k-causal --repeat 3   # quicker
+    ./scripts/mpirun -n 2 python dev/bench_ring.py --schemes ring allgather alltoall --out results/ring_schemes.csv
+    ./scripts/mpirun -n 2 python dev/bench_ring.py --backend numpy --tokens 64 --heads 2 --head-dim 32   # CPU smoke run
 Every CSV row names the GPU, the backend, the software and the commit, so files from several machines can be put
 together; dev/bench_report.py turns the CSV into the tables and the plot of stage 04's README.
 """

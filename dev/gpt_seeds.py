@@ -71,10 +71,9 @@ def run_seed(args, seed, xp, log):
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("train_options", nargs="*", metavar="-- TRAIN_OPTION",
+                    help="after --: train.py's options, checked by train.py's parser")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="default cpu")
     ap.add_argument("--dtype", nargs="+", default=[None], choices=sorted(loop.DTYPES),
                     help="activations (default: train.py's, bfloat16 on an sm_80+ GPU, float32 on the CPU)")
@@ -86,7 +85,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="the CSV (default results/gpt_seeds_<device>.csv)")
     args = ap.parse_args(argv)
     runs = [train_script.parse(["--device", args.device, "--attention", attention,
-                                *(["--dtype", dtype] if dtype else []), *extra])
+                                *(["--dtype", dtype] if dtype else []), *args.train_options])
             for dtype in args.dtype for attention in args.attention]
     xp = train_script._device_xp(runs[0].device)
     if xp.__name__ == "numpy":

@@ -32,10 +32,10 @@ Why. Splitting the sequence splits the attention and the activations over the GP
 parameter gradients over the ranks (stage 05's loop.py: the ring's allreduce_sum, one NCCL all-reduce on the GPUs), a
 cost that does not shrink with P; the speedup says whether the split pays at this context.
 
-    mpirun -n 4 python dev/train_scaling.py --out results/train_gpt_scaling.csv       # 4 GPUs: P = 1, 2, 4
-    mpirun -n 2 python dev/train_scaling.py --context 16384 --no-search                # quicker, P = 1, 2
-    mpirun -n 2 python dev/train_scaling.py --backend numpy --context 64 --layers 1 --d-model 32 --heads 2 \\
-        --steps 2 --no-search                                                          # CPU smoke run (seconds)
+    ./scripts/mpirun -n 4 python dev/train_scaling.py --out results/train_gpt_scaling.csv   # 4 GPUs: P = 1, 2, 4
+    ./scripts/mpirun -n 2 python dev/train_scaling.py --context 16384 --no-search           # quicker, P = 1, 2
+    ./scripts/mpirun -n 2 python dev/train_scaling.py --backend numpy --context 64 --layers 1 --d-model 32 --heads 2 \\
+        --steps 2 --no-search                                                               # CPU smoke run (seconds)
 Every CSV row names the GPU, the backend, the sizes, the git commit and the CuPy version.
 """
 import argparse

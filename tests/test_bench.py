@@ -51,7 +51,7 @@ def _synthetic_rows():
         add("bwd", "ours", "tc-det", "bf16", True, 128, n, 80.0, status="mismatch: dq max error 1e-1 > bound 1e-2")
         add("bwd", "torch", "flash", "bf16", True, 128, n, 200.0)
         add("bwd", "torch", "cudnn", "bf16", True, 128, n, 0.0, status="error: RuntimeError: No available kernel")
-    add("fwd", "ours", "fp32", "fp32", False, 64, 4096, 30.0)
+    add("fwd", "ours", "fp32_overlap", "fp32", False, 64, 4096, 30.0)
     add("fwd", "ours", "fp32x3", "fp32", False, 64, 4096, 50.0)
     add("fwd", "torch", "efficient", "fp32", False, 64, 4096, 25.0)
     add("fwd", "ours", "pipelined", "fp16", True, 64, 4096, 0.0, status="missing: stages.flash_v2 does not import")
@@ -90,6 +90,22 @@ def test_csv_provenance_columns_are_kept_and_older_csvs_read(tmp_path):
     first = next(csv.reader(path.read_text().splitlines()[1:2]))
     old.write_text(",".join(report.BASE_COLUMNS) + "\n" + ",".join(first[:len(report.BASE_COLUMNS)]) + "\n")
     assert len(report.read_csv(old)) == 1
+
+
+def test_the_old_name_of_the_float32_forward_is_read_as_today_s(tmp_path):
+    """Before stage 02 kept the paper's plain loop as version "fp32", "fp32" named its optimised float32 forward,
+    which is "fp32_overlap" now (what bench.py times): an old CSV's forward "fp32" rows read as "fp32_overlap"; a CSV
+    that has "fp32_overlap" keeps every name as written; backward "fp32" (stage 03's) is never renamed."""
+    def row(direction, version, impl="ours"):
+        return dict(gpu=SYNTHETIC_GPU, direction=direction, impl=impl, version=version, dtype="fp32", causal=False,
+                    head_dim=64, seq_len=1024, batch=16, heads=16, ms=1.0, tflops=10.0, status="ok")
+
+    old = [row("fwd", "fp32"), row("fwd", "fp32x3"), row("bwd", "fp32"), row("fwd", "efficient", "torch")]
+    new = [row("fwd", "fp32"), row("fwd", "fp32_overlap"), row("bwd", "fp32")]
+    for rows, want in ((old, ["fp32_overlap", "fp32x3", "fp32", "efficient"]), (new, ["fp32", "fp32_overlap", "fp32"])):
+        path = tmp_path / "x.csv"
+        report.write_csv(path, rows)
+        assert [r["version"] for r in report.read_csv(path)] == want
 
 
 def test_csv_with_wrong_columns_is_a_clear_error(tmp_path):
@@ -136,7 +152,7 @@ def test_markdown_ratios_and_exclusions(csv_path):
     assert "backward tc-det/flash" not in md
     header = [ln for ln in lines if ln.startswith("| dtype") and "efficient" in ln][0]
     assert [c.strip() for c in header.strip("|").split("|")][5:] == [
-        "ours fp32", "ours fp32x3", "torch efficient", "fp32/efficient", "fp32x3/efficient"]
+        "ours fp32_overlap", "ours fp32x3", "torch efficient", "fp32_overlap/efficient", "fp32x3/efficient"]
     fp32 = [ln for ln in lines if ln.startswith("| fp32 | no | 64 | 4096")][0]
     cells = [c.strip() for c in fp32.strip("|").split("|")]
     assert cells[5:] == ["30.0", "50.0", "25.0", "1.20", "2.00"]  # ours / torch efficient = 30 / 25, 50 / 25

@@ -215,6 +215,8 @@ def check_arguments(parser, args):
         return ""
 
     i, loose = 0, []  # loose: the positional arguments
+    if "--" in args:  # after --, every token is a positional, as argparse reads it
+        loose, args = list(args[args.index("--") + 1:]), args[:args.index("--")]
     while i < len(args):
         token = args[i]
         i += 1
@@ -267,7 +269,10 @@ def test_the_documentation_shows_commands():
     """The extraction finds what the READMEs show (a broken pattern would make every other test here vacuous)."""
     shown = {(c.launcher[:1], c.script, c.args) for c in COMMANDS}
     assert ((), "scripts/tutorial.sh", ()) in shown and ((), "scripts/test.sh", ()) in shown
-    assert (("mpirun",), "stages/04_ring/run.py", ("--quick",)) in shown
+    assert {(("mpirun",), "stages/04_ring/run.py", ("--quick",)),
+            (("./scripts/mpirun",), "stages/04_ring/run.py", ("--quick",))} & shown
+    bare = PYTHON_COMMAND.search("run `mpirun -n 4 python stages/04_ring/run.py --quick` here")  # a bare mpirun too
+    assert bare and bare["launcher"].split() == ["mpirun", "-n", "4"] and bare["args"].split() == ["--quick"]
     assert {s for s in BY_SCRIPT if s.startswith("stages/")} >= {f"stages/{n}/run.py" for n in (
         "00_naive", "01_flash_v1", "02_flash_v2", "03_flash_v2_backward", "04_ring", "05_train_gpt", "06_hopper")}
     assert len(BY_SCRIPT) >= 20
