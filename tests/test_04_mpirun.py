@@ -426,7 +426,7 @@ def test_run_py_times_one_device_with_the_forward_the_ring_blocks_use(monkeypatc
     fake = attention_registry.AttentionKernels(
         name="a later stage (test)", takes=lambda *a, **kw: takes["now"],
         forward=lambda q, k, v, **kw: seen.append(("later", kw)) or ("o", "lse"), merge_into=None,
-        takes_backward=lambda *a: False, backward=None, accumulate_into=None)
+        takes_backward=lambda *a, **kw: False, backward=None, accumulate_into=None)
     monkeypatch.setattr(attention_registry, "_REGISTERED", {fake.name: fake})
     q, host = GpuArray(), np.zeros((1, 2, 8, 64), np.float16)
     R = ring
