@@ -17,6 +17,7 @@ from stages.common import attention_registry, check_backward, check_forward, mak
 from stages.ring import candidates, compute
 
 B, H, HKV, N, D = 1, 4, 2, 48, 32  # 2 query heads a k / v head
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)  # ALiBi's geometric slopes for H = 4
 
 
 def _naive_keywords(causal, opts):
@@ -93,7 +94,7 @@ def _inputs():
 
 
 @pytest.mark.parametrize("opts", [dict(window=(9, 0)), dict(window=(9, 0), softcap=5.0),
-                                  dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]))],
+                                  dict(alibi_slopes=SLOPES)],
                          ids=["gqa-window", "gqa-window-softcap", "gqa-alibi"])
 def test_grouped_query_and_window_blocks_go_to_the_registered_kernels(later, opts):
     """The ring's forward and backward blocks with grouped-query heads and a window (softcap, ALiBi) are the
@@ -124,8 +125,7 @@ def test_a_ring_of_one_rank_hands_its_options_to_the_registered_whole_calls(late
     """One rank, one call over the whole problem: the registered forward and backward, with softcap and ALiBi as
     keywords, none they do not take (dropout_p, seed) and no origin (the call is the whole problem)."""
     q, k, v, do = _inputs()
-    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
-    kw = dict(causal=True, layout="contiguous", ranks=1, block="flash", opts=dict(softcap=5.0, alibi_slopes=slopes))
+    kw = dict(causal=True, layout="contiguous", ranks=1, block="flash", opts=dict(softcap=5.0, alibi_slopes=SLOPES))
     check_forward(ring.forward, q, k, v, **kw)
     check_backward(ring.backward, q, k, v, do, **kw)
     whole = [c for c in later.calls if c[0] in ("forward", "backward")]
@@ -133,7 +133,7 @@ def test_a_ring_of_one_rank_hands_its_options_to_the_registered_whole_calls(late
     for _, heads, kv_heads, keywords in whole:
         assert (heads, kv_heads) == (H, HKV)
         assert sorted(keywords) == ["alibi_slopes", "causal", "scale", "softcap"], keywords
-        assert keywords["softcap"] == 5.0 and keywords["alibi_slopes"] is slopes and keywords["causal"], keywords
+        assert keywords["softcap"] == 5.0 and keywords["alibi_slopes"] is SLOPES and keywords["causal"], keywords
 
 
 def test_dropout_and_a_named_version_keep_stages_02_03(later):
@@ -220,3 +220,76 @@ def test_the_registry_names_options_and_refuses_unknown_ones():
         attention_registry.register(fake.kernels)
     with pytest.raises(TypeError, match="register takes an AttentionKernels"):
         attention_registry.register(object())
+
+
+# ---------------------------------------------------------------- gpu: stage 06's blocks on an sm_90 GPU
+def _spy_stage_06(monkeypatch):
+    """Stage 06's registered kernels with every call recorded (name, q heads, k heads): {name: [...]}; skips the
+    test where they take nothing (not an sm_90 GPU)."""
+    from stages.common import bfloat16, device
+    from stages.hopper import flash_v3, sm90a
+
+    try:
+        sm90a.require_hopper()
+    except device.UnsupportedDevice as e:
+        pytest.skip(f"not an sm_90 GPU: {e}")
+    kernels = next(k for k in attention_registry.registered() if k.forward is flash_v3.forward)
+    assert kernels.takes(bfloat16, 128, heads=H, kv_heads=HKV, batch=B)
+    calls = {}
+
+    def spied(name, real):
+        def call(q, k, *a, **kw):
+            calls.setdefault(name, []).append((q.shape[1], k.shape[1]))
+            return real(q, k, *a, **kw)
+        return call
+
+    names = ("forward", "merge_into", "backward", "accumulate_into")
+    monkeypatch.setitem(attention_registry._REGISTERED, kernels.name,
+                        kernels._replace(**{n: spied(n, getattr(kernels, n)) for n in names}))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,ranks,opts", [("zigzag", 4, dict(window=(255, 0))),
+                                               ("contiguous", 2, dict(window=(100, 0), softcap=30.0)),
+                                               ("zigzag", 2, dict(alibi_slopes=SLOPES))],
+                         ids=["gqa-window", "gqa-window-softcap", "gqa-alibi"])
+def test_gpu_ring_runs_grouped_query_and_window_blocks_on_stage_06(monkeypatch, layout, ranks, opts):
+    """On an sm_90 GPU the ring's blocks with grouped-query heads (4 query heads, 2 k, v heads) and a window (softcap,
+    ALiBi) are stage 06's merge_into and accumulate_into, handed k, v and dK, dV of 2 heads, and the ring's result
+    is within the tolerance rule of the fp64 oracle, forward and backward (bfloat16, d = 128)."""
+    import cupy
+
+    from stages.common import bfloat16
+
+    calls = _spy_stage_06(monkeypatch)
+    q, _, _, do = make_inputs(B, H, 512, 512, 128, dtype=bfloat16, xp=cupy, grad=True)
+    _, k, v = make_inputs(B, HKV, 512, 512, 128, dtype=bfloat16, xp=cupy)
+    kw = dict(causal=True, layout=layout, ranks=ranks, block="flash", opts=opts)
+    check_forward(ring.forward, q, k, v, **kw)
+    check_backward(ring.backward, q, k, v, do, **kw)
+    assert calls.get("merge_into") and set(calls["merge_into"]) == {(H, HKV)}, calls
+    assert calls.get("accumulate_into") and set(calls["accumulate_into"]) == {(H, HKV)}, calls
+
+
+@pytest.mark.gpu
+def test_gpu_ring_keeps_dropout_on_stages_02_03_and_runs_a_whole_grouped_query_call_on_stage_06(monkeypatch):
+    """Dropout is not stage 06's: the ring's dropout blocks stay stage 02/03's (and right); a ring of one rank with
+    grouped-query heads and softcap is one call of stage 06's forward and backward; one device's yardstick too."""
+    import cupy
+
+    from stages.common import bfloat16
+
+    calls = _spy_stage_06(monkeypatch)
+    q, _, _, do = make_inputs(B, H, 512, 512, 128, dtype=bfloat16, xp=cupy, grad=True)
+    _, k, v = make_inputs(B, HKV, 512, 512, 128, dtype=bfloat16, xp=cupy)
+    check_forward(ring.forward, q, k, v, causal=True, ranks=2, block="flash", opts=dict(dropout_p=0.1, seed=7))
+    assert not calls, calls
+    kw = dict(causal=True, layout="contiguous", ranks=1, block="flash", opts=dict(softcap=30.0))
+    check_forward(ring.forward, q, k, v, **kw)
+    check_backward(ring.backward, q, k, v, do, **kw)
+    assert calls == {"forward": [(H, HKV)], "backward": [(H, HKV)]}, calls
+    calls.clear()
+    o, lse = ring.one_device_forward(q, k, v, causal=True, window=(255, 0))
+    ring.one_device_backward(q, k, v, o, lse, do, causal=True, window=(255, 0))
+    assert calls == {"forward": [(H, HKV)], "backward": [(H, HKV)]}, calls
