@@ -339,7 +339,7 @@ def test_run_py_blocks_where_the_flash_kernels_cannot_take_the_options():
     assert block == "naive" and "pipelined" in why and "float32" in why
     assert ro.versions("naive", np.float32, 64, window, True, True) == (None, None)
     assert ro.versions("flash", bfloat16, 64, window, True, True) == ("pipelined", "tc")
-    assert ro.versions("flash", np.float32, 64, window, False, True) == ("fp32", "fp32")  # CPU: the mirrors
+    assert ro.versions("flash", np.float32, 64, window, False, True) == ("fp32_overlap", "fp32")  # CPU: the mirrors
     explicit = run.parse(["--window", "300", "-1", "--block", "flash"])
     assert ro.blocks(explicit, True, np.float32, True) == ("flash", "")
     with pytest.raises(ro.Usage, match="--block naive"):
