@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "stages" / "05_train_gpt"))
 import train as train_script  # noqa: E402  (train.py: sets the BLAS threads before numpy loads, as a run does)
 
+import stages.hopper  # noqa: E402, F401  registers stage 06's kernels: flash_v2 and the ring's blocks on sm_90
 from stages.common import code_version  # noqa: E402
 
 loop = importlib.import_module("stages.train_gpt.loop")

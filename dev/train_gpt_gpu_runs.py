@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+import stages.hopper  # noqa: E402, F401  registers stage 06's kernels: flash_v2 and the ring's blocks on sm_90
 from stages import train_gpt as T  # noqa: E402
 from stages.common import PeakMemory, code_version, gpu_name, has_gpu  # noqa: E402
 

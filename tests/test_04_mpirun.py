@@ -339,7 +339,7 @@ def test_run_py_blocks_where_the_flash_kernels_cannot_take_the_options():
     assert block == "naive" and "pipelined" in why and "float32" in why
     assert ro.versions("naive", np.float32, 64, window, True, True) == (None, None)
     assert ro.versions("flash", bfloat16, 64, window, True, True) == ("pipelined", "tc")
-    assert ro.versions("flash", np.float32, 64, window, False, True) == ("fp32", "fp32")  # CPU: the mirrors
+    assert ro.versions("flash", np.float32, 64, window, False, True) == ("fp32_overlap", "fp32")  # CPU: the mirrors
     explicit = run.parse(["--window", "300", "-1", "--block", "flash"])
     assert ro.blocks(explicit, True, np.float32, True) == ("flash", "")
     with pytest.raises(ro.Usage, match="--block naive"):
@@ -426,7 +426,7 @@ def test_run_py_times_one_device_with_the_forward_the_ring_blocks_use(monkeypatc
     fake = attention_registry.AttentionKernels(
         name="a later stage (test)", takes=lambda *a, **kw: takes["now"],
         forward=lambda q, k, v, **kw: seen.append(("later", kw)) or ("o", "lse"), merge_into=None,
-        takes_backward=lambda *a: False, backward=None, accumulate_into=None)
+        takes_backward=lambda *a, **kw: False, backward=None, accumulate_into=None)
     monkeypatch.setattr(attention_registry, "_REGISTERED", {fake.name: fake})
     q, host = GpuArray(), np.zeros((1, 2, 8, 64), np.float16)
     R = ring

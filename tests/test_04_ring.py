@@ -326,8 +326,9 @@ RING_GPU_VARIANTS["all-dropout"] = (1, 4, 2, 384, 384, True, {"softcap": 20.0, "
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize("name", list(RING_GPU_VARIANTS))
 def test_gpu_ring_with_options_and_flash_blocks(name, layout, D, dtype):
-    """Grouped-query k, v, window, softcap, ALiBi and dropout through the stage 02/03 kernels (float32 partial
-    results), 2 to 4 simulated ranks, inputs x1 and x10 alternating: the one-device result, dropout mask included."""
+    """Grouped-query k, v, window, softcap, ALiBi and dropout through the flash kernels that add into the ring's
+    float32 accumulators (stages 02/03; on an sm_90 GPU stage 06's for all but dropout), 2 to 4 simulated ranks,
+    inputs x1 and x10 alternating: the one-device result, dropout mask included."""
     import cupy
 
     i = list(RING_GPU_VARIANTS).index(name)

@@ -95,8 +95,8 @@ def test_mpirun_train_scaling_smoke_writes_its_csv(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_run_header_names_the_kernels_that_run():
-    """On an sm_90 GPU, stage 06 runs in place of flash_v2 (single device) and of the ring's flash blocks in 16 bits:
-    the run's header says so there, and only there (float32 keeps stages 02/03)."""
+    """On an sm_90 GPU, stage 06 runs in place of flash_v2 (single device) and of the ring's flash blocks in 16 bits,
+    grouped-query heads included: the run's header says so there, and only there (float32 keeps stages 02/03)."""
     from stages.common import bfloat16
     from stages.hopper import flash_v3
 
@@ -105,7 +105,24 @@ def test_gpu_run_header_names_the_kernels_that_run():
     assert T.StageAttention("flash_v2", 64, np.float32).kernels is None
     text = T.hopper_ring_text("flash", bfloat16, 64, heads=1, batch=32, gpu=True)
     assert ("stage 06's forward and backward blocks" in text) == sm90, text
+    assert (T.StageAttention("flash_v2", 64, bfloat16, heads=4, kv_heads=2).kernels is not None) == sm90
+    text = T.hopper_ring_text("flash", bfloat16, 64, heads=4, kv_heads=2, batch=32, gpu=True)  # grouped-query
+    assert ("stage 06's forward and backward blocks" in text) == sm90, text
     assert T.hopper_ring_text("flash", np.float32, 64, heads=1, batch=32, gpu=True) == ""
+
+
+def test_kv_heads_trains_a_grouped_query_model_and_says_so(capsys):
+    """--kv-heads 1: a multi-query GPT (k, v projections of one head), named in the header, with fewer parameters."""
+    args = ["--device", "cpu", "--context", "32", "--layers", "1", "--d-model", "64", "--heads", "2", "--batch", "2",
+            "--steps", "2", "--n-values", "8"]
+    assert T.train_main(args + ["--kv-heads", "1"]) == 0
+    out = capsys.readouterr().out
+    cfg = T.GPTConfig(vocab_size=T.RecallTask(32, n_values=8).vocab_size, context=32, n_layer=1, d_model=64,
+                      n_head=2, n_kv_head=1)
+    assert f"2 heads and 1 k, v heads (grouped-query) (head dim 32), context 32, vocab {cfg.vocab_size}, " \
+           f"{T.n_params(cfg)} parameters" in out, out
+    assert T.n_params(cfg) == T.n_params(T.GPTConfig(**{**cfg.as_dict(), "n_kv_head": 2})) - 2 * 64 * 32 - 2 * 32
+    assert T.train_main(args) == 0 and "k, v heads" not in capsys.readouterr().out  # multi-head: as before
 
 
 # ---------------------------------------------------------------- usage errors
@@ -121,6 +138,9 @@ USAGE_ERRORS = [
     (["--layers", "0"], r"argument --layers: takes a whole number >= 1"),
     (["--d-model", "0"], r"argument --d-model: takes a whole number >= 1"),
     (["--heads", "3"], r"argument --heads: takes a divisor of --d-model 64 \(head dim = d_model / heads\), got 3"),
+    (["--kv-heads", "0"], r"argument --kv-heads: takes a whole number >= 1, got 0"),
+    (["--heads", "4", "--kv-heads", "3"], r"argument --kv-heads: takes a divisor of --heads 4 \(each k, v head serves "
+                                          r"heads / kv-heads query heads\), got 3"),
     (["--n-values", "1"], r"argument --n-values: takes a whole number >= 2"),
     (["--seed", "-1"], r"argument --seed: takes a whole number >= 0"),
     (["--log-every", "0"], r"argument --log-every: takes a whole number >= 1"),

@@ -1,14 +1,15 @@
 """Stage 05: the same loss curve whichever kernel computes attention, in whichever dtype, on however many ranks.
 
 CPU: the loss curves of naive, flash_v1 and flash_v2 attention agree (float32), and a kernel with a 10% error in dQ
-moves the curve far outside that tolerance; mixed precision (bfloat16 activations) follows the float32 curve; the
+moves the curve far outside that tolerance; with grouped-query heads too (flash_v1, flash_v2 and the ring against
+naive); mixed precision (bfloat16 activations) follows the float32 curve; the
 ring run in one process (2 and 4 simulated ranks, both layouts) and under `mpirun -n 2` (both layouts) gives the
 single-device curve; the gradient sum over the ranks goes through the communicator's allreduce_sum once a step and
 leaves every rank's parameters bit-identical; the ring's block choice (flash where stages 02/03 take the head dim
 and dtype, else naive with the reason in the header; an explicit flash that cannot run is a clear error).
 gpu: the float32 curves on CuPy against numpy, the bfloat16 curves of the three kernels by the tolerance rule, the
 ring on one GPU (4 ranks, mpi backend, both layouts), the ring on 2 GPUs (nccl: every rank's parameters
-bit-identical, float32 and bfloat16).
+bit-identical, float32 and bfloat16); on an sm_90 GPU the grouped-query GPT through stage 06 (flash_v2 and the ring).
 """
 import importlib
 import pathlib
@@ -36,9 +37,9 @@ CURVE_STEPS, CURVE_BATCH = 12, 8
 CURVE_TOL = 1e-5  # float32 curves of two correct kernels differ by rounding only (~1e-7 on a loss of ~4)
 
 
-def _curve(attention, steps=CURVE_STEPS, dtype="float32", xp=np, **kw):
+def _curve(attention, steps=CURVE_STEPS, dtype="float32", xp=np, n_kv_head=None, **kw):
     data = T.RecallTask(CURVE["context"], n_values=8, seed=SEED)
-    cfg = T.GPTConfig(vocab_size=data.vocab_size, **CURVE)
+    cfg = T.GPTConfig(vocab_size=data.vocab_size, n_kv_head=n_kv_head, **CURVE)
     return np.array(T.train(cfg, data, attention=attention, steps=steps, batch=CURVE_BATCH, lr=3e-3, seed=SEED,
                             dtype=dtype, xp=xp, **kw)["loss"])
 
@@ -65,6 +66,28 @@ def test_a_wrong_attention_gives_another_curve(naive_curve, monkeypatch):
         ok(self, *a)))
     diff = np.max(np.abs(_curve("naive") - naive_curve))
     assert diff > 10 * CURVE_TOL, f"a broken dQ went unnoticed (max difference {diff:.2e})"
+
+
+@pytest.fixture(scope="module")
+def multi_query_curve():
+    return _curve("naive", n_kv_head=1)
+
+
+@pytest.mark.parametrize("attention", ["flash_v1", "flash_v2", "ring"])
+def test_grouped_query_curve_equals_naive(attention, multi_query_curve, naive_curve):
+    """Grouped-query heads (here multi-query: both query heads read one k, v head): flash_v1 and flash_v2 (k, v
+    repeated, the copies' gradients summed: attention.py) and the ring (2 simulated ranks, zigzag; k, v travel with
+    their one head) train as naive does, which takes the shared head itself; and it is another model than the
+    multi-head one."""
+    from stages.ring import simulate
+
+    if attention == "ring":
+        curve = simulate(lambda ring: _curve("ring", n_kv_head=1, ring=ring, layout="zigzag"), 2)[0]
+    else:
+        curve = _curve(attention, n_kv_head=1)
+    diff = np.max(np.abs(curve - multi_query_curve))
+    assert diff < CURVE_TOL, f"{attention} vs naive, 1 k, v head: max loss difference {diff:.2e} (seed {SEED})"
+    assert np.max(np.abs(multi_query_curve - naive_curve)) > 10 * CURVE_TOL, "1 k, v head trained as 2 heads do"
 
 
 def test_bfloat16_activations_follow_the_float32_curve(naive_curve):
@@ -177,6 +200,13 @@ def test_ring_blocks_choose_flash_only_where_stages_02_03_take_the_head_dim_and_
         T.ring_blocks("flash", dtype=bfloat16, head_dim=32, **gpu)
     with pytest.raises(ValueError, match="sm_80"):
         T.ring_blocks("flash", dtype=bfloat16, head_dim=64, gpu=True, sm80=False)
+    # grouped-query k, v: on the GPU the flash blocks take them in 16 bits (stage 02 pipelined), the mirrors in any
+    block, text = T.ring_blocks(None, dtype=np.float32, head_dim=64, grouped=True, **gpu)
+    assert block == "naive" and "grouped-query k, v (--kv-heads) run on the GPU in stage 02 version pipelined" in text
+    assert T.ring_blocks(None, dtype=bfloat16, head_dim=64, grouped=True, **gpu)[0] == "flash"
+    assert T.ring_blocks("flash", dtype=np.float32, head_dim=64, grouped=True, gpu=False)[0] == "flash"
+    with pytest.raises(ValueError, match="grouped-query .* use --ring-block naive .*, or --dtype bfloat16"):
+        T.ring_blocks("flash", dtype=np.float32, head_dim=64, grouped=True, **gpu)
 
 
 def test_ring_fallback_is_said_in_the_header_and_explicit_flash_is_a_clear_error(monkeypatch, capsys):
@@ -283,3 +313,53 @@ def test_gpu_nccl_ring_training_keeps_every_rank_identical(dtype):
     cmd = mpirun_command(2) + [sys.executable, "-c", NCCL_RANKS_SAME, dtype]
     p = subprocess.run(cmd, cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "SAME" in p.stdout, p.stdout + p.stderr
+
+
+GPU_GQA = dict(context=256, n_layer=2, d_model=256, n_head=4, n_kv_head=2)  # head dim 64, 2 query heads a k, v head
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_query_gpt_trains_on_stage_06_on_hopper(monkeypatch):
+    """On an sm_90 GPU, once a program imported stage 06 (here the test), the GPT with grouped-query heads trains in
+    bfloat16 through stage 06's registered kernels: flash_v2 attention runs their forward and backward, and the ring
+    (2 simulated ranks, flash blocks) their merge_into and accumulate_into, each handed k, v of 2 heads. Both curves
+    are held to naive's float32 curve by the rule of test_gpu_bfloat16_curves_agree_across_stages."""
+    import cupy
+
+    import stages.hopper  # noqa: F401  the program's part: stage 06 registers its kernels
+    from stages.common import attention_registry, device
+    from stages.hopper import flash_v3, sm90a
+    from stages.ring import simulate
+
+    try:
+        sm90a.require_hopper()
+    except device.UnsupportedDevice as e:
+        pytest.skip(f"not an sm_90 GPU: {e}")
+    kernels = next(k for k in attention_registry.registered() if k.forward is flash_v3.forward)
+    calls = {}
+
+    def spied(name, real):
+        def call(q, k, *a, **kw):
+            calls.setdefault(name, set()).add((q.shape[1], k.shape[1]))
+            return real(q, k, *a, **kw)
+        return call
+
+    names = ("forward", "backward", "merge_into", "accumulate_into")
+    monkeypatch.setitem(attention_registry._REGISTERED, kernels.name,
+                        kernels._replace(**{n: spied(n, getattr(kernels, n)) for n in names}))
+    data = T.RecallTask(GPU_GQA["context"], n_values=16, seed=SEED)
+    cfg = T.GPTConfig(vocab_size=data.vocab_size, **GPU_GQA)
+    run = dict(steps=30, batch=16, lr=3e-3, seed=SEED, xp=cupy)
+    curves = {a: np.array(T.train(cfg, data, attention=a, dtype="bfloat16", **run)["loss"])
+              for a in ("naive", "flash_v2")}
+    assert calls == {"forward": {(4, 2)}, "backward": {(4, 2)}}, calls
+    curves["ring"] = np.array(simulate(lambda ring: T.train(cfg, data, attention="ring", dtype="bfloat16", ring=ring,
+                                                            ring_block="flash", **run)["loss"], 2)[0])
+    assert calls["merge_into"] == calls["accumulate_into"] == {(4, 2)}, calls
+    fp32 = np.array(T.train(cfg, data, attention="naive", dtype="float32", **run)["loss"])
+    yardstick = np.max(np.abs(curves["naive"] - fp32))  # what bf16 costs naive attention's curve
+    for a in ("flash_v2", "ring"):
+        diff = np.max(np.abs(curves[a] - fp32))
+        assert diff <= 2 * yardstick + 1e-2, (f"{a} (stage 06) in bf16 vs naive in fp32: max loss difference "
+                                              f"{diff:.3f}; naive in bf16 is off by {yardstick:.3f} (seed {SEED})")
+    assert fp32[-1] < fp32[0]

@@ -1,10 +1,13 @@
 """Stage 05: a GPT trained with our attention. The model: its gradients, its optimizer, its data, and that it learns.
 
 CPU: every layer's backward against central finite differences in float64, and a deliberately broken attention
-backward that the check catches; the whole model's gradient the same way; AdamW against its formula; the recall
+backward that the check catches; grouped-query heads the same way (a backward that does not sum a k, v head's group
+fails), and the grouped-query model against the multi-head model with repeated k, v weights (naive, flash_v1,
+flash_v2); the whole model's gradient the same way (multi-head, multi-query, grouped-query); flash_v2 asks the
+attention registry with the model's heads, and stage 05 loads no later stage; AdamW against its formula; the recall
 task's construction and the text data; the --quick config learns the task under several seeds, and the same run
 with attention that only sees the current token stays at chance; clear errors on bad input.
-gpu: the PyTorch autograd.Function against SDPA.
+gpu: the PyTorch autograd.Function against SDPA; the PyTorch twin with grouped-query heads against our GPT.
 The same loss curve whichever kernel, dtype or ranks: test_05_train_curves.py; the command line and the dev scripts:
 test_05_train_cli.py. Every RNG is seeded (the seed is in the failure messages).
 """
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 
 from stages import train_gpt as T
+from stages.train_gpt import attention as A
 from stages.train_gpt.gradcheck import numerical_grad, probe, rel_error
 
 L = T.layers
@@ -117,14 +121,55 @@ def test_attention_backward_matches_finite_differences_and_a_broken_one_fails(br
         assert err < FD_TOL, f"attention gradient off by {err:.2e} (seed {SEED + 6})"
 
 
+class _ForgetsTheGroup:
+    """naive attention with k, v repeated for each query head (StageAttention's repeat path) whose backward keeps the
+    gradient of the first copy of each k / v head instead of the group's sum: the bug the check must catch."""
+
+    def __init__(self, group):
+        self.ok, self.group = T.make_attention("naive", 4, np.float64), group
+
+    def forward(self, q, k, v):
+        return self.ok.forward(q, *(A.repeat_kv(t, self.group) for t in (k, v)))
+
+    def backward(self, q, k, v, o, lse, do):
+        dq, dk, dv = self.ok.backward(q, *(A.repeat_kv(t, self.group) for t in (k, v)), o, lse, do)
+        return dq, dk[:, ::self.group], dv[:, ::self.group]
+
+
+@pytest.mark.parametrize("kind", ["naive", "repeated", "forgets-the-group"])
+def test_grouped_query_attention_backward_matches_finite_differences(kind):
+    """qkv with 4 query heads and 2 k, v heads: each k, v head's gradient sums what its 2 query heads send back,
+    whether the kernel reads the shared head (naive) or StageAttention repeats it and sums the copies (flash_v1 and
+    flash_v2's float32 path, here around naive in float64); a backward that keeps one copy fails."""
+    rng = _rng(8)
+    H, Hkv, D = 4, 2, 4
+    qkv = rng.standard_normal((2, 5, (H + 2 * Hkv) * D))  # (B, N, C + 2 Hkv D)
+    if kind == "forgets-the-group":
+        attn = _ForgetsTheGroup(H // Hkv)
+    else:
+        attn = T.make_attention("naive", D, np.float64, heads=H, kv_heads=Hkv)
+        attn.repeat = kind == "repeated"  # StageAttention's path for a stage without grouped-query k, v
+    y, cache = L.attention_forward(qkv, H, attn, n_kv_heads=Hkv)
+    assert cache[0].shape == (2, H, 5, D) and cache[1].shape == cache[2].shape == (2, Hkv, 5, D)
+    dy = rng.standard_normal(y.shape)
+    g = L.attention_backward(dy, cache, attn)
+    num = numerical_grad(lambda: float((L.attention_forward(qkv, H, attn, n_kv_heads=Hkv)[0] * dy).sum()), qkv)
+    err = rel_error(g, num)
+    if kind == "forgets-the-group":
+        assert err > 1e-2, f"a dK, dV without the group's sum passed (error {err:.2e}, seed {SEED + 8})"
+    else:
+        assert err < FD_TOL, f"grouped-query attention gradient ({kind}) off by {err:.2e} (seed {SEED + 8})"
+
+
 def _tiny_cfg(**kw):
     base = dict(vocab_size=11, context=8, n_layer=2, d_model=8, n_head=2)
     base.update(kw)
     return T.GPTConfig(**base)
 
 
-def test_whole_model_gradient_matches_finite_differences():
-    cfg = _tiny_cfg()
+@pytest.mark.parametrize("heads", [(2, None), (2, 1), (4, 2)], ids=["mha", "mqa", "gqa-4-2"])
+def test_whole_model_gradient_matches_finite_differences(heads):
+    cfg = _tiny_cfg(n_head=heads[0], n_kv_head=heads[1])
     rng = _rng(7)
     params = T.init_params(cfg, SEED, dtype=np.float64)
     for k in params:  # move away from the init (zero biases, unit gains) so that every term is exercised
@@ -138,7 +183,116 @@ def test_whole_model_gradient_matches_finite_differences():
     for name, p in params.items():
         num = numerical_grad(f, p, index=probe(p, 12, rng))
         err = rel_error(grads[name], num)
-        assert err < 1e-5, f"dL/d{name} off by {err:.2e} (seed {SEED + 7})"
+        assert err < 1e-5, f"dL/d{name} off by {err:.2e} ({cfg.n_head} / {cfg.n_kv_head} heads, seed {SEED + 7})"
+
+
+def _as_multi_head(params, cfg):
+    """The multi-head twin of a grouped-query model: every k, v head's columns of W_qkv, b_qkv repeated for the query
+    heads that read it. Its loss is the grouped-query model's; its gradient for a k, v head's columns, summed over
+    the copies, is the grouped-query model's gradient for them."""
+    mha = T.GPTConfig(**{**cfg.as_dict(), "n_kv_head": cfg.n_head})
+    C, D, g = cfg.d_model, cfg.head_dim, cfg.n_head // cfg.n_kv_head
+    out = dict(params)
+    for name in [n for n in params if n.endswith(("qkv_w", "qkv_b"))]:
+        w = params[name]  # (..., C + 2 Hkv D)
+        q, k, v = w[..., :C], w[..., C:C + cfg.n_kv_head * D], w[..., C + cfg.n_kv_head * D:]
+        rep = [np.repeat(t.reshape(*t.shape[:-1], cfg.n_kv_head, D), g, axis=-2).reshape(*t.shape[:-1], C)
+               for t in (k, v)]  # (..., Hkv, D) -> (..., H, D): head j for query heads j g .. (j + 1) g - 1
+        out[name] = np.concatenate([q, *rep], axis=-1)  # (..., 3C)
+    return out, mha
+
+
+def _group_sums(grads, cfg):
+    """The multi-head twin's gradient of W_qkv, b_qkv with each k, v head's copies summed: the grouped-query shape."""
+    C, D, g, Hkv = cfg.d_model, cfg.head_dim, cfg.n_head // cfg.n_kv_head, cfg.n_kv_head
+    out = dict(grads)
+    for name in [n for n in grads if n.endswith(("qkv_w", "qkv_b"))]:
+        w = grads[name]  # (..., 3C)
+        kv = [w[..., C * i:C * (i + 1)].reshape(*w.shape[:-1], Hkv, g, D).sum(axis=-2).reshape(*w.shape[:-1], Hkv * D)
+              for i in (1, 2)]
+        out[name] = np.concatenate([w[..., :C], *kv], axis=-1)  # (..., C + 2 Hkv D)
+    return out
+
+
+@pytest.mark.parametrize("attention,dtype,tol", [("naive", np.float64, 1e-12), ("flash_v1", np.float32, 2e-5),
+                                                 ("flash_v2", np.float32, 2e-5)])
+def test_grouped_query_model_is_the_multi_head_model_with_repeated_k_v_weights(attention, dtype, tol):
+    """A GPT with 4 query heads and 2 k, v heads computes what a multi-head GPT whose k, v weights are repeated per
+    group computes: the same loss, and gradients whose k, v columns are the twin's summed over each group. For naive
+    (k, v of Hkv heads into the kernel), flash_v1 (k, v repeated, the copies' gradients summed by StageAttention) and
+    flash_v2 (its float32 path: repeated too)."""
+    cfg = T.GPTConfig(vocab_size=13, context=16, n_layer=2, d_model=128, n_head=4, n_kv_head=2)  # head dim 32
+    rng = _rng(9)
+    params = T.init_params(cfg, SEED, dtype=np.float64)
+    for k in params:  # away from the init, so that every term matters
+        params[k] += 0.05 * rng.standard_normal(params[k].shape)
+    params = {k: v.astype(dtype) for k, v in params.items()}
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, cfg.context))
+    targets = rng.integers(-1, cfg.vocab_size, size=(2, cfg.context))
+    pos = np.arange(cfg.context)
+    loss, grads = T.loss_and_grads(params, cfg, tokens, targets, pos,
+                                   T.make_attention(attention, cfg.head_dim, dtype, heads=4, kv_heads=2), dtype)
+    twin_params, mha = _as_multi_head(params, cfg)
+    twin_loss, twin_grads = T.loss_and_grads(twin_params, mha, tokens, targets, pos,
+                                             T.make_attention(attention, cfg.head_dim, dtype, heads=4), dtype)
+    assert abs(loss - twin_loss) <= tol * abs(twin_loss), (attention, loss, twin_loss)
+    for name, g in _group_sums(twin_grads, cfg).items():
+        assert grads[name].shape == g.shape, name
+        err = rel_error(grads[name], g)
+        assert err < tol, f"{attention}: dL/d{name} off the multi-head twin's group sums by {err:.2e}"
+
+
+def test_flash_v2_asks_the_registry_for_its_grouped_query_problem(monkeypatch):
+    """flash_v2 attention runs a later stage's kernels where registered ones take the problem, asked with the model's
+    heads, k, v heads and batch (stage 06 on an sm_90 GPU, once a program imported it); float32 never asks (the
+    registered kernels are 16-bit); forward only where their backward does not take it."""
+    from stages.common import attention_registry, bfloat16
+
+    asked = []
+
+    def takes(dtype, head_dim, *, heads, kv_heads, batch):
+        asked.append((np.dtype(dtype).name, head_dim, heads, kv_heads, batch))
+        return np.dtype(dtype) == bfloat16
+
+    fake = attention_registry.AttentionKernels(
+        name="a later stage (test)", takes=takes, forward=lambda *a, **kw: "o", merge_into=None,
+        takes_backward=lambda dtype, head_dim, *, heads, kv_heads: head_dim == 64, backward=lambda *a, **kw: "g",
+        accumulate_into=None)
+    monkeypatch.setattr(attention_registry, "_REGISTERED", {fake.name: fake})
+    attn = T.make_attention("flash_v2", 64, bfloat16, heads=4, kv_heads=2, batch=8)
+    assert (attn.fwd, attn.bwd, attn.repeat) == (fake.forward, fake.backward, False)
+    assert attn.kernels == "a later stage (test): forward and backward" and ("bfloat16", 64, 4, 2, 8) in asked
+    attn = T.make_attention("flash_v2", 128, bfloat16, heads=2, kv_heads=1)
+    assert attn.fwd is fake.forward and attn.bwd is not fake.backward, "the backward does not take head dim 128"
+    assert attn.kernels == "a later stage (test): forward"
+    asked.clear()
+    attn = T.make_attention("flash_v2", 64, np.float32, heads=4, kv_heads=2)
+    assert attn.kernels is None and attn.fwd is not fake.forward and attn.repeat
+    monkeypatch.setattr(attention_registry, "_REGISTERED", {})
+    assert T.make_attention("flash_v2", 64, bfloat16, heads=4, kv_heads=2).kernels is None  # none registered
+
+
+def test_stage_05_imports_no_later_stage():
+    """Training the GPT with flash_v2 attention (and grouped-query heads) loads no later stage: stage 06 comes in only
+    where a program imports it (train.py's main does)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = ("import sys\n"
+            "from stages import train_gpt as T\n"
+            "task = T.RecallTask(16, n_values=4, seed=0)\n"
+            "cfg = T.GPTConfig(vocab_size=task.vocab_size, context=16, n_layer=1, d_model=64, n_head=2, n_kv_head=1)\n"
+            "T.train(cfg, task, attention='flash_v2', steps=1, batch=2)\n"
+            "T.train_parse(['--kv-heads', '1'])\n"
+            "later = sorted(m for m in sys.modules if m.startswith('stages.hopper'))\n"
+            "assert not later, later\n"
+            "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
 
 
 # ---------------------------------------------------------------- optimizer
@@ -254,6 +408,10 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         T.make_attention("flash_v1", 32, np.float64)
     with pytest.raises(ValueError, match="not divisible"):
         T.GPTConfig(vocab_size=10, d_model=10, n_head=3)
+    with pytest.raises(ValueError, match="n_kv_head 3 does not divide n_head 4"):
+        T.GPTConfig(vocab_size=10, d_model=16, n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match="3 k, v heads do not divide 4 query heads"):
+        T.make_attention("naive", 4, np.float32, heads=4, kv_heads=3)
     with pytest.raises(ValueError, match="do not fit"):
         T.RecallTask(16, n_pairs=12, n_queries=8)
     with pytest.raises(ValueError, match="does not split over 2 ranks"):
@@ -284,3 +442,30 @@ def test_gpu_torch_autograd_function_matches_sdpa(dtype):
 
     err = TA.check_against_sdpa(dtype, seed=SEED)
     assert err["ok"], f"autograd.Function vs SDPA ({dtype}): {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_torch_twin_with_grouped_query_heads_follows_ours(dtype):
+    """The PyTorch twin (torch_gpt.py) with grouped-query heads, 4 query heads and 2 k, v heads: SDPA on k, v repeated
+    per group, and the twin with our stage 02/03 kernels dropped in (k, v of 2 heads in bfloat16), against our GPT
+    (CuPy, flash_v2), the same weights and batches. Each curve is within twice PyTorch's distance to itself (SDPA's
+    math backend against its default one) plus a slack (1e-3 in float32, 1e-2 in bfloat16)."""
+    torch = _torch_cuda()
+    if torch is None:
+        pytest.skip("torch with CUDA is not importable here")
+    import cupy
+
+    from stages.train_gpt import torch_gpt as TG
+
+    data = T.RecallTask(64, n_values=8, seed=SEED)
+    cfg = T.GPTConfig(vocab_size=data.vocab_size, context=64, n_layer=2, d_model=256, n_head=4, n_kv_head=2)
+    run = dict(steps=20, batch=16, lr=3e-3, seed=SEED, dtype=dtype)
+    ours = np.array(T.train(cfg, data, attention="flash_v2", xp=cupy, **run)["loss"])
+    twin = {a: np.array(TG.train(cfg, data, attention=a, **run)["loss"]) for a in ("sdpa", "sdpa_math", "ours")}
+    yardstick = np.max(np.abs(twin["sdpa_math"] - twin["sdpa"]))
+    slack = 1e-3 if dtype == "float32" else 1e-2
+    for name, curve in (("our GPT", ours), ("the twin with our kernels", twin["ours"])):
+        diff = np.max(np.abs(curve - twin["sdpa"]))
+        assert diff <= 2 * yardstick + slack, (f"{name} vs the PyTorch twin (SDPA), {dtype}, 4 / 2 heads: max loss "
+                                               f"difference {diff:.2e}; SDPA math vs SDPA {yardstick:.2e}")

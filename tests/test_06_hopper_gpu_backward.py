@@ -282,6 +282,11 @@ def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
     from stages.train_gpt import attention
 
     _hopper()
+    # the GPT asks the registry (before the spies below stand in for the registered kernels)
+    assert attention.StageAttention("flash_v2", 64, bfloat16).fwd is flash_v3.forward
+    assert attention.StageAttention("flash_v2", 64, bfloat16).bwd is flash_v3_backward.backward
+    assert attention.StageAttention("flash_v2", 64, np.float32).fwd is not flash_v3.forward
+    assert attention.StageAttention("flash_v2", 64, np.float32).bwd is not flash_v3_backward.backward
     calls = _spy_registered(monkeypatch, "merge_into")
     q, k, v = make_inputs(1, 2, 512, 512, 128, dtype=bfloat16, xp=cupy)
     check_forward(ring.forward, q, k, v, causal=True, layout="zigzag", ranks=4, block="flash")
@@ -298,7 +303,3 @@ def test_ring_and_gpt_take_stage_06_on_hopper(monkeypatch):
         whole.clear()
         check_backward(ring.backward, q, k, v, do, causal=causal, layout="contiguous", ranks=1, block="flash")
         assert whole, f"a ring of one rank (causal={causal}) did not run stage 06's backward"
-    assert attention.StageAttention("flash_v2", 64, bfloat16).fwd is flash_v3.forward
-    assert attention.StageAttention("flash_v2", 64, bfloat16).bwd is flash_v3_backward.backward
-    assert attention.StageAttention("flash_v2", 64, np.float32).fwd is not flash_v3.forward
-    assert attention.StageAttention("flash_v2", 64, np.float32).bwd is not flash_v3_backward.backward

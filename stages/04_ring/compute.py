@@ -6,8 +6,10 @@ the rank holds. Compute runs each call with one of three kinds of kernel:
   * fused, the fast path on a GPU: the kernel adds its result into the ring's float32 accumulators itself (forward:
     O_rj, L_rj merged into O_r, L_r in its epilogue; backward: dQ_r, dK_j, dV_j added with atomics) and reads the
     rows and keys in place. Stage 06's kernels where a later stage registered them and they take the problem
-    (stages/common/attention_registry.py; on an sm_90 GPU once `stages.hopper` is imported), else stage 02 version
-    pipelined and stage 03 version tc.
+    (stages/common/attention_registry.py; on an sm_90 GPU once `stages.hopper` is imported: grouped-query heads,
+    windows, softcap and ALiBi, not dropout), else stage 02 version pipelined and stage 03 version tc. Both take the
+    call's mask and options the same way (_options) and add dK_j, dV_j of a group of query heads into its one k / v
+    head.
   * a block function of BLOCKS, elsewhere (numpy, stage 00 blocks, the float32 kernels): the call returns its partial
     result in float32 and merge() / += add it (the same arithmetic).
   * one call over the whole problem (a ring of one rank, or a scheme's single-device call): the kernel writes the
@@ -28,8 +30,8 @@ from stages.common import attention_registry, cast, kernels, variants
 from . import candidates
 
 __all__ = ["BLOCKS", "Compute", "default_block", "partial_dtype", "forward_accumulators", "backward_accumulators",
-           "merge_kernel", "flash_version", "hopper_takes", "hopper_backward_takes", "one_device_forward",
-           "one_device_backward", "lanes"]
+           "merge_kernel", "flash_version", "registered_for", "hopper_takes", "hopper_backward_takes",
+           "problem_options", "one_device_forward", "one_device_backward", "lanes"]
 
 
 def default_block(block, q):
@@ -112,58 +114,77 @@ DEFAULT_FORWARD = (None, "auto", "pipelined")  # the forward versions that mean 
 DEFAULT_BACKWARD = (None, "auto", "tc")  # the backward versions that mean "what stage 03's auto picks"
 
 
-def registered_for(dtype, D, *, H, Hkv, B, version=None):
-    """The registered kernels (attention_registry) that take plain attention of this shape on this GPU, at the default
-    stage 02 version (naming a stage 02 version such as "tc" keeps stage 02), or None."""
-    if version not in DEFAULT_FORWARD:
+def registered_for(dtype, D, *, H, Hkv, B, version=None, options=(), backward=False):
+    """The registered kernels (attention_registry.find) that take this problem on this GPU at the default stage 02
+    version (backward: stage 03's), or None. options: the names of the variant options in use (window, softcap,
+    alibi_slopes, dropout_p); grouped-query heads are Hkv < H. Naming a stage 02/03 version keeps stages 02/03."""
+    if version not in (DEFAULT_BACKWARD if backward else DEFAULT_FORWARD):
         return None
-    return next((k for k in attention_registry.registered() if k.takes(dtype, D, heads=H, kv_heads=Hkv, batch=B)),
-                None)
+    return attention_registry.find(dtype, D, heads=H, kv_heads=Hkv, batch=B, options=options, backward=backward)
 
 
-def hopper_takes(dtype, D, *, H, Hkv, B, version=None):
-    """Whether the flash forward runs registered kernels for this shape (so far only stage 06 registers: on an sm_90
-    GPU, once `stages.hopper` is imported; hence the name)."""
-    return registered_for(dtype, D, H=H, Hkv=Hkv, B=B, version=version) is not None
+def hopper_takes(dtype, D, *, H, Hkv, B, version=None, options=()):
+    """Whether the flash forward runs registered kernels for this problem (so far only stage 06 registers: on an
+    sm_90 GPU, once `stages.hopper` is imported; hence the name)."""
+    return registered_for(dtype, D, H=H, Hkv=Hkv, B=B, version=version, options=options) is not None
 
 
-def hopper_backward_takes(dtype, D, *, H, Hkv, B, version=None):
-    """Whether the flash backward runs registered kernels: at the default stage 03 version, where the forward does
-    (hopper_takes) and the kernels' block backward takes the dtype and head dim."""
-    kernels = registered_for(dtype, D, H=H, Hkv=Hkv, B=B)
-    return version in DEFAULT_BACKWARD and kernels is not None and kernels.takes_backward(dtype, D)
+def hopper_backward_takes(dtype, D, *, H, Hkv, B, version=None, options=()):
+    """Whether the flash backward runs registered kernels: at the default stage 03 version, where some registered
+    kernels take the problem forward and backward."""
+    return registered_for(dtype, D, H=H, Hkv=Hkv, B=B, version=version, options=options, backward=True) is not None
+
+
+def problem_options(prob):
+    """The names of the variant options a ring problem uses (attention_registry.OPTIONS): what the registered kernels
+    must take besides its shapes."""
+    return attention_registry.options_in_use(window=prob.window, softcap=prob.softcap, alibi_slopes=prob.alibi_slopes,
+                                             dropout_p=prob.dropout_p)
+
+
+def on_gpu(prob):
+    """Whether the problem's arrays are GPU (CuPy) arrays, the only ones registered kernels are handed."""
+    return prob.xp is not np
 
 
 def _registered_blocks(prob, dtype, version, backward):
-    """The registered kernels that compute this problem's fused block calls, or None: on a GPU, plain attention (no
-    option acting on scores, no window: a call whose mask is a band goes to stage 02/03), at the default versions."""
-    banded = prob.window not in (None, (-1, -1))  # (-1, -1): the causal mask, no band
-    if prob.xp is np or not prob.plain or banded:
+    """The registered kernels that compute this problem's fused block calls on a GPU at the default versions (any
+    grouped-query heads, window, softcap and ALiBi they take; dropout: stages 02/03), or None."""
+    if not on_gpu(prob):
         return None
-    if backward:
-        takes = hopper_backward_takes(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B, version=version)
-        return registered_for(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B) if takes else None
-    return registered_for(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B, version=version)
+    return registered_for(dtype, prob.D, H=prob.H, Hkv=prob.Hkv, B=prob.B, version=version,
+                          options=problem_options(prob), backward=backward)
+
+
+def _registered_call(q, k, version, kw, backward):
+    """(kernels, keywords) for one device's whole call on GPU arrays with keyword options kw, when registered kernels
+    take it (every keyword but causal and scale a variant option they take); else (None, None)."""
+    if isinstance(q, np.ndarray) or kw.keys() - {"causal", "scale", "seed"} - attention_registry.OPTIONS:
+        return None, None
+    options = attention_registry.options_in_use(**kw)
+    kernels = registered_for(q.dtype, q.shape[3], H=q.shape[1], Hkv=k.shape[1], B=q.shape[0], version=version,
+                             options=options, backward=backward)
+    if kernels is None:
+        return None, None
+    return kernels, {key: val for key, val in kw.items() if key in ("causal", "scale") or key in options}
 
 
 def one_device_forward(q, k, v, *, version="auto", **kw):
     """The forward one device runs for the ring's flash blocks (the yardstick of the ring's efficiency): the registered
-    kernels for GPU arrays where they take the problem and no option but causal and scale is given, else stage 02's
-    forward at that version (numpy arrays: its tile mirrors)."""
-    if not isinstance(q, np.ndarray) and not kw.keys() - {"causal", "scale"}:
-        kernels = registered_for(q.dtype, q.shape[3], H=q.shape[1], Hkv=k.shape[1], B=q.shape[0], version=version)
-        if kernels is not None:
-            return kernels.forward(q, k, v, **kw)
+    kernels for GPU arrays where they take the problem and its options (window, softcap, ALiBi: stage 06; not
+    dropout), else stage 02's forward at that version (numpy arrays: its tile mirrors)."""
+    kernels, options = _registered_call(q, k, version, kw, backward=False)
+    if kernels is not None:
+        return kernels.forward(q, k, v, **options)
     return flash_v2.forward(q, k, v, version=version or "auto", **kw)
 
 
 def one_device_backward(q, k, v, o, lse, do, *, version="auto", **kw):
-    """The backward one device runs for the ring's flash blocks: the registered kernels for GPU arrays where
-    hopper_backward_takes and no option but causal and scale is given, else stage 03's at that version."""
-    if not isinstance(q, np.ndarray) and not kw.keys() - {"causal", "scale"}:
-        shape = dict(H=q.shape[1], Hkv=k.shape[1], B=q.shape[0])
-        if hopper_backward_takes(q.dtype, q.shape[3], version=version, **shape):
-            return registered_for(q.dtype, q.shape[3], **shape).backward(q, k, v, o, lse, do, **kw)
+    """The backward one device runs for the ring's flash blocks: the registered kernels for GPU arrays where they take
+    the problem and its options backward (hopper_backward_takes), else stage 03's at that version."""
+    kernels, options = _registered_call(q, k, version, kw, backward=True)
+    if kernels is not None:
+        return kernels.backward(q, k, v, o, lse, do, **options)
     return flash_v2_backward.backward(q, k, v, o, lse, do, version=version or "auto", **kw)
 
 
@@ -219,18 +240,23 @@ class Compute:
     # ------------------------------------------------------------------ one call over the whole problem
     def whole_forward(self, q, k, v, c, kpos):
         """One rank's whole problem as one call c: the kernel writes (o, lse) in the inputs' dtype itself."""
-        prob = self.prob
-        if self.registered and "window" not in c.mask():
-            return self.registered.forward(q, k, v, scale=prob.scale, **c.mask())
-        return self.fwd(q, k, v, scale=prob.scale, version=self.version, **c.mask(), **prob.options(self.qpos, kpos, c))
+        prob, options = self.prob, self.prob.options(self.qpos, kpos, c)
+        if self.registered:
+            return self.registered.forward(q, k, v, scale=prob.scale, **c.mask(), **self._theirs(options))
+        return self.fwd(q, k, v, scale=prob.scale, version=self.version, **c.mask(), **options)
 
     def whole_backward(self, q, k, v, o, lse, do, c, kpos):
         """One rank's whole problem as one call c: the kernel writes (dq, dk, dv) in the inputs' dtype itself."""
-        prob = self.prob
+        prob, options = self.prob, self.prob.options(self.qpos, kpos, c)
         if self.registered:
-            return self.registered.backward(q, k, v, o, cast(lse, np.float32), do, scale=prob.scale, **c.mask())
-        return self.bwd(q, k, v, o, lse, do, scale=prob.scale, version=self.version, **c.mask(),
-                        **prob.options(self.qpos, kpos, c))
+            return self.registered.backward(q, k, v, o, cast(lse, np.float32), do, scale=prob.scale, **c.mask(),
+                                            **self._theirs(options))
+        return self.bwd(q, k, v, o, lse, do, scale=prob.scale, version=self.version, **c.mask(), **options)
+
+    def _theirs(self, options):
+        """The problem's options (Problem.options of a whole call) as the registered kernels take them: those of
+        theirs (softcap, alibi_slopes); the rest are off (dropout) or say the call is the whole problem (origin)."""
+        return {key: val for key, val in options.items() if key in self.registered.options}
 
     # ------------------------------------------------------------------ the calls of one step
     def forward_step(self, q, k, v, o_run, lse_run, calls, kpos):
@@ -267,8 +293,8 @@ class Compute:
             main.wait_event(event)
 
     def _options(self, q, k, kpos, c):
-        """(causal, variants.Options or None) of call c for the fused stage 02/03 kernels: its mask, and the problem's
-        softcap, ALiBi, dropout, grouped-query; None for plain or causal attention."""
+        """(causal, variants.Options or None) of call c for the fused kernels (registered or stage 02/03): its mask,
+        and the problem's softcap, ALiBi, dropout, grouped-query heads; None for plain or causal attention."""
         mask = c.mask()
         if self.prob.plain and "window" not in mask:
             return mask["causal"], None
@@ -279,12 +305,10 @@ class Compute:
     def forward_call(self, q, k, v, o_run, lse_run, c, kpos):
         """Rows q_start:q_stop of q against keys k_start:k_stop of k, v, merged into those rows of o_run, lse_run."""
         prob, rows, keys = self.prob, (c.q_start, c.q_stop), (c.k_start, c.k_stop)
-        if self.registered and "window" not in c.mask():
-            self.registered.merge_into(q, k, v, o_run, lse_run, rows, keys, causal=c.mask()["causal"],
-                                       scale=prob.scale)
-        elif self.fused:
+        if self.fused:  # the kernel merges into the accumulators: the registered kernels' or stage 02's
             causal, opts = self._options(q, k, kpos, c)
-            tc.merge_into(q, k, v, o_run, lse_run, rows, keys, causal=causal, scale=prob.scale, opts=opts)
+            merge_into = self.registered.merge_into if self.registered else tc.merge_into
+            merge_into(q, k, v, o_run, lse_run, rows, keys, causal=causal, scale=prob.scale, opts=opts)
         else:
             (q0, q1), (k0, k1) = rows, keys
             o_b, lse_b = self.fwd(_rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1), scale=prob.scale,
@@ -296,13 +320,11 @@ class Compute:
         """The gradients of block call c, added into rows q_start:q_stop of dq_run and keys k_start:k_stop of dk_run,
         dv_run."""
         prob, rows, keys = self.prob, (c.q_start, c.q_stop), (c.k_start, c.k_stop)
-        if self.registered:  # the kernel adds into the accumulators
-            self.registered.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys,
-                                            causal=c.mask()["causal"], scale=prob.scale)
-        elif self.fused:
+        if self.fused:  # the kernels add into the accumulators: the registered kernels' or stage 03's
             causal, opts = self._options(q, k, kpos, c)
-            flash_v2_backward.accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, causal=causal,
-                                              scale=prob.scale, opts=opts)
+            accumulate_into = self.registered.accumulate_into if self.registered else flash_v2_backward.accumulate_into
+            accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, causal=causal, scale=prob.scale,
+                            opts=opts)  # dk_run, dv_run: (B, Hkv, Lk, D), each group's sum added once
         else:
             (q0, q1), (k0, k1) = rows, keys
             dq_b, dk_b, dv_b = self.bwd(_rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1), _rows(o, q0, q1),

@@ -54,6 +54,7 @@ from stages import naive  # noqa: E402
 from stages import ring as R  # noqa: E402
 from stages.common import PeakMemory, attention_flops, bfloat16, cast, device, gpu_name, time_queued_ms  # noqa: E402
 from stages.common import verify  # noqa: E402
+from stages.common.attention_registry import options_in_use  # noqa: E402
 from stages.common.cli import positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
 from stages.ring.run_options import Parser, Usage, settings, usage_exit  # noqa: E402
@@ -208,12 +209,11 @@ def _blocks_text(s, batch):
     """What computes the blocks, forward and backward: stage 00, stages 02/03 or the registered stage 06."""
     if s.block == "naive":
         return "stage 00"
-    shape = dict(H=s.H, Hkv=s.Hkv, B=batch)
-    plain = not s.opts and s.Hkv == s.H  # stage 06 takes no variant option
-    kernels = R.compute.registered_for(s.dtype, s.D, version=s.versions[0], **shape) if plain else None
-    fwd = kernels.name if kernels else f"stage 02 version {s.versions[0]}"
-    bwd_06 = plain and R.hopper_backward_takes(s.dtype, s.D, version=s.versions[1], **shape)
-    return f"{fwd}, {kernels.name + ' backward' if bwd_06 else f'stage 03 version {s.versions[1]}'}"
+    shape = dict(H=s.H, Hkv=s.Hkv, B=batch, options=options_in_use(**s.opts))  # as compute.py asks for the blocks
+    fwd = R.compute.registered_for(s.dtype, s.D, version=s.versions[0], **shape)
+    bwd = R.compute.registered_for(s.dtype, s.D, version=s.versions[1], backward=True, **shape)
+    return (f"{fwd.name if fwd else f'stage 02 version {s.versions[0]}'}, "
+            f"{bwd.name + ' backward' if bwd else f'stage 03 version {s.versions[1]}'}")
 
 
 HOLDS = {  # what a rank holds besides its shards, by scheme (README.md and gather.py say what each costs)

@@ -2,7 +2,7 @@
 
 Every function takes numpy or CuPy arrays (`xp` is whichever module they belong to) and does the same
 maths on both. Shapes: B batch, N tokens per sequence (this rank's tokens under the ring), C channels
-(d_model), H heads, D = C / H head dim, V vocabulary size.
+(d_model), H heads, D = C / H head dim, Hkv k / v heads (grouped-query attention), V vocabulary size.
 
 A backward takes the gradient of the loss with respect to the layer's output (dy, "dL/dy") and what the
 forward saved, and returns the gradients with respect to the layer's inputs and parameters.
@@ -159,21 +159,27 @@ def gelu_backward(dy, x):
 
 
 # --------------------------------------------------------------------------- causal self-attention
-def attention_forward(qkv, n_heads, attn):
-    """Multi-head causal self-attention around any stage's kernel.
+def attention_forward(qkv, n_heads, attn, n_kv_heads=None):
+    """Multi-head causal self-attention around any stage's kernel, with grouped-query heads.
 
-    qkv (B, N, 3C) = LayerNorm(x) W_qkv + b_qkv: the queries, keys and values of every head side by side.
-    attn: an attention kernel (attention.py) with forward(q, k, v) -> (o, lse) on (B, H, N, D) arrays.
-        q, k, v = split(qkv)              each (B, H, N, D): heads moved in front of the tokens
+    qkv (B, N, C + 2 Hkv D) = LayerNorm(x) W_qkv + b_qkv: the queries of every head, then the keys and the values of
+    the Hkv = n_kv_heads k / v heads (None: n_heads, multi-head attention, qkv (B, N, 3C)), side by side.
+    attn: an attention kernel (attention.py) with forward(q, k, v) -> (o, lse), q (B, H, N, D), k, v (B, Hkv, N, D);
+    query head h reads k / v head h // (H / Hkv).
+        q, k, v = split(qkv)              q (B, H, N, D), k and v (B, Hkv, N, D): heads moved in front of the tokens
         o, lse  = attn.forward(q, k, v)   o = softmax(q k^T / sqrt(D) + causal mask) v
         y       = merge heads of o        (B, N, C)
     Returns y and the cache (q, k, v, o, lse) the backward needs (lse lets it recompute P)."""
-    B, N, C3 = qkv.shape
-    C = C3 // 3
-    D = C // n_heads
-    qkv5 = qkv.reshape(B, N, 3, n_heads, D).transpose(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+    B, N, _ = qkv.shape
+    Hkv = n_kv_heads or n_heads
+    D = qkv.shape[2] // (n_heads + 2 * Hkv)
+    C, KV = n_heads * D, Hkv * D  # the widths of the queries, and of the keys (or the values)
     xp = array_module(qkv)
-    q, k, v = (xp.ascontiguousarray(t) for t in qkv5)  # each (B, H, N, D), row-major as the kernels want
+
+    def heads(cols, h):  # columns of qkv -> (B, h, N, D), row-major as the kernels want
+        return xp.ascontiguousarray(qkv[:, :, cols].reshape(B, N, h, D).transpose(0, 2, 1, 3))
+
+    q, k, v = heads(slice(0, C), n_heads), heads(slice(C, C + KV), Hkv), heads(slice(C + KV, C + 2 * KV), Hkv)
     o, lse = attn.forward(q, k, v)  # (B, H, N, D), (B, H, N)
     y = o.transpose(0, 2, 1, 3).reshape(B, N, C)  # (B, H, N, D) -> (B, N, H, D) -> (B, N, C)
     return y, (q, k, v, o, lse)
@@ -184,14 +190,16 @@ def attention_backward(dy, cache, attn):
 
         do = split heads of dy                      (B, H, N, D)
         dq, dk, dv = attn.backward(q, k, v, o, lse, do)
-        dqkv = the three put back side by side       (B, N, 3C)."""
+        dqkv = the three put back side by side       (B, N, C + 2 Hkv D).
+    With grouped-query heads a k / v head was read by H / Hkv query heads, so its gradient is the sum of what each of
+    them sends back: dk, dv come from the kernel with Hkv heads, summed over each group (attention.py says where)."""
     q, k, v, o, lse = cache
     B, H, N, D = q.shape
     xp = array_module(dy)
     do = xp.ascontiguousarray(cast(dy, q.dtype).reshape(B, N, H, D).transpose(0, 2, 1, 3))  # (B, H, N, D)
-    dq, dk, dv = attn.backward(q, k, v, o, lse, do)  # each (B, H, N, D)
-    dqkv = xp.stack([dq, dk, dv])  # (3, B, H, N, D)
-    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, N, 3 * H * D)  # (B, N, 3, H, D) -> (B, N, 3C)
+    dq, dk, dv = attn.backward(q, k, v, o, lse, do)  # (B, H, N, D), (B, Hkv, N, D), (B, Hkv, N, D)
+    cols = [g.transpose(0, 2, 1, 3).reshape(B, N, -1) for g in (dq, dk, dv)]  # (B, N, H D), (B, N, Hkv D) x 2
+    return xp.concatenate(cols, axis=-1)  # (B, N, C + 2 Hkv D), in qkv's column order
 
 
 # --------------------------------------------------------------------------- softmax + cross-entropy

@@ -71,12 +71,14 @@ def train(cfg, data, *, attention="naive", steps=100, batch=16, lr=3e-3, warmup=
         if attention == "ring":
             if ring is None:
                 raise ValueError("--attention ring needs a communicator: run under mpirun, or --simulate-ranks P")
-            block, _ = A.ring_blocks(ring_block, dtype=cd, head_dim=cfg.head_dim, **device_facts(xp))
+            block, _ = A.ring_blocks(ring_block, dtype=cd, head_dim=cfg.head_dim,
+                                     grouped=cfg.n_kv_head != cfg.n_head, **device_facts(xp))
             attn = A.RingAttention(ring, cfg.context, layout, block, cd)
         else:
             if ring is not None and ring.size > 1:
                 raise ValueError(f"--attention {attention} is single-device; under mpirun use --attention ring")
-            attn = A.make_attention(attention, cfg.head_dim, cd)
+            attn = A.make_attention(attention, cfg.head_dim, cd, heads=cfg.n_head, kv_heads=cfg.n_kv_head,
+                                    batch=batch)
     if data.context != cfg.context:
         raise ValueError(f"data context {data.context} != model context {cfg.context}")
     pos = shard_positions(cfg.context, ring, layout)  # (N_local,) host: this rank's global positions

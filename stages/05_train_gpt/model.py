@@ -2,7 +2,8 @@
 
     x = wte[tokens] + wpe[positions]                           (B, N, C)  token + position embeddings
     for each of the L blocks (pre-LayerNorm):
-        x = x + Attn(LN1(x)) W_proj + b_proj                   causal self-attention, H heads (any stage)
+        x = x + Attn(LN1(x)) W_proj + b_proj                   causal self-attention, H heads (any stage);
+                                                               k, v of Hkv heads (grouped-query, Hkv | H)
         x = x + GELU(LN2(x) W_fc + b_fc) W_fcproj + b_fcproj   MLP, hidden width 4C
     logits = LN_f(x) W_head                                    (B, N, V)
     loss = mean over tokens with a target of -log softmax(logits)[target]
@@ -31,17 +32,29 @@ class GPTConfig:
     n_layer: int = 2  # L
     d_model: int = 64  # C
     n_head: int = 2  # H (head dim D = C / H)
+    n_kv_head: int = None  # Hkv: k, v heads, each read by H / Hkv query heads (None: H, multi-head attention)
 
     def __post_init__(self):
-        for name in ("vocab_size", "context", "n_layer", "d_model", "n_head"):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        for name in ("vocab_size", "context", "n_layer", "d_model", "n_head", "n_kv_head"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"GPT config: {name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ValueError(f"GPT config: d_model {self.d_model} is not divisible by n_head {self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"GPT config: n_kv_head {self.n_kv_head} does not divide n_head {self.n_head} "
+                             "(grouped-query attention: each k, v head serves n_head / n_kv_head query heads)")
 
     @property
     def head_dim(self):
         return self.d_model // self.n_head
+
+    @property
+    def qkv_width(self):
+        """Columns of the fused projection W_qkv: C for the queries, then Hkv D for the keys and Hkv D for the values
+        (3C with as many k, v heads as query heads)."""
+        return self.d_model + 2 * self.n_kv_head * self.head_dim
 
     def as_dict(self):
         return asdict(self)
@@ -52,10 +65,10 @@ QK_GAIN = 2.0  # W_Q and W_K start at N(0, (QK_GAIN * 0.02)^2): init_params says
 
 def param_shapes(cfg):
     """Every parameter's name and shape, in a fixed order (the same order the PyTorch twin uses)."""
-    C, V = cfg.d_model, cfg.vocab_size
+    C, V, W = cfg.d_model, cfg.vocab_size, cfg.qkv_width  # W = C + 2 Hkv D: W_Q, W_K, W_V side by side
     shapes = {"wte": (V, C), "wpe": (cfg.context, C)}
     for i in range(cfg.n_layer):
-        shapes.update({f"h{i}.ln1_w": (C,), f"h{i}.ln1_b": (C,), f"h{i}.qkv_w": (C, 3 * C), f"h{i}.qkv_b": (3 * C,),
+        shapes.update({f"h{i}.ln1_w": (C,), f"h{i}.ln1_b": (C,), f"h{i}.qkv_w": (C, W), f"h{i}.qkv_b": (W,),
                        f"h{i}.proj_w": (C, C), f"h{i}.proj_b": (C,), f"h{i}.ln2_w": (C,), f"h{i}.ln2_b": (C,),
                        f"h{i}.fc_w": (C, 4 * C), f"h{i}.fc_b": (4 * C,), f"h{i}.fcproj_w": (4 * C, C),
                        f"h{i}.fcproj_b": (C,)})
@@ -68,7 +81,7 @@ def init_params(cfg, seed, dtype=np.float32, xp=np):
     every rank): weights N(0, 0.02), the two projections into the residual stream N(0, 0.02 / sqrt(2L)) so
     the stream's variance does not grow with depth, biases 0, LayerNorm gains 1.
 
-    One change from GPT-2: the query and key projections W_Q, W_K (the first 2C columns of qkv_w) start QK_GAIN
+    One change from GPT-2: the query and key projections W_Q, W_K (the first C + Hkv D columns of qkv_w) start QK_GAIN
     times larger. A score S_ij = q_i . k_j is a product of the two, and the gradient of each is proportional to the
     other, so from two small matrices the scores stay nearly flat for long: the plateau before the recall task's
     jump (README, "Why these defaults"), which then comes late, or not within a short run."""
@@ -83,8 +96,8 @@ def init_params(cfg, seed, dtype=np.float32, xp=np):
         else:
             std = 0.02 / np.sqrt(2 * cfg.n_layer) if leaf in ("proj_w", "fcproj_w") else 0.02
             a = rng.standard_normal(shape) * std
-            if leaf == "qkv_w":
-                a[:, :2 * cfg.d_model] *= QK_GAIN  # (C, 3C): the columns of W_Q and W_K; W_V keeps 0.02
+            if leaf == "qkv_w":  # (C, C + 2 Hkv D): the columns of W_Q and W_K; W_V keeps 0.02
+                a[:, :cfg.d_model + cfg.n_kv_head * cfg.head_dim] *= QK_GAIN
         params[name] = xp.asarray(a.astype(dtype))
     return params
 
@@ -104,15 +117,15 @@ def forward(params, cfg, tokens, targets, pos, attn, cd):
     if tokens.shape[1] > cfg.context or last >= cfg.context:
         raise ValueError(f"sequence of {tokens.shape[1]} tokens (positions up to {last}) does not fit the context "
                          f"of {cfg.context}")
-    p, H = params, cfg.n_head
+    p, H, Hkv = params, cfg.n_head, cfg.n_kv_head
     pos = array_module(p["wpe"]).asarray(pos)  # (N,) on the parameters' device
     x = Lyr.embedding_forward(tokens, pos, p["wte"], p["wpe"])  # (B, N, C), master dtype
     blocks = []
     for i in range(cfg.n_layer):
         w = lambda n: p[f"h{i}.{n}"]  # noqa: E731 - this block's parameters
         h1, ln1 = Lyr.layernorm_forward(x, w("ln1_w"), w("ln1_b"), cd)  # (B, N, C) in cd
-        qkv = Lyr.linear_forward(h1, w("qkv_w"), w("qkv_b"))  # (B, N, 3C)
-        a, att = Lyr.attention_forward(qkv, H, attn)  # (B, N, C)
+        qkv = Lyr.linear_forward(h1, w("qkv_w"), w("qkv_b"))  # (B, N, C + 2 Hkv D)
+        a, att = Lyr.attention_forward(qkv, H, attn, n_kv_heads=Hkv)  # (B, N, C)
         y = Lyr.linear_forward(a, w("proj_w"), w("proj_b"))  # (B, N, C)
         x = x + cast(y, x.dtype)  # residual
         h2, ln2 = Lyr.layernorm_forward(x, w("ln2_w"), w("ln2_b"), cd)
@@ -155,7 +168,7 @@ def backward(params, cfg, cache, attn, count):
         dx = dx + dx2
         # attention branch
         da, grads[k + "proj_w"], grads[k + "proj_b"] = Lyr.linear_backward(cast(dx, cd), a, w("proj_w"))
-        dqkv = Lyr.attention_backward(da, att, attn)  # (B, N, 3C)
+        dqkv = Lyr.attention_backward(da, att, attn)  # (B, N, C + 2 Hkv D)
         dh1, grads[k + "qkv_w"], grads[k + "qkv_b"] = Lyr.linear_backward(dqkv, h1, w("qkv_w"))
         dx1, grads[k + "ln1_w"], grads[k + "ln1_b"] = Lyr.layernorm_backward(dh1, w("ln1_w"), ln1)
         dx = dx + dx1

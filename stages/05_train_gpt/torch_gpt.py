@@ -5,7 +5,9 @@ Same parameters (model.init_params, copied into torch), same layout of every wei
 clipping as loop.py. Attention is torch's scaled_dot_product_attention ("sdpa": the backend torch picks;
 "sdpa_math": its plain math backend, a second trusted implementation that sums in another order), or our stage
 02/03 kernels through the autograd.Function of torch_attention.py ("ours"): the drop-in of a kernel into a PyTorch
-model.
+model. Grouped-query heads (cfg.n_kv_head < n_head): SDPA gets each k, v head repeated for the query heads that read
+it (repeat_interleave; autograd sums the copies' gradients), and so does "ours" in float32; in 16 bits our kernels
+take k, v of n_kv_head heads as they are.
 Mixed precision (dtype "bfloat16"): torch.autocast, which keeps float32 weights and runs the matmuls and
 attention in bfloat16, LayerNorm and the loss in float32, as our layers do.
 """
@@ -33,14 +35,17 @@ def forward(p, cfg, tokens, targets, attention="sdpa", amp=False):
     torch = _torch()
     F = torch.nn.functional
     B, N = tokens.shape
-    C, H = cfg.d_model, cfg.n_head
+    C, H, Hkv = cfg.d_model, cfg.n_head, cfg.n_kv_head
     D = C // H
     x = p["wte"][tokens] + p["wpe"][:N][None]  # (B, N, C)
     for i in range(cfg.n_layer):
         w = lambda n: p[f"h{i}.{n}"]  # noqa: E731
         h = F.layer_norm(x, (C,), w("ln1_w"), w("ln1_b"), eps=1e-5)
-        qkv = h @ w("qkv_w") + w("qkv_b")  # (B, N, 3C)
-        q, k, v = qkv.view(B, N, 3, H, D).unbind(2)  # each (B, N, H, D)
+        qkv = h @ w("qkv_w") + w("qkv_b")  # (B, N, C + 2 Hkv D)
+        q, k, v = qkv.split([C, Hkv * D, Hkv * D], dim=-1)  # (B, N, C), (B, N, Hkv D), (B, N, Hkv D)
+        q, k, v = q.view(B, N, H, D), k.view(B, N, Hkv, D), v.view(B, N, Hkv, D)  # heads: (B, N, heads, D)
+        if Hkv != H and (attention != "ours" or not amp):  # k / v head j for query heads j g .. (j + 1) g - 1
+            k, v = (t.repeat_interleave(H // Hkv, dim=2) for t in (k, v))  # (B, N, H, D)
         if attention in ("sdpa", "sdpa_math"):
             import contextlib
 

@@ -6,6 +6,7 @@
     python stages/05_train_gpt/train.py --data README.md --steps 500 # any text file, character level
     python stages/05_train_gpt/train.py --device gpu --context 4096 --layers 6 --d-model 384 --heads 6 \\
         --batch 1 --steps 50 --attention flash_v2                    # long context on a GPU, bfloat16 activations
+    python stages/05_train_gpt/train.py --heads 4 --kv-heads 2 --d-model 256   # grouped-query heads (Llama's GQA)
     mpirun -n 4 python stages/05_train_gpt/train.py --attention ring # sequence parallel through the ring
     python stages/05_train_gpt/train.py --attention ring --simulate-ranks 4   # the same, ranks as threads
 
@@ -104,6 +105,9 @@ def parser():
     ap.add_argument("--d-model", type=_at_least(1), default=None, help=f"channels C ({_default('d_model')})")
     ap.add_argument("--heads", type=_at_least(1), default=None,
                     help=f"attention heads, head dim = d_model / heads ({_default('n_head')})")
+    ap.add_argument("--kv-heads", type=_at_least(1), default=None,
+                    help="k, v heads, each read by heads / kv-heads query heads (grouped-query attention; 1: "
+                         "multi-query); a divisor of --heads (default: --heads, multi-head attention)")
     ap.add_argument("--n-values", type=_at_least(2), default=None,
                     help=f"recall task: number of distinct values ({_default('n_values')})")
     ap.add_argument("--lr", type=learning_rate, default=None,
@@ -150,6 +154,10 @@ def parse(argv=None):
     if args.d_model % args.heads:
         ap.error(f"argument --heads: takes a divisor of --d-model {args.d_model} (head dim = d_model / heads), "
                  f"got {args.heads}")
+    args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+        ap.error(f"argument --kv-heads: takes a divisor of --heads {args.heads} (each k, v head serves heads / "
+                 f"kv-heads query heads), got {args.kv_heads}")
     if args.data is not None and not pathlib.Path(args.data).is_file():
         ap.error(f"argument --data: takes a text file, and {args.data!r} is not one")
     if args.data is None:
@@ -188,7 +196,7 @@ def prepare(args, ring=None, xp=np):
     else:
         data = T.RecallTask(args.context, n_values=args.n_values, seed=args.seed)
     cfg = T.GPTConfig(vocab_size=data.vocab_size, context=args.context, n_layer=args.layers, d_model=args.d_model,
-                      n_head=args.heads)
+                      n_head=args.heads, n_kv_head=args.kv_heads)
     dtype = args.dtype or ("bfloat16" if xp is not np and device_facts(xp)["sm80"] else "float32")
     out = {"cfg": cfg, "data": data, "dtype": dtype, "block": None, "block_text": None, "kernels": None}
     if args.attention == "ring":
@@ -196,11 +204,12 @@ def prepare(args, ring=None, xp=np):
             raise ValueError("--attention ring needs a communicator: run under mpirun, or --simulate-ranks P")
         shard_positions(cfg.context, ring, args.layout)  # the context splits over the ranks
         out["block"], out["block_text"] = T.ring_blocks(args.ring_block, dtype=DTYPES[dtype], head_dim=cfg.head_dim,
-                                                        **device_facts(xp))
+                                                        grouped=cfg.n_kv_head != cfg.n_head, **device_facts(xp))
         out["block_text"] += T.hopper_ring_text(out["block"], DTYPES[dtype], cfg.head_dim, heads=cfg.n_head,
-                                                batch=args.batch, gpu=xp is not np)
+                                                kv_heads=cfg.n_kv_head, batch=args.batch, gpu=xp is not np)
     else:  # the head dim and dtype are taken; kernels: what runs in the stage's place on this device, if anything
-        out["kernels"] = T.make_attention(args.attention, cfg.head_dim, DTYPES[dtype]).kernels
+        out["kernels"] = T.make_attention(args.attention, cfg.head_dim, DTYPES[dtype], heads=cfg.n_head,
+                                          kv_heads=cfg.n_kv_head, batch=args.batch).kernels
     return out
 
 
@@ -215,8 +224,9 @@ def run(args, ring=None, xp=None, prepared=None):
     cfg, data, dtype = prep["cfg"], prep["data"], prep["dtype"]
     where = "CPU (numpy)" if xp is np else "GPU (CuPy)"
     P = 1 if ring is None else ring.size
-    say(f"stage 05: GPT {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads (head dim {cfg.head_dim}), "
-        f"context {cfg.context}, vocab {cfg.vocab_size}, {T.n_params(cfg)} parameters")
+    kv = "" if cfg.n_kv_head == cfg.n_head else f" and {cfg.n_kv_head} k, v heads (grouped-query)"
+    say(f"stage 05: GPT {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads{kv} (head dim "
+        f"{cfg.head_dim}), context {cfg.context}, vocab {cfg.vocab_size}, {T.n_params(cfg)} parameters")
     say(f"data: {data.describe()}")
     say(f"attention {args.attention}" + (f" ({P} ranks, layout {args.layout})" if args.attention == "ring" else "")
         + f", {dtype} activations, on the {where}, {args.steps} steps of batch {args.batch}, lr {args.lr}, "
@@ -252,7 +262,13 @@ def run(args, ring=None, xp=None, prepared=None):
 
 
 def main(argv=None):
-    """The command line; a bad configuration ends with its message (no traceback), exit status 2."""
+    """The command line; a bad configuration ends with its message (no traceback), exit status 2.
+
+    The program, not the model, brings in stage 06: importing it registers its FlashAttention-3 kernels
+    (stages/common/attention_registry.py), which flash_v2 attention and the ring's flash blocks then run on an sm_90
+    GPU. Stage 05's modules never import that later stage themselves (imports point down)."""
+    import stages.hopper  # noqa: F401
+
     args = parse(argv)
     try:
         return _main(args)

@@ -26,11 +26,12 @@ from .flash_v3 import forward, forward_varlen
 from .flash_v3_backward import backward, backward_varlen
 from stages.common import attention_registry
 
-# Offer the ring (stage 04) these kernels for its blocks on sm_90: it may not import this later stage itself.
+# Offer the ring (stage 04) and the GPT (stage 05) these kernels on sm_90: they may not import this later stage
+# themselves. They take grouped-query heads and every variant but dropout (stages 02/03's).
 attention_registry.register(attention_registry.AttentionKernels(
     name="stage 06 (FlashAttention-3 on sm_90)", takes=flash_v3.takes, forward=flash_v3.forward,
     merge_into=flash_v3.merge_into, takes_backward=flash_v3_backward.takes_block, backward=flash_v3_backward.backward,
-    accumulate_into=flash_v3_backward.accumulate_into))
+    accumulate_into=flash_v3_backward.accumulate_into, options={"window", "softcap", "alibi_slopes"}))
 
 __all__ = ["forward", "forward_varlen", "backward", "backward_varlen", "swizzle", "schedules", "backward_mirror",
            "probes", "flash_v3", "flash_v3_backward", "flash_v3_variants", "flash_v3_backward_variants",
