@@ -24,10 +24,11 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "stages" / "05_train_gpt"))
-import train as train_script  # noqa: E402  (train.py: sets the BLAS threads before numpy loads, as a run does)
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # before numpy loads its BLAS, as
+    os.environ.setdefault(_var, "1")  # train.py sets them: the CPU configs' matrices are too small for BLAS threads
 
 import stages.hopper  # noqa: E402, F401  registers stage 06's kernels: flash_v2 and the ring's blocks on sm_90
+from stages.train_gpt import command as train_script  # noqa: E402  (the command line train.py runs)
 from stages.common import code_version  # noqa: E402
 
 loop = importlib.import_module("stages.train_gpt.loop")

@@ -56,7 +56,7 @@ from stages import train_gpt as T  # noqa: E402
 from stages.common import code_version, gpu_name  # noqa: E402
 from stages.common.cli import nonnegative_int, positive_int  # noqa: E402
 from stages.ring import comm as comm_mod  # noqa: E402
-from stages.train_gpt.train import DTYPES, device_facts  # noqa: E402
+from stages.train_gpt.command import DTYPES, device_facts  # noqa: E402
 
 # ---- configuration (each overridable on the command line)
 LAYERS, D_MODEL, HEADS = 4, 512, 4  # head dim 128: stages 02/03 take it in bfloat16

@@ -6,6 +6,7 @@ bisection, ranks agreeing on an out-of-memory) and its mpirun smoke run on the n
 its table.
 gpu: the run's header names the kernels that run.
 """
+import ast
 import csv
 import importlib
 import importlib.util
@@ -27,13 +28,13 @@ SCALING = ROOT / "dev" / "train_scaling.py"
 
 
 def test_help_shows_every_default_and_the_docstring_commands_parse():
-    train_module = importlib.import_module("stages.train_gpt.train")  # the module (T.train is the function)
+    train_module = importlib.import_module("stages.train_gpt.command")  # the command line (train.py is the program)
 
     ap = train_module.parser()
     for action in ap._actions:
         if action.dest != "help":
             assert "default" in (action.help or "").lower(), f"{action.option_strings}: no default in its help"
-    doc = train_module.__doc__.replace("\\\n", " ")
+    doc = ast.get_docstring(ast.parse(TRAIN.read_text()), clean=False).replace("\\\n", " ")  # the program's
     commands = [line.split("#")[0].split() for line in doc.splitlines() if "stages/05_train_gpt/train.py" in line]
     assert len(commands) >= 6
     for words in commands:

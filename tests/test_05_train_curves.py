@@ -212,7 +212,7 @@ def test_ring_blocks_choose_flash_only_where_stages_02_03_take_the_head_dim_and_
 def test_ring_fallback_is_said_in_the_header_and_explicit_flash_is_a_clear_error(monkeypatch, capsys):
     """The run as a GPU would see it (the device facts say GPU; the arrays stay numpy): bf16 at head dim 32 falls back
     to naive blocks and the header says why; --ring-block flash stops before any step, with a message."""
-    train_module = importlib.import_module("stages.train_gpt.train")  # the module (T.train is the function)
+    train_module = importlib.import_module("stages.train_gpt.command")  # the command line (train.py is the program)
 
     monkeypatch.setattr(train_module, "device_facts", lambda xp: {"gpu": True, "sm80": True})
     args = ["--attention", "ring", "--simulate-ranks", "2", "--dtype", "bfloat16", "--context", "32", "--layers", "1",

@@ -374,7 +374,7 @@ def test_quick_config_learns_under_every_seed(seed, capsys):
 def test_attention_that_cannot_look_back_stays_at_chance():
     """The task needs attention: the --quick run (same config, seed and steps, which learns: the test above)
     with a kernel that lets each token see only itself (o = v) stays at ln(n_values)."""
-    from stages.train_gpt.train import QUICK
+    from stages.train_gpt.command import QUICK
 
     class SelfOnly:  # softmax over one key is 1: o = v, and nothing flows back to q and k
         def forward(self, q, k, v):

@@ -19,15 +19,15 @@ and the device (passed in as arguments, so the decision is tested without a GPU)
 """
 import numpy as np
 
+from stages import flash_v1, flash_v2, flash_v2_backward, naive
+from stages import ring as ring_stage  # stage 04 (`ring` names the communicator below)
 from stages.common import array_module, attention_registry, bfloat16, cast
 
 ATTENTIONS = ("naive", "flash_v1", "flash_v2", "ring")
 
 
-def _stage(name):
-    import importlib
-
-    return importlib.import_module(f"stages.{name}")
+STAGES = {"naive": naive, "flash_v1": flash_v1, "flash_v2": flash_v2, "flash_v2_backward": flash_v2_backward,
+          "ring": ring_stage}  # the earlier stages this one runs as its attention
 
 
 def repeat_kv(x, group):
@@ -70,9 +70,9 @@ class StageAttention:
             if dtype == np.float64:
                 raise TypeError("attention flash_v2 takes float32 or bfloat16, not float64; "
                                 "the float64 finite-difference checks use attention naive")
-            bwd = _stage("flash_v2_backward")
+            bwd = flash_v2_backward
             version = "fp32" if dtype == np.float32 else "tc"
-            dims = sorted(set(bwd.HEAD_DIMS[version]) & set(_stage("flash_v2").head_dims(
+            dims = sorted(set(bwd.HEAD_DIMS[version]) & set(flash_v2.head_dims(
                 "fp32" if dtype == np.float32 else "pipelined")))
             if head_dim not in dims:
                 raise ValueError(f"attention flash_v2 in {dtype.name}: head dim {head_dim} is not supported by "
@@ -81,10 +81,10 @@ class StageAttention:
         # not their float32 kernels on a GPU, so float32 repeats them everywhere: the same run on the CPU and GPU)
         self.group = heads // kv_heads
         self.repeat = self.group > 1 and (name == "flash_v1" or (name == "flash_v2" and dtype == np.float32))
-        self.mod = _stage(name)
+        self.mod = STAGES[name]
         self.fwd, self.bwd = self.mod.forward, self.mod.backward
         if name == "flash_v2":  # stage 02 is the forward; its backward is stage 03
-            self.bwd = _stage("flash_v2_backward").backward
+            self.bwd = flash_v2_backward.backward
         self.kernels = None  # what runs instead of the stage named, for the run's header
         if name == "flash_v2":  # a later stage's kernels where registered ones take the problem (never float32)
             shape = dict(heads=heads, kv_heads=kv_heads, batch=batch)
@@ -121,7 +121,7 @@ class RingAttention:
     "naive" (stage 00, the CPU default) or "flash" (stages 02/03, the GPU default)."""
 
     def __init__(self, ring, n_global, layout, block, dtype):
-        R = _stage("ring")
+        R = ring_stage
         if layout not in R.LAYOUTS:
             raise ValueError(f"ring layout {layout!r} is not known; use one of {R.LAYOUTS}")
         if block not in ("naive", "flash"):
@@ -150,7 +150,7 @@ def _flash_versions(dtype, head_dim=None, tf32=False):
     tf32: on a GPU with TF32 tensor cores (sm_80 and newer), where "auto" runs float32 in version fp32x3 at the head
     dims it takes."""
     dtype = np.dtype(dtype)
-    fwd, bwd = _stage("flash_v2"), _stage("flash_v2_backward")
+    fwd, bwd = flash_v2, flash_v2_backward
     vf, vb = fwd.resolve_version("auto", dtype), bwd.resolve_version("auto", dtype)
     if tf32 and vf == "fp32_overlap" and head_dim in fwd.head_dims("fp32x3"):
         vf = "fp32x3"
@@ -170,14 +170,14 @@ def flash_blocks_missing(dtype, head_dim, *, gpu, sm80=True, grouped=False):
         vf, vb = _flash_versions(dtype)
     except TypeError:
         return f"dtype {dtype.name} is not taken by stages 02/03 (float32, float16, bfloat16)"
-    for stage, version, dims in (("02", vf, _stage("flash_v2").head_dims(vf)),
-                                 ("03", vb, _stage("flash_v2_backward").HEAD_DIMS[vb])):
+    for stage, version, dims in (("02", vf, flash_v2.head_dims(vf)),
+                                 ("03", vb, flash_v2_backward.HEAD_DIMS[vb])):
         if head_dim not in dims:
             return f"head dim {head_dim} is not taken by stage {stage} version {version}, which takes {_dims(dims)}"
     if gpu and dtype == bfloat16 and not sm80:
         return (f"stage 02 version {vf} and stage 03 version {vb} in bfloat16 need an sm_80 or newer GPU (this one "
                 "takes float16)")
-    variant_versions = _stage("flash_v2").VARIANT_VERSIONS
+    variant_versions = flash_v2.VARIANT_VERSIONS
     if gpu and grouped and vf not in variant_versions:
         return (f"grouped-query k, v (--kv-heads) run on the GPU in stage 02 version {' / '.join(variant_versions)} "
                 f"(float16 / bfloat16), not {vf} ({dtype.name})")
@@ -198,7 +198,7 @@ def ring_blocks(requested, *, dtype, head_dim, gpu, sm80=True, grouped=False):
         fix = ""
         if why.startswith("head dim"):  # the head dims both stages take in this dtype
             vf, vb = _flash_versions(dtype)
-            both = set(_stage("flash_v2").head_dims(vf)) & set(_stage("flash_v2_backward").HEAD_DIMS[vb])
+            both = set(flash_v2.head_dims(vf)) & set(flash_v2_backward.HEAD_DIMS[vb])
             fix = f", or a head dim (d_model / heads) of {_dims(both)}"
         elif why.startswith("grouped"):
             fix = ", or --dtype bfloat16 (float16 on a GPU older than sm_80)"
@@ -219,7 +219,7 @@ def hopper_ring_text(block, dtype, head_dim, *, heads, batch, gpu, kv_heads=None
     k, v of kv_heads heads (None: heads) included (stage 04: hopper_takes, hopper_backward_takes); else ""."""
     if block != "flash" or not gpu:
         return ""
-    R = _stage("ring")
+    R = ring_stage
     shape = dict(H=heads, Hkv=kv_heads or heads, B=batch)
     if not R.hopper_takes(dtype, head_dim, **shape):
         return ""
