@@ -18,7 +18,7 @@ file, their instantiations and the padding of D_i, L_i are named here.
 """
 import numpy as np
 
-from stages.common import bfloat16, device, load_module
+from stages.common import device, load_module
 from stages.common.kernels import function
 from stages.common.launch import BackwardLaunch, Launch, run_backward
 from stages.common.params import BwdParams
@@ -26,7 +26,6 @@ from stages.common.params import BwdParams
 HEAD_DIMS = (32, 64, 128)
 FILE = "flash_v2_backward_fp32.cu"
 BR = BC = 32  # rows of Q_i and of K_j, V_j in the main kernel and in the dQ pass (256 threads)
-CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16"}
 PRE_FILE = "flash_v2_backward_pre.cu"  # the preprocess and the dQ conversion, one module in every type
 PRE_NAMES = [f"{k}<{c}>" for k in ("bwd_preprocess", "bwd_convert_dq") for c in ("float", "__half", "__nv_bfloat16")]
 PAD = 128  # L_i and D_i are padded to a multiple of 128 rows (>= every Br) so tile loads never run past them

@@ -24,13 +24,14 @@ from stages.common.kernels import function
 from stages.common.launch import NULL, BackwardLaunch, Launch, run_backward
 from stages.common.params import BwdParams
 
-from .fp32 import CTYPE, PAD, PRE_FILE, PRE_NAMES
+from .fp32 import PAD, PRE_FILE, PRE_NAMES  # the preprocess and the dQ conversion every version launches
 from .mirror import TC_BC, TC_BR  # Br, Bc of the first tiles per head dim (Bc / 16 warps): the mirror's tiles
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (np.dtype(np.float16), bfloat16)
 FILE, DQ_FILE = "flash_v2_backward_tc.cu", "flash_v2_backward_dq.cu"  # the main kernels; the deterministic dQ pass
 F32 = np.dtype(np.float32)
+CTYPE = {np.dtype(np.float16): "__half", bfloat16: "__nv_bfloat16", F32: "float"}  # float: the ring's float32 gradients
 
 # The atomic dQ for Q tile i runs one tile late, at the end of the next tile (one barrier per tile instead of two;
 # dS^T double-buffered). False: right after tile i, behind a second barrier (tc_config={"defer_dq": False};

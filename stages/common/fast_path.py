@@ -34,7 +34,7 @@ Never kept: numpy calls (the mirrors), and calls with an argument that cannot be
 such as ALiBi slopes given as an array). tests/test_02_flash_v2.py holds every replayed result bit-identical to the
 plain path's.
 
-A launcher of several kernels a call follows the same pattern. Stage 03's backward (fp32.py there), say:
+A launcher of several kernels per call follows the same pattern. Stage 03's backward (fp32.py there), say:
 
     def backward_fp32(q, k, v, o, lse, do, *, causal, scale, ...):   # the plain launcher, top-down
         ...the named tiles, compile, params = BwdParams(...)
@@ -44,10 +44,11 @@ A launcher of several kernels a call follows the same pattern. Stage 03's backwa
         return run_backward(BackwardLaunch(pre, main, ..., odtype), q, k, v, o, lse, do)
 
 Its run step (launch.run_backward) does what launch.run_forward does: plan = fast_path.keep(plan, q, k, v, o, lse,
-do), then plan(q, k, v, o, lse, do). The plan object needs two methods: plan(*arrays) -> outputs (allocating the scratch and
-the outputs, zeroing what must start at zero, launching in order), and plan.with_joint_outputs(*arrays) -> the same
-plan with its outputs from one allocation (its scratch stays an allocation of its own, returned to the pool when
-the call ends). Nothing else of the speed layer goes into the launcher.
+do), then plan(q, k, v, o, lse, do). The plan object (launch.BackwardLaunch) has two methods: plan(*arrays) ->
+outputs (allocating the scratch and the outputs, zeroing what must start at zero, launching in order), and
+plan.with_joint_outputs(*arrays) -> the same plan with its outputs from one allocation (its scratch stays an
+allocation of its own, returned to the pool when the call ends). Nothing else of the speed layer goes into the
+launcher.
 """
 import functools
 import math
