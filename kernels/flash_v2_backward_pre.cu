@@ -7,7 +7,7 @@
 //     output. The last launch of version fp32 (scale: it adds dS K) and of version tc on long heads (scale 1: it adds
 //     scale dS K); on short heads the tc kernel's last block of each head does it (flash_v2_backward_tc.cu; the
 //     launcher's fuse_dq_rule picks).
-// Launched by stages/03_flash_v2_backward/flash_v2_backward.py.   Run: python stages/03_flash_v2_backward/run.py
+// Launched by stages/03_flash_v2_backward/fp32.py, tc.py, fp32x3.py.   Run: python stages/03_flash_v2_backward/run.py
 #include "common.cuh"
 #include "params.cuh"
 

@@ -14,7 +14,7 @@
 //     since a warp's 16 rows of dK_j, dV_j over 256 columns would not fit in its registers.
 // The variants (window, packed batches, grouped-query k/v, softcap, ALiBi, dropout) are the forward's hooks
 // (kernels/variants.cuh), asked per score of S^T; plain attention's compile to nothing. The one argument, BwdParams,
-// is in params.cuh; the tiles per head dim in stages/03_flash_v2_backward/tiles.py. Deterministic dQ:
+// is in params.cuh; the tiles per head dim in stages/03_flash_v2_backward/tc.py. Deterministic dQ:
 // flash_v2_backward_dq.cu. The layout in prose: stages/03_flash_v2_backward/README.md.
 // Run: python stages/03_flash_v2_backward/run.py --version tc --dtype bf16   (tests: pytest
 //      tests/test_03_flash_v2_backward.py)

@@ -130,11 +130,10 @@ def test_tc_tiles_are_named_and_checked():
     """The tc kernel's configurations are TcTiles records, the first one per head dim TC_BR x TC_BC; every candidate
     is one the kernel takes, and tiles_error says what is wrong with one it does not take. The pair layout's shared
     memory holds P^T too: Bc x (Br + 8) 16-bit values more."""
-    from stages.flash_v2_backward import mirror
-    from stages.flash_v2_backward import tiles
+    from stages.flash_v2_backward import fp32x3, mirror, tc
 
-    for D, cands in tiles.TC_CANDIDATES.items():
-        assert fb.tc_tiles(D) == cands[0] and cands[0][:2] == (tiles.TC_BR[D], tiles.TC_BC[D])
+    for D, cands in tc.TC_CANDIDATES.items():
+        assert fb.tc_tiles(D) == cands[0] and cands[0][:2] == (tc.TC_BR[D], tc.TC_BC[D])
         for t in cands:
             assert isinstance(t, fb.TcTiles) and fb.tiles_error(D, *t) is None
             one, two = fb.smem_bytes("tc", D, t.br, t.bc, 1)[0], fb.smem_bytes("tc", D, t.br, t.bc, 2)[0]
@@ -145,9 +144,9 @@ def test_tc_tiles_are_named_and_checked():
     assert "needs min(Br, 32) to be a multiple of 32" in fb.tiles_error(256, 16, 32, 2)
     assert "up to 128" in fb.tiles_error(64, 256, 128, 1)
     assert "multiple of 16" in fb.tiles_error(64, 40, 128, 1)
-    for D, cands in tiles.FP32X3_CANDIDATES.items():  # version fp32x3: the mirror's tiles are its first choice
+    for D, cands in fp32x3.FP32X3_CANDIDATES.items():  # version fp32x3: the mirror's tiles are its first choice
         assert fb.fp32x3_tiles(D) == cands[0] and (cands[0].br, cands[0].bc) == mirror.tiles("fp32x3", D)
-        assert all(isinstance(c, fb.Fp32x3Tiles) and tiles.fp32x3_smem(D, c) <= 227 * 1024 for c in cands)
+        assert all(isinstance(c, fb.Fp32x3Tiles) and fp32x3.fp32x3_smem(D, c) <= 227 * 1024 for c in cands)
 
 
 BACKWARD_KERNEL_FILES = ["flash_v2_backward_pre.cu", "flash_v2_backward_fp32.cu", "flash_v2_backward_fp32x3.cu",
@@ -268,15 +267,15 @@ def test_kernel_against_oracle(case, combo):
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] in (7, 100, 1000)], ids=lambda c: f"q{c[2]}k{c[3]}")
 def test_tc_other_dq_order(case, D, dtype):
     """The tc kernel with the non-default order of its atomic dQ (tc_config defer_dq: not TC_DEFER_DQ) still passes.
-    tc_config is part of the launch plan's key, so this is the other instantiation, not a plan kept from another
-    test of the same shapes."""
+    A call with a tc_config (a dict) is never kept by the speed layer, so this runs the other instantiation, not a plan
+    kept from another test of the same shapes."""
     import cupy
 
-    from stages.flash_v2_backward import tiles
+    from stages.flash_v2_backward import tc
 
     (q, k, v, do), causal = _inputs(case[:4] + (D,) + case[5:], dtype, xp=cupy)
     check_backward(fb.backward, q, k, v, do, causal=causal, version="tc",
-                   tc_config={"defer_dq": not tiles.TC_DEFER_DQ})
+                   tc_config={"defer_dq": not tc.TC_DEFER_DQ})
 
 
 @pytest.mark.gpu
@@ -292,10 +291,10 @@ def test_tc_warp_layouts_agree(case, D, dtype):
     import cupy
 
     from stages.common import device
-    from stages.flash_v2_backward import tiles
+    from stages.flash_v2_backward import tc
 
     dev = device.device()
-    both = [(t.br, t.bc) for t in tiles.TC_CANDIDATES[D]
+    both = [(t.br, t.bc) for t in tc.TC_CANDIDATES[D]
             if all(not fb.tiles_error(D, t.br, t.bc, wq) and device.fits(dev, fb.smem_bytes("tc", D, t.br, t.bc, wq)[0])
                    for wq in (1, 2))]
     if not both:

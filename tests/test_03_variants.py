@@ -72,11 +72,11 @@ def test_gpu_variants_with_dq_converted_by_a_launch_of_its_own(dt, monkeypatch):
     that way: every plan has the third launch, and the rule still holds (a sequence without keys included)."""
     import cupy as cp
 
-    launcher = fb.flash_v2_backward  # the module (fb is its package); its tile tables: fb.tiles
-    monkeypatch.setattr(fb.tiles, "TC_FUSE_DQ_MAX", 0)
-    made = []  # the plans of this test, made afresh (not the cached ones of other tests) and recorded
-    fresh = launcher._plan.__wrapped__
-    monkeypatch.setattr(launcher, "_plan", lambda *args: made.append(fresh(*args)) or made[-1])
+    monkeypatch.setattr(fb.tc, "TC_FUSE_DQ_MAX", 0)  # fb.tc: version tc's launcher and its tables
+    made = []  # the launches this test's calls plan, recorded
+    fresh = fb.tc.launches
+    monkeypatch.setattr(fb.tc, "launches", lambda *args, **kw: made.append(fresh(*args, **kw)) or made[-1])
+    fb.backward.plans.clear()  # no plan kept by another test: every call below plans its launches afresh
     dtype = {"fp16": np.float16, "bf16": bfloat16}[dt]
     for name in ("gqa", "window-empty-rows", "all", "all-dropout"):
         q, k, v, do, causal, opts = _inputs(OPTIONS[name], 64, dtype, xp=cp)
@@ -84,7 +84,8 @@ def test_gpu_variants_with_dq_converted_by_a_launch_of_its_own(dt, monkeypatch):
     for name in VARLEN_CASES:
         (q, k, v, do), cq, ck, causal, opts = varlen_inputs(VARLEN_CASES[name], 64, dtype, xp=cp)
         check_varlen(fb.forward_varlen, fb.backward_varlen, q, k, v, do, cq, ck, causal=causal, opts=opts)
-    assert made and all(plan.last is not None and plan.done == 0 for plan in made)
+    assert made and all(plan.convert is not None and plan.done == 0 for plan in made)
+    fb.backward.plans.clear()  # the plans kept above converted dQ under this test's limit
 
 
 @pytest.mark.gpu

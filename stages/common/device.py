@@ -182,6 +182,14 @@ def fits(dev, smem_bytes):
     return smem_bytes <= dev.smem_optin
 
 
+def require_smem(dev, smem_bytes, *, what, instead):
+    """UnsupportedDevice where a block of smem_bytes of shared memory does not fit dev, naming the need, the device's
+    limit and what to use instead."""
+    if not fits(dev, smem_bytes):
+        raise UnsupportedDevice(f"{what} needs {smem_bytes // 1024} KB of shared memory per block; {dev.name} "
+                                f"({dev.arch.name}) allows {dev.smem_optin // 1024} KB; {instead}")
+
+
 def pick(candidates, smem, dev, *, what):
     """The first configuration in candidates whose shared memory smem(config) fits dev, or UnsupportedDevice that
     names the smallest need and the device's limit."""

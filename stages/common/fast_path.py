@@ -34,20 +34,21 @@ Never kept: numpy calls (the mirrors), and calls with an argument that cannot be
 such as ALiBi slopes given as an array). tests/test_02_flash_v2.py holds every replayed result bit-identical to the
 plain path's.
 
-A launcher of several kernels a call follows the same pattern. Stage 03's backward, say:
+A launcher of several kernels per call follows the same pattern. Stage 03's backward (fp32.py there), say:
 
-    def backward_tc(q, k, v, o, lse, do, *, causal, scale):       # the plain launcher, top-down
-        cfg = ...                                                  # the named tiles
-        pre = Launch(function(...), grid, block, 0, BwdParams(...))       # D_i = rowsum(dO_i * O_i)
-        main = Launch(function(...), grid, block, smem, BwdParams(...))   # dK_j, dV_j (and dQ_i)
-        last = Launch(...)                                         # the dQ pass, or None
-        return run_backward(BackwardPlan(pre, main, last, scratch, odtype), q, k, v, o, lse, do)
+    def backward_fp32(q, k, v, o, lse, do, *, causal, scale, ...):   # the plain launcher, top-down
+        ...the named tiles, compile, params = BwdParams(...)
+        pre = Launch(function(...), grid, block, 0, params.copy())      # D_i = rowsum(dO_i * O_i), L_i
+        main = Launch(function(...), grid, block, smem, params.copy())  # dK_j, dV_j (and dQ_i)
+        last = Launch(...)                                              # the dQ conversion or the dQ pass
+        return run_backward(BackwardLaunch(pre, main, ..., odtype), q, k, v, o, lse, do)
 
-Its run step does what launch.run_forward does: plan = fast_path.keep(plan, q, k, v, o, lse, do), then
-plan(q, k, v, o, lse, do). The plan object needs two methods: plan(*arrays) -> outputs (allocating the scratch and
-the outputs, zeroing what must start at zero, launching in order), and plan.with_joint_outputs(*arrays) -> the same
-plan with its outputs from one allocation (its scratch stays an allocation of its own, returned to the pool when
-the call ends). Nothing else of the speed layer goes into the launcher.
+Its run step (launch.run_backward) does what launch.run_forward does: plan = fast_path.keep(plan, q, k, v, o, lse,
+do), then plan(q, k, v, o, lse, do). The plan object (launch.BackwardLaunch) has two methods: plan(*arrays) ->
+outputs (allocating the scratch and the outputs, zeroing what must start at zero, launching in order), and
+plan.with_joint_outputs(*arrays) -> the same plan with its outputs from one allocation (its scratch stays an
+allocation of its own, returned to the pool when the call ends). Nothing else of the speed layer goes into the
+launcher.
 """
 import functools
 import math
@@ -124,7 +125,7 @@ def keep(plan, *arrays):
 
 def launch(plan, *arrays):
     """keep(plan, *arrays)(*arrays): for a launcher that hands its plan over itself instead of ending in a run step
-    (stages 03 and 06)."""
+    (stage 06)."""
     return keep(plan, *arrays)(*arrays)
 
 

@@ -19,7 +19,7 @@ from . import device
 from .launch import ForwardLaunch, Launch, row_major, run_forward, scalar_slot  # noqa: F401 (see below)
 
 # Launch, ForwardLaunch, run_forward, row_major and scalar_slot are stages/common/launch.py's; they are reachable
-# here too (kernels.Launch, ...) because stages 03 and 06 import them from this module.
+# here too (kernels.Launch, ...) because stages 04 and 06 import them from this module.
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 # -default-device: functions without __device__ are device functions, as NVRTC compiles device code only; it lets a

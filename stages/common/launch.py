@@ -1,5 +1,6 @@
 """Launching a compiled kernel: the launch a launcher plans (Launch), and the last step of every forward launcher
-(run_forward: o and lse allocated, then the launch).
+(run_forward: o and lse allocated, then the launch) and of stage 03's backward launchers (run_backward: the scratch
+and dq, dk, dv allocated, then the launches in order).
 
 A launcher (stage 02's versions, say) picks a configuration, compiles its kernel (stages/common/kernels.py), fills
 the kernel's parameter struct and ends in
@@ -10,7 +11,9 @@ Launch(...)(*arrays) is one kernel launch, as cupy's `fn(grid, block, args, shar
 written into the struct's leading pointer fields. run_forward allocates o and lse and launches on (q, k, v, o, lse).
 Before it runs, run_forward shows its plan (the launch and the outputs' dtype) to the speed layer
 (stages/common/fast_path.py), which keeps it for a repeat of the call when it is recording one; a reader may skip
-that line: it changes nothing of what the call computes.
+that line: it changes nothing of what the call computes. A backward launcher ends the same way, in
+
+    return run_backward(BackwardLaunch(pre, main, dq_pass, convert, rows, acc, done, odtype), q, k, v, o, lse, do)
 """
 import ctypes
 import functools
@@ -22,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import fast_path
+from .inputs import cast
 from .verify import empty
 
 NULL = np.uint64(0)  # a null pointer argument (no ALiBi slopes, no packed batch)
@@ -184,3 +188,114 @@ def run_forward(launch, q, k, v, odtype, *extra, merges=False):
     plan = ForwardLaunch(launch, np.dtype(odtype), extra, merges)
     plan = fast_path.keep(plan, q, k, v)  # the speed layer's copy when it records this call (fast_path.py)
     return plan(q, k, v)
+
+
+class BackwardLaunch(NamedTuple):
+    """A backward as its launcher planned it (stage 03): plan(q, k, v, o, lse, do) returns dq, dk, dv of its launches,
+    run in this order, every BwdParams launch on the same arrays (BwdParams.ARRAYS: o, dO, lse, D_i, L_i, dQ_accum,
+    done, q, k, v, dQ, dK, dV, then extra):
+        pre      the preprocess: D_i = rowsum(dO_i * O_i), L_i; it zeroes dQ_accum and the block counters
+        main     the main kernel: dK_j, dV_j, and (atomic dQ) dQ_i added into dQ_accum
+        dq_pass  deterministic mode's dQ pass (dQ_i summed in a fixed order), or None
+        convert  dQ = dQ_accum in the gradients' dtype, a launch of its own (arguments dQ_accum, dQ), or None
+    The scratch, one float32 allocation: D_i and L_i (rows each: B H Nq_pad), dQ_accum (acc elements) and done
+    (the tc kernel's block counters; 0: none, a null pointer). odtype: the gradients' dtype. zero_dkv: dK, dV start
+    at zero (the kernel adds into them); float_dkv: dK, dV in float32 (zeroed too), rounded to odtype at the end
+    (the variants: each kv group's query heads add theirs). extra: the arrays after dV (ALiBi slopes, a packed
+    batch's cu_q, cu_k). outs: dq, dk, dv carved from one allocation (fast_path.out_layout), or None: three
+    allocations."""
+    pre: Launch
+    main: Launch
+    dq_pass: Launch | None
+    convert: Launch | None
+    rows: int
+    acc: int
+    done: int
+    odtype: np.dtype
+    zero_dkv: bool = False
+    float_dkv: bool = False
+    extra: tuple = ()
+    outs: tuple | None = None
+
+    def __call__(self, q, k, v, o, lse, do):
+        """dq, dk, dv: the inputs made row-major (row_major: a copy only for other layouts), the scratch and the
+        outputs allocated (NaN-poisoned under the tests), then the launches on the current stream. The pool is
+        stream-ordered: the scratch, freed when the call returns, goes only to later work on this stream."""
+        cupy = sys.modules["cupy"]  # q is a CuPy array: cupy is imported
+        q, k, v, o, do, lse = row_major(q), row_major(k), row_major(v), row_major(o), row_major(do), \
+            row_major(lse, np.float32)
+        scratch = cupy.cuda.alloc(4 * (2 * self.rows + self.acc + self.done))
+        D_i = scratch.ptr  # (B H, Nq_pad) float32, then L_i, then dQ_accum, then the counters
+        L_i = D_i + 4 * self.rows
+        dq_acc = L_i + 4 * self.rows
+        done = dq_acc + 4 * self.acc if self.done else NULL
+        if self.float_dkv:
+            dq = empty(cupy, q.shape, self.odtype)
+            dk, dv = cupy.empty(k.shape, np.float32), cupy.empty(v.shape, np.float32)
+        elif self.outs is not None:
+            dq, dk, dv = fast_path.empties(*self.outs)
+        else:
+            dq, dk, dv = (empty(cupy, x.shape, self.odtype) for x in (q, k, v))
+        if self.zero_dkv or self.float_dkv:
+            dk.fill(0)
+            dv.fill(0)
+        arrays = (o, do, lse, D_i, L_i, dq_acc, done, q, k, v, dq, dk, dv)  # BwdParams.ARRAYS
+        self.pre(*arrays)
+        self.main(*arrays, *self.extra)
+        if self.dq_pass is not None:
+            self.dq_pass(*arrays)
+        if self.convert is not None:
+            self.convert(dq_acc, dq)
+        if self.float_dkv:
+            dk, dv = cast(dk, self.odtype), cast(dv, self.odtype)
+        return dq, dk, dv
+
+    def with_joint_outputs(self, q, k, *arrays):
+        """This plan with dq, dk, dv from one allocation (the speed layer keeps it so: a training step uses all three
+        together), for inputs shaped like q, k. The variants' float32 dK, dV live only inside a call: theirs stay
+        three allocations."""
+        if self.float_dkv:
+            return self
+        B, H, Nq, D = q.shape
+        Nk = k.shape[2]
+        return self._replace(outs=fast_path.out_layout([((B, H, Nq, D), self.odtype), ((B, H, Nk, D), self.odtype),
+                                                         ((B, H, Nk, D), self.odtype)]))
+
+    def marked(self, marks):
+        """This plan with a CUDA event recorded into the list marks, as (name, event), before its first launch and
+        after each (per-launch times for dev/sweep_backward.py)."""
+        last = "dq pass" if self.dq_pass is not None else "convert" if self.convert is not None else None
+        return self._replace(pre=_Marked(self.pre, "preprocess+zero", marks, first=True),
+                             main=_Marked(self.main, "main" if last else "main+dq", marks),
+                             dq_pass=self.dq_pass and _Marked(self.dq_pass, "dq pass", marks),
+                             convert=self.convert and _Marked(self.convert, "convert", marks))
+
+
+class _Marked(NamedTuple):
+    """A launch that records a CUDA event into marks after it, as (name, event), and with first, one named "start"
+    before it."""
+    launch: Launch
+    name: str
+    marks: list
+    first: bool = False
+
+    def __call__(self, *arrays):
+        cupy = sys.modules["cupy"]
+        if self.first:
+            self.marks.append(("start", cupy.cuda.Event()))
+            self.marks[-1][1].record()
+        self.launch(*arrays)
+        self.marks.append((self.name, cupy.cuda.Event()))
+        self.marks[-1][1].record()
+
+
+def run_backward(plan, q, k, v, o, lse, do, *extra, marks=None):
+    """The last step of a backward launcher: plan (a BackwardLaunch) run on the arrays the public function was called
+    with, extra (its arrays after dV) added to it. marks: a list that receives (name, cupy.cuda.Event) before the
+    first launch and after each (BackwardLaunch.marked), or None."""
+    if extra:
+        plan = plan._replace(extra=extra)
+    if marks is not None:
+        return plan.marked(marks)(q, k, v, o, lse, do)  # a tool's call: never kept
+    plan = fast_path.keep(plan, q, k, v, o, lse, do)  # the speed layer's copy when it records this call (fast_path.py)
+    return plan(q, k, v, o, lse, do)

@@ -23,6 +23,10 @@ class _Params(ctypes.Structure):
         if "ldq" not in fields:
             self.ldq, self.ldk = self.Nq, self.Nk
 
+    def copy(self):
+        """A copy of this struct: each launch of a plan gets its own, as a call writes its arrays into it."""
+        return type(self).from_buffer_copy(self)
+
 
 class FwdParams(_Params):
     """struct FwdParams of kernels/params.cuh (the meaning of each field is written there)."""
