@@ -6,8 +6,9 @@
 //     float32 copy per query head, no atomics, no pass of their own (stage 03's tc kernel adds them with red.add).
 //     The price is parallelism: group times fewer blocks, each group times longer;
 //   * packed variable-length batches: a block per (K/V tile of the longest sequence, sequence, k / v head); rows and
-//     keys start at cu_q[s], cu_k[s] in the maps, L_i, D_i come through the producer's lanes (any alignment; rows past
-//     the sequence's end: L = +inf, so P = 0), and dQ_i's reductions into rows past its end add zeros;
+//     keys start at cu_q[s], cu_k[s] in the maps, L_i, D_i come by unswizzled tensor maps (KeyBlock::load_l_d: any
+//     first row; rows past the sequence's end hold the next sequence's values, and the mask hook hides them:
+//     WindowMask::hidden, rows from Nq on, so P = 0), and dQ_i's reductions into rows past its end add zeros;
 //   * a sliding window: only the Q tiles with a row that sees one of the block's keys (KeyBlock), the mask hook on
 //     the parts at the band's edges (WindowMask: part_masked, hidden);
 //   * softcap and ALiBi (ModScore): P^T = exp(x - L_i) of the hook's x, dS^T times the softcap's derivative

@@ -9,7 +9,7 @@
 //   * a sliding window (left, right) around the diagonal (causal is (-1, 0)): Mask = WindowMask. The scheduler gives
 //     each item only the band of K/V tiles holding a key one of its rows sees, so the producer never loads, and the
 //     consumers never compute, the tiles outside it; inside the band the mask hook applies only to tiles that need it
-//     (tile_masked: the band's edges);
+//     (part_masked: the band's edges);
 //   * softcap and ALiBi: Score = ModScore: S_ij -> x = scale S_ij, c tanh(x / c), x - slope |diag - j| before the
 //     online softmax, which then takes exp2 of x log2 e (scale_log2 = log2 e).
 // One block per (Q tile, head) item, K/V tiles of 128 keys (64 at D = 256), two stages; the output in the inputs'

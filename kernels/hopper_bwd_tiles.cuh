@@ -57,9 +57,10 @@ __device__ __forceinline__ void issue_s_dp(float (&s)[NQ / 8][4], float (&dp)[NQ
 // Alg.2 L9 in place: P^T = exp(scale S^T - L_i), as exp2((scale S^T - L_i) log2 e): scale S - L is one FMA, one
 // rounding of a number near 0 (folding log2 e into the scale and L instead would round each of two large numbers,
 // an error that grows with the logits). Entries whose key the query does not see are 0 (masked: this tile has such
-// entries; mask: stage 02's Mask hook, variants.cuh, asked entry by entry: hidden(row, key), S^T's rows are keys). lse: L_i of the Q
-// tile's NB x 8 rows (global or shared memory); kr: this lane's first key; row0: the Q tile's first row. Plain
-// attention's Score hook (PlainScore: nothing to do); the variants' is capped_scores_t and probabilities_ds_t.
+// entries; mask: stage 02's Mask hook, variants.cuh, asked entry by entry: hidden(row, key), S^T's rows are keys).
+// lse: L_i of the Q tile's NB x 8 rows (global or shared memory); kr: this lane's first key; row0: the Q tile's first
+// row. Plain attention's Score hook (PlainScore: nothing to do); the variants' is capped_scores_t and
+// probabilities_ds_t.
 // Every exponential is taken, then the mask overwrites: straight-line code whose MUFU.EX2s overlap one another. Were
 // each exp2 taken only where the entry is seen, the compiler would branch around each one, and the warp would wait
 // for every exp2 in turn.

@@ -2,7 +2,8 @@
 // 2407.08608, Sec. 3.1 and 3.2), shared by the 16-bit kernels (flash_v3_forward_pingpong.cu; with the attention
 // variants, flash_v3_forward_variants.cu) and the e4m3 one (flash_v3_forward_fp8.cu). A block holds a producer
 // warpgroup and two consumer warpgroups; the scheduler (hopper_scheduler.cuh) gives it its work items (Q tile of 128
-// rows, head); a tile's steps and the epilogue are in hopper_tiles.cuh. What the two kernels do differently comes in through a Kind (the kernel files define one each):
+// rows, head); a tile's steps and the epilogue are in hopper_tiles.cuh. What the two kernels do differently comes in
+// through a Kind (the kernel files define one each):
 //   Kind::LIFT                       P's 2^LIFT (softmax_tile)
 //   Kind::scale_log2(p, bh)          the factor of S in exp2's argument for head bh, as a callable
 //   Kind::load_v(v, p, bar, key, bh) the producer's copies of V_j (BC keys from key on, of k / v head bh)
@@ -83,7 +84,8 @@ __device__ __forceinline__ void pingpong_producer(const HopperFwdParams& p, cons
         if (Sched::persistent)  // the consumers are done with the last item's Q (round 0: at once)
             mbar_wait(sm.q_empty(), (qn & 1) ^ 1);
         mbar_arrive_expect_tx(sm.q_full(), 2 * Smem::TILE);
-        tma_load_rows<D, Bytes<T>::value>(sm.q_s, &p.map_q, sm.q_full(), work.q0 + work.row0, work.bh, 2);  // both halves
+        // Q_i, both halves of its 128 rows
+        tma_load_rows<D, Bytes<T>::value>(sm.q_s, &p.map_q, sm.q_full(), work.q0 + work.row0, work.bh, 2);
         ++qn;
         for (int j = 0; j < work.n_tiles; ++j, ++it) {
             const int s = it % STAGES, free_parity = ((it / STAGES) & 1) ^ 1;  // round 0 passes at once

@@ -18,7 +18,8 @@
 // One work item as the main loop sees it: the Q tile's rows, the heads and rows the copy engine reads, and the K/V
 // tiles j0 .. j0 + n_tiles - 1 of BC keys that hold a key one of its rows sees (n_tiles = 0: none, the item only
 // stores O = 0, L = -inf). Plain attention: one head for q and k / v, rows from 0; the variants' scheduler
-// (VariantScheduler, below) gives grouped-query heads, a packed sequence's rows and a window's band of tiles.
+// (VariantScheduler, hopper_variants.cuh) gives grouped-query heads, a packed sequence's rows and a window's band of
+// tiles.
 struct WorkItem {
     int bh, bkv;    // the (batch, head) of q, o, lse and of k, v: the tensor maps' third coordinate
     int row0;       // the Q tile's first row, counted from its sequence's first

@@ -7,7 +7,8 @@
 //            CausalMask  keys < Nk, and with causal, keys on or left of the row's diagonal (plain attention);
 //            WindowMask  keys inside a window (left, right) around the diagonal; also runs packed batches.
 //   Score  what happens to S_ij before the softmax (forward), and its derivative (backward):
-//            PlainScore  nothing (the scale is folded into exp2's argument: FwdParams.exp2_scale);
+//            PlainScore  nothing (forward: the scale is folded into exp2's argument, FwdParams.exp2_scale;
+//                        backward: exponent applies it);
 //            ModScore    x = scale S_ij, then softcap x -> c tanh(x / c), then ALiBi x -> x - slope |diag - c|.
 //   Drop   dropout on P~_ij before P~_ij V_j (forward); Z_ij on P_ij^T and dP_ij^T (backward):
 //            NoDropout, PhiloxDropout (dropout.cuh).
@@ -171,11 +172,12 @@ struct WindowMask : WindowMaskOf<FwdParams> {
 };
 
 // ---------------------------------------------------------------- Score hooks
-// A parameter struct's softmax scale, or 1 for one without (stage 06's forward structs carry only exp2's factor).
+// A parameter struct's softmax scale, or NaN for one without (stage 06's forward structs carry only exp2's factor,
+// and never call exponent): a backward built on such a struct would give NaN everywhere, not a quietly wrong answer.
 template <typename P>
 __device__ __forceinline__ auto scale_of(const P& p, int) -> decltype(float(p.scale)) { return p.scale; }
 template <typename P>
-__device__ __forceinline__ float scale_of(const P&, long) { return 1.f; }
+__device__ __forceinline__ float scale_of(const P&, long) { return __int_as_float(0x7fc00000); }
 
 struct PlainScore {
     float scale;  // the backward's (the forward folds it into exp2_scale)

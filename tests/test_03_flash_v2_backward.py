@@ -142,7 +142,8 @@ def test_tc_tiles_are_named_and_checked():
     assert "Bc of 32 (wq=2)" in fb.tiles_error(128, 64, 48, 2)
     assert fb.tiles_error(128, 64, 48, 1) is None
     assert "needs min(Br, 32) to be a multiple of 32" in fb.tiles_error(256, 16, 32, 2)
-    assert "up to 128" in fb.tiles_error(64, 256, 128, 1)
+    assert "dividing 128" in fb.tiles_error(64, 256, 128, 1)
+    assert "dividing 128" in fb.tiles_error(64, 96, 128, 1)  # a multiple of 16 whose last tile would read past PAD
     assert "multiple of 16" in fb.tiles_error(64, 40, 128, 1)
     for D, cands in fp32x3.FP32X3_CANDIDATES.items():  # version fp32x3: the mirror's tiles are its first choice
         assert fb.fp32x3_tiles(D) == cands[0] and (cands[0].br, cands[0].bc) == mirror.tiles("fp32x3", D)

@@ -103,13 +103,14 @@ def tc_tiles(D, dev=None):
 
 
 def tiles_error(D, br, bc, wq):
-    """Why the kernel cannot take tiles (Br, Bc, wq) at head dim D, or None: Br a multiple of 16 up to PAD rows, Bc of
+    """Why the kernel cannot take tiles (Br, Bc, wq) at head dim D, or None: Br a multiple of 16 dividing PAD, Bc of
     16 wq (a whole number of warp groups), wq 1 or 2, and with wq = 2 each warp's half of a query chunk (min(Br,
     TC_CHUNK[D]) rows) whole 16-row m-tiles."""
     if wq not in (1, 2):
         return f"wq must be 1 or 2, got {wq!r}"
-    if br % 16 or not 16 <= br <= PAD or bc % (16 * wq) or bc < 16 * wq:
-        return f"Br must be a multiple of 16 up to {PAD} and Bc of {16 * wq} (wq={wq}), got Br={br}, Bc={bc}"
+    if br % 16 or not 16 <= br <= PAD or PAD % br or bc % (16 * wq) or bc < 16 * wq:
+        return (f"Br must be a multiple of 16 dividing {PAD} (L_i, D_i are read in 16-byte pieces up to the padding) "
+                f"and Bc of {16 * wq} (wq={wq}), got Br={br}, Bc={bc}")
     if min(TC_CHUNK[D], br) % (16 * wq):
         return f"wq=2 at d={D} needs min(Br, {TC_CHUNK[D]}) to be a multiple of 32, got Br={br}"
     return None
