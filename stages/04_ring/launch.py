@@ -4,8 +4,8 @@
     run_main(main)                      an error on one rank ends every rank (abort), never a hang
 
 mpi4py launches (./scripts/mpirun, or the system's mpirun) and runs the checks. Ranks map to GPUs by their LOCAL rank
-(MPI shared-memory split), so `./scripts/mpirun -n 8 --hostfile hosts` on two 4-GPU nodes gives each process its own
-GPU on its own node. comm.py holds the communicators themselves.
+(MPI shared-memory split), so the cluster's `mpirun -n 8 --hostfile hosts` on two 4-GPU nodes gives each process its
+own GPU on its own node. comm.py holds the communicators themselves.
 """
 import os
 import sys
