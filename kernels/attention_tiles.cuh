@@ -181,12 +181,15 @@ __device__ __forceinline__ void write_rows_fp32(float* o, float* lse, const floa
         }
 }
 
-// The epilogue of a ring block (float O, stage 04) for row g + 8 h of one m-tile: (orow, *lse_row) hold the row's
-// running (O, L) over the blocks merged so far (L = -inf: none yet), and this block's O_i (acc times inv_l) and
-// L_i = row_lse(m, l) merge into them as the ring's merge does:
-//     L = log(e^L + e^L_i),   O = e^(L - L_new) O + e^(L_i - L_new) O_i
-// so the ring keeps no partial result per block and makes no pass of its own over O. Every lane of the warp calls
-// it (the running L is read by lane t = 0 and passed to its quad); valid: the row exists (row < Nq).
+// The epilogue of a ring block (float O, stage 04) for row g + 8 h of one m-tile, in the ring's notation (rank r's
+// queries, key block j): (orow, *lse_row) hold the row's running O_r, L_r over the blocks merged so far (L_r = -inf:
+// none yet; L_run below), and this block's O_rj (acc times inv_l) and L_rj = row_lse(m, l) (L_i below) merge into
+// them in the stable form of stage 04's ring.merge (every exponent <= 0):
+//     mx = max(L_r, L_rj),   L_new = mx + log(e^(L_r - mx) + e^(L_rj - mx))          (L below)
+//     O_r <- e^(L_r - L_new) O_r + e^(L_rj - L_new) O_rj,   L_r <- L_new
+// (w_run, w_new below: the two weights, w_new times inv_l since acc is O_rj before dividing by l), so the ring keeps
+// no partial result per block and makes no pass of its own over O. Every lane of the warp calls it (the running L is
+// read by lane t = 0 and passed to its quad); valid: the row exists (row < Nq).
 template <int D>
 __device__ __forceinline__ void merge_row_into_running(float* orow, float* lse_row, const float (&acc)[D / 8][4],
                                                        int h, float inv_l, float m, float l, bool valid, int lane) {

@@ -257,6 +257,7 @@ def merge_into(q, k, v, o_run, lse_run, rows, keys, *, causal, scale, opts=None)
     if opts is not None and opts.dropout_p:  # the kept launch is made for seed 0: this call's seed
         launch = launch.with_fields(**variants.seed_fields(opts.seed))
     at_q, at_k = q_start * D * q.itemsize, k_start * D * k.itemsize  # byte offsets of the first row and key in a head
+    # o_run, lse_run are float32 (4 bytes a value): row q_start is 4 q_start D bytes into o_run, 4 q_start into lse_run
     launch(q.data.ptr + at_q, k.data.ptr + at_k, v.data.ptr + at_k, o_run.data.ptr + 4 * q_start * D,
            lse_run.data.ptr + 4 * q_start, NULL if slopes is None else _slopes(slopes, B, H), NULL, NULL)
 

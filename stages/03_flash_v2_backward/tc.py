@@ -273,25 +273,25 @@ _block_launches = functools.lru_cache(maxsize=fast_path.MAX_PLANS)(launches)
 
 def accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, *, causal, scale, opts=None):
     """One block of the ring backward (stage 04), added in place: the gradients of rows a:b of q, o, lse, do
-    (B, H, Lq, ...) against keys c:m of k, v (B, Hkv, Lk, D), added into the ring's float32 accumulators: dQ into rows
-    a:b of dq_run (B, H, Lq, D) (atomically, as every K/V tile adds to dQ_i), dK, dV into keys c:m of dk_run, dv_run
+    (B, H, Lq, ...) against keys c:e of k, v (B, Hkv, Lk, D), added into the ring's float32 accumulators: dQ into rows
+    a:b of dq_run (B, H, Lq, D) (atomically, as every K/V tile adds to dQ_i), dK, dV into keys c:e of dk_run, dv_run
     (B, Hkv, Lk, D) (red.add in the epilogue). No row is copied: the kernels start at row a and key c and step over
     whole heads by Lq and Lk rows. Two launches: the preprocess (D_i, L_i of rows a:b, in a scratch buffer) and the
     main kernel. CuPy arrays, checked by the caller (the ring's prologue); opts: variants.Options or None."""
     import cupy
 
-    (a, b), (c, m) = rows, keys
+    (a, b), (c, e) = rows, keys  # rows a:b of q, keys c:e of k
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     # the launches depend on whether there are slopes and a seed, not on their values (given per call)
     kept_opts = None if opts is None else opts._replace(alibi_slopes=opts.alibi_slopes is not None, seed=0)
-    plan = _block_launches(q.dtype, F32, B, H, b - a, m - c, D, bool(causal), scale, device.device(), opts=kept_opts,
+    plan = _block_launches(q.dtype, F32, B, H, b - a, e - c, D, bool(causal), scale, device.device(), opts=kept_opts,
                            ld=(Lq, Lk))
     main = plan.main
     if opts is not None and opts.dropout_p:  # the kept launch is made for seed 0: this call's seed
         main = main.with_fields(**variants.seed_fields(opts.seed))
     scratch = cupy.cuda.alloc(4 * 2 * plan.rows)  # D_i and L_i of rows a:b, (B H, Nq_pad) each
-    D_i, L_i = scratch.ptr, scratch.ptr + 4 * plan.rows
+    D_i, L_i = scratch.ptr, scratch.ptr + 4 * plan.rows  # D_i = rowsum(dO_i * O_i) (D alone is the head dim)
     at_q, at_k = a * D * q.itemsize, c * D * k.itemsize  # byte offsets of row a, key c in every head
     kv = 4 * c * D  # byte offset of key c in every head of the float32 accumulators
     # BwdParams.ARRAYS: no dQ of its own and no block counters (dQ stays in the ring's accumulator, dq_run)

@@ -10,10 +10,16 @@ switching one on never changes what the ring computes, only what it costs.
         ring_forward(...)
     candidates.on("fold")                             # inside the ring: is this candidate switched on?
 
+Inside the ring each candidate is one marked line, a measurement hook ("if candidates.on(...):  # measurement hook"),
+and what a candidate does instead lives here (o_unfilled, zero_grads_at_once, cast_grads_at_once) or is one line
+there (the "serial-*" candidates skip the side streams), so the ring's own code reads as the default runs it.
+
 The switch is a module setting, not a keyword of ring_forward: it is for measuring, and the API stays what a learner
 reads. It holds for every thread of the process (the simulated ranks of ring.forward see the same candidates).
 """
 import contextlib
+
+from stages.common import cast
 
 CANDIDATES = {
     "fold": "the forward's float32 O_r is not filled with zeros: its first block writes it (the merge, like the "
@@ -53,3 +59,27 @@ def trying(*names):
     finally:
         _ON.clear()
         _ON.update(saved)
+
+
+# ----------------------------------------------------------------------------- what candidate "fold" does instead
+def o_unfilled(prob, shape, dtype):
+    """The forward's float32 O_r, shape (B, H, Tq, D), left unfilled where a block call will write it first (merge()
+    and the kernels' merge never let O's value through where L = -inf); only the rows no block call covers (padding,
+    rows that see no key: Problem.uncovered_rows) are zeroed."""
+    o_run = prob.xp.empty(shape, dtype=dtype)
+    for a, b in prob.uncovered_rows():
+        o_run[:, :, a:b] = 0
+    return o_run
+
+
+def zero_grads_at_once(slot):
+    """A travelling half's dK_h and dV_h (adjacent in the slot's bytes, travel.Travel) zeroed in one fill instead of
+    two (bit pattern 0 is +0.0)."""
+    slot["bytes"][:slot["grad_bytes"]] = 0
+
+
+def cast_grads_at_once(slot, shape, acc, dtype):
+    """A half's dK_h and dV_h cast from the accumulators' dtype acc to dtype in one pass over both, instead of one
+    cast per run of rows: (dK_h, dV_h), each of `shape` (B, Hkv, T_h, D)."""
+    both = cast(slot["bytes"][:slot["grad_bytes"]].view(acc), dtype).reshape((2, *shape))
+    return both[0], both[1]

@@ -1,13 +1,29 @@
 """Stage 04: how blocks move around the ring. One small interface, five communicators.
 
-    ring.rank, ring.size             this process's place in the ring
-    h = ring.exchange(sends, recvs, shift=1)  each array of sends goes to rank + shift, rank - shift's arrive in recvs
-    h = ring.rotate(buf, shift=1)    IN PLACE: this rank's bytes of buf go to rank + shift, and rank - shift's bytes
+MPI and NCCL in ten lines, for the ring:
+  * `mpirun -n P python script.py` starts P copies of one program, the ranks. Each asks MPI's world communicator
+    (mpi4py: MPI.COMM_WORLD) for its number r = Get_rank() and for P = Get_size(), and works on its own share.
+  * Ranks share no memory: data moves only as messages. Every send to rank d is matched by a receive on rank d from
+    the sender, of the same size.
+  * A send may wait until its receiver has posted the matching receive. In a ring every rank sends to r + 1 and
+    receives from r - 1 at once: if each rank first sends and only then receives, each waits for the next forever (a
+    deadlock). So both are posted together: non-blocking (MPI Isend and Irecv, then Waitall) or in one group
+    (NCCL's groupStart ... groupEnd), and the library matches them in any order.
+  * NCCL moves GPU memory directly (NVLink, or the network between nodes); its sends and receives are queued on a
+    CUDA stream, like kernels. MPI (mpi4py) starts the ranks, moves host memory, and broadcasts NCCL's unique id so
+    that the ranks can open one NCCL communicator.
+
+The interface. comm below is this rank's communicator, an instance of one of the classes of this file (the ring's
+functions take it as `ring=`; the methods are the classes', e.g. NcclRing.exchange, not functions of this module):
+
+    comm.rank, comm.size             this process's place in the ring
+    h = comm.exchange(sends, recvs, shift=1)  each array of sends goes to rank + shift, rank - shift's arrive in recvs
+    h = comm.rotate(buf, shift=1)    IN PLACE: this rank's bytes of buf go to rank + shift, and rank - shift's bytes
                                      replace them
-    ring.wait(h)                     the transfer has landed (GPU backends: the compute stream waits); transfers are
+    comm.wait(h)                     the transfer has landed (GPU backends: the compute stream waits); transfers are
                                      non-blocking where the backend can (a GPU stream) and arrive in the order started
-    ring.allgather(obj)              every rank's obj, as a list (the agreement checks)
-    ring.allreduce_sum(arrays)       the arrays summed over the ranks, the same bits on every rank (stage 05's
+    comm.allgather(obj)              every rank's obj, as a list (the agreement checks)
+    comm.allreduce_sum(arrays)       the arrays summed over the ranks, the same bits on every rank (stage 05's
                                      parameter gradients)
 
 The ring's forward exchanges whole blocks: the block in use goes on while the next one lands in a second buffer. The
@@ -20,12 +36,18 @@ staging buffer, then copy it over chunk c.
               records an event before each transfer (the bytes are ready) and waits on the transfer's event before
               using what arrived, so a half block travels while the other half is computed, and the host never blocks.
     mpi       CuPy arrays staged through host memory with MPI: works with more ranks than GPUs (4 ranks on 1 GPU),
-              slower (device -> host -> MPI -> host -> device, and no overlap).
-    numpy     numpy arrays on the CPU with MPI: any laptop, no GPU.
+              slower: device -> host, MPI, host -> device. exchange() copies the sends to the host (which waits for the
+              compute queued before it) and posts non-blocking Isend/Irecv; wait() blocks the host in Waitall, then
+              queues the copies back. The MPI transfer can overlap the GPU's compute queued in between; the copies
+              to and from the host do not, and a rotation overlaps nothing.
+    numpy     numpy arrays on the CPU with MPI: any laptop, no GPU. Isend/Irecv are posted before the compute and
+              waited for after it; how much of a transfer moves during the compute is the MPI library's affair (many
+              move a large message only inside an MPI call, here the Waitall).
     threads   P ranks as threads of ONE process (threads.py): the notebook, the tests, `stages.ring.forward/backward`.
     loopback  rank r of P alone on one device: that rank's exact schedule with no peer (LoopbackRing), so a rank's own
               cost is measured on one GPU (dev/bench_rank.py).
-launch.py picks the backend with every rank, maps ranks to GPUs and ends the job on an error; setup() below does both.
+launch.py picks the backend with every rank, maps ranks to GPUs and ends the job on an error; setup() below picks
+the backend (launch.select) and makes that backend's communicator.
 """
 import numpy as np
 
@@ -182,7 +204,9 @@ class NcclRing(_TransferStream):
         """Post sends to rank + shift and receives from rank - shift, grouped, on the transfer stream."""
         self._after_compute()
         src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
-        self.nccl.groupStart()  # one group: every rank's send to r+shift pairs with r+shift's recv from r
+        # One group: NCCL's send waits for the peer's matching recv, and every rank sends first, so ungrouped the ranks
+        # would wait on each other forever; grouped, NCCL starts this rank's sends and receives together.
+        self.nccl.groupStart()
         for s, r in zip(sends, recvs):
             self.nc.send(s.data.ptr, s.nbytes, self.nccl.NCCL_INT8, dst, self.stream.ptr)
             self.nc.recv(r.data.ptr, r.nbytes, self.nccl.NCCL_INT8, src, self.stream.ptr)
@@ -201,7 +225,7 @@ class NcclRing(_TransferStream):
         src, dst = (self.rank - shift) % self.size, (self.rank + shift) % self.size
         for at in range(0, n, chunk):
             size = min(chunk, n - at)
-            self.nccl.groupStart()  # one group: our send to dst pairs with dst's receive from us
+            self.nccl.groupStart()  # one group, as in exchange(): our send to dst and our receive from src together
             self.nc.send(buf.data.ptr + at, size, self.nccl.NCCL_INT8, dst, self.stream.ptr)
             self.nc.recv(stage.data.ptr, size, self.nccl.NCCL_INT8, src, self.stream.ptr)
             self.nccl.groupEnd()

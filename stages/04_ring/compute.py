@@ -7,9 +7,12 @@ the rank holds. Compute runs each call with one of three kinds of kernel:
     O_rj, L_rj merged into O_r, L_r in its epilogue; backward: dQ_r, dK_j, dV_j added with atomics) and reads the
     rows and keys in place. Stage 06's kernels where a later stage registered them and they take the problem
     (stages/common/attention_registry.py; on an sm_90 GPU once `stages.hopper` is imported: grouped-query heads,
-    windows, softcap and ALiBi, not dropout), else stage 02 version pipelined and stage 03 version tc. Both take the
-    call's mask and options the same way (_options) and add dK_j, dV_j of a group of query heads into its one k / v
-    head.
+    windows, softcap and ALiBi, not dropout), else stages 02/03's tensor-core kernels through their launchers' ring
+    entry points: forward, stage 02 version pipelined, launched by merge_into in stages/02_flash_v2/tc.py (the
+    tensor-core launchers; the merge itself is merge_row_into_running in kernels/attention_tiles.cuh, called from the
+    pipelined kernel's epilogue); backward, stage 03 version tc, launched by accumulate_into in
+    stages/03_flash_v2_backward/tc.py. Both take the call's mask and options the same way (_options) and add dK_j,
+    dV_j of a group of query heads into its one k / v head.
   * a block function of BLOCKS, elsewhere (numpy, stage 00 blocks, the float32 kernels): the call returns its partial
     result in float32 and merge() / += add it (the same arithmetic).
   * one call over the whole problem (a ring of one rank, or a scheme's single-device call): the kernel writes the
@@ -24,7 +27,8 @@ import functools
 import numpy as np
 
 from stages import flash_v2, flash_v2_backward, naive
-from stages.flash_v2 import tc
+from stages.flash_v2 import tc as tc_forward  # stage 02's tensor-core launchers: merge_into, the forward's fused call
+from stages.flash_v2_backward import tc as tc_backward  # stage 03's: accumulate_into, the backward's fused call
 from stages.common import attention_registry, cast, kernels, variants
 
 from . import candidates
@@ -74,17 +78,12 @@ BLOCKS = {"flash": (_flash_forward, _flash_backward), "naive": (_naive_forward, 
 
 
 def forward_accumulators(prob, dtype):
-    """The forward's O_r = 0 and L_r = -inf (float32: nothing merged yet). With candidate "fold", O_r is left unfilled
-    where a block will write it first (merge() and the kernels never read O where L = -inf); only the rows no block
-    call covers are zeroed."""
-    xp, acc, shape = prob.xp, partial_dtype(dtype), (prob.B, prob.H, prob.Lq, prob.D)
+    """The forward's O_r = 0 and L_r = -inf (float32: nothing merged yet)."""
+    xp, acc, shape = prob.xp, partial_dtype(dtype), (prob.B, prob.H, prob.Tq, prob.D)
     lse_run = xp.full(shape[:3], -np.inf, dtype=acc)
-    if not candidates.on("fold"):
-        return xp.zeros(shape, dtype=acc), lse_run
-    o_run = xp.empty(shape, dtype=acc)
-    for a, b in prob.uncovered_rows():
-        o_run[:, :, a:b] = 0
-    return o_run, lse_run
+    if candidates.on("fold"):  # measurement hook (candidates.py, off by default): O_r left unfilled where a block
+        return candidates.o_unfilled(prob, shape, acc), lse_run  # writes it first
+    return xp.zeros(shape, dtype=acc), lse_run
 
 
 def backward_accumulators(prob, o, lse, do):
@@ -92,7 +91,7 @@ def backward_accumulators(prob, o, lse, do):
     padding rows (a padded query row then sends no gradient: dS = 0 there), and the float32 dQ_r = 0."""
     acc = partial_dtype(do.dtype)
     o, lse, do = kernels.row_major(o), kernels.row_major(lse, dtype=acc), kernels.row_major(prob.without_padding(do))
-    return o, lse, do, prob.xp.zeros((prob.B, prob.H, prob.Lq, prob.D), dtype=acc)
+    return o, lse, do, prob.xp.zeros((prob.B, prob.H, prob.Tq, prob.D), dtype=acc)
 
 
 @functools.cache
@@ -307,7 +306,7 @@ class Compute:
         prob, rows, keys = self.prob, (c.q_start, c.q_stop), (c.k_start, c.k_stop)
         if self.fused:  # the kernel merges into the accumulators: the registered kernels' or stage 02's
             causal, opts = self._options(q, k, kpos, c)
-            merge_into = self.registered.merge_into if self.registered else tc.merge_into
+            merge_into = self.registered.merge_into if self.registered else tc_forward.merge_into
             merge_into(q, k, v, o_run, lse_run, rows, keys, causal=causal, scale=prob.scale, opts=opts)
         else:
             (q0, q1), (k0, k1) = rows, keys
@@ -322,9 +321,9 @@ class Compute:
         prob, rows, keys = self.prob, (c.q_start, c.q_stop), (c.k_start, c.k_stop)
         if self.fused:  # the kernels add into the accumulators: the registered kernels' or stage 03's
             causal, opts = self._options(q, k, kpos, c)
-            accumulate_into = self.registered.accumulate_into if self.registered else flash_v2_backward.accumulate_into
+            accumulate_into = self.registered.accumulate_into if self.registered else tc_backward.accumulate_into
             accumulate_into(q, k, v, o, lse, do, dq_run, dk_run, dv_run, rows, keys, causal=causal, scale=prob.scale,
-                            opts=opts)  # dk_run, dv_run: (B, Hkv, Lk, D), each group's sum added once
+                            opts=opts)  # dk_run, dv_run: (B, Hkv, Tk, D), each group's sum added once
         else:
             (q0, q1), (k0, k1) = rows, keys
             dq_b, dk_b, dv_b = self.bwd(_rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1), _rows(o, q0, q1),

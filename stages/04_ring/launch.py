@@ -3,9 +3,9 @@
     backend, reason = select("auto")   every rank agrees on a backend (choose_backend) and takes its GPU
     run_main(main)                      an error on one rank ends every rank (abort), never a hang
 
-mpi4py launches (mpirun) and runs the checks. Ranks map to GPUs by their LOCAL rank (MPI shared-memory split), so
-`mpirun -n 8 --hostfile hosts` on two 4-GPU nodes gives each process its own GPU on its own node. comm.py holds the
-communicators themselves.
+mpi4py launches (./scripts/mpirun, or the system's mpirun) and runs the checks. Ranks map to GPUs by their LOCAL rank
+(MPI shared-memory split), so the cluster's `mpirun -n 8 --hostfile hosts` on two 4-GPU nodes gives each process its
+own GPU on its own node. comm.py holds the communicators themselves.
 """
 import os
 import sys

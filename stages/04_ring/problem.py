@@ -1,6 +1,7 @@
 """Stage 04: what every rank checks and agrees on before the ring turns.
 
-    prob = prologue(q, k, v, ring, ...)     the local checks, then an agreement between the ranks; a Problem
+    prob = prologue(q, k, v, comm, ...)     the local checks, then an agreement between the ranks; a Problem
+    prob.todo                               the steps with work (shards.steps: a window skips the others)
     prob.calls(s, h)                        this rank's block calls against (half h of) the block of step s
     check_api(...)                          the one-process API's checks, before any shard is cut
 
@@ -27,11 +28,12 @@ class RingMismatch(ValueError):
     Raised on EVERY rank at once (never a hang in a receive that will not come)."""
 
 
-def check_same_everywhere(ring, **facts):
+def check_same_everywhere(comm, **facts):
     """Every rank must call the ring with the same shapes, dtype and options: a mismatch would make
     the send/recv sizes disagree and hang. Raise on EVERY rank, naming the ranks that differ.
-    A rank whose own inputs are invalid sends {"problem": message} instead, and every rank raises that."""
-    every = ring.allgather(facts)
+    comm: this rank's communicator (comm.py). A rank whose own inputs are invalid sends {"problem": message} instead,
+    and every rank raises that."""
+    every = comm.allgather(facts)
     problems = [(r, f["problem"]) for r, f in enumerate(every) if "problem" in f]
     if problems:
         raise RingMismatch("ring attention: " + "; ".join(f"rank {r} cannot run: {msg}" for r, msg in problems))
@@ -66,19 +68,19 @@ def _gathered(P, r, nq, nk, layout, causal, window, runs):
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What forward and backward agree on before the ring turns: ranks, this rank, the array module, the shard
-    shapes (B, H, Hkv, Lq, Lk, D), the global lengths, the layout, the resolved mask, scale and the options that act
+    shapes (B, H, Hkv, Tq, Tk, D), the global lengths, the layout, the resolved mask, scale and the options that act
     on scores or probabilities (softcap, ALiBi, dropout), and the steps with work (shards.steps)."""
-    P: int
-    r: int
-    xp: object
+    P: int  # ranks in the ring
+    r: int  # this rank
+    xp: object  # the array module: numpy or cupy
     B: int
     H: int
-    Hkv: int
-    Lq: int
-    Lk: int
+    Hkv: int  # k, v heads (grouped-query: Hkv divides H)
+    Tq: int  # rows of this rank's query shard: T = N/P tokens a rank, padding included (shards.shard_len)
+    Tk: int  # rows of its key shard (and of every block it receives)
     D: int
-    nq: int
-    nk: int
+    nq: int  # global query length, no padding
+    nk: int  # global key length
     layout: str
     causal: bool
     scale: float
@@ -93,7 +95,7 @@ class Problem:
     @property
     def key_halves(self):
         """The rows of a key block in each half it travels in (shards.halves)."""
-        return halves(self.Lk, self.P, self.layout)
+        return halves(self.Tk, self.P, self.layout)
 
     @property
     def runs(self):
@@ -135,7 +137,7 @@ class Problem:
         if self.P != 1 or self.todo != (0,):
             return None
         calls, kpos = self.calls(0)
-        if len(calls) == 1 and calls[0][:4] == (0, self.Lq, 0, self.Lk):  # q_start, q_stop, k_start, k_stop
+        if len(calls) == 1 and calls[0][:4] == (0, self.Tq, 0, self.Tk):  # q_start, q_stop, k_start, k_stop
             return calls[0], kpos
         return None
 
@@ -148,7 +150,7 @@ class Problem:
     def without_padding(self, do):
         """do with its padding rows (a suffix of the shard) set to 0: a padded query row then sends no gradient."""
         valid = int((self.qpos() < self.nq).sum())
-        if valid == self.Lq:
+        if valid == self.Tq:
             return do
         do = do.copy()
         do.view(f"u{do.itemsize}")[:, :, valid:] = 0  # bit pattern 0 is +0.0 in every float dtype
@@ -208,33 +210,35 @@ def check_dropout_tiles(prob, block, where):
                     "and no left window side off that grid (a band's calls start one key apart), or block='naive'")
 
 
-def prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra, window, softcap, alibi_slopes,
-             dropout_p, seed, scheme):
+def prologue(q, k, v, comm, *, nq, nk, causal, scale, layout, block, version, window, softcap, alibi_slopes, dropout_p,
+             seed, scheme, extra=()):
     """Checks shared by forward and backward (extra: the backward's o, lse, do), agreed by every rank; a Problem.
+    comm: this rank's communicator (comm.py); the other keywords are ring_forward's.
 
     The local checks run first and their error (if any) is shared with the agreement check, so a bad input on
     one rank is an error on every rank."""
-    P, r = ring.size, ring.rank
+    P, r = comm.size, comm.rank
     where = "ring attention backward" if extra else "ring attention"
     prob = None
     try:
-        xp, B, H, Lq, Lk, D = (check_backward_inputs(q, k, v, *extra, where=where, gqa=True) if extra
+        xp, B, H, Tq, Tk, D = (check_backward_inputs(q, k, v, *extra, where=where, gqa=True) if extra
                                else check_attention_inputs(q, k, v, where=where, gqa=True))
         check_block(block, version, where)
         check_layout(layout, where)
         causal = check_causal(causal, where)
         window, opts = check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, seed, where)
         softcap = opts.softcap or None
-        nq, nk = nq or P * Lq, nk or P * Lk
-        if Lq != shard_len(nq, P, layout) or Lk != shard_len(nk, P, layout):
-            raise ValueError(f"{where}: shards have {Lq} query / {Lk} key rows; with {P} ranks, layout {layout}, "
+        nq, nk = nq or P * Tq, nk or P * Tk
+        if Tq != shard_len(nq, P, layout) or Tk != shard_len(nk, P, layout):
+            raise ValueError(f"{where}: shards have {Tq} query / {Tk} key rows; with {P} ranks, layout {layout}, "
                              f"nq={nq} and nk={nk} they must have {shard_len(nq, P, layout)} / "
                              f"{shard_len(nk, P, layout)} (cut them with ring.shard)")
         scale = resolve_scale(scale, D)
         check_scheme(scheme, P, H, k.shape[1], opts.dropout_p, where)
-        prob = Problem(P, r, xp, B, H, k.shape[1], Lq, Lk, D, nq, nk, layout, causal, scale, window, softcap,
-                       opts.alibi_slopes, opts.dropout_p, opts.seed, tuple(steps(P, nq, nk, layout, causal, window)),
-                       scheme)
+        prob = Problem(P=P, r=r, xp=xp, B=B, H=H, Hkv=k.shape[1], Tq=Tq, Tk=Tk, D=D, nq=nq, nk=nk, layout=layout,
+                       causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=opts.alibi_slopes,
+                       dropout_p=opts.dropout_p, seed=opts.seed, todo=tuple(steps(P, nq, nk, layout, causal, window)),
+                       scheme=scheme)
         check_dropout_tiles(prob, block, where)
         slopes = None if opts.alibi_slopes is None else tuple(cast(opts.alibi_slopes, np.float64).ravel().tolist())
         facts = dict(q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
@@ -244,7 +248,7 @@ def prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, extra
                      **{f"arg{i}": (tuple(t.shape), str(t.dtype)) for i, t in enumerate(extra)})
     except (TypeError, ValueError) as e:
         facts = {"problem": f"{type(e).__name__}: {e}"}
-    check_same_everywhere(ring, **facts)
+    check_same_everywhere(comm, **facts)
     return prob
 
 

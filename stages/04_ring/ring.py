@@ -1,20 +1,33 @@
 """Stage 04: ring attention (Liu, Zaharia & Abbeel 2023, arXiv 2310.01889), the algorithm.
 
-The sequence is split across P ranks. Rank r keeps its query shard Q_r and the key/value shards travel round the
-ring: at step s it holds the block K_j, V_j of rank j = (r - s) mod P, computes that block's attention with a
-single-device kernel, merges it into its running O_r, L_r by their log-sum-exp, and passes the block on to rank r + 1.
+The sequence of N tokens is split across P ranks, T = N/P tokens each. Rank r keeps its query shard Q_r and the
+key/value shards travel round the ring: at step s it holds the block K_j, V_j of rank j = (r - s) mod P, computes that
+block's attention with a single-device kernel (O_rj, L_rj: the block's own softmax), merges it into its running O_r,
+L_r by their log-sum-exp, and passes the block on to rank r + 1.
 Backward: with the final O_r and the global L_r, P_rj = exp(S_rj - L_r) is already the exact softmax restricted to
 block j, so each block's backward gives exact partial dQ_r, dK_j, dV_j. dQ_r stays home; dK_j, dV_j travel with K_j,
 V_j and arrive back at rank j after the last step.
 
-Read in this order: plain_ring_forward and plain_ring_backward, the algorithm in its plainest form (whole blocks, a
-double buffer, one block call per step; the tests hold the fast ring to them); merge; ring_forward and ring_backward,
-the same loops as a rank runs them fast (any length, the variants, the steps a window leaves, kernels that add into the
-accumulators themselves, the backward's block in halves, the other schemes); forward and backward, the one API of every
-stage (P ranks simulated as threads). The machinery has a file each: shards.py (the layouts; which keys each query
-sees, as block calls), problem.py (the checks every rank agrees on), compute.py (which kernel computes a call; side
-streams), travel.py (the backward's travelling halves; what a rank holds), marks.py (timing), gather.py (the
-all-gather and all-to-all schemes), comm.py (how bytes move). It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
+`ring=`, the keyword of every rank-level function here, is this rank's communicator (comm.py): .rank and .size say
+where it sits, .exchange(sends, recvs, shift) posts the sends to rank + shift and the receives from rank - shift, and
+.wait(handle) returns once they have landed. (The package is also called `ring`; inside the functions that are not
+the API the communicator is `comm`.)
+
+Read in this order (stage 04's README has the same list, file by file):
+  1. this file: plain_ring_forward and plain_ring_backward, the algorithm in its plainest form (whole blocks, a double
+     buffer, one block call per step; the tests hold the fast ring to them); merge; ring_forward and ring_backward,
+     the same loops as a rank runs them fast (any length, the variants, the steps a window leaves, kernels that add
+     into the accumulators themselves, the backward's block in halves, the other schemes); forward and backward, the
+     one API of every stage (P ranks simulated as threads).
+  2. problem.py: the checks every rank agrees on before the ring turns, and the Problem the fast ring reads
+     (prob.todo: the steps with work; prob.calls(s): this rank's block calls at step s).
+  3. shards.py: the layouts, and which keys each query sees, as block calls.
+  4. compute.py: which kernel computes a block call, on which streams.
+  5. travel.py: the backward's travelling halves; what a rank holds.
+  6. comm.py: how bytes move (the communicators; MPI and NCCL in ten lines).
+  7. gather.py: the all-gather and all-to-all schemes. Then marks.py (timing), launch.py and threads.py (starting the
+     ranks), run.py (the launcher).
+It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
 
 One set of defaults for every entry point: layout="zigzag", which gives every rank the same causal work and costs
 nothing without a mask; block=None, the block kernels of the arrays' device: "flash" (stages 02/03, or stage 06's where
@@ -38,12 +51,12 @@ __all__ = ["plain_ring_forward", "plain_ring_backward", "merge", "ring_forward",
 
 
 # ----------------------------------------------------------------------------- the plain ring: read this first
-def _block_of_step(r, j, L, layout, causal):
+def _block_of_step(r, j, T, layout, causal):
     """(query rows, key rows, causal) of rank r's one block call against the block of rank j, or None when no query of
-    rank r sees a key of block j (shards of L rows, no padding; shards.py draws the layouts):
+    rank r sees a key of block j (shards of T rows, no padding; shards.py draws the layouts):
       full attention        every query against every key
       contiguous, causal    j == r: causal (the diagonal block); j < r: every key; j > r: nothing
-      zigzag, causal        rank r holds chunks r and 2P-1-r of c = L/2 rows. j == r: causal over the whole shard (chunk
+      zigzag, causal        rank r holds chunks r and 2P-1-r of c = T/2 rows. j == r: causal over the whole shard (chunk
                             2P-1-r sees all of chunk r); j < r: every query against chunk j (the block's first half);
                             j > r: chunk 2P-1-r (the shard's second half) against every key."""
     every = slice(None)
@@ -51,7 +64,7 @@ def _block_of_step(r, j, L, layout, causal):
         return every, every, bool(causal)
     if layout == "contiguous":
         return (every, every, False) if j < r else None
-    return (every, slice(0, L // 2), False) if j < r else (slice(L // 2, L), every, False)
+    return (every, slice(0, T // 2), False) if j < r else (slice(T // 2, T), every, False)
 
 
 def _plain_problem(q, k, layout, causal, scale, block):
@@ -60,7 +73,7 @@ def _plain_problem(q, k, layout, causal, scale, block):
         raise ValueError(f"plain ring: layout {layout!r} is not known; use one of {LAYOUTS}")
     if causal and (q.shape[2] != k.shape[2] or (layout == "zigzag" and q.shape[2] % 2)):
         raise ValueError("plain ring: causal shards must have as many query as key rows (an even number for zigzag): "
-                         "a sequence of N = P L tokens with no padding (ring_forward takes any length)")
+                         "a sequence of N = P T tokens with no padding (ring_forward takes any length)")
     return array_module(q), resolve_scale(scale, q.shape[3]), BLOCKS[default_block(block, q)]
 
 
@@ -69,12 +82,13 @@ def _part(xp, x, rows):
 
 
 def plain_ring_forward(q, k, v, *, ring, causal=False, scale=None, layout="zigzag", block=None):
-    """Rank r's ring forward, plainly: whole blocks, a double buffer, one block call per step. q (B, H, L, D), k, v
-    (B, Hkv, L, D): this rank's shards (shard()) of N = P L tokens, no padding. Returns (O_r, L_r) as ring_forward."""
+    """Rank r's ring forward, plainly: whole blocks, a double buffer, one block call per step. q (B, H, T, D), k, v
+    (B, Hkv, T, D): this rank's shards (shard()) of N = P T tokens, no padding. ring: this rank's communicator (comm.py:
+    .rank, .size, .exchange, .wait; the module docstring says what each does). Returns (O_r, L_r) as ring_forward."""
     xp, scale, (fwd, _) = _plain_problem(q, k, layout, causal, scale, block)
     P, r = ring.size, ring.rank
-    O = xp.zeros(q.shape, partial_dtype(q.dtype))  # O_r: normalised over the keys merged so far (float32)
-    lse = xp.full(q.shape[:3], -np.inf, O.dtype)  # L_r: log sum exp of the scores over those keys
+    O_r = xp.zeros(q.shape, partial_dtype(q.dtype))  # normalised over the keys merged so far (float32)
+    L_r = xp.full(q.shape[:3], -np.inf, O_r.dtype)  # log sum exp of the scores over those keys
     kv, arriving = (k.copy(), v.copy()), (xp.empty_like(k), xp.empty_like(v))  # the double buffer
     for s in range(P):
         j = (r - s) % P  # at step s rank r holds K_j, V_j
@@ -84,19 +98,20 @@ def plain_ring_forward(q, k, v, *, ring, causal=False, scale=None, layout="zigza
         if call is not None:
             rows, keys, diagonal = call
             O_rj, L_rj = fwd(_part(xp, q, rows), _part(xp, kv[0], keys), _part(xp, kv[1], keys), causal=diagonal,
-                             scale=scale, out_dtype=O.dtype)  # the block's own softmax: O_rj, L_rj
-            merge(O[:, :, rows], lse[:, :, rows], O_rj, L_rj)  # O_r, L_r and block j's, by their log-sum-exp
+                             scale=scale, out_dtype=O_r.dtype)  # the block's own softmax: O_rj, L_rj
+            merge(O_r[:, :, rows], L_r[:, :, rows], O_rj, L_rj)  # O_r, L_r and block j's, by their log-sum-exp
         if s < P - 1:
             ring.wait(handle)  # the next block is here
             kv, arriving = arriving, kv
-    return cast(O, q.dtype), lse
+    return cast(O_r, q.dtype), L_r
 
 
 def plain_ring_backward(q, k, v, o, lse, do, *, ring, causal=False, scale=None, layout="zigzag", block=None):
     """Rank r's ring backward, plainly: K_j, V_j travel as in the forward, and with them the float32 dK_j, dV_j that
     the ranks before this one added to; after the last step the gradients make one more hop, home to rank j. o, lse:
-    this rank's shards of the forward's final O and global L. A rank sends dK_j, dV_j on only once it has added its
-    part, so here the transfers wait for the compute (ring_backward hides them: its blocks travel in halves)."""
+    this rank's shards of the forward's final O and global L (O_r, L_r). ring: this rank's communicator, as in
+    plain_ring_forward. A rank sends dK_j, dV_j on only once it has added its part, so here every exchange is waited
+    for at once, after the step's compute (ring_backward hides the transfers: its blocks travel in halves)."""
     xp, scale, (_, bwd) = _plain_problem(q, k, layout, causal, scale, block)
     P, r, acc = ring.size, ring.rank, partial_dtype(q.dtype)
     dQ = xp.zeros(q.shape, acc)  # dQ_r stays home
@@ -106,7 +121,7 @@ def plain_ring_backward(q, k, v, o, lse, do, *, ring, causal=False, scale=None, 
         j = (r - s) % P
         call = _block_of_step(r, j, q.shape[2], layout, causal)
         if call is not None:
-            (rows, keys, diagonal), (K, V, dK, dV) = call, blk
+            (rows, keys, diagonal), (K, V, dK, dV) = call, blk  # K_j, V_j, dK_j, dV_j
             Q_r, O_r, L_r, dO_r = (_part(xp, x, rows) for x in (q, o, lse, do))
             dQ_rj, dK_rj, dV_rj = bwd(Q_r, _part(xp, K, keys), _part(xp, V, keys), O_r, L_r, dO_r, causal=diagonal,
                                       scale=scale, out_dtype=acc)  # exact partial gradients: L_r is the global one
@@ -125,9 +140,11 @@ def merge(o_a, lse_a, o_b, lse_b):
 
         L = m + log(exp(L_a - m) + exp(L_b - m)),   m = max(L_a, L_b)
         O = O_a exp(L_a - L) + O_b exp(L_b - L)
-    o_a, lse_a are the fp32 accumulators (updated in place and returned); o_b, lse_b the new block. O_a is never read
-    where L_a = -inf (nothing merged yet: it may be uninitialised), as in the kernels' own merge. A row that saw no key
-    in either part keeps L = -inf and O = 0 (never NaN).
+    o_a, lse_a are the fp32 accumulators (updated in place and returned); o_b, lse_b the new block. Where L_a = -inf
+    (nothing merged yet) O_a may be uninitialised, even NaN, and its value never reaches the result: the numpy line
+    below multiplies it by w_a = 0 and np.where drops that product; the GPU's merge_kernel (as the kernels' own merge
+    in their epilogue) does not read it at all. A row that saw no key in either part keeps L = -inf and O = 0 (never
+    NaN).
     """
     xp = array_module(o_a)
     lse_b = lse_b.astype(lse_a.dtype, copy=False)
@@ -141,7 +158,7 @@ def merge(o_a, lse_a, o_b, lse_b):
     w_a, w_b = (e_a / total)[..., None], (e_b / total)[..., None]  # exp(L_a - L), exp(L_b - L): (B, H, Nq, 1)
     o_b = cast(o_b, o_a.dtype)
     if xp is np:
-        with np.errstate(invalid="ignore", over="ignore"):  # (O_a where w_a = 0 is not read)
+        with np.errstate(invalid="ignore", over="ignore"):  # O_a w_a where w_a = 0 is computed, then dropped
             o_a[...] = np.where(w_a != 0, o_a * w_a, 0) + o_b * w_b
     else:  # the same line as one pass over O on the GPU
         merge_kernel()(w_a, o_b, w_b, o_a)
@@ -152,64 +169,67 @@ def merge(o_a, lse_a, o_b, lse_b):
 def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, layout="zigzag", block=None,
                  version=None, timeline=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, seed=0,
                  scheme="ring"):
-    """This rank's part of ring attention: (o, lse) for its query shard. ring: a communicator from comm.py.
+    """This rank's part of ring attention: (o, lse) for its query shard. ring: this rank's communicator (comm.py).
 
-    q (B, H, Lq, D), k and v (B, Hkv, Lk, D): this rank's shards in `layout` (shard()); Hkv divides H (grouped-query:
-    the ring sends the Hkv heads). nq, nk: the global unpadded lengths (default P Lq, P Lk). window, softcap,
+    q (B, H, Tq, D), k and v (B, Hkv, Tk, D): this rank's shards in `layout` (shard()); Hkv divides H (grouped-query:
+    the ring sends the Hkv heads). nq, nk: the global unpadded lengths (default P Tq, P Tk). window, softcap,
     alibi_slopes, dropout_p and seed as in stage 00: the result is the one-device result, dropout mask included.
     block: "naive", "flash" or None (the defaults above); version: the stage 02 version of the flash blocks. timeline:
     a list that receives {step, compute_ms, exposed_ms} per step with work (marks.py). scheme: "ring", "allgather" or
     "alltoall" (gather.py), the same result."""
     block = default_block(block, q)
-    prob = prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (), window, softcap, alibi_slopes,
-                    dropout_p, seed, scheme)
-    compute, marks = Compute(prob, block, version, q.dtype, backward=False, merge=merge), Marks(prob.xp, timeline)
+    prob = prologue(q, k, v, ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, block=block,
+                    version=version, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                    seed=seed, scheme=scheme)
+    # runner: computes this rank's block calls (compute.py); timer: the timing marks, taken only when asked (marks.py)
+    runner = Compute(prob, block, version, q.dtype, backward=False, merge=merge)
+    timer = Marks(prob.xp, timeline)
     q, k, v = (kernels.row_major(x) for x in (q, k, v))  # row-major: the kernels read rows in place
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernel writes the result in the inputs' dtype itself
-        return one_call(prob.xp, timeline, "forward", lambda: compute.whole_forward(q, k, v, *whole))
+        return one_call(prob.xp, timeline, "forward", lambda: runner.whole_forward(q, k, v, *whole))
     if prob.scheme == "alltoall":
-        o, lse = gather.alltoall_forward(ring, prob, compute, q, k, v, marks)
+        o, lse = gather.alltoall_forward(ring, prob, runner, q, k, v, timer)
     else:
-        with marks.span("fill"):
+        with timer.span("fill"):
             o_run, lse_run = forward_accumulators(prob, q.dtype)  # O_r, L_r: nothing merged yet
         turn = _turn_forward if prob.scheme == "ring" else gather.gathered_forward
-        turn(ring, prob, compute, q, k, v, o_run, lse_run, marks)
-        with marks.span("cast"):
+        turn(ring, prob, runner, q, k, v, o_run, lse_run, timer)
+        with timer.span("cast"):
             o, lse = cast(o_run, q.dtype), lse_run  # lse: float32 by the API (float64 for float64 inputs)
-    marks.record()
+    timer.record()
     return o, lse
 
 
-def _turn_forward(ring, prob, compute, q, k, v, o_run, lse_run, marks):
+def _turn_forward(comm, prob, runner, q, k, v, o_run, lse_run, timer):
     """The ring: the blocks travel whole, double-buffered, each merged into O_r, L_r at the step it is here; the steps
     without work (a window's) are skipped, the block hopping straight to the next step with work."""
     xp, todo = prob.xp, prob.todo
     k_cur, v_cur, spare = k, v, None  # double buffers: the block in use and the one arriving
 
-    def receive(n):  # post the transfer of the block in use to rank r + n (ours comes from r - n)
+    def send_and_receive(n):  # post: the block in use goes to rank r + n, rank r - n's lands in the other buffer
         nxt = spare if spare is not None else (xp.empty_like(k), xp.empty_like(v))
-        return nxt, ring.exchange([k_cur, v_cur], list(nxt), shift=n)
+        return nxt, comm.exchange([k_cur, v_cur], list(nxt), shift=n)  # (the landing buffer, the handle to wait on)
 
     if todo and todo[0] > 0:  # the first step with work is not our own block's: fetch that block first
-        nxt, handle = receive(todo[0])
-        ring.wait(handle)
+        nxt, handle = send_and_receive(todo[0])
+        comm.wait(handle)
         k_cur, v_cur = nxt
     for idx, s in enumerate(todo):  # at step s rank r holds the block of rank r - s
-        t0 = marks.mark()
+        t0 = timer.mark()
         n = hop(todo, idx, prob.P, home=False)
         if n:  # post the next block's transfer before computing on this one
-            nxt, handle = receive(n)
-        t1 = marks.mark()
+            nxt, handle = send_and_receive(n)
+        t1 = timer.mark()
         calls, kpos = prob.calls(s)
-        compute.forward_step(q, k_cur, v_cur, o_run, lse_run, calls, kpos)
-        t2 = marks.mark()
+        runner.forward_step(q, k_cur, v_cur, o_run, lse_run, calls, kpos)
+        t2 = timer.mark()
         if n:
-            ring.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
+            comm.wait(handle)  # the next block has arrived (GPU: the compute stream waits, not the host)
             spare = (k_cur, v_cur) if k_cur is not k else None  # the caller's k, v are never overwritten
             k_cur, v_cur = nxt
-        marks.phase("post", t0, t1, step=s)
-        marks.add(s, (t1, t2), (t2, marks.mark()))  # computed, then waited for the next block
+        timer.phase("post", t0, t1, step=s)
+        timer.add(s, (t1, t2), (t2, timer.mark()))  # computed, then waited for the next block
 
 
 # ----------------------------------------------------------------------------- the fast ring: backward
@@ -221,54 +241,56 @@ def ring_backward(q, k, v, o, lse, do, *, ring, nq=None, nk=None, causal=False, 
     the last step with work s_last they go home (a hop of P - s_last). version: the stage 03 version of the flash
     blocks. Other arguments as ring_forward's."""
     block = default_block(block, q)
-    prob = prologue(q, k, v, ring, nq, nk, causal, scale, layout, block, version, (o, lse, do), window, softcap,
-                    alibi_slopes, dropout_p, seed, scheme)
-    xp, compute = prob.xp, Compute(prob, block, version, q.dtype, backward=True)
-    marks = Marks(xp, timeline, "backward")
+    prob = prologue(q, k, v, ring, extra=(o, lse, do), nq=nq, nk=nk, causal=causal, scale=scale, layout=layout,
+                    block=block, version=version, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    dropout_p=dropout_p, seed=seed, scheme=scheme)
+    xp, runner = prob.xp, Compute(prob, block, version, q.dtype, backward=True)  # as in ring_forward
+    timer = Marks(xp, timeline, "backward")
     q, k, v = (kernels.row_major(x) for x in (q, k, v))
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernels write the gradients in the inputs' dtype themselves
-        return one_call(xp, timeline, "backward", lambda: compute.whole_backward(q, k, v, o, lse, do, *whole))
+        return one_call(xp, timeline, "backward", lambda: runner.whole_backward(q, k, v, o, lse, do, *whole))
     if prob.scheme == "alltoall":
-        grads = gather.alltoall_backward(ring, prob, compute, q, k, v, o, lse, do, marks)
+        grads = gather.alltoall_backward(ring, prob, runner, q, k, v, o, lse, do, timer)
     else:
-        with marks.span("fill"):
+        with timer.span("fill"):
             o, lse, do, dq_run = backward_accumulators(prob, o, lse, do)  # dQ_r = 0: it stays home
         turn = _turn_backward if prob.scheme == "ring" else gather.gathered_backward
-        dkv = turn(ring, prob, compute, q, k, v, o, lse, do, dq_run, marks)  # () -> dK_r, dV_r in k's dtype
-        with marks.span("cast"):
+        # make_dkv: a function that returns dK_r, dV_r in k's dtype, called once dQ_r is cast (less memory at once)
+        make_dkv = turn(ring, prob, runner, q, k, v, o, lse, do, dq_run, timer)
+        with timer.span("cast"):
             dq = cast(dq_run, q.dtype)
             del dq_run  # (memory back to the pool before dK, dV are made)
-            grads = (dq, *dkv())
-    marks.record()
+            grads = (dq, *make_dkv())
+    timer.record()
     return grads
 
 
-def _turn_backward(ring, prob, compute, q, k, v, o, lse, do, dq_run, marks):
+def _turn_backward(comm, prob, runner, q, k, v, o, lse, do, dq_run, timer):
     """The ring: the key blocks travel in halves with their dK, dV accumulators (travel.Travel); returns a function
     that makes dK_r, dV_r once they are home."""
-    with marks.span("copy-in"):
-        travel, todo = Travel(ring, prob, k, v), prob.todo  # K_j, V_j and their dK_j, dV_j accumulators
+    with timer.span("copy-in"):
+        travelling, todo = Travel(comm, prob, k, v), prob.todo  # K_j, V_j and their dK_j, dV_j accumulators, in halves
     if todo and todo[0] > 0:
-        for h in range(len(travel.slots)):
-            travel.depart(h, todo[0])
+        for h in range(len(travelling.slots)):
+            travelling.depart(h, todo[0])
     for idx, s in enumerate(todo):
-        for h, slot in enumerate(travel.slots):
-            t0 = marks.mark()
-            travel.arrive(h)  # half h of K_j, V_j and of the dK_j, dV_j summed so far is here
-            t1 = marks.mark()
+        for h, slot in enumerate(travelling.slots):
+            t0 = timer.mark()
+            travelling.arrive(h)  # half h of K_j, V_j and of the dK_j, dV_j summed so far is here
+            t1 = timer.mark()
             calls, kpos = prob.calls(s, h)
-            compute.backward_step(q, slot["k"], slot["v"], o, lse, do, dq_run, slot["dk"], slot["dv"], calls, kpos)
-            t2 = marks.mark()
+            runner.backward_step(q, slot["k"], slot["v"], o, lse, do, dq_run, slot["dk"], slot["dv"], calls, kpos)
+            t2 = timer.mark()
             last = idx == len(todo) - 1
-            travel.depart(h, hop(todo, idx, prob.P, home=True), grads_only=last)  # the last hop: dK, dV go home
-            marks.phase("post", t2, marks.mark(), step=s, half=h)
-            marks.add(s, (t1, t2), (t0, t1), half=h)  # waited for the half, then computed
-    with marks.span("home"):
-        for h in range(len(travel.slots)):
-            travel.arrive(h)  # our own dK_r, dV_r are home
-    travel.spare = None  # (memory back to the pool before the outputs are made)
-    return lambda: travel.gradients(k, v)
+            travelling.depart(h, hop(todo, idx, prob.P, home=True), grads_only=last)  # the last hop: dK, dV go home
+            timer.phase("post", t2, timer.mark(), step=s, half=h)
+            timer.add(s, (t1, t2), (t0, t1), half=h)  # waited for the half, then computed
+    with timer.span("home"):
+        for h in range(len(travelling.slots)):
+            travelling.arrive(h)  # our own dK_r, dV_r are home
+    travelling.spare = None  # (memory back to the pool before the outputs are made)
+    return lambda: travelling.gradients(k, v)
 
 
 # ----------------------------------------------------------------------------- the one API: P ranks in one process
@@ -281,8 +303,8 @@ def forward(q, k, v, *, causal=False, scale=None, layout="zigzag", ranks=4, bloc
     kw = dict(causal=causal, scale=scale, layout=layout, block=default_block(block, q), version=version, window=window,
               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, scheme=scheme)
     check_api(q, k, D=D, ranks=ranks, where="ring.forward", **kw)
-    outs = simulate(lambda ring: ring_forward(*(shard(x, ring.rank, ring.size, layout) for x in (q, k, v)), ring=ring,
-                                              nq=nq, nk=nk, **kw), ranks)
+    outs = simulate(lambda comm: ring_forward(*(shard(x, comm.rank, comm.size, layout) for x in (q, k, v)), ring=comm,
+                                              nq=nq, nk=nk, **kw), ranks)  # comm: each simulated rank's communicator
     return unshard([o for o, _ in outs], nq, layout), unshard([lse for _, lse in outs], nq, layout)
 
 
@@ -293,6 +315,6 @@ def backward(q, k, v, o, lse, do, *, causal=False, scale=None, layout="zigzag", 
     kw = dict(causal=causal, scale=scale, layout=layout, block=default_block(block, q), version=version, window=window,
               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, scheme=scheme)
     check_api(q, k, D=D, ranks=ranks, where="ring.backward", **kw)
-    outs = simulate(lambda ring: ring_backward(*(shard(x, ring.rank, ring.size, layout) for x in (q, k, v, o, lse, do)),
-                                               ring=ring, nq=nq, nk=nk, **kw), ranks)
+    outs = simulate(lambda comm: ring_backward(*(shard(x, comm.rank, comm.size, layout) for x in (q, k, v, o, lse, do)),
+                                               ring=comm, nq=nq, nk=nk, **kw), ranks)
     return tuple(unshard([g[i] for g in outs], n, layout) for i, n in enumerate((nq, nk, nk)))

@@ -4,7 +4,7 @@ Each rank keeps its query shard Q_r; the K_j, V_j shards travel round the ring (
 is computed by a single-device kernel and the partial results are merged by their log-sum-exp. The backward
 also rotates the dK_j, dV_j accumulators.
 
-Versions (the layouts, --layout):
+Layouts (--layout):
   contiguous  rank r holds rows [rN/P, (r+1)N/P): simple; under a causal mask rank P-1 does 2P-1 times rank 0's work.
   zigzag      rank r holds chunks r and 2P-1-r of 2P: every rank does the same causal work.
 Schemes (--scheme): ring (the default: K, V travel hop by hop behind the compute), allgather (K, V gathered once, as
@@ -29,12 +29,14 @@ There each step's attention takes milliseconds, more than the half block it hide
 ranks share one GPU (the mpi backend) the run checks the ring and shows its steps, but says nothing about speed or
 memory per GPU: every rank computes on the same GPU.
 
-    mpirun -n 4 python stages/04_ring/run.py                   # 4 GPUs (nccl), 1 GPU (mpi backend) or the CPU
-    mpirun -n 4 python stages/04_ring/run.py --quick           # small, for scripts/run_all.py
-    mpirun -n 2 python stages/04_ring/run.py --backend nccl    # 2 GPUs, one per rank
-    mpirun -n 4 python stages/04_ring/run.py --scheme alltoall  # the same check and timing, heads scattered
-    mpirun -n 8 --hostfile hosts python stages/04_ring/run.py  # 2 nodes x 4 GPUs (see README.md)
+    ./scripts/mpirun -n 4 python stages/04_ring/run.py                   # 4 GPUs (nccl), 1 GPU (mpi backend) or the CPU
+    ./scripts/mpirun -n 4 python stages/04_ring/run.py --quick           # small, for scripts/run_all.py
+    ./scripts/mpirun -n 2 python stages/04_ring/run.py --backend nccl    # 2 GPUs, one per rank
+    ./scripts/mpirun -n 4 python stages/04_ring/run.py --scheme alltoall  # the same check and timing, heads scattered
+    mpirun -n 8 --hostfile hosts python stages/04_ring/run.py  # 2 nodes x 4 GPUs, the system's MPI (stage 04's README)
     python stages/04_ring/run.py --help
+(./scripts/mpirun is mpirun for this repository from any shell: the venv's Python on every rank, and the flags Open
+MPI needs; the system's own mpirun works as well where python is the environment's on every node.)
 """
 import argparse
 import os
@@ -62,16 +64,27 @@ from stages.ring.verify_ring import check_on_ranks  # noqa: E402
 
 # ---- configuration (each overridable on the command line)
 BATCH = 1  # B
+# Per device (DEVICES says each in words): gpu an sm_80+ GPU, gpu_sm75 a T4, cpu the CPU (numpy backend); shared:
+# several ranks on one GPU (the mpi backend), which sets only the tokens timed.
+DEVICES = {"cpu": "on the CPU", "gpu": "on sm_80+ GPUs", "gpu_sm75": "on a T4 (sm_75)",
+           "shared": "when ranks share a GPU (mpi backend)"}
 HEADS = {"cpu": 4, "gpu": 16, "gpu_sm75": 16}  # H (2 with --quick)
 HEAD_DIM = {"cpu": 64, "gpu": 128, "gpu_sm75": 64}  # D (gpu_sm75: a T4, whose 64 KB take larger tiles at d = 64)
 CHECK_SEQ = 1000  # total N of the check (the fp64 oracle runs on rank 0's CPU; 256 with --quick)
-# tokens per rank timed (N = P times this): a GPU per rank; ranks sharing a GPU (mpi backend); the CPU. --quick:
-# 1024 per rank on GPUs, 64 on the CPU.
+# tokens per rank timed (N = P times this); --quick: 1024 per rank on GPUs, 64 on the CPU
 TOKENS_PER_RANK = {"gpu": 16384, "gpu_sm75": 16384, "shared": 2048, "cpu": 250}
 LAYOUT = "zigzag"  # contiguous | zigzag
 REPEAT = 3  # timed calls, queued back to back
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": bfloat16}
 DEFAULTS = dict(heads=HEADS, head_dim=HEAD_DIM, check_seq=CHECK_SEQ, tokens=TOKENS_PER_RANK, dtypes=DTYPES)
+
+
+def _in_words(per_device):
+    """{"cpu": 4, "gpu": 16, ...} in words, devices of one value together: "4 on the CPU, 16 on sm_80+ GPUs or ..."."""
+    by_value = {}
+    for dev, value in per_device.items():
+        by_value.setdefault(value, []).append(DEVICES[dev])
+    return ", ".join(f"{value} {' or '.join(where)}" for value, where in by_value.items())
 
 
 def parse(argv):
@@ -91,13 +104,15 @@ def parse(argv):
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="default bfloat16 on sm_80+ GPUs, float16 on a T4 (sm_75), float32 on the CPU")
     ap.add_argument("--batch", type=positive_int, default=BATCH, help="batch size B")
-    ap.add_argument("--heads", type=positive_int, default=None, help=f"heads H (default {HEADS}; 2 with --quick)")
-    ap.add_argument("--head-dim", type=positive_int, default=None, help=f"head dimension D (default {HEAD_DIM})")
+    ap.add_argument("--heads", type=positive_int, default=None,
+                    help=f"heads H (default {_in_words(HEADS)}; 2 with --quick)")
+    ap.add_argument("--head-dim", type=positive_int, default=None,
+                    help=f"head dimension D (default {_in_words(HEAD_DIM)})")
     ap.add_argument("--check-seq", type=positive_int, default=None,
                     help=f"total sequence length of the check (default {CHECK_SEQ}; 256 with --quick)")
     ap.add_argument("--seq", type=positive_int, default=None,
-                    help=f"total sequence length timed (default P x {TOKENS_PER_RANK} tokens per rank; --quick: "
-                         "P x 1024 on GPUs, P x 64 on the CPU)")
+                    help=f"total sequence length timed (default P x the tokens per rank: {_in_words(TOKENS_PER_RANK)}; "
+                         "--quick: P x 1024 on GPUs, P x 64 on the CPU)")
     ap.add_argument("--no-causal", action="store_true", help="full (non-causal) attention")
     ap.add_argument("--kv-heads", type=positive_int, default=None,
                     help="k, v heads Hkv (grouped-query attention; must divide --heads; default: the same as q)")
@@ -107,7 +122,7 @@ def parse(argv):
     ap.add_argument("--softcap", type=float, default=None, help="S -> c tanh(S / c), c > 0")
     ap.add_argument("--alibi", action="store_true",
                     help="ALiBi with the paper's geometric slopes (S -> S - slope_h |i - j|, global distances)")
-    ap.add_argument("--dropout", type=float, default=None, metavar="P",
+    ap.add_argument("--dropout", type=float, default=None, metavar="PROB",
                     help="dropout probability in [0, 1) (seed 0): the ring draws the one-device mask (on the GPU: "
                          "lengths of whole 16-row tiles per shard chunk, no left window side off that grid)")
     ap.add_argument("--repeat", type=positive_int, default=REPEAT, help="timed calls, queued back to back")
@@ -170,9 +185,9 @@ def main(argv=None):
         sched = R.schedule(P, n, n, layout=layout, causal=causal, window=s.opts.get("window"),
                            kv_shape=(args.batch, s.Hkv) + shape[2:], dtype=s.dtype)  # the ring's steps and hops
         print(f"ring schedule at N={n}: steps with work {sched['steps']} of {P}; K, V hops "
-              f"{sched['kv_hops']} x {sched['kv_bytes_per_hop'] / 2**20:.2f} MB (Hkv={s.Hkv} heads); "
-              f"backward dK, dV hops {sched['dkv_hops']} x {sched['dkv_bytes_per_hop'] / 2**20:.2f} MB (float32)",
-              flush=True)
+              f"{sched['kv_hops']} x {sched['kv_bytes_per_hop'] / 2**20:.2f} MB (Hkv={s.Hkv} heads), forward and "
+              f"backward; in the backward dK, dV travel with K, V, then home: {sched['dkv_hops']} hops x "
+              f"{sched['dkv_bytes_per_hop'] / 2**20:.2f} MB (float32)", flush=True)
     elif rank == 0:
         sent = [args.batch * x / 2**20 for x in R.traffic(args.scheme, P, shape[2], s.H, s.Hkv, s.D, s.dtype)]
         print(f"{args.scheme} at N={n}: a rank sends {sent[0]:.2f} MB per forward, {sent[1]:.2f} MB per backward, "
@@ -216,8 +231,9 @@ def _blocks_text(s, batch):
             f"{bwd.name + ' backward' if bwd else f'stage 03 version {s.versions[1]}'}")
 
 
-HOLDS = {  # what a rank holds besides its shards, by scheme (README.md and gather.py say what each costs)
-    "ring": "a rank also holds its accumulators and the block in flight; README.md says what each buffer costs",
+HOLDS = {  # why a rank holds more than 1/P, by scheme (stage 04's README and gather.py say what each costs)
+    "ring": "a rank also holds its accumulators and the block in flight; stages/04_ring/README.md, Memory per GPU, "
+            "says what each buffer costs",
     "allgather": "a rank also holds K, V of the whole sequence, and in the backward their float32 gradients",
     "alltoall": "a rank also holds its heads over the whole sequence, about its shards' size again",
 }
@@ -225,21 +241,27 @@ HOLDS = {  # what a rank holds besides its shards, by scheme (README.md and gath
 
 def report(P, single, t_f, t_b, peak, *, shared, gpu, scheme="ring", gpus=1):
     """What the timing says, in words: per-GPU efficiency and memory per GPU against one device (and 1/P). gpus: how
-    many GPUs the P ranks run on (shared: fewer than P)."""
+    many GPUs the P ranks run on (shared: fewer than P, and then neither figure means anything: the note says so
+    first and only the times and sizes follow)."""
+    ratio = (t_f + t_b) / (single["fwd"] + single["bwd"])  # the ring's time over one device's, same total work
+    mb = f"{peak / 2**20:.1f} MB", f"{single['peak'] / 2**20:.1f} MB"  # a rank's peak, one device's (as the table)
+    if shared:
+        where = ("one GPU" if gpus <= 1 else f"{gpus} GPUs") if gpu else "the CPU cores"
+        return "\n".join([
+            f"(the {P} ranks share {where} here: this run checks the ring and shows its steps, not its speed or its "
+            "memory per GPU, since ranks compute on a shared device; run one rank per GPU, --backend nccl, to see "
+            "those)",
+            f"so no per-GPU efficiency here: the {P} ranks took {ratio:.2f}x one device's time for the same work; "
+            f"memory per rank {mb[0]}, one device {mb[1]}"])
     eff = (single["fwd"] + single["bwd"]) / (P * (t_f + t_b))
     mem = peak / max(single["peak"], 1)
     e_f, e_b = single["fwd"] / (P * t_f), single["bwd"] / (P * t_b)
-    lines = [f"per-GPU efficiency {eff:.2f} (fwd {e_f:.2f}, bwd {e_b:.2f}): "
-             f"the {P} ranks took {(t_f + t_b) / (single['fwd'] + single['bwd']):.2f}x one device's time for the same "
-             f"work, so together they ran {eff * P:.2f}x as fast as one (1.00 per GPU = the ring costs nothing)",
-             f"memory per rank {peak / 2**20:.0f} MB = {mem:.2f} of one device's {single['peak'] / 2**20:.0f} MB "
-             f"(1/P = {1 / P:.2f}: {HOLDS[scheme]})"]
-    if shared:
-        where = ("one GPU" if gpus <= 1 else f"{gpus} GPUs") if gpu else "the CPU cores"
-        lines.append(f"(the {P} ranks share {where} here: this run checks the ring and shows its steps, not its speed "
-                     "or its memory per GPU, since ranks compute on a shared device; run one rank per GPU, "
-                     "--backend nccl, to see those)")
-    return "\n".join(lines)
+    why = f": {HOLDS[scheme]}" if mem > 1 / P else ""  # the reason only where the figure is above 1/P
+    return "\n".join([
+        f"per-GPU efficiency {eff:.2f} (fwd {e_f:.2f}, bwd {e_b:.2f}): the {P} ranks took {ratio:.2f}x one device's "
+        f"time for the same work, so together they ran {eff * P:.2f}x as fast as one (1.00 per GPU = the ring costs "
+        "nothing)",
+        f"memory per rank {mb[0]} = {mem:.2f} of one device's {mb[1]} (1/P = {1 / P:.2f}{why})"])
 
 
 def _one_device(block):

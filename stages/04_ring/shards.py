@@ -11,7 +11,7 @@ Any length works: shards are padded to ceil(N/P) (zigzag: 2*ceil(N/2P)) rows; a 
     unshard(shards, n, layout)    the global array back from the P shards
     block_calls(qpos, kpos, nq, nk, causal, window, runs)  the kernel calls that cover exactly the visible pairs
     steps(P, nq, nk, layout, causal, window)  the ring steps at which some rank has work (a window skips the rest)
-    halves(L, P, layout)          the two halves a key block travels in (rows of the shard)
+    halves(T, P, layout)          the two halves a key block of T rows travels in (rows of the shard)
 """
 import functools
 from typing import NamedTuple
@@ -36,6 +36,10 @@ def check_ranks(P, where="ring attention"):
     return int(P)
 
 
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
 def shard_len(n, P, layout):
     """Rows each rank holds for a global length n: ceil(n/P), or 2*ceil(n/2P) for zigzag."""
     check_layout(layout)
@@ -45,10 +49,10 @@ def shard_len(n, P, layout):
 
 def positions(rank, P, n, layout):
     """Global sequence positions of `rank`'s rows, in local order; a position >= n is padding."""
-    L = shard_len(n, P, layout)
+    T = shard_len(n, P, layout)  # rows a rank holds
     if layout == "contiguous":
-        return np.arange(rank * L, (rank + 1) * L)
-    c = L // 2  # chunk length: the sequence is 2P chunks, rank r holds chunks r and 2P-1-r
+        return np.arange(rank * T, (rank + 1) * T)
+    c = T // 2  # chunk length: the sequence is 2P chunks, rank r holds chunks r and 2P-1-r
     return np.concatenate([np.arange(rank * c, (rank + 1) * c), np.arange((2 * P - 1 - rank) * c, (2 * P - rank) * c)])
 
 
@@ -57,7 +61,7 @@ def shard(x, rank, P, layout):
     n = x.shape[2]
     pos = positions(rank, P, n, layout)
     xp = np if isinstance(x, np.ndarray) else __import__("cupy")
-    out = x[:, :, xp.asarray(np.minimum(pos, n - 1))]  # (B, H, L, ...) gathered rows; padding repeats row n-1
+    out = x[:, :, xp.asarray(np.minimum(pos, n - 1))]  # (B, H, T, ...) gathered rows; padding repeats row n-1
     out = xp.ascontiguousarray(out)
     valid = int((pos < n).sum())  # padding rows are a suffix of the shard
     out.view(f"u{out.itemsize}")[:, :, valid:] = 0  # zero padding rows (bits 0 = +0.0): finite everywhere
@@ -68,14 +72,14 @@ def unshard(shards, n, layout):
     """The global (B, H, n, ...) array from the P shards (padding rows dropped)."""
     P = len(shards)
     xp = np if isinstance(shards[0], np.ndarray) else __import__("cupy")
-    full = xp.concatenate(shards, axis=2)  # (B, H, P*L, ...) in rank order
+    full = xp.concatenate(shards, axis=2)  # (B, H, P*T, ...) in rank order
     pos = np.concatenate([positions(r, P, n, layout) for r in range(P)])
     order = np.argsort(pos)[:n]  # local row -> global position, padding (pos >= n) sorts last
     return full[:, :, xp.asarray(order)]
 
 
-def halves(L, P, layout):
-    """The rows of a key block (L rows, local order) in the two halves it travels in: [rows of half 0, rows of half 1].
+def halves(T, P, layout):
+    """The rows of a key block (T rows, local order) in the two halves it travels in: [rows of half 0, rows of half 1].
 
     The ring computes with one half of a block while the other half travels (ring.py), so each half should carry
     about half of every step's work. The shard is one chunk (contiguous) or two (zigzag), and half 0 takes the first
@@ -84,11 +88,12 @@ def halves(L, P, layout):
     rows, so a half starts on the kernels' 16-row dropout grid whenever its chunk does. One rank: one half, the whole
     block (nothing travels)."""
     if P == 1:
-        return [np.arange(L)]
-    chunks = [(0, L)] if layout == "contiguous" else [(0, L // 2), (L // 2, L)]
+        return [np.arange(T)]
+    chunks = [(0, T)] if layout == "contiguous" else [(0, T // 2), (T // 2, T)]
     first, second = [], []
     for a, b in chunks:
-        cut = a + min(b - a, -(-(-(-(b - a) // 2)) // 16) * 16)  # ceil(length / 2), rounded up to 16
+        half = _ceil_div(b - a, 2)  # half the chunk's rows, rounded up
+        cut = a + min(b - a, _ceil_div(half, 16) * 16)  # ... then up to a multiple of 16 (the chunk's end at most)
         first.append(np.arange(a, cut))
         second.append(np.arange(cut, b))
     return [np.concatenate(first), np.concatenate(second)]
@@ -164,9 +169,9 @@ def block_calls(qpos, kpos, nq, nk, causal, window=None, runs=False):
                 for q0, q1 in _runs(qpos) for k0, k1 in _runs(kpos)
                 for c in block_calls(qpos[q0:q1], kpos[k0:k1], nq, nk, causal, window)]
     lo, hi = visible_range(qpos, kpos, nq, nk, causal, window)
-    L = len(lo)
+    T = len(lo)  # rows of the query shard
     busy = hi > lo
-    dl, dh = np.diff(lo), np.diff(hi)  # (L-1,): how each edge moves from row p to row p+1
+    dl, dh = np.diff(lo), np.diff(hi)  # (T-1,): how each edge moves from row p to row p+1
     ok = (dl >= 0) & (dl <= 1) & (dh >= 0) & (dh <= 1) & busy[:-1] & busy[1:]
     kind = np.where(ok, 2 * dl + dh, -1)  # 0 both flat, 1 hi diagonal, 2 lo diagonal, 3 both; -1 a jump
     # Walk run by run, not row by row: a Python loop over 16k rows costs ms of host time per call, during which the
@@ -175,22 +180,22 @@ def block_calls(qpos, kpos, nq, nk, causal, window=None, runs=False):
 
     def run_end(i):  # one past the last row of the run that starts at row i (kind == kind[i] from i on)
         k = np.searchsorted(change, i, side="right")
-        return int(change[k]) + 1 if k < len(change) else L
+        return int(change[k]) + 1 if k < len(change) else T
 
     calls, i = [], 0
-    while i < L:
+    while i < T:
         if not busy[i]:  # rows that see no key of this block: skip them all at once
             nz = np.flatnonzero(busy[i:])
             if len(nz) == 0:
                 break
             i += int(nz[0])
             continue
-        k = int(kind[i]) if i + 1 < L else -1
-        j = run_end(i) if k >= 0 else i + 1
-        k_start, k_stop = int(lo[i]), int(hi[j - 1])
-        shift = (k_stop - k_start) - (j - i)  # the kernel's diagonal shift on this sub-problem
-        calls.append(BlockCall(i, j, k_start, k_stop, shift if k in (2, 3) else -1, 0 if k in (1, 3) else -1))
-        i = j
+        k = int(kind[i]) if i + 1 < T else -1
+        end = run_end(i) if k >= 0 else i + 1  # this call's rows are i:end
+        k_start, k_stop = int(lo[i]), int(hi[end - 1])
+        shift = (k_stop - k_start) - (end - i)  # the kernel's diagonal shift on this sub-problem
+        calls.append(BlockCall(i, end, k_start, k_stop, shift if k in (2, 3) else -1, 0 if k in (1, 3) else -1))
+        i = end
     return calls
 
 

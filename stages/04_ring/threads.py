@@ -1,7 +1,8 @@
 """Stage 04: P ranks as threads of ONE process (no MPI): the in-process ring of the notebook, the tests and
 `stages.ring.forward/backward`. Each thread runs the very code an MPI rank runs; mailboxes stand in for the network.
 
-    simulate(fn, P)              fn(ring) on P simulated ranks, their results in rank order
+    simulate(fn, P)              fn(comm) on P simulated ranks, their results in rank order (comm: that rank's
+                                 communicator, a ThreadRing, what ring_forward takes as ring=)
     recorded(fn, P)              the same, and every array each rank received, in order (comm.LoopbackRing replays
                                  them: one rank alone then computes exactly what it computed in the ring)
 """
@@ -95,7 +96,8 @@ class ThreadRing:
 
 
 def simulate(fn, P):
-    """Run fn(ring) for P simulated ranks (threads) and return their results in rank order.
+    """Run fn(comm) for P simulated ranks (threads), comm each rank's ThreadRing, and return their results in rank
+    order.
 
     The first exception on any rank is re-raised here; the other ranks stop instead of hanging.
     """

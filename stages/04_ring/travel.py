@@ -1,6 +1,6 @@
 """Stage 04: what travels round the ring, and what a rank holds.
 
-    Travel(ring, prob, k, v)      the backward's key block in two halves, each with its float32 dK, dV accumulators
+    Travel(comm, prob, k, v)      the backward's key block in two halves, each with its float32 dK, dV accumulators
     hop(todo, idx, P, home)       how many ranks a block moves after a step (steps without work are skipped)
     schedule(P, nq, nk, ...)      the steps with work, the hops and the bytes of each hop
     memory_per_token(H, Hkv, D, dtype)   what a rank holds per token of its shard, by buffer
@@ -40,28 +40,30 @@ class Travel:
     sends it to rank r + hop while rank r - hop's half h arrives (the gradients only, on the way home). With one rank
     the block is the caller's own k, v and nothing travels.
 
-    Two ways to move a half (SPARE): exchange it with a spare half-sized buffer that the arriving half lands in (the
-    slot and the spare then swap buffers: one transfer, no copy, half a block more memory), or rotate it in place
-    (comm.rotate: the bytes go through a staging buffer of 1/8 of them, chunk by chunk, and are copied back: the
-    least memory, but a rotation is a chain of small transfers and copies, and on a GPU busy with the other half's
-    kernels each of them waits for a free SM, so it can outlast that half's compute). The spare is the default."""
+    comm: this rank's communicator (comm.py). Two ways to move a half (SPARE): exchange it (comm.exchange) with a
+    spare half-sized buffer that the arriving half lands in (the slot and the spare then swap buffers: one transfer,
+    no copy, half a block more memory), or rotate it in place (comm.rotate, a method of every communicator class of
+    comm.py, e.g. NcclRing.rotate: the bytes go through a staging buffer of 1/8 of them, chunk by chunk, and are
+    copied back: the least memory, but a rotation is a chain of small transfers and copies, and on a GPU busy with the
+    other half's kernels each of them waits for a free SM, so it can outlast that half's compute). The spare is the
+    default."""
     SPARE = True
 
-    def __init__(self, ring, prob, k, v):
-        xp, self.ring = prob.xp, ring
+    def __init__(self, comm, prob, k, v):
+        xp, self.comm = prob.xp, comm
         self.xp, self.rows = xp, prob.key_halves
         self.acc, self.dtype = partial_dtype(k.dtype), k.dtype
-        self.shapes = [(prob.B, prob.Hkv, len(rows), prob.D) for rows in prob.key_halves]  # (B, Hkv, L_h, D)
+        self.shapes = [(prob.B, prob.Hkv, len(rows), prob.D) for rows in prob.key_halves]  # (B, Hkv, T_h, D)
         self.nbytes = max(self._sizes(shape)[-1] for shape in self.shapes)  # every slot the same size: they swap
         self.spare = xp.empty(self.nbytes, np.uint8) if self.SPARE and prob.P > 1 else None
         self.slots, self.pending = [], []
         for rows, shape in zip(prob.key_halves, self.shapes):
             slot = self._slot(xp.empty(self.nbytes, np.uint8), shape)  # [dK_h | dV_h | K_h | V_h]
-            if candidates.on("fold"):
-                slot["bytes"][:slot["grad_bytes"]] = 0  # dK_h and dV_h in one fill (bit pattern 0 is +0.0)
+            if candidates.on("fold"):  # measurement hook (candidates.py, off by default): one fill for both
+                candidates.zero_grads_at_once(slot)
             else:
-                slot["dk"][...] = 0
-                slot["dv"][...] = 0
+                slot["dk"][...] = 0  # dK_h = 0
+                slot["dv"][...] = 0  # dV_h = 0
             if prob.P > 1:  # the rank's own rows of this half, copied into the slot that will travel
                 for a, b, at in row_runs(rows):
                     slot["k"][:, :, at:at + b - a] = k[:, :, a:b]
@@ -77,7 +79,7 @@ class Travel:
         return [0] + np.cumsum([n * self.acc.itemsize] * 2 + [n * self.dtype.itemsize] * 2).tolist()
 
     def _slot(self, buf, shape):
-        """The views of one slot's bytes: dk, dv, k, v, each (B, Hkv, L_h, D)."""
+        """The views of one slot's bytes: dk, dv, k, v, each (B, Hkv, T_h, D)."""
         at = self._sizes(shape)
         dts = [self.acc, self.acc, self.dtype, self.dtype]
         slot = {name: buf[at[i]:at[i + 1]].view(dt).reshape(shape) for i, (name, dt) in enumerate(zip(
@@ -89,21 +91,18 @@ class Travel:
         """dK_r, dV_r in k's dtype, from the halves (home after the last hop) back into the shard's row order."""
         dk, dv = self.xp.empty(k.shape, k.dtype), self.xp.empty(v.shape, v.dtype)
         for rows, slot, shape in zip(self.rows, self.slots, self.shapes):
-            if candidates.on("fold"):  # dK_h and dV_h (adjacent in the slot) cast in one pass, then placed
-                both = cast(slot["bytes"][:slot["grad_bytes"]].view(self.acc), k.dtype).reshape((2, *shape))
-                parts = both[0], both[1]
-            for a, b, at in row_runs(rows):
-                if candidates.on("fold"):
-                    dk[:, :, a:b], dv[:, :, a:b] = (x[:, :, at:at + b - a] for x in parts)
-                else:
-                    dk[:, :, a:b] = cast(slot["dk"][:, :, at:at + b - a], k.dtype)
-                    dv[:, :, a:b] = cast(slot["dv"][:, :, at:at + b - a], v.dtype)
+            dk_h, dv_h = slot["dk"], slot["dv"]  # float32, (B, Hkv, T_h, D)
+            if candidates.on("fold"):  # measurement hook (candidates.py, off by default): cast both in one pass
+                dk_h, dv_h = candidates.cast_grads_at_once(slot, shape, self.acc, k.dtype)
+            for a, b, at in row_runs(rows):  # a run of the half's rows: rows a:b of the shard (cast() is a no-op
+                dk[:, :, a:b] = cast(dk_h[:, :, at:at + b - a], k.dtype)  # on rows the hook has cast already)
+                dv[:, :, a:b] = cast(dv_h[:, :, at:at + b - a], v.dtype)
         return dk, dv
 
     def arrive(self, h):
         """Half h has landed here (GPU: the compute stream waits for it; the host does not)."""
         if self.pending[h] is not None:
-            self.ring.wait(self.pending[h])
+            self.comm.wait(self.pending[h])
             self.pending[h] = None
 
     def depart(self, h, hop, grads_only=False):
@@ -114,10 +113,10 @@ class Travel:
         if not (hop and n):
             return
         if self.spare is None:
-            self.pending[h] = self.ring.rotate(slot["bytes"][:n], hop)
+            self.pending[h] = self.comm.rotate(slot["bytes"][:n], hop)
             return
         arriving = self.spare  # the spare receives; the slot's own buffer is the spare once its bytes have left
-        self.pending[h] = self.ring.exchange([slot["bytes"][:n]], [arriving[:n]], hop)
+        self.pending[h] = self.comm.exchange([slot["bytes"][:n]], [arriving[:n]], hop)
         self.spare = slot["bytes"]
         self.slots[h] = self._slot(arriving, self.shapes[h])
 
@@ -125,7 +124,7 @@ class Travel:
 def schedule(P, nq, nk, *, layout="zigzag", causal=False, window=None, kv_shape=None, dtype=None):
     """What the ring will do, as a dict: the steps with work (shards.steps) out of P, the hops K, V make (forward
     and backward) and the hops the dK, dV accumulators make (backward; the last one takes them home), and, given
-    one rank's K shard shape (B, Hkv, Lk, D) and dtype, the bytes of one hop: K and V, dK and dV (float32).
+    one rank's K shard shape (B, Hkv, Tk, D) and dtype, the bytes of one hop: K and V, dK and dV (float32).
     Grouped-query k, v travel with their Hkv heads: H / Hkv times fewer bytes than H heads."""
     todo = steps(P, nq, nk, layout, causal, window)
     out = {"steps": todo, "of": P,
