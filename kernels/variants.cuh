@@ -20,6 +20,9 @@
 // the fields they read, so that stage 06's plain kernels pass their own.
 // Fragment layout of s (one warp, MT m-tiles of 16 rows x NC keys; lane = 4 g + t): entry e of n-tile n in m-tile m
 // is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2) (kernels/common.cuh).
+// Indices: r (or q) is a query row and c (or kv) a key, element indices of the whole problem; i, j index tiles.
+// The hooks build on kernels/attention_tiles.cuh (mask_scores, mask_window, transform_scores, visited_kv_tiles, and
+// the forward's row state and epilogue), included here: a kernel that includes this header has both.
 #pragma once
 #include "attention_tiles.cuh"
 #include "dropout.cuh"
