@@ -162,7 +162,7 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
         store_kt(Kt, kx);
         __syncthreads();  // all of K_j (and Q_i, at j = 0) is in shared memory before any warp reads it
 
-        // Alg.1 L8: S_ij = Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
+        // Alg.1 L8, unscaled: Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
         float s[TM][8];
 #pragma unroll
         for (int r = 0; r < TM; ++r)

@@ -160,7 +160,7 @@ flash_v2_forward_fp32_overlap(const __grid_constant__ FwdParams p) {
     }
 
     for (int j = 0; j < Tc; ++j) {  // Alg.1 L6: inner loop over K_j, V_j
-        // Alg.1 L8: S_ij = Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
+        // Alg.1 L8, unscaled: Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
         float s[TM][8];
 #pragma unroll
         for (int r = 0; r < TM; ++r)

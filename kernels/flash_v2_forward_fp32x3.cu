@@ -139,7 +139,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
         const int col0 = j * BC;  // first key of K_j
 
         auto tile = [&](const bool MASKED) {  // called with a constant: each call inlines its own copy
-            // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x BC per warp), fp32 accumulators in the C fragment layout.
+            // Alg.1 L8, unscaled: Q_i K_j^T (16*MT x BC per warp), fp32 accumulators in the C fragment layout.
             float s[MT][BC / 8][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)

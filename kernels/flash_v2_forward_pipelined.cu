@@ -117,7 +117,7 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
 
     const int wrow = warp * 16 * MT;  // this warp's first row inside Q_i
     // Each lane's ldmatrix row address (shared space, bytes) inside a 16 x 16 block; lanes 8q..8q+7 address
-    // 8x8 tile q, which lands in register q of the fragment (common.cuh):
+    // 8x8 tile q, which lands in register q of the fragment (common.cuh; notebook 02 draws and checks these):
     //   Q (A operand):          tiles (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (0-7, 8-15), (8-15, 8-15)
     //   K (B operand of S):     tiles (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (8-15, 8-15):
     //                           b[0..1] of the n-tile of keys 0-7, b[2..3] of keys 8-15
@@ -149,7 +149,7 @@ flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
                 const int col0 = j * BC + sb * SUB;  // first key of this slice
                 if (MASKED && mask.slice_hidden(col0, SUB, row0 + wrow, row0 + wrow + 16 * MT - 1))
                     continue;  // no row of this warp sees a key of the slice
-                // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x SUB per warp), fp32 accumulators in the C fragment layout.
+                // Alg.1 L8, unscaled: s = Q_i K_j^T (16*MT x SUB per warp), fp32 accumulators in C fragment layout.
                 float s[MT][SUB / 8][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m)

@@ -79,7 +79,7 @@ flash_v2_forward_tc(const __grid_constant__ FwdParams p) {
         load_tile(&Vs[0][0], v, j * BC, BC, Nk);
         __syncthreads();  // all of K_j, V_j is in shared memory before any warp reads it
 
-        // Alg.1 L8: S_ij = Q_i K_j^T (16 x BC per warp), fp32 accumulators in the C fragment layout.
+        // Alg.1 L8: Q_i K_j^T (16 x BC per warp; scaled below, with the mask), fp32 accumulators, C fragment layout.
         float s[BC / 8][4];
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
