@@ -38,8 +38,8 @@ struct FwdTiles {
 // which merges into the running (O, L) it is given: see the epilogue). Shared memory: (Br + 4 Bc) (D + 8) elements
 // of 2 bytes (tc.smem_bytes). Grouped-query attention in every instantiation: query head h reads k/v head h / group.
 // __launch_bounds__(threads, MINB): the block size, and MINB blocks must fit on one SM, which caps the registers a
-// thread may take at 65536 / (MINB threads). __grid_constant__: p stays in the kernel's parameter (constant) memory
-// and is read from there; no thread makes a copy of the struct.
+// thread may take at 65536 / (MINB threads). __grid_constant__: p stays in the kernel's parameter (constant) memory,
+// and references to it (the hooks keep one) read it there: no thread copies the struct into its local memory.
 template <typename T, typename TO, typename Tiles, typename Mask, typename Score, typename Drop>
 __global__ void __launch_bounds__(Tiles::NWARPS * 32, Tiles::MINB)
 flash_v2_forward_pipelined(const __grid_constant__ FwdParams p) {
