@@ -62,11 +62,11 @@ __device__ __forceinline__ void mask_window(float (&s)[MT][NC / 8][4], int r0, i
         }
 }
 
-// The variants' scores in natural units: x = scale S, then softcap x -> c tanh(x / c) (CAP, c > 0), then ALiBi
-// x -> x - slope |r + shift - c| (ALIBI). Same fragment layout as mask_scores. CAP and ALIBI are template arguments
-// so that the caller branches once per slice (ModScore::apply), not once per score: a branch inside the loop keeps
-// the compiler from interleaving one score's exp2 and reciprocal with the next score's, and a predicated-off ALiBi
-// still takes its issue slots.
+// The variants' scores in natural units: x = scale s (s from Q_i K_j^T), then softcap x -> cap tanh(x / cap) (CAP,
+// cap > 0), then ALiBi x -> x - slope |r + shift - c| (ALIBI). Same fragment layout as mask_scores. CAP and ALIBI
+// are template arguments so that the caller branches once per slice (ModScore::apply), not once per score: a branch
+// inside the loop keeps the compiler from interleaving one score's exp2 and reciprocal with the next score's, and a
+// predicated-off ALiBi still takes its issue slots.
 template <int MT, int NC, bool CAP, bool ALIBI>
 __device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int r0, int col0, int shift, float scale,
                                                  float softcap, float slope, int g, int t) {

@@ -9,7 +9,8 @@
 //   Score  what happens to S_ij before the softmax (forward), and its derivative (backward):
 //            PlainScore  nothing (forward: the scale is folded into exp2's argument, FwdParams.exp2_scale;
 //                        backward: exponent applies it);
-//            ModScore    x = scale S_ij, then softcap x -> c tanh(x / c), then ALiBi x -> x - slope |diag - c|.
+//            ModScore    x = scale Q_i K_j^T (= S_ij), then softcap x -> cap tanh(x / cap), then ALiBi
+//                        x -> x - slope |diag - c| (c: the key).
 //   Drop   dropout on P~_ij before P~_ij V_j (forward); Z_ij on P_ij^T and dP_ij^T (backward):
 //            NoDropout, PhiloxDropout (dropout.cuh).
 // Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel. The forward applies a
