@@ -1,10 +1,16 @@
-// attention_tiles.cuh: the tile bookkeeping the FlashAttention-2 forward kernels share, in paper notation.
+// attention_tiles.cuh: the tile bookkeeping the FlashAttention-2 forward kernels share, in paper notation (the
+// stage 02 README's): which (Q tile, head) a block computes, the K/V tiles it visits, masking, the row state m_i, l_i
+// and its row max and row sum over a quad, the lse, the fp32x3 kernels' online softmax, the ring block's merge.
+// Every stage 02 forward includes it (the pipelined one through kernels/variants.cuh); so do stage 06's headers.
+// i, j index tiles (Q_i, K_j); r, c index elements: query row r, key c. Lane = 4 g + t; the 4 lanes of one g are a
+// quad, which together hold rows g and g + 8 of an m-tile (kernels/common.cuh).
 // Causal masking is aligned bottom-right: query r sees key c iff c <= r + shift, shift = Nk - Nq.
 #pragma once
 #include "common.cuh"
 
-// Tc for the Q tile whose first row is row0 (Alg.1 L6): how many K/V tiles of BC keys it visits. Causal: the
-// tiles right of the last key its last row sees are skipped entirely (all of their scores would be masked).
+// The K/V tiles 0 <= j < j_end of BC keys that the Q tile whose first row is row0 visits (Alg.1 L6); returns j_end,
+// which (starting at 0) is also their number: Tc = ceil(Nk / BC) without causal. Causal: fewer, as the tiles right of
+// the last key its last row sees are skipped entirely (all of their scores would be masked).
 template <int BR, int BC>
 __device__ __forceinline__ int visited_kv_tiles(int row0, int Nq, int Nk, int causal) {
     const int Tc = (Nk + BC - 1) / BC;
@@ -56,11 +62,11 @@ __device__ __forceinline__ void mask_window(float (&s)[MT][NC / 8][4], int r0, i
         }
 }
 
-// The variants' scores in natural units: x = scale S, then softcap x -> c tanh(x / c) (CAP, c > 0), then ALiBi
-// x -> x - slope |r + shift - c| (ALIBI). Same fragment layout as mask_scores. CAP and ALIBI are template arguments
-// so that the caller branches once per slice (ModScore::apply), not once per score: a branch inside the loop keeps
-// the compiler from interleaving one score's exp2 and reciprocal with the next score's, and a predicated-off ALiBi
-// still takes its issue slots.
+// The variants' scores in natural units: x = scale s (s from Q_i K_j^T), then softcap x -> cap tanh(x / cap) (CAP,
+// cap > 0), then ALiBi x -> x - slope |r + shift - c| (ALIBI). Same fragment layout as mask_scores. CAP and ALIBI
+// are template arguments so that the caller branches once per slice (ModScore::apply), not once per score: a branch
+// inside the loop keeps the compiler from interleaving one score's exp2 and reciprocal with the next score's, and a
+// predicated-off ALiBi still takes its issue slots.
 template <int MT, int NC, bool CAP, bool ALIBI>
 __device__ __forceinline__ void transform_scores(float (&s)[MT][NC / 8][4], int r0, int col0, int shift, float scale,
                                                  float softcap, float slope, int g, int t) {
@@ -99,8 +105,9 @@ __device__ __forceinline__ void init_row_state(float (&acc_o)[MT][D / 8][4], flo
     }
 }
 
-// m~_ij of one row: the max over its NC scores in one m-tile's fragments (h = 0: row g, h = 1: row g + 8), over
-// this lane's entries and then over the 4 lanes of the quad, which hold the rest of the row.
+// rowmax of one row of the tile (the max before the running m_i enters): over its NC scores in one m-tile's fragments
+// (h = 0: row g, h = 1: row g + 8), over this lane's entries and then, by a 4-lane shuffle (warp_max<4>), over the
+// lanes of the quad, which hold the rest of the row.
 template <int NC>
 __device__ __forceinline__ float row_max(const float (&s)[NC / 8][4], int h) {
     float mx = -INF;
@@ -109,8 +116,8 @@ __device__ __forceinline__ float row_max(const float (&s)[NC / 8][4], int h) {
     return warp_max<4>(mx);
 }
 
-// Alg.1 L12: l_i of one row, summed over the 4 lanes of the quad that hold its pieces, and 1 / l_i
-// (0 for a row that saw no key, so its O_i = 0).
+// Alg.1 L12: l_i of one row, summed over the 4 lanes of the quad that hold its pieces (each lane summed its own
+// entries during the loop), and 1 / l_i (0 for a row that saw no key, so its O_i = 0).
 __device__ __forceinline__ float inverse_row_sum(float l_part, float& l) {
     l = warp_sum<4>(l_part);
     return l > 0.f ? 1.f / l : 0.f;
@@ -122,10 +129,15 @@ __device__ __forceinline__ float row_lse(float m, float l) {
     return l != 0.f ? (float)((double)m * 0.6931471805599453 + (double)logf(l)) : -INF;
 }
 
-// Alg.1 L9-10 (first half) in float32, for the fp32x3 kernels: m_ij, P_ij = exp2(S scale log2 e - m_ij) in place of
-// S (the product rounded before m is subtracted, never one FMA, so a row's largest score gives exactly 1), l_i, and
-// O_i rescaled by alpha = exp2(m_i - m_ij); normalisation deferred. masked: the tile was masked (a row that has seen
-// no key yet keeps P = 0).
+// Alg.1 L9-10 (first half) in float32 and base 2, for the fp32x3 kernels (stage 02's flash_v2_forward_fp32x3.cu,
+// stage 06's flash_v3_forward_fp32x3.cu): m_new = max(m_i, rowmax(S) scale log2 e), P~_ij = exp2(S scale log2 e -
+// m_new) in place of S (the product rounded before m_new is subtracted, never one FMA, so a row's largest score gives
+// exactly 1), l_i, and O_i rescaled by alpha = exp2(m_i - m_new); normalisation deferred. m_i is in base 2: the
+// README's m_i times log2 e. masked: the tile was masked (a row that has seen no key yet keeps P~ = 0).
+// The pipelined forward (flash_v2_forward_pipelined.cu) writes the same steps inline rather than calling this: its
+// SKIP vote skips an m-tile's rescale only once both rows' alpha are known, and its l_i = l_i alpha + rowsum is
+// plain C, which the compiler may contract into one FFMA (one rounding) where this function rounds the product and
+// the sum apart (__fmul_rn, __fadd_rn), as the mirror's numpy does. So l_i may differ in its last bit between them.
 template <int MT, int NC, int D>
 __device__ __forceinline__ void online_softmax_fp32(float (&s)[MT][NC / 8][4], float (&m_i)[MT][2],
                                                     float (&l_i)[MT][2], float (&acc_o)[MT][D / 8][4],
@@ -134,10 +146,10 @@ __device__ __forceinline__ void online_softmax_fp32(float (&s)[MT][NC / 8][4], f
     for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
-            const float mx = row_max<NC>(s[m], h);  // m~_ij of row g + 8 h (raw scores)
+            const float mx = row_max<NC>(s[m], h);  // rowmax of row g + 8 h (raw scores), over the quad
             const float m_new = fmaxf(m_i[m][h], mx * scale_log2);
             const float m_use = masked && m_new == -INF ? 0.f : m_new;  // nothing visible yet: P = 0
-            const float alpha = fast_exp2(m_i[m][h] - m_use);  // e^{m_i - m_ij}: 0 when m_i = -inf
+            const float alpha = fast_exp2(m_i[m][h] - m_use);  // 2^(m_i - m_new): 0 when m_i = -inf
             m_i[m][h] = m_new;
             float rs = 0.f;
 #pragma unroll
@@ -146,7 +158,7 @@ __device__ __forceinline__ void online_softmax_fp32(float (&s)[MT][NC / 8][4], f
                 s[m][n][2 * h + 1] = fast_exp2(__fmul_rn(s[m][n][2 * h + 1], scale_log2) - m_use);
                 rs += s[m][n][2 * h] + s[m][n][2 * h + 1];
             }
-            // this lane's part of the row sum (the quad's parts add up at the end); not fused, as below
+            // this lane's part of the row sum (the quad's parts add up at the end: inverse_row_sum); not fused
             l_i[m][h] = __fadd_rn(__fmul_rn(l_i[m][h], alpha), rs);
             // __fmul_rn: not fused with the "+= P V" that follows into an FFMA (that keeps later products live)
 #pragma unroll
@@ -223,7 +235,8 @@ __device__ __forceinline__ void merge_row_into_running(float* orow, float* lse_r
 // Which (Q tile i, head bh) this block computes. Grid (Tr, B*H) when head_group = 0: the Q tiles of one head side by
 // side, sharing K_j, V_j in L2. head_group > 0 (causal): a 1-D grid of B*H*Tr blocks, heads in groups of head_group,
 // and inside a group the Q tiles with the most keys (the last ones) first, so short tiles fill the tail (longest job
-// first) while the blocks running at once still share the K/V of a few heads in L2.
+// first) while the blocks running at once still share the K/V of a few heads in L2. The launcher picks the grid:
+// stages/02_flash_v2/tc.py, pipelined_launch (head_group = HEAD_GROUP for causal attention without a window).
 template <int BR>
 __device__ __forceinline__ void tile_and_head(int head_group, int Nq, int& i, long& bh) {
     if (head_group > 0) {

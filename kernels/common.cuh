@@ -13,7 +13,8 @@ typedef unsigned int u32;
 #define LOG2E_F 1.4426950408889634f  // log2(e): exp(x) = exp2(x log2 e)
 
 // ---------------------------------------------------------------- warp reductions
-// Reduce over the `width` lanes of each group (width a power of two <= 32, groups aligned).
+// Reduce over the `width` lanes of each group (width a power of two <= 32, groups aligned). width = 4 reduces over
+// a quad (the lanes 4g..4g+3 below), which holds whole rows of an mma accumulator: the softmax's row max and row sum.
 template <int width = 32>
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -118,6 +119,7 @@ __device__ __forceinline__ void c_to_a(u32 (&a)[4], int n, const float c[4]) {
 //      a[2] = (row g,   cols 2t+8..),   a[3] = (row g+8, cols 2t+8..)
 //   B: b[0] = (rows 2t..2t+1, col g),   b[1] = (rows 2t+8..2t+9, col g)
 //   C/D: c[0..1] = (row g, cols 2t, 2t+1), c[2..3] = (row g+8, cols 2t, 2t+1)
+// The 4 lanes of one group g (lanes 4g..4g+3) are a quad: together they hold all 8 columns of rows g and g+8 of C.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], const u32 b[2]);
 
@@ -157,7 +159,8 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float c[4], const u32 a
 // ---------------------------------------------------------------- ldmatrix
 // Each lane passes the shared-memory address of one 16-byte row (8 x 16-bit) of an 8x8 tile:
 // lanes 0-7 address tile 0, 8-15 tile 1, 16-23 tile 2, 24-31 tile 3. Register r[i] gets tile i
-// in the mma fragment layout; .trans transposes each 8x8 tile on the way.
+// in the mma fragment layout; .trans transposes each 8x8 tile on the way: lane 4g + t gets row g, columns 2t, 2t+1
+// of a tile, and with .trans rows 2t, 2t+1 of column g. Shared addresses (smem_u32) are in bytes.
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

@@ -6,6 +6,9 @@
 //     m_new = max(m_i, rowmax S_ij), P~_ij = exp(S_ij - m_new), l_i = e^(m_i-m_new) l_i + rowsum P~_ij   (L9)
 //     O_i = diag(e^(m_i - m_new)) O_i + P~_ij V_j                                            (L10, not normalised)
 //   O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i) -> HBM                                       (L12-L15)
+// That is the stage README's pseudocode, in natural units. The loop runs it in base 2: s = S_ij log2(e), m_i the
+// running max of s (the m_i above times log2 e), P~_ij = exp2(s - m_new), the rescale 2^(m_i - m_new), and
+// L_i = m_i ln 2 + log(l_i).
 // What changes from stage 01 (FlashAttention v1), and why that is faster:
 //   * loops swapped, one block per (Q tile, head): O_i, l_i, m_i stay in registers, Tr*B*H blocks fill the GPU;
 //   * warps split the rows of Q_i (FA2 Sec. 3.3): softmax and P~ V need __syncwarp, not a block barrier;
@@ -134,13 +137,13 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
 
     // Alg.1 L6: which K/V tiles to visit. Causal: the last key row0 + BR - 1 + shift of Q_i's last row bounds
     // them; tiles after it are fully masked and skipped (a Q tile with no visible key visits none).
-    const int Tc = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
+    const int Tc = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // the loop's end: Tc = ceil(Nk / Bc), causal fewer
 
     load_transposed<BR>(Qt, q, row0, Nq);  // Alg.1 L4
     float4 kx[KN];                         // K_j on its way from HBM to shared memory
 
     // Alg.1 L5: O_i, l_i, m_i on chip. l_i is this lane's partial row sum over its 8 keys of every tile (all
-    // lanes of a row rescale by the same e^(m_i - m_new)): the 8-lane reduction waits until the end.
+    // lanes of a row rescale by the same 2^(m_i - m_new)): the 8-lane reduction waits until the end.
     float acc[TM][4 * DT];
     float m_i[TM], l_i[TM];
 #pragma unroll
@@ -159,7 +162,7 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
         store_kt(Kt, kx);
         __syncthreads();  // all of K_j (and Q_i, at j = 0) is in shared memory before any warp reads it
 
-        // Alg.1 L8: S_ij = Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
+        // Alg.1 L8, unscaled: Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
         float s[TM][8];
 #pragma unroll
         for (int r = 0; r < TM; ++r)
@@ -208,7 +211,7 @@ flash_v2_forward_fp32(const __grid_constant__ FwdParams p) {
             mx = warp_max<8>(mx);  // the 8 lanes of the row group agree on rowmax(S_ij)
             const float m_new = fmaxf(m_i[r], mx);
             const float m_use = m_new == -INF ? 0.f : m_new;
-            const float alpha = fast_exp2(m_i[r] - m_use);  // e^(m_i - m_new): rescales the old l_i and O_i
+            const float alpha = fast_exp2(m_i[r] - m_use);  // 2^(m_i - m_new): rescales the old l_i and O_i
             float rowsum = 0.f;
 #pragma unroll
             for (int c = 0; c < 8; ++c) {

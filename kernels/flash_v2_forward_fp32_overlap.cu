@@ -137,7 +137,7 @@ flash_v2_forward_fp32_overlap(const __grid_constant__ FwdParams p) {
 
     // Alg.1 L6: which K/V tiles to visit. Causal: the last key row0 + BR - 1 + shift of Q_i's last row bounds
     // them; tiles after it are fully masked and skipped (a Q tile with no visible key visits none).
-    const int Tc = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);
+    const int Tc = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // the loop's end: Tc = ceil(Nk / Bc), causal fewer
 
     load_transposed<BR>(Qt, q, row0, Nq);  // Alg.1 L4
     float4 kx[KN];                         // K_j on its way from HBM to shared memory
@@ -149,7 +149,7 @@ flash_v2_forward_fp32_overlap(const __grid_constant__ FwdParams p) {
     __syncthreads();  // Q_i and K_0 (and V_0 without ASYNC_V) are in shared memory before any warp reads them
 
     // Alg.1 L5: O_i, l_i, m_i on chip. l_i is this lane's partial row sum over its 8 keys of every tile (all
-    // lanes of a row rescale by the same e^(m_i - m_new)): the 8-lane reduction waits until the end.
+    // lanes of a row rescale by the same 2^(m_i - m_new)): the 8-lane reduction waits until the end.
     float acc[TM][4 * DT];
     float m_i[TM], l_i[TM];
 #pragma unroll
@@ -160,7 +160,7 @@ flash_v2_forward_fp32_overlap(const __grid_constant__ FwdParams p) {
     }
 
     for (int j = 0; j < Tc; ++j) {  // Alg.1 L6: inner loop over K_j, V_j
-        // Alg.1 L8: S_ij = Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
+        // Alg.1 L8, unscaled: Q_i K_j^T for this lane's TM x 8 block: per d, TM/4 + 2 float4 reads, 8*TM FMAs.
         float s[TM][8];
 #pragma unroll
         for (int r = 0; r < TM; ++r)
@@ -209,7 +209,7 @@ flash_v2_forward_fp32_overlap(const __grid_constant__ FwdParams p) {
             mx = warp_max<8>(mx);  // the 8 lanes of the row group agree on rowmax(S_ij)
             const float m_new = fmaxf(m_i[r], mx);
             const float m_use = m_new == -INF ? 0.f : m_new;
-            const float alpha = fast_exp2(m_i[r] - m_use);  // e^(m_i - m_new): rescales the old l_i and O_i
+            const float alpha = fast_exp2(m_i[r] - m_use);  // 2^(m_i - m_new): rescales the old l_i and O_i
             float rowsum = 0.f;
 #pragma unroll
             for (int c = 0; c < 8; ++c) {

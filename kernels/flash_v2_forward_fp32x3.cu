@@ -3,12 +3,12 @@
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 1 (as in flash_v2_forward_fp32.cu), Section 3.3.
 // What changes from version "fp32", and why: tensor cores have far more throughput than FFMA, and the 3xTF32
 // split keeps close to fp32 accuracy (PyTorch's float32 backend does the same); the structure is version "pipelined":
-//   * S_ij = Q_i K_j^T and O_i += P_ij V_j on mma.sync m16n8k8 .tf32 (10 mantissa bits), fp32 accumulators;
+//   * S_ij = Q_i K_j^T and O_i += P~_ij V_j on mma.sync m16n8k8 .tf32 (10 mantissa bits), fp32 accumulators;
 //   * 3xTF32: x = big + small (cvt.rna), a b = a_small b_big + a_big b_small + a_big b_big (a_small b_small dropped);
 //   * for huge logits each k step goes to a fresh accumulator and one rounded fp32 add (tensor-core adds truncate),
 //     and V is split in three exact TF32 parts, so a one-hot row of P gives V's row exactly;
 //   * 32-bit fragments by plain loads (ldmatrix moves 16-bit elements); each mma's k index is permuted (column t
-//     <-> element 2t, t+4 <-> 2t+1): a thread's two elements are adjacent, and S_ij's C fragments are P_ij's A;
+//     <-> element 2t, t+4 <-> 2t+1): a thread's two elements are adjacent, and S_ij's C fragments are P~_ij's A;
 //   * K_j, V_j are split once per block, not by every warp: the block converts each tile into its TF32 parts in
 //     shared memory (split_kv), laid out so that a B fragment's parts are one 16-byte (K) or three 8-byte (V) loads;
 //     the raw tile j+1 lands by cp.async while tile j is computed.
@@ -93,7 +93,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
     const float* vh = v + bh * Nk * D;
     const int row0 = i * BR;    // first row of Q_i
     const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
-    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // Tc (causal: fewer)
+    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // loop end: Tc, causal fewer
 
     // cp.async rows r0.. of a [n][D] matrix into a [rows][ld] shared tile, 16 bytes per thread per step; rows >= n
     // are zero-filled (they are masked out of S, and zeros keep P V free of NaN).
@@ -139,7 +139,7 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
         const int col0 = j * BC;  // first key of K_j
 
         auto tile = [&](const bool MASKED) {  // called with a constant: each call inlines its own copy
-            // Alg.1 L8: S_ij = Q_i K_j^T (16*MT x BC per warp), fp32 accumulators in the C fragment layout.
+            // Alg.1 L8, unscaled: Q_i K_j^T (16*MT x BC per warp), fp32 accumulators in the C fragment layout.
             float s[MT][BC / 8][4];
 #pragma unroll
             for (int m = 0; m < MT; ++m)
@@ -175,9 +175,9 @@ flash_v2_forward_fp32x3(const __grid_constant__ FwdParams p) {
             }
             // Masking: the tile holding Nk's tail and tiles crossing the causal diagonal.
             if (MASKED) mask_scores<MT, BC>(s, row0 + wrow, col0, Nk, causal, shift, g, t);
-            // Alg.1 L9-10 (first half): m_ij, P_ij, l_ij; O_i = diag(e^{m_i - m_ij}) O_i (attention_tiles.cuh)
+            // Alg.1 L9-10 (first half) in base 2, attention_tiles.cuh: m_new, P~_ij, l_i; O_i = diag(alpha) O_i
             online_softmax_fp32<MT, BC, D>(s, m_i, l_i, acc_o, exp2_scale, MASKED);
-            // Alg.1 L10 (second half): O_i += P_ij V_j, keys 8kk..8kk+7 per k step.
+            // Alg.1 L10 (second half): O_i += P~_ij V_j, keys 8kk..8kk+7 per k step.
 #pragma unroll
             for (int kk = 0; kk < BC / 8; ++kk) {
                 // The C fragment of n-tile kk IS the A fragment of P with the permuted k index (col t <-> key 2t,

@@ -2,10 +2,10 @@
 //
 // Paper: Dao, "FlashAttention-2", arXiv 2307.08691, Algorithm 1 (as in flash_v2_forward_fp32.cu), Section 3.3.
 // What changes from the CUDA-core versions ("fp32", "fp32_overlap"), and why:
-//   * S_ij = Q_i K_j^T and O_i += P_ij V_j on mma.sync m16n8k16 (inline PTX), fp32 accumulators: one instruction
+//   * S_ij = Q_i K_j^T and O_i += P~_ij V_j on mma.sync m16n8k16 (inline PTX), fp32 accumulators: one instruction
 //     does a 16x8x16 product, 2048 FMAs on CUDA cores; ldmatrix moves fragments out of shared memory (8x8 tiles);
 //   * Q_i's A fragments are loaded once into registers and reused for every K/V tile;
-//   * P_ij never touches shared memory: S_ij's C fragments, rounded to 16 bits, are P_ij V_j's A fragments;
+//   * P~_ij never touches shared memory: S_ij's C fragments, rounded to 16 bits, are P~_ij V_j's A fragments;
 //   * each warp owns 16 rows of Q_i (one m-tile), so its softmax is a 4-lane (quad) shuffle reduction.
 // Kept simple so the tensor-core mechanics stand alone (version "pipelined" lifts each limit): K_j, V_j are loaded
 // synchronously, shared rows are unpadded (ldmatrix conflicts when a row is a multiple of 128 bytes), the softmax
@@ -46,7 +46,7 @@ flash_v2_forward_tc(const __grid_constant__ FwdParams p) {
     lse += bh * Nq;
     const int row0 = i * BR;    // first row of Q_i
     const int shift = Nk - Nq;  // causal (bottom-right): query r sees key c iff c <= r + shift
-    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // Tc (causal: fewer)
+    const int n_tiles = visited_kv_tiles<BR, BC>(row0, Nq, Nk, causal);  // loop end: Tc, causal fewer
 
     // Copy rows r0.. of a [n][D] matrix into a [rows][D] shared tile, 16 bytes per thread per step; rows >= n
     // are filled with zeros (they are masked out of S, and zeros keep P V free of NaN).
@@ -79,7 +79,7 @@ flash_v2_forward_tc(const __grid_constant__ FwdParams p) {
         load_tile(&Vs[0][0], v, j * BC, BC, Nk);
         __syncthreads();  // all of K_j, V_j is in shared memory before any warp reads it
 
-        // Alg.1 L8: S_ij = Q_i K_j^T (16 x BC per warp), fp32 accumulators in the C fragment layout.
+        // Alg.1 L8: Q_i K_j^T (16 x BC per warp; scaled below, with the mask), fp32 accumulators, C fragment layout.
         float s[BC / 8][4];
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -101,7 +101,7 @@ flash_v2_forward_tc(const __grid_constant__ FwdParams p) {
                 const int r = rg[e / 2];
                 s[n][e] = (c >= Nk || (causal && c > r + shift)) ? -INF : s[n][e] * scale;
             }
-        // Alg.1 L9: m_ij = max(m_i, rowmax(S_ij)), P_ij = exp(S_ij - m_ij), l_ij = e^{m_i - m_ij} l_i + rowsum(P_ij).
+        // Alg.1 L9: m_new = max(m_i, rowmax S_ij), P~_ij = exp(S_ij - m_new), l_i = e^(m_i - m_new) l_i + rowsum P~_ij
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // h = 0: row g (fragment entries 0,1); h = 1: row g+8 (entries 2,3)
             float mx = -INF;
@@ -110,7 +110,7 @@ flash_v2_forward_tc(const __grid_constant__ FwdParams p) {
             mx = warp_max<4>(mx);  // the 4 lanes of a quad hold the same row: reduce across them
             const float m_new = fmaxf(m_i[h], mx);
             const float m_use = m_new == -INF ? 0.f : m_new;  // a row with nothing visible yet: P = 0
-            const float alpha = __expf(m_i[h] - m_use);       // e^{m_i - m_ij}: 0 when m_i = -inf
+            const float alpha = __expf(m_i[h] - m_use);       // e^(m_i - m_new): 0 when m_i = -inf
             m_i[h] = m_new;
             float rs = 0.f;
 #pragma unroll
@@ -120,11 +120,11 @@ flash_v2_forward_tc(const __grid_constant__ FwdParams p) {
                 rs += s[n][2 * h] + s[n][2 * h + 1];
             }
             l_i[h] = l_i[h] * alpha + rs;
-            // Alg.1 L10 (first half): O_i = diag(e^{m_i - m_ij}) O_i (normalisation deferred to the end)
+            // Alg.1 L10 (first half): O_i = diag(e^(m_i - m_new)) O_i (normalisation deferred to the end)
 #pragma unroll
             for (int d = 0; d < D / 8; ++d) acc_o[d][2 * h] *= alpha, acc_o[d][2 * h + 1] *= alpha;
         }
-        // Alg.1 L10 (second half): O_i += P_ij V_j.
+        // Alg.1 L10 (second half): O_i += P~_ij V_j.
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) {  // keys 16kk..16kk+15
             // The C fragments of n-tiles 2kk, 2kk+1 ARE the A fragment of P for k-step kk (rounded to T).

@@ -9,7 +9,8 @@
 //   Score  what happens to S_ij before the softmax (forward), and its derivative (backward):
 //            PlainScore  nothing (forward: the scale is folded into exp2's argument, FwdParams.exp2_scale;
 //                        backward: exponent applies it);
-//            ModScore    x = scale S_ij, then softcap x -> c tanh(x / c), then ALiBi x -> x - slope |diag - c|.
+//            ModScore    x = scale Q_i K_j^T (= S_ij), then softcap x -> cap tanh(x / cap), then ALiBi
+//                        x -> x - slope |diag - c| (c: the key).
 //   Drop   dropout on P~_ij before P~_ij V_j (forward); Z_ij on P_ij^T and dP_ij^T (backward):
 //            NoDropout, PhiloxDropout (dropout.cuh).
 // Plain attention's hooks do nothing at compile time: its instantiation is the plain kernel. The forward applies a
@@ -20,6 +21,9 @@
 // the fields they read, so that stage 06's plain kernels pass their own.
 // Fragment layout of s (one warp, MT m-tiles of 16 rows x NC keys; lane = 4 g + t): entry e of n-tile n in m-tile m
 // is row r0 + 16 m + g + 8 (e / 2), key col0 + 8 n + 2 t + (e % 2) (kernels/common.cuh).
+// Indices: r (or q) is a query row and c (or kv) a key, element indices of the whole problem; i, j index tiles.
+// The hooks build on kernels/attention_tiles.cuh (mask_scores, mask_window, transform_scores, visited_kv_tiles, and
+// the forward's row state and epilogue), included here: a kernel that includes this header has both.
 #pragma once
 #include "attention_tiles.cuh"
 #include "dropout.cuh"

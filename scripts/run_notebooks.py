@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Execute every notebook in notebooks/ top to bottom and save it in place, with its outputs.
+"""Execute every notebook in notebooks/ top to bottom and save it in place: each notebooks/NN_*.ipynb is overwritten
+with its new outputs (--dry-run executes and writes nothing).
 
-    python scripts/run_notebooks.py                  # all of notebooks/*.ipynb, on the CPU
+    python scripts/run_notebooks.py                  # all of notebooks/*.ipynb, on the CPU, each saved in place
     python scripts/run_notebooks.py 02 04            # only the notebooks whose names start with 02 or 04
-    python scripts/run_notebooks.py --dry-run        # execute and report, write nothing
+    python scripts/run_notebooks.py --dry-run        # execute and report, write nothing (a check, not a refresh)
     python scripts/run_notebooks.py --gpu            # let the kernels see the GPU (default: hidden)
 
 The notebooks are committed executed, so their figures show when someone browses the repository. This
@@ -59,8 +60,10 @@ def execute(path, timeout=600):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help="prefixes of notebook names (default: every notebook)")
-    ap.add_argument("--dry-run", action="store_true", help="execute but do not write the notebooks back")
+    ap.add_argument("names", nargs="*", help="prefixes of notebook names (default: every notebook); each one run is "
+                    "saved in place, over the file, unless --dry-run")
+    ap.add_argument("--dry-run", action="store_true", help="execute but do not write the notebooks back (the files "
+                    "stay as they are)")
     ap.add_argument("--gpu", action="store_true", help="do not hide the GPU from the kernels")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
     args = ap.parse_args()

@@ -18,9 +18,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED_FIGURES = {
     "00_naive": 1,               # memory against N
     "01_flash_v1": 2,            # tile visit order (full and causal), memory O(N) against O(N^2)
-    "02_flash_v2": 13,           # loop order, blocks vs SMs, split-K/Q, lanes, causal tiles, mma fragments,
-                                 # cp.async timeline, TF32 bits, 3xTF32 errors, benchmark; variants: masks,
-                                 # window tiles, softcap and ALiBi
+    "02_flash_v2": 14,           # loop order, blocks vs SMs, split-K/Q, lanes, causal tiles, mma fragments,
+                                 # ldmatrix lane addresses, cp.async timeline, TF32 bits, 3xTF32 errors,
+                                 # benchmark; variants: masks, window tiles, softcap and ALiBi
     "03_flash_v2_backward": 3,   # memory (store vs recompute), causal tiles visited, benchmark
     "04_ring": 7,                # schedule, backward schedule, zigzag work, window steps, timeline, the halves,
                                  # efficiency and memory on 4 GPUs

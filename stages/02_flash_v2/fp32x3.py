@@ -7,7 +7,7 @@ Kernel kernels/flash_v2_forward_fp32x3.cu: float32 in and
 out, S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k8 TF32) with the 3xTF32 split (each operand =
 big + small TF32 parts, three mma per product, V in three parts: close to fp32 accuracy), each K/V tile split
 once per block into shared memory while the next lands by cp.async. Head dims 32, 64, 96, 128; any Nq, Nk; causal
-aligned bottom-right (query i sees key j iff j <= i + Nk - Nq).
+aligned bottom-right (query row r sees key c iff c <= r + Nk - Nq).
 """
 from typing import NamedTuple
 

@@ -4,7 +4,8 @@ Same algorithm, same Br x Bc tiles, same loop order as the kernels: i over Q til
 one thread block on the GPU), j over K/V tiles inside; O_i, l_i, m_i live only inside the i loop (the
 kernel's registers) and are never written back until the end; the division by l_i is deferred to the end;
 causal tiles right of the diagonal are never visited and the mask is applied only on the tiles that need
-it (the diagonal ones and the ragged last K tile); softmax in base 2 (log2(e) folded into the scale).
+it (the diagonal ones and the ragged last K tile); softmax in base 2 (log2(e) folded into the scale), so m_i is
+the README's m_i times log2(e), the rescale is 2^(m_i - m_new) and L_i = m_i ln 2 + log(l_i).
 What the kernel gives to blocks and threads, the mirror vectorises: all (batch, head) pairs at once and
 the whole tile at once.
 
@@ -17,7 +18,7 @@ Precision follows the kernel the mirror stands for:
   rest (softmax, l_i, the final division) is float32 as in "fp32". (The tensor core's own truncating
   accumulation is not modelled.)
   float16 / bfloat16 (versions "tc", "pipelined"): what a tensor core does. Inputs stay in their 16-bit
-  values (widened exactly to float32), S_ij = Q_i K_j^T accumulates in float32, P~_ij is rounded to the
+  values (widened exactly to float32), Q_i K_j^T accumulates in float32, P~_ij is rounded to the
   input dtype before P~_ij V_j (the A operand of the second mma), l_i sums the unrounded float32 P~_ij,
   O_i accumulates in float32 and is rounded to the input dtype once, at the end.
 Inputs are assumed checked (flash_v2.py checks them and picks the tiles).
@@ -68,7 +69,8 @@ def _window(opts, causal):
 
 
 def visited_tiles(i, Nq, Nk, br, bc, causal, opts=None):
-    """Tc for Q tile i: the K/V tiles the kernel visits (causal: up to the last key Q_i's last row sees)."""
+    """How many K/V tiles the kernel visits for Q tile i: Tc = ceil(Nk / bc) without a mask, fewer with causal or a
+    window (causal: up to the last key Q_i's last row sees)."""
     return len(visited_range(i, Nq, Nk, br, bc, causal, opts))
 
 
@@ -78,7 +80,7 @@ def visited_range(i, Nq, Nk, br, bc, causal, opts=None):
     outside are never loaded: time grows with the window, not with Nk."""
     left, right = _window(opts, causal)
     Tc = -(-Nk // bc)
-    shift = Nk - Nq  # bottom-right alignment: query R's diagonal is key R + shift
+    shift = Nk - Nq  # bottom-right alignment: query row r's diagonal is key r + shift
     last_key = Nk - 1 if right < 0 else min(Nk - 1, min((i + 1) * br, Nq) - 1 + shift + right)
     first_key = 0 if left < 0 else max(0, i * br + shift - left)
     if last_key < 0 or first_key > last_key:
@@ -104,9 +106,10 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
     tf32x3: float32 inputs only; both matmuls by the 3xTF32 split (version "fp32x3").
     out_dtype: float32 keeps O_i unrounded (as the kernels' float output does).
     opts: variants.Options (window, softcap, ALiBi, dropout, grouped-query k and v), or None for plain attention.
-    With a score option the kernel computes x = scale S_ij, then c tanh(x / c), then x - slope |i + shift - j| (shift:
-    variants.alibi_shift, Nk - Nq unless the call is a block at an origin), and
-    takes exp2 of x log2(e) - m; without one, exp2 of S_ij (scale log2(e)) - m (one multiply).
+    With a score option the kernel computes x = S_ij = scale Q_i K_j^T, then cap tanh(x / cap), then
+    x - slope |r + shift - c| (query row r, key c; shift: variants.alibi_shift, Nk - Nq unless the call is a block at
+    an origin), and takes exp2 of x log2(e) - m_i; without one, exp2 of Q_i K_j^T (scale log2(e)) - m_i (one
+    multiply).
     """
     mm, mm_pv = (matmul_3xtf32, matmul_pv_tf32) if tf32x3 else (np.matmul, np.matmul)
     B, H, Nq, D = q.shape
@@ -141,7 +144,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
             cols = slice(j * bc, min((j + 1) * bc, Nk))
             Kj_T = np.ascontiguousarray(kf[:, :, cols].swapaxes(-1, -2))  # Alg.1 L7: (B, H, D, bc), as in smem
             Vj = vf[:, :, cols]  # (B, H, bc, D)
-            S = mm(Qi, Kj_T)  # Alg.1 L8: (B, H, br, bc)
+            S = mm(Qi, Kj_T)  # Alg.1 L8, unscaled Q_i K_j^T: (B, H, br, bc)
             if transform:
                 S = S * f32(scale)
                 if opts.softcap:
@@ -159,7 +162,7 @@ def forward(q, k, v, *, causal, scale, br, bc, trace=None, tf32x3=False, out_dty
                 S = np.where(visible, S, f32(-np.inf))
             m_new = np.maximum(m_i, S.max(-1))  # Alg.1 L9: (B, H, br)
             m_use = np.where(np.isneginf(m_new), f32(0), m_new)  # nothing visible yet: P~ = 0, alpha = 0
-            alpha = np.exp2(m_i - m_use)  # e^(m_i - m_new)
+            alpha = np.exp2(m_i - m_use)  # 2^(m_i - m_new), m_i in base 2
             P = np.exp2(S - m_use[..., None])  # P~_ij (B, H, br, bc), float32
             l_i = alpha * l_i + P.sum(-1)
             if keep is not None:

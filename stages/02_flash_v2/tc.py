@@ -9,12 +9,15 @@ Kernels:
     kernels/flash_v2_forward_tc.cu         version "tc": mma.sync m16n8k16 + ldmatrix, synchronous tile loads,
                                            Br = Bc = 64 (4 warps x 16 rows)
     kernels/flash_v2_forward_pipelined.cu  version "pipelined": cp.async double buffering, padded shared rows,
-                                           exp2 with log2(e) folded into the scale, Br = 128 (4 warps x 32 rows),
-                                           Bc = 64, masked and plain copies of the tile body, longest causal Q
-                                           tiles first; the variants as hooks (kernels/variants.cuh)
+                                           exp2 with log2(e) folded into the scale, Br = 128 (d <= 128: 4 warps x
+                                           32 rows; d = 256: 8 warps x 16) where it fits and fills the GPU, else
+                                           Br = 64 (CANDIDATES), Bc = 64 (32 on small shared memory), masked and
+                                           plain copies of the tile body, longest causal Q tiles first; the
+                                           variants as hooks (kernels/variants.cuh); its tile bookkeeping in
+                                           kernels/attention_tiles.cuh
 fp16 / bf16 in, fp32 accumulation, o in the inputs' dtype (or float32), lse float32 (B, H, Nq), natural log.
-Head dims 32, 64, 96, 128 (version "pipelined" also 256); any Nq, Nk; causal aligned bottom-right (query i sees
-key j iff j <= i + Nk - Nq). Why these tiles: the stage README's "Kernel design notes".
+Head dims 32, 64, 96, 128 (version "pipelined" also 256); any Nq, Nk; causal aligned bottom-right (query row r sees
+key c iff c <= r + Nk - Nq). Why these tiles: the stage README's "Kernel design notes".
 """
 import functools
 from typing import NamedTuple
@@ -38,7 +41,8 @@ FILES = {"tc": "flash_v2_forward_tc.cu", "pipelined": "flash_v2_forward_pipeline
 
 class Config(NamedTuple):
     """One launch configuration of a tensor-core forward: NWARPS warps, each owning MT m-tiles of 16 rows of Q_i
-    (Br = 16 MT NWARPS), K/V tiles of Bc keys computed in slices of SUB keys, MINB blocks per SM the registers must
+    (Br = 16 MT NWARPS), K/V tiles of Bc keys computed in slices of SUB keys (SUB = Bc in every configuration
+    today; the kernel can take less where registers ask for it), MINB blocks per SM the registers must
     allow (registers per thread <= 65536 / (MINB * 32 * NWARPS)), SKIP (version "pipelined": skip the rescale of
     O_i by alpha = 1 when no row of a warp's m-tile changed its max)."""
     nwarps: int
@@ -59,7 +63,7 @@ class Config(NamedTuple):
 
 # The configurations of (version, head dim), first choice first; a GPU takes the first that fits its shared memory,
 # and a problem too small to give every SM a block takes the next (twice the blocks). SMALL_SMEM: what a GPU with
-# room for none of them gets (a T4's 64 KB: Bc = 32); d = 256 does not fit a T4 at all.
+# room for none of them gets (a T4's 64 KB at d = 96 and 128: Br x Bc = 64 x 32); d = 256 does not fit a T4 at all.
 _PIPELINED = [Config(4, 2, 64, 64, 2, False), Config(4, 1, 64, 64, 2, False)]  # d = 32, 64, 96
 _PIPELINED_128 = [Config(4, 2, 64, 64, 2, True), Config(4, 1, 64, 64, 2, True)]
 CANDIDATES = {
@@ -207,7 +211,8 @@ def pipelined_launch(dtype, odtype, B, H, Hkv, Nq, Nk, D, causal, scale, dev, op
     Tr = -(-Nq // cfg.br)
     if packed is not None:  # the Q tiles of the longest sequence x (sequence, head)
         return Launch(fn, (-(-packed[1] // cfg.br), packed[0] * H), (cfg.threads,), smem, params)
-    if causal and params.left < 0:  # a 1-D grid, longest Q tiles first inside groups of heads (see the kernel)
+    # causal: a 1-D grid, longest Q tiles first inside groups of heads (kernels/attention_tiles.cuh, tile_and_head)
+    if causal and params.left < 0:
         params.head_group = HEAD_GROUP
         return Launch(fn, (B * H * Tr,), (cfg.threads,), smem, params)
     return Launch(fn, (Tr, B * H), (cfg.threads,), smem, params)  # one block per (Q tile i, head)

@@ -1,7 +1,8 @@
 """The kernels' parameter structs in Python: kernels/params.cuh field by field, as ctypes structures.
 
 A forward kernel takes one argument, `FwdParams p`; a backward kernel (stage 03), `BwdParams p`. A launcher fills one
-(device addresses as integers, sizes and options as numbers) and kernels.Launch hands its bytes to cuLaunchKernel.
+(device addresses as integers, sizes and options as numbers) and launch.Launch (stages/common/launch.py) hands its
+bytes to cuLaunchKernel.
 ctypes lays a structure out as the C compiler does (each field at a multiple of its size), which is also how nvcc
 lays out the CUDA struct; tests/test_params.py has NVRTC check the size and every field's offset, so a field changed
 on one side only fails CI.
@@ -12,7 +13,7 @@ _PTR, _INT, _UINT, _FLOAT = ctypes.c_uint64, ctypes.c_int32, ctypes.c_uint32, ct
 
 
 class _Params(ctypes.Structure):
-    """What both structs share: the array fields come first (ARRAYS: kernels.Launch writes a call's arrays into
+    """What both structs share: the array fields come first (ARRAYS: launch.Launch writes a call's arrays into
     them, in this order), and DEFAULTS fill the fields a launcher leaves out; ldq, ldk default to Nq, Nk (a whole
     problem)."""
     ARRAYS = ()
