@@ -14,13 +14,15 @@ import functools
 
 import numpy as np
 
-from stages.common import cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale, variants
+from stages.common import (
+    array_module, cast, check_attention_inputs, check_backward_inputs, check_causal, resolve_scale, variants,
+)
 
-from .compute import BLOCKS
+from .compute import BLOCKS, default_block
 from .gather import check_scheme
-from .shards import block_calls, check_layout, check_ranks, halves, positions, shard_len, steps
+from .shards import LAYOUTS, block_calls, check_layout, check_ranks, halves, positions, shard_len, steps
 
-__all__ = ["RingMismatch", "check_same_everywhere", "Problem", "prologue", "check_api", "check_block"]
+__all__ = ["RingMismatch", "check_same_everywhere", "Problem", "prologue", "check_api", "check_block", "plain_problem"]
 
 
 class RingMismatch(ValueError):
@@ -263,3 +265,13 @@ def check_api(q, k, *, causal, scale, D, layout, ranks, block, version, where, w
     check_block(block, version, where)
     _, opts = check_ring_options(q, k, causal, window, softcap, alibi_slopes, dropout_p, seed, where)
     check_scheme(scheme, ranks, q.shape[1], k.shape[1], opts.dropout_p, where)
+
+
+def plain_problem(q, k, layout, causal, scale, block):
+    """(array module, scale, block functions) of ring.py's plain ring, after its checks: shards of N = P T tokens."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"plain ring: layout {layout!r} is not known; use one of {LAYOUTS}")
+    if causal and (q.shape[2] != k.shape[2] or (layout == "zigzag" and q.shape[2] % 2)):
+        raise ValueError("plain ring: causal shards must have as many query as key rows (an even number for zigzag): "
+                         "a sequence of N = P T tokens with no padding (ring_forward takes any length)")
+    return array_module(q), resolve_scale(scale, q.shape[3]), BLOCKS[default_block(block, q)]

@@ -8,42 +8,29 @@ Backward: with the final O_r and the global L_r, P_rj = exp(S_rj - L_r) is alrea
 block j, so each block's backward gives exact partial dQ_r, dK_j, dV_j. dQ_r stays home; dK_j, dV_j travel with K_j,
 V_j and arrive back at rank j after the last step.
 
-`ring=`, the keyword of every rank-level function here, is this rank's communicator (comm.py): .rank and .size say
-where it sits, .exchange(sends, recvs, shift) posts the sends to rank + shift and the receives from rank - shift, and
-.wait(handle) returns once they have landed. (The package is also called `ring`; inside the functions that are not
-the API the communicator is `comm`.)
+`ring=`, the keyword of every rank-level function here, is this rank's communicator (comm.py: .rank, .size,
+.exchange(sends, recvs, shift) to rank + shift and from rank - shift, .wait(handle)); elsewhere it is `comm`.
 
-Read in this order (stage 04's README has the same list, file by file):
-  1. this file: plain_ring_forward and plain_ring_backward, the algorithm in its plainest form (whole blocks, a double
-     buffer, one block call per step; the tests hold the fast ring to them); merge; ring_forward and ring_backward,
-     the same loops as a rank runs them fast (any length, the variants, the steps a window leaves, kernels that add
-     into the accumulators themselves, the backward's block in halves, the other schemes); forward and backward, the
-     one API of every stage (P ranks simulated as threads).
-  2. problem.py: the checks every rank agrees on before the ring turns, and the Problem the fast ring reads
-     (prob.todo: the steps with work; prob.calls(s): this rank's block calls at step s).
-  3. shards.py: the layouts, and which keys each query sees, as block calls.
-  4. compute.py: which kernel computes a block call, on which streams.
-  5. travel.py: the backward's travelling halves; what a rank holds.
-  6. comm.py: how bytes move (the communicators; MPI and NCCL in ten lines).
-  7. gather.py: the all-gather and all-to-all schemes. Then marks.py (timing), launch.py and threads.py (starting the
-     ranks), run.py (the launcher).
-It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
+Read this file first: plain_ring_forward and plain_ring_backward (the algorithm in its plainest form: whole blocks,
+a double buffer, one block call per step; the tests hold the fast ring to them), merge, then ring_forward and
+ring_backward (the same loops as a rank runs them fast) and the one API, forward and backward (P ranks as threads).
+Then problem.py, shards.py, compute.py, travel.py, comm.py, gather.py, marks.py, launch.py and threads.py, run.py:
+stage 04's README says what each holds, in this order. It runs unchanged on numpy (CPU) and CuPy (GPU) arrays.
 
-One set of defaults for every entry point: layout="zigzag", which gives every rank the same causal work and costs
-nothing without a mask; block=None, the block kernels of the arrays' device: "flash" (stages 02/03, or stage 06's where
-registered: the fast kernels) on CuPy arrays, "naive" (stage 00: fast on a CPU, where the stage 02/03 tile mirrors are
-exact but slow) on numpy arrays.
+One set of defaults for every entry point: layout="zigzag" (every rank the same causal work; no cost without a mask);
+block=None, the arrays' device's: "flash" (stages 02/03, or stage 06's where registered) on CuPy arrays, "naive"
+(stage 00: fast on a CPU, where the stage 02/03 tile mirrors are exact but slow) on numpy arrays.
 """
 import numpy as np
 
-from stages.common import array_module, cast, check_attention_inputs, check_backward_inputs, kernels, resolve_scale
+from stages.common import array_module, cast, check_attention_inputs, check_backward_inputs, kernels
 
 from . import gather
-from .compute import (BLOCKS, Compute, backward_accumulators, default_block, forward_accumulators, merge_kernel,
+from .compute import (Compute, backward_accumulators, default_block, forward_accumulators, merge_kernel,
                       partial_dtype)
-from .shards import LAYOUTS, shard, unshard
+from .shards import shard, unshard
 from .marks import Marks, one_call
-from .problem import check_api, prologue
+from .problem import check_api, plain_problem, prologue
 from .threads import simulate
 from .travel import Travel, hop
 
@@ -67,16 +54,6 @@ def _block_of_step(r, j, T, layout, causal):
     return (every, slice(0, T // 2), False) if j < r else (slice(T // 2, T), every, False)
 
 
-def _plain_problem(q, k, layout, causal, scale, block):
-    """(array module, scale, block functions) of the plain ring, after its checks."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"plain ring: layout {layout!r} is not known; use one of {LAYOUTS}")
-    if causal and (q.shape[2] != k.shape[2] or (layout == "zigzag" and q.shape[2] % 2)):
-        raise ValueError("plain ring: causal shards must have as many query as key rows (an even number for zigzag): "
-                         "a sequence of N = P T tokens with no padding (ring_forward takes any length)")
-    return array_module(q), resolve_scale(scale, q.shape[3]), BLOCKS[default_block(block, q)]
-
-
 def _part(xp, x, rows):
     return xp.ascontiguousarray(x[:, :, rows])  # (B, H, rows, ...)
 
@@ -85,7 +62,7 @@ def plain_ring_forward(q, k, v, *, ring, causal=False, scale=None, layout="zigza
     """Rank r's ring forward, plainly: whole blocks, a double buffer, one block call per step. q (B, H, T, D), k, v
     (B, Hkv, T, D): this rank's shards (shard()) of N = P T tokens, no padding. ring: this rank's communicator (comm.py:
     .rank, .size, .exchange, .wait; the module docstring says what each does). Returns (O_r, L_r) as ring_forward."""
-    xp, scale, (fwd, _) = _plain_problem(q, k, layout, causal, scale, block)
+    xp, scale, (fwd, _) = plain_problem(q, k, layout, causal, scale, block)
     P, r = ring.size, ring.rank
     O_r = xp.zeros(q.shape, partial_dtype(q.dtype))  # normalised over the keys merged so far (float32)
     L_r = xp.full(q.shape[:3], -np.inf, O_r.dtype)  # log sum exp of the scores over those keys
@@ -112,7 +89,7 @@ def plain_ring_backward(q, k, v, o, lse, do, *, ring, causal=False, scale=None, 
     this rank's shards of the forward's final O and global L (O_r, L_r). ring: this rank's communicator, as in
     plain_ring_forward. A rank sends dK_j, dV_j on only once it has added its part, so here every exchange is waited
     for at once, after the step's compute (ring_backward hides the transfers: its blocks travel in halves)."""
-    xp, scale, (_, bwd) = _plain_problem(q, k, layout, causal, scale, block)
+    xp, scale, (_, bwd) = plain_problem(q, k, layout, causal, scale, block)
     P, r, acc = ring.size, ring.rank, partial_dtype(q.dtype)
     dQ = xp.zeros(q.shape, acc)  # dQ_r stays home
     blk = [k.copy(), v.copy(), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)]  # K_j, V_j, dK_j, dV_j travel together
@@ -181,9 +158,8 @@ def ring_forward(q, k, v, *, ring, nq=None, nk=None, causal=False, scale=None, l
     prob = prologue(q, k, v, ring, nq=nq, nk=nk, causal=causal, scale=scale, layout=layout, block=block,
                     version=version, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                     seed=seed, scheme=scheme)
-    # runner: computes this rank's block calls (compute.py); timer: the timing marks, taken only when asked (marks.py)
-    runner = Compute(prob, block, version, q.dtype, backward=False, merge=merge)
-    timer = Marks(prob.xp, timeline)
+    runner = Compute(prob, block, version, q.dtype, backward=False, merge=merge)  # this rank's block calls
+    timer = Marks(prob.xp, timeline)  # the timing marks (marks.py), taken only when asked
     q, k, v = (kernels.row_major(x) for x in (q, k, v))  # row-major: the kernels read rows in place
     whole = prob.whole_call()
     if whole is not None:  # one rank, one call: the kernel writes the result in the inputs' dtype itself
